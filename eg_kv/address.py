@@ -1,0 +1,47 @@
+"""Block addresses: the connector's token-hash strings, validated once for every layer."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from .errors import InvalidAddress
+from .layout import ADDRESS_MAX
+
+#: The characters an address may hold: letters, digits and ``. _ : @ + = -``.
+SAFE_CHARS = "A-Za-z0-9._:@+=-"
+_ADDRESS_RE = re.compile(rf"[{SAFE_CHARS}]{{1,{ADDRESS_MAX}}}")
+
+#: Words the HTTP routes use under ``/kv/``; they can never be block addresses.
+RESERVED = frozenset({"stats", "batch", "exists", "metrics", "healthz"})
+
+
+def validate(address: str) -> bytes:
+    """Check an address and return its ASCII bytes.
+
+    Raises:
+        InvalidAddress: empty, longer than 256 characters, a character outside
+            ``[A-Za-z0-9._:@+=-]``, or one of the reserved words.
+    """
+    if not isinstance(address, str) or not _ADDRESS_RE.fullmatch(address):
+        shown = address[:40] + "..." if isinstance(address, str) and len(address) > 40 else address
+        raise InvalidAddress(
+            f"invalid address {shown!r}: use 1-{ADDRESS_MAX} characters of [{SAFE_CHARS}]"
+        )
+    if address in RESERVED:
+        raise InvalidAddress(f"address {address!r} is reserved for a route; pick another")
+    return address.encode("ascii")
+
+
+def fingerprint(raw: bytes) -> int:
+    """A 64-bit hash of an address, the same in every process (unlike ``hash()``)."""
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+def address_for_key(key: str | bytes) -> str:
+    """Turn any key (LMCache keys hold ``/``) into a valid address: a stable digest.
+
+    The same key gives the same address in every process and on every host.
+    """
+    raw = key.encode("utf-8") if isinstance(key, str) else bytes(key)
+    return "k" + hashlib.blake2b(raw, digest_size=20).hexdigest()

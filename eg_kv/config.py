@@ -1,0 +1,175 @@
+"""Settings in one place: the environment grammar of the contract, size parsing, defaults.
+
+Everything a process needs is built once into a frozen :class:`Settings` and passed down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+
+from .errors import ConfigError
+
+ENV_ADDR = "EPISTEMIC_GRAPH_KVCACHE_ADDR"
+ENV_TOKEN = "EPISTEMIC_GRAPH_KVCACHE_TOKEN"
+ENV_URL = "EPISTEMIC_GRAPH_KVCACHE_URL"
+ENV_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_TIMEOUT_S"
+ENV_TLS_VERIFY = "EPISTEMIC_GRAPH_KVCACHE_TLS_VERIFY"
+ENV_TLS_CERT = "EPISTEMIC_GRAPH_KVCACHE_TLS_CERT"
+ENV_TLS_KEY = "EPISTEMIC_GRAPH_KVCACHE_TLS_KEY"
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 9130
+ENABLE_TOKENS = frozenset({"1", "true", "yes", "on"})
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+TiB = 1024 * GiB
+
+DEFAULT_CAPACITY = 1 * GiB
+DEFAULT_PAGE_SIZE = 64 * KiB
+DEFAULT_MAX_BLOCK_SIZE = 64 * MiB
+DEFAULT_DRAIN_TIMEOUT_S = 10.0
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a size such as ``8GiB``, ``64KiB``, ``512M`` or ``4096`` into bytes.
+
+    Units are binary (``K`` = 1024) with or without the ``i`` and the ``B``.
+
+    Raises:
+        ConfigError: the text is not a size.
+    """
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ConfigError(f"not a size: {text!r} (write it like 4096, 64KiB, 512MiB or 8GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_size(n: int) -> str:
+    """The inverse of :func:`parse_size` for display: the largest exact binary unit."""
+    for unit in ("T", "G", "M", "K"):
+        if n and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}iB"
+    return f"{n}B"
+
+
+def parse_addr(value: str) -> tuple[str, int]:
+    """Parse ``EPISTEMIC_GRAPH_KVCACHE_ADDR`` (or ``--addr``) into ``(host, port)``.
+
+    The contract's grammar: a bare enable token (``1``, ``true``, ``yes``, ``on``) means
+    ``127.0.0.1:9130``; a bare port means ``127.0.0.1:<port>``; ``host:port`` is used
+    verbatim, an IPv6 host in brackets (``[::1]:9130``).
+
+    Raises:
+        ConfigError: the value fits none of those forms.
+    """
+    text = value.strip()
+    if text.lower() in ENABLE_TOKENS:
+        return DEFAULT_HOST, DEFAULT_PORT
+    if text.isdigit():
+        return DEFAULT_HOST, _port(text, value)
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":") or not host:
+            raise ConfigError(f"bad address {value!r}: write an IPv6 host as [::1]:9130")
+        return host, _port(rest[1:], value)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or ":" in host:
+        raise ConfigError(
+            f"bad address {value!r}: use 1/true/yes/on, a port, host:port or [v6]:port"
+        )
+    return host, _port(port, value)
+
+
+def _port(text: str, whole: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ConfigError(f"bad port in address {whole!r}: want 1-65535")
+    return int(text)
+
+
+def format_hostport(host: str, port: int) -> str:
+    """``host:port`` with an IPv6 host in brackets, as URLs and logs want it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_bool(text: str, name: str) -> bool:
+    """Parse a boolean environment value; raises ConfigError naming the variable."""
+    low = text.strip().lower()
+    if low in ENABLE_TOKENS:
+        return True
+    if low in {"0", "false", "no", "off"}:
+        return False
+    raise ConfigError(f"{name} must be one of 1/true/yes/on or 0/false/no/off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything the server needs, built once by the CLI and passed to every process.
+
+    The token is kept out of ``repr`` so it can never reach a log line.
+    """
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    capacity: int = DEFAULT_CAPACITY
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_block_size: int = DEFAULT_MAX_BLOCK_SIZE
+    slab_name: str = ""
+    keep: bool = False
+    fresh: bool = False
+    token: str | None = dataclasses.field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.slab_name:
+            object.__setattr__(self, "slab_name", f"/eg-kv-{self.port}")
+        if self.workers < 1:
+            raise ConfigError("--workers must be at least 1")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
+
+    @property
+    def bind(self) -> str:
+        return format_hostport(self.host, self.port)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert else "http"
+
+
+def settings_from_env(env: Mapping[str, str] | None = None, **overrides) -> Settings:
+    """Build :class:`Settings` from the environment, then apply explicit overrides.
+
+    ``overrides`` whose value is None are ignored, so CLI flags that were not given fall
+    back to the environment and then to the defaults. An ``addr`` override is parsed with
+    the same grammar as ``EPISTEMIC_GRAPH_KVCACHE_ADDR``.
+    """
+    env = os.environ if env is None else env
+    values: dict = {}
+    addr = overrides.pop("addr", None) or env.get(ENV_ADDR)
+    if addr:
+        values["host"], values["port"] = parse_addr(addr)
+    token = env.get(ENV_TOKEN)
+    if token:
+        values["token"] = token
+    for key, var in (("tls_cert", ENV_TLS_CERT), ("tls_key", ENV_TLS_KEY)):
+        if env.get(var):
+            values[key] = env[var]
+    for key in ("capacity", "page_size", "max_block_size"):
+        if overrides.get(key) is not None:
+            overrides[key] = parse_size(overrides[key])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings(**values)

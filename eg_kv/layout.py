@@ -1,0 +1,161 @@
+"""The byte layout of the shared-memory slab, and the geometry that sizes it.
+
+One POSIX shared-memory segment holds everything; every offset is fixed at creation and
+recorded in the header, so a process that attaches needs nothing but the name::
+
+    0        4096                resv_off+R*32      slots_off+S*304   tag_off+P*8
+    ┌────────┬───────────────────┬──────────────────┬────────┬────────┬─────────────────┐
+    │ header │ reservations      │ slot table       │ next   │ tag    │ pages           │
+    │        │ R × RESV (32 B)   │ S × SLOT (304 B) │ P × q  │ P × Q  │ P × page_size   │
+    └────────┴───────────────────┴──────────────────┴────────┴────────┴─────────────────┘
+    header:  [0, 256)   GEOMETRY, written once at creation
+             [256, ..)  STATE: one native int64 per field (lock holder, free list, clock
+                        hand, block ids, counters), changed only under the slab lock
+
+* **slot table**: open addressing with linear probing (home = fingerprint & (S - 1)) and
+  backward-shift deletion, so there are no tombstones. It is the one source of truth for
+  which pages hold published blocks.
+* **reservations**: pages taken by puts still being written, with the writer's pid, so
+  the pages of a writer that died can be given back.
+* **next**: the page chain (a FAT): ``next[p]`` is the page after ``p`` in its block or in
+  the free list, -1 at the end. A block of n bytes owns ceil(n / page_size) pages, wherever
+  they lie, so there is no external fragmentation.
+* **tag**: ``tag[first page of a block] = block id`` while the block is resident, else 0.
+  Block ids only grow, so a reader that copied bytes outside the lock checks the tag
+  afterwards: unchanged means the bytes it copied were the block's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+MAGIC = b"EGKVSLB1"
+VERSION = 1
+HEADER_SIZE = 4096
+STATE_OFFSET = 256
+ALIGN = 4096
+
+# magic, version, header size, page size, pages, slots, reservations, max block size,
+# offsets of reservations / slots / next / tag / data, total size, creation time
+GEOMETRY = struct.Struct("<8sIIQQQQQQQQQQQd")
+
+# State words (native int64, index into the STATE region).
+(
+    ST_LOCK_HOLDER,  # pid inside the critical section, 0 when none
+    ST_OWNER_PID,  # pid of the supervisor (or creator) that owns the slab
+    ST_FREE_HEAD,  # first free page, -1 when none
+    ST_FREE_COUNT,
+    ST_CLOCK_HAND,  # slot index where the eviction sweep resumes
+    ST_NEXT_BLOCK_ID,
+    ST_RESV_HINT,  # where the search for a free reservation entry starts
+    ST_REPAIRS,
+    # counters derived from the slots (check() recomputes them)
+    ST_UNIQUE_BLOCKS,
+    ST_TOTAL_REFS,
+    ST_RESIDENT_BYTES,
+    ST_LOGICAL_BYTES,
+    ST_SLOT_PAGES,  # pages owned by published blocks
+    ST_RESV_PAGES,  # pages owned by reservations
+    # event counters
+    ST_DEDUP_HITS,
+    ST_GET_HITS,
+    ST_GET_MISSES,
+    ST_EVICTIONS,
+    ST_EVICTED_BYTES,
+    ST_PUTS_CREATED,
+    ST_DELETES,
+    STATE_WORDS,
+) = range(22)
+
+DERIVED_COUNTERS = {
+    "unique_blocks": ST_UNIQUE_BLOCKS,
+    "total_refs": ST_TOTAL_REFS,
+    "resident_bytes": ST_RESIDENT_BYTES,
+    "logical_bytes": ST_LOGICAL_BYTES,
+    "slot_pages": ST_SLOT_PAGES,
+    "reserved_pages": ST_RESV_PAGES,
+}
+EVENT_COUNTERS = {
+    "dedup_hits": ST_DEDUP_HITS,
+    "get_hits": ST_GET_HITS,
+    "get_misses": ST_GET_MISSES,
+    "evictions": ST_EVICTIONS,
+    "evicted_bytes": ST_EVICTED_BYTES,
+    "puts_created": ST_PUTS_CREATED,
+    "deletes": ST_DELETES,
+    "repairs": ST_REPAIRS,
+}
+
+# Slot: state, clock reference bit, address length, refcount, block length, first page,
+# page count, block id, address fingerprint; the address itself follows (ASCII, padded).
+SLOT = struct.Struct("<BBHIQqQQQ")
+ADDRESS_MAX = 256
+SLOT_SIZE = SLOT.size + ADDRESS_MAX  # 304
+SLOT_EMPTY = 0
+SLOT_READY = 1
+SLOT_REF_OFFSET = 1  # byte offset of the reference bit inside a slot
+
+# Reservation: writer pid (0 = entry free), first page, page count, block length.
+RESV = struct.Struct("<QqQQ")
+RESV_SIZE = RESV.size  # 32
+
+NO_PAGE = -1
+
+
+def _align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Where everything lies in a slab of a given capacity; derived once, then recorded."""
+
+    page_size: int
+    npages: int
+    nslots: int
+    nresv: int
+    max_block_size: int
+    resv_off: int
+    slots_off: int
+    next_off: int
+    tag_off: int
+    data_off: int
+    total_size: int
+
+    @classmethod
+    def plan(
+        cls, capacity: int, page_size: int, max_block_size: int, nresv: int = 1024
+    ) -> Geometry:
+        """Lay out a slab whose data area holds ``capacity`` bytes (rounded down to pages).
+
+        There are at least twice as many slots as pages (every block owns at least one
+        page, empty blocks aside), so the table's load factor stays at or under one half.
+        """
+        npages = capacity // page_size
+        nslots = 1 << max(4, (2 * npages - 1).bit_length())
+        resv_off = HEADER_SIZE
+        slots_off = _align(resv_off + nresv * RESV_SIZE)
+        next_off = _align(slots_off + nslots * SLOT_SIZE)
+        tag_off = _align(next_off + npages * 8)
+        data_off = _align(tag_off + npages * 8, max(ALIGN, min(page_size, 2 * 1024 * 1024)))
+        total = data_off + npages * page_size
+        return cls(
+            page_size, npages, nslots, nresv, max_block_size,
+            resv_off, slots_off, next_off, tag_off, data_off, total,
+        )  # fmt: skip
+
+    def pack(self, created_at: float) -> bytes:
+        return GEOMETRY.pack(
+            MAGIC, VERSION, HEADER_SIZE, self.page_size, self.npages, self.nslots,
+            self.nresv, self.max_block_size, self.resv_off, self.slots_off,
+            self.next_off, self.tag_off, self.data_off, self.total_size, created_at,
+        )  # fmt: skip
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> tuple[bytes, int, Geometry]:
+        """Return (magic, version, geometry) from the first GEOMETRY.size header bytes."""
+        (magic, version, _hdr, ps, np_, ns, nr, mb, ro, so, no, to, do, total, _t) = (
+            GEOMETRY.unpack_from(raw)
+        )
+        return magic, version, cls(ps, np_, ns, nr, mb, ro, so, no, to, do, total)
