@@ -780,13 +780,13 @@ class PutHandle:
     ``abort`` after ``commit`` does nothing, so ``finally: handle.abort()`` is safe.
     """
 
-    __slots__ = ("_runs", "_slab", "address", "done", "first", "fp", "length", "npages",
+    __slots__ = ("_run", "_runs", "_slab", "address", "done", "first", "fp", "length", "npages",
                  "pos", "raw", "resv")  # fmt: skip
 
     def __init__(self, slab, address, raw, fp, length, resv, first, npages):
         self._slab, self.address, self.raw, self.fp = slab, address, raw, fp
         self.length, self.resv, self.first, self.npages = length, resv, first, npages
-        self.pos = 0
+        self.pos = self._run = 0
         self.done = False
         self._runs = None if resv < 0 else _runs(slab, first, npages, length)
 
@@ -805,19 +805,18 @@ class PutHandle:
         if self.pos + n > self.length:
             raise BadRequest(f"body is longer than its announced length {self.length}")
         if self._runs is not None and n:
-            src = memoryview(chunk).cast("B")
-            mv, done, pos = self._slab._mv, 0, self.pos
-            for start, off, size in self._runs:
-                if pos >= start + size:
+            src, mv = memoryview(chunk).cast("B"), self._slab._mv
+            cur, end, runs, r = self.pos, self.pos + n, self._runs, self._run
+            while cur < end:
+                start, off, size = runs[r]
+                if cur >= start + size:  # this run is full: move on
+                    r += 1
                     continue
-                if pos + n - done <= start:
-                    break
-                a = pos + done - start
-                k = min(size - a, n - done)
-                mv[off + a : off + a + k] = src[done : done + k]
-                done += k
-                if done == n:
-                    break
+                a = cur - start
+                k = min(size - a, end - cur)
+                mv[off + a : off + a + k] = src[cur - self.pos : cur - self.pos + k]
+                cur += k
+            self._run = r
         self.pos += n
 
     def commit(self) -> bool:
