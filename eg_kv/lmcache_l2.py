@@ -1,0 +1,244 @@
+"""LMCache ``native_plugin`` L2 adapter client: :class:`RemoteKVL2Connector`.
+
+LMCache 0.5.x's multiprocess server loads it from::
+
+    {"type": "native_plugin", "module_path": "eg_kv.kvcache",
+     "class_name": "RemoteKVL2Connector", "adapter_params": {"base_url": "http://..."}}
+
+and wraps it in ``NativeConnectorL2Adapter``, which calls the ``submit_batch_*`` methods
+under its own lock and polls :meth:`RemoteKVL2Connector.event_fd` from a demux thread.
+So every ``submit_batch_*`` only queues work and returns a fresh future id; the network
+I/O runs on a thread pool over one shared :class:`~eg_kv.client.RemoteKVConnector`
+(standard library only), and each finished batch is queued for
+:meth:`RemoteKVL2Connector.drain_completions` with one write to a Linux eventfd.
+
+A batch of stores or loads is spread over the pool key by key (one 14 MiB chunk per
+connection at a time, so a batch moves over several connections at once); a batch of
+existence checks is one ``POST /kv/batch/exists``, since LMCache's scheduler waits on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .address import address_for_key
+from .client import KvCacheConfig, RemoteKVConnector, resolve_config
+
+log = logging.getLogger("eg_kv.kvcache")
+
+#: ``(future_id, ok, error, per_key_results or None)``, as LMCache's adapter unpacks it.
+Completion = tuple[int, bool, str, "list[bool] | None"]
+
+
+class _Batch:
+    """Per-key results of one submitted batch; the last key to finish completes it."""
+
+    __slots__ = ("fid", "lock", "pending", "results")
+
+    def __init__(self, fid: int, n: int) -> None:
+        self.fid = fid
+        self.results = [False] * n
+        self.pending = n
+        self.lock = threading.Lock()
+
+    def done(self, i: int, ok: bool) -> bool:
+        """Record key ``i``; True for the call that finished the batch."""
+        with self.lock:
+            self.results[i] = ok
+            self.pending -= 1
+            return self.pending == 0
+
+
+class RemoteKVL2Connector:
+    """The eg-kv client in the shape LMCache's ``native_plugin`` L2 adapter requires.
+
+    Keys are LMCache key strings (``model@rank@group@hash``, which may hold ``/``); each is
+    stored under :func:`eg_kv.address.address_for_key` of the whole key, the same address
+    in every process and on every host.
+    """
+
+    def __init__(self, config: KvCacheConfig | None = None, **adapter_params: Any) -> None:
+        """Args:
+            config: a ready :class:`KvCacheConfig`, or leave it out and pass keywords.
+            **adapter_params: LMCache's ``adapter_params``: ``base_url``, ``addr``,
+                ``token``, ``timeout_s``, ``num_workers``, ``max_connections``,
+                ``verify_tls``, all optional; the rest comes from the environment.
+
+        Raises:
+            ConfigError: a parameter cannot be used.
+        """
+        self.config = resolve_config(config, adapter_params)
+        self._client = RemoteKVConnector(self.config)
+        # Non-blocking so drain_completions() can reset it without waiting; the counter
+        # semantics let several completions share one wake-up.
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._pool = ThreadPoolExecutor(
+            max_workers=self.config.num_workers, thread_name_prefix="eg-kv-l2"
+        )
+        self._ids = itertools.count(1)
+        self._done: deque[Completion] = deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._efd_open = True
+
+    def __repr__(self) -> str:
+        return f"RemoteKVL2Connector({self.config.base_url!r})"
+
+    # ------------------------------------------------------------------ interface
+
+    def event_fd(self) -> int:
+        """The eventfd that turns readable while completions wait to be drained."""
+        return self._efd
+
+    def submit_batch_set(self, keys: Sequence[str], memoryviews: Sequence[Any]) -> int:
+        """Store each ``memoryviews[i]`` under ``keys[i]``; never blocks.
+
+        Returns:
+            The future id its completion will carry (per-key: stored or not).
+        """
+        client = self._client
+        return self._submit_per_key(
+            keys, lambda i, addr: client.put(addr, memoryviews[i]), len(memoryviews)
+        )
+
+    def submit_batch_get(self, keys: Sequence[str], memoryviews: Sequence[Any]) -> int:
+        """Load each ``keys[i]`` into ``memoryviews[i]`` in place; never blocks.
+
+        A key counts as loaded only when the block filled its buffer exactly (a block of
+        another length is a miss: LMCache would read garbage from the rest).
+
+        Returns:
+            The future id its completion will carry (per-key: loaded or not).
+        """
+        client = self._client
+
+        def load(i: int, addr: str) -> bool:
+            view = memoryview(memoryviews[i]).cast("B")
+            return client.get_into(addr, view) == len(view)
+
+        return self._submit_per_key(keys, load, len(memoryviews))
+
+    def submit_batch_delete(self, keys: Sequence[str]) -> int:
+        """Release each key's reference on the server; never blocks.
+
+        Returns:
+            The future id its completion will carry (per-key: deleted or not).
+        """
+        client = self._client
+        return self._submit_per_key(keys, lambda _i, addr: client.delete(addr), len(keys))
+
+    def submit_batch_exists(self, keys: Sequence[str]) -> int:
+        """Ask which keys are resident with one ``POST /kv/batch/exists``; never blocks.
+
+        Returns:
+            The future id its completion will carry (per-key: resident or not).
+        """
+        fid = next(self._ids)
+        addresses = [address_for_key(k) for k in keys]
+        if not addresses:
+            self._complete(fid, True, "", [])
+            return fid
+
+        def run() -> None:
+            found = self._client.exists_many(addresses)
+            self._complete(fid, True, "", found)
+
+        self._spawn(fid, run)
+        return fid
+
+    def drain_completions(self) -> list[Completion]:
+        """Every completion queued so far, oldest first; resets the eventfd.
+
+        Returns:
+            ``[(future_id, ok, error, per_key_bools), ...]``.
+        """
+        out: list[Completion] = []
+        with self._lock:
+            if self._efd_open:
+                # Reset before taking the queue: a completion queued after this re-arms
+                # the fd, so it is never missed (at worst one empty drain later).
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._efd)
+            while self._done:
+                out.append(self._done.popleft())
+        return out
+
+    def close(self) -> None:
+        """Stop the pool (running transfers finish), close connections and the eventfd.
+
+        Idempotent. Batches submitted after close complete at once as failures.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._client.close()
+        with self._lock:
+            # Under the lock: no completion can write to the number once it is closed
+            # (and perhaps reused by an unrelated file).
+            self._efd_open = False
+            os.close(self._efd)
+
+    # ------------------------------------------------------------------ internals
+
+    def _complete(self, fid: int, ok: bool, error: str, results: list[bool] | None) -> None:
+        with self._lock:
+            self._done.append((fid, ok, error, results))
+            if self._efd_open:
+                os.eventfd_write(self._efd, 1)
+
+    def _spawn(self, fid: int, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the pool; if the pool is gone, fail the batch at once."""
+        try:
+            self._pool.submit(fn)
+        except RuntimeError:  # shut down
+            self._complete(fid, False, "eg-kv connector is closed", None)
+
+    def _submit_per_key(
+        self, keys: Sequence[str], op: Callable[[int, str], bool], n_views: int
+    ) -> int:
+        fid = next(self._ids)
+        n = len(keys)
+        if n != n_views:
+            self._complete(fid, False, f"{n} keys but {n_views} buffers", [False] * n)
+            return fid
+        if n == 0:
+            self._complete(fid, True, "", [])
+            return fid
+        if self._closed:
+            self._complete(fid, False, "eg-kv connector is closed", [False] * n)
+            return fid
+        batch = _Batch(fid, n)
+
+        def finish() -> None:
+            results = batch.results
+            ok = all(results)
+            error = "" if ok else f"{results.count(False)} of {n} keys failed"
+            self._complete(fid, ok, error, list(results))
+
+        def run(i: int, addr: str) -> None:
+            try:
+                ok = bool(op(i, addr))
+            except Exception:  # the client never raises; this guards LMCache's buffers
+                log.exception("eg-kv L2 operation failed")
+                ok = False
+            if batch.done(i, ok):
+                finish()
+
+        for i, key in enumerate(keys):
+            addr = address_for_key(key)
+            try:
+                self._pool.submit(run, i, addr)
+            except RuntimeError:  # closed between the check and here
+                if batch.done(i, False):
+                    finish()
+        return fid
