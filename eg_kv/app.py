@@ -1,0 +1,485 @@
+"""The HTTP application every worker runs: the seed's contract over the shared slab.
+
+Routes (reserved words under ``/kv/`` never name a block, see :data:`eg_kv.address.RESERVED`):
+
+===========================  =============================================================
+``GET /kv/<hash>``           200 the block's bytes, 404 if absent
+``PUT /kv/<hash>``           201 stored, 200 dedup hit (refcount bumped)
+``HEAD /kv/<hash>``          200 with the block's Content-Length, 404 if absent
+``DELETE /kv/<hash>``        204 one reference released, 404 if absent
+``GET /kv/<hash>/exists``    200 ``{"hash": ..., "exists": bool}``
+``POST /kv/batch/exists``    200 ``{"exists": [...], "prefix_hits": n}`` for <= 1024 addresses
+``GET /kv/stats``            200 the slab's counters (the seed's eight first)
+``GET /metrics``             Prometheus text, summed over every worker
+``GET /healthz``             200 ``{"status": "ok", "workers_up": n, "workers": N}``, no auth
+===========================  =============================================================
+
+Every error is ``text/plain``, one line that says what was wrong. Every response carries
+``X-EgKv-Worker: <pid>``.
+
+Bodies never sit whole in Python memory: a PUT streams ``request.content`` into the pages
+it reserved; a GET copies the block out slice by slice and writes each copy (never slab
+memory itself: a transport may keep a reference to unsent bytes). A PUT needs a
+``Content-Length``, or a chunked body, which is spooled into an anonymous memory file
+(``memfd``, capped at the maximum block size) because the slab must know a block's length
+before it reserves pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from . import runstate
+from .address import validate
+from .config import Settings
+from .errors import BadRequest, EgKvError, NotFound, TooLarge
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
+from .slab import BlockGone, Slab
+
+log = logging.getLogger("eg_kv.app")
+
+#: Largest number of addresses one batch existence request may carry.
+BATCH_MAX = 1024
+#: Largest batch request body: 1024 addresses of 256 characters, quoted, with room to spare.
+BATCH_MAX_BYTES = 512 * 1024
+#: Slice size for streaming a block out: big enough that per-write overhead vanishes,
+#: small enough that a handful of concurrent GETs stays far below the memory budget.
+READ_SLICE = 1024 * 1024
+#: Slice size for copying a spooled chunked upload into the slab.
+SPOOL_SLICE = 1024 * 1024
+
+WORKER_HEADER = "X-EgKv-Worker"
+OCTETS = "application/octet-stream"
+
+SETTINGS = web.AppKey("settings", Settings)
+SLAB = web.AppKey("slab", Slab)
+METRICS = web.AppKey("metrics", Metrics)
+HEALTH = web.AppKey("health", Callable[[], tuple[int, int]])
+TOKEN = web.AppKey("token", bytes)
+
+
+def _line(text: str) -> str:
+    """One line of text: an error body never spans lines."""
+    return " ".join(str(text).split()) + "\n"
+
+
+def error_response(status: int, reason: str, headers: dict[str, str] | None = None):
+    """A ``text/plain`` one-line error response."""
+    return web.Response(status=status, text=_line(reason), headers=headers)
+
+
+def _unauthorized(message: str) -> web.Response:
+    return error_response(401, message, {"WWW-Authenticate": 'Bearer realm="eg-kv"'})
+
+
+def _check_auth(request: web.BaseRequest, token: bytes) -> str | None:
+    """None if the request carries the bearer token, else why not (never the token)."""
+    header = request.headers.get("Authorization")
+    if header is None:
+        return "authorization required: send Authorization: Bearer <token>"
+    scheme, _, cred = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return "authorization required: use the Bearer scheme"
+    given = cred.strip().encode("utf-8", "surrogateescape")
+    # Constant time: the comparison must not tell how much of a guess was right.
+    if not hmac.compare_digest(given, token):
+        return "wrong bearer token"
+    return None
+
+
+# ---------------------------------------------------------------------------- middleware
+
+
+def _route_name(request: web.Request) -> str:
+    route = request.match_info.route
+    return getattr(route, "name", None) or "unmatched"
+
+
+@web.middleware
+async def _front(request: web.Request, handler) -> web.StreamResponse:
+    """Auth, error mapping and metrics for every request, in one layer (it is the hot path)."""
+    app = request.app
+    start = time.perf_counter()
+    status: int | str = 500
+    try:
+        token = app[TOKEN]
+        if token and request.path != "/healthz":
+            why = _check_auth(request, token)
+            if why is not None:
+                status = 401
+                return _unauthorized(why)
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except EgKvError as e:
+        status = e.status
+        return error_response(e.status, str(e))
+    except web.HTTPException as e:
+        status = e.status
+        if isinstance(e, web.HTTPMethodNotAllowed):
+            allowed = ", ".join(sorted(e.allowed_methods))
+            return error_response(
+                405,
+                f"method {e.method} is not allowed on {request.path}; allowed: {allowed}",
+                {"Allow": allowed},
+            )
+        if e.status == 404:
+            return error_response(404, f"no route for {request.path[:200]}")
+        if e.status >= 400:
+            return error_response(e.status, e.reason)
+        raise
+    except asyncio.CancelledError:
+        status = "cancelled"
+        raise
+    except Exception as e:  # a bug: answer 500 with one line, keep the worker alive
+        log.exception("internal error on %s %s", request.method, request.path[:200])
+        return error_response(500, f"internal error ({type(e).__name__}); see the server log")
+    finally:
+        app[METRICS].observe(_route_name(request), request.method, status,
+                             time.perf_counter() - start)  # fmt: skip
+
+
+async def _worker_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[WORKER_HEADER] = _PID[0]
+
+
+_PID = [str(os.getpid())]  # refreshed in each worker when its app starts (after fork)
+
+
+# ---------------------------------------------------------------------------- blocks
+
+
+async def get_block(request: web.Request) -> web.StreamResponse:
+    """``GET /kv/<hash>``: the block's bytes, streamed slice by slice; 404 if absent."""
+    address = request.match_info["hash"]
+    reader = request.app[SLAB].open_block(address)
+    if reader is None:
+        raise NotFound(f"no block {address}")
+    n = reader.length
+    if n <= READ_SLICE:
+        # One copy, one write: the fast path for the small pages LMCache moves most.
+        try:
+            (data,) = reader.slices(READ_SLICE)
+        except BlockGone:
+            raise NotFound(f"no block {address} (evicted while read)") from None
+        return web.Response(body=data, content_type=OCTETS)
+    resp = web.StreamResponse(headers={"Content-Type": OCTETS})
+    resp.content_length = n
+    await resp.prepare(request)
+    try:
+        for chunk in reader.slices(READ_SLICE):
+            await resp.write(chunk)
+    except BlockGone:
+        # The status line is gone already: cut the connection so the client sees a short
+        # body (a miss), never a complete-looking response with wrong bytes.
+        log.info("block %s evicted while it was sent; aborting the response", address)
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+    await resp.write_eof()
+    return resp
+
+
+async def head_block(request: web.Request) -> web.StreamResponse:
+    """``HEAD /kv/<hash>``: 200 with the block's Content-Length, 404 if absent."""
+    address = request.match_info["hash"]
+    n = request.app[SLAB].length(address)
+    if n is None:
+        raise NotFound(f"no block {address}")
+    # A bodiless response that keeps the length it is given (aiohttp sends no body for HEAD).
+    resp = web.StreamResponse(headers={"Content-Type": OCTETS})
+    resp.content_length = n
+    await resp.prepare(request)
+    await resp.write_eof()
+    return resp
+
+
+def _announced_length(request: web.BaseRequest, max_block: int) -> int | None:
+    """The PUT body's length from Content-Length; None for a chunked body.
+
+    Raises:
+        BadRequest: neither a valid Content-Length nor chunked transfer encoding.
+        TooLarge: the announced length is over the maximum block size (nothing read).
+    """
+    raw = request.headers.get("Content-Length")
+    if raw is None:
+        if "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+            return None
+        raise BadRequest("PUT needs a Content-Length header (or a chunked body)")
+    if not raw.isdigit():
+        raise BadRequest(f"invalid Content-Length {raw[:40]!r}")
+    n = int(raw)
+    if n > max_block:
+        raise TooLarge(f"body of {n} bytes is over the maximum block size of {max_block}")
+    return n
+
+
+async def put_expect(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: refuse a bad or oversize upload before its body is sent."""
+    app = request.app
+    try:
+        if app[TOKEN] and (why := _check_auth(request, app[TOKEN])) is not None:
+            return _unauthorized(why)
+        validate(request.match_info["hash"])
+        _announced_length(request, app[SLAB].max_block_size)
+    except EgKvError as e:
+        return error_response(e.status, str(e))
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return error_response(417, "only Expect: 100-continue is understood")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim response is not part of the final one
+    return None
+
+
+async def put_block(request: web.Request) -> web.Response:
+    """``PUT /kv/<hash>``: stream the body into the slab; 201 new block, 200 dedup hit."""
+    address = request.match_info["hash"]
+    slab = request.app[SLAB]
+    validate(address)
+    length = _announced_length(request, slab.max_block_size)
+    if length is None:
+        created = await _put_chunked(request, slab, address)
+    else:
+        handle = slab.begin_put(address, length)
+        try:
+            content = request.content
+            try:
+                while chunk := await content.readany():
+                    handle.write(chunk)
+            except EgKvError:
+                raise
+            except Exception as e:  # the client's body broke off or was malformed
+                raise BadRequest(f"body cut short or malformed: {_why(e)}") from None
+            created = handle.commit()
+        finally:
+            handle.abort()  # no-op after commit; frees the pages of a failed upload
+    if created:
+        return web.Response(status=201, text="created\n")
+    return web.Response(status=200, text="dedup\n")
+
+
+async def _put_chunked(request: web.Request, slab: Slab, address: str) -> bool:
+    """Spool a chunked body into a memfd (capped), then copy it into the slab."""
+    limit = slab.max_block_size
+    fd = os.memfd_create("eg-kv-put", os.MFD_CLOEXEC)
+    try:
+        total = 0
+        try:
+            while chunk := await request.content.readany():
+                total += len(chunk)
+                if total > limit:
+                    raise TooLarge(f"chunked body is over the maximum block size of {limit} bytes")
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+        except EgKvError:
+            raise
+        except Exception as e:
+            raise BadRequest(f"chunked body cut short or malformed: {_why(e)}") from None
+        handle = slab.begin_put(address, total)
+        try:
+            pos = 0
+            while pos < total:
+                piece = os.pread(fd, min(SPOOL_SLICE, total - pos), pos)
+                handle.write(piece)
+                pos += len(piece)
+            return handle.commit()
+        finally:
+            handle.abort()
+    finally:
+        os.close(fd)
+
+
+def _why(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text[:200]
+
+
+async def delete_block(request: web.Request) -> web.Response:
+    """``DELETE /kv/<hash>``: release one reference; 204, or 404 if absent."""
+    address = request.match_info["hash"]
+    if not request.app[SLAB].delete(address):
+        raise NotFound(f"no block {address}")
+    return web.Response(status=204)
+
+
+async def block_exists(request: web.Request) -> web.Response:
+    """``GET /kv/<hash>/exists``: ``{"hash": ..., "exists": bool}``."""
+    address = request.match_info["hash"]
+    if address == "batch":  # /kv/batch/exists exists, for POST only
+        raise web.HTTPMethodNotAllowed(request.method, ("POST",))
+    found = request.app[SLAB].exists(address)
+    return web.json_response({"hash": address, "exists": found})
+
+
+async def batch_exists(request: web.Request) -> web.Response:
+    """``POST /kv/batch/exists`` with ``{"addresses": [...]}`` (at most 1024).
+
+    Answers ``{"exists": [bool, ...], "prefix_hits": n}``, ``n`` being the length of the
+    leading run of hits (how much of a token prefix is cached).
+    """
+    raw = request.headers.get("Content-Length")
+    if raw is None or not raw.isdigit():
+        raise BadRequest("batch exists needs a JSON body with a Content-Length")
+    if int(raw) > BATCH_MAX_BYTES:
+        raise TooLarge(f"batch body of {raw} bytes is over {BATCH_MAX_BYTES}")
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"batch body is not JSON: {_why(e)}") from None
+    except Exception as e:
+        raise BadRequest(f"batch body cut short: {_why(e)}") from None
+    addresses = body.get("addresses") if isinstance(body, dict) else None
+    if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+        raise BadRequest('batch body must be {"addresses": ["<hash>", ...]}')
+    if len(addresses) > BATCH_MAX:
+        raise TooLarge(f"{len(addresses)} addresses in one batch; at most {BATCH_MAX}")
+    found = request.app[SLAB].exists_many(addresses)
+    prefix = next((i for i, hit in enumerate(found) if not hit), len(found))
+    return web.json_response({"exists": found, "prefix_hits": prefix})
+
+
+_BLOCK_METHODS = ("DELETE", "GET", "HEAD", "PUT")
+
+
+async def bad_kv_path(request: web.Request) -> web.Response:
+    """Any other request under ``/kv/``: a wrong method (405) or an invalid address (400).
+
+    Raises:
+        web.HTTPMethodNotAllowed: the path names a route that exists, with another method.
+        BadRequest: the address is empty or holds a ``/``.
+    """
+    rest = request.match_info["rest"]
+    allowed: tuple[str, ...] = ()
+    if rest == "batch/exists":
+        allowed = ("POST",)
+    elif rest == "stats":
+        allowed = ("GET",)
+    elif rest and "/" not in rest:
+        allowed = _BLOCK_METHODS
+    elif rest.endswith("/exists") and rest.count("/") == 1 and len(rest) > 7:
+        allowed = ("GET",)
+    if allowed:
+        raise web.HTTPMethodNotAllowed(request.method, allowed)
+    raise BadRequest(
+        f"invalid address in {request.path[:80]!r}: an address is one path segment of "
+        "1-256 characters of [A-Za-z0-9._:@+=-]"
+    )
+
+
+# ---------------------------------------------------------------------------- service routes
+
+
+async def stats(request: web.Request) -> web.Response:
+    """``GET /kv/stats``: the slab's counters, the seed's eight fields first."""
+    return web.json_response(ordered_stats(request.app[SLAB].stats()))
+
+
+SEED_FIELDS = (
+    "unique_blocks", "total_refs", "resident_bytes", "logical_bytes",
+    "dedup_savings_bytes", "dedup_hits", "get_hits", "get_misses",
+)  # fmt: skip
+
+
+def ordered_stats(raw: dict[str, int]) -> dict[str, int]:
+    """The stats dict with the seed's eight fields first, then the rest as the slab gave them."""
+    out = {k: raw[k] for k in SEED_FIELDS}
+    out.update((k, v) for k, v in raw.items() if k not in out)
+    return out
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """``GET /healthz``: liveness, and how many workers the supervisor has up."""
+    up, configured = request.app[HEALTH]()
+    return web.json_response({"status": "ok", "workers_up": up, "workers": configured})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text over every worker plus the slab's counters."""
+    up, configured = request.app[HEALTH]()
+    body = request.app[METRICS].render(request.app[SLAB].stats(), up, configured)
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
+    return resp
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+def _health_from(run_dir: str | None, configured: int) -> Callable[[], tuple[int, int]]:
+    if run_dir is None:
+        return lambda: (1, 1)
+
+    def health() -> tuple[int, int]:
+        try:
+            n, pids = runstate.read_state(run_dir)
+        except (OSError, ValueError, KeyError):
+            return 1, configured  # this worker answers, so at least one is up
+        return len(pids), n
+
+    return health
+
+
+def make_app(
+    settings: Settings,
+    *,
+    run_dir: str | None = None,
+    health: Callable[[], tuple[int, int]] | None = None,
+) -> web.Application:
+    """Build the application for one worker process.
+
+    Args:
+        settings: the server's settings (slab name, token, limits).
+        run_dir: the supervisor's run directory (worker list, shared metrics); None for a
+            stand-alone app that reports one worker and keeps its metrics to itself.
+        health: overrides how ``/healthz`` counts workers: returns (up, configured).
+
+    Returns:
+        The application; it attaches the slab on start-up and closes it on clean-up.
+    """
+    app = web.Application(middlewares=[_front], handler_args={"auto_decompress": False})
+    app[SETTINGS] = settings
+    app[TOKEN] = settings.token.encode("utf-8", "surrogateescape") if settings.token else b""
+    metrics_path = runstate.metrics_dir(run_dir) if run_dir else None
+    app[METRICS] = Metrics(metrics_path)
+    app[HEALTH] = health or _health_from(run_dir, settings.workers)
+    app.cleanup_ctx.append(_slab_ctx)
+    app.on_response_prepare.append(_worker_header)
+
+    r = app.router
+    # Fixed routes first: they win over /kv/{hash}, whose reserved words never validate.
+    r.add_get("/healthz", healthz, name="healthz", allow_head=False)
+    r.add_get("/metrics", metrics, name="metrics", allow_head=False)
+    r.add_get("/kv/stats", stats, name="stats", allow_head=False)
+    r.add_post("/kv/batch/exists", batch_exists, name="batch_exists")
+    r.add_get("/kv/{hash}/exists", block_exists, name="exists", allow_head=False)
+    # One resource for the block routes: one path match serves every method.
+    block = r.add_resource("/kv/{hash}", name="block")
+    block.add_route("GET", get_block)
+    block.add_route("HEAD", head_block)
+    block.add_route("PUT", put_block, expect_handler=put_expect)
+    block.add_route("DELETE", delete_block)
+    r.add_route("*", "/kv/{rest:.*}", bad_kv_path, name="invalid")
+    return app
+
+
+async def _slab_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Attach the slab in this process when the app starts; close the handle at clean-up."""
+    _PID[0] = str(os.getpid())
+    slab = Slab.attach(app[SETTINGS].slab_name)
+    app[SLAB] = slab
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            slab.close()

@@ -1,0 +1,108 @@
+"""Prometheus metrics for ``GET /metrics``, aggregated over every worker process.
+
+Request counts and latencies live in prometheus_client's multiprocess mode: each worker
+writes its own memory-mapped files into the server's metrics directory and any worker
+renders the sum of all of them (those of dead workers included, so counters never go
+back). The slab's counters are already global (they live in the shared segment), so they
+are read straight from the slab at scrape time rather than copied into per-process files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Slab counters that only grow; everything else in the stats is a gauge.
+_SLAB_COUNTERS = {
+    "dedup_hits", "get_hits", "get_misses", "evictions", "evicted_bytes",
+    "puts_created", "deletes", "repairs",
+}  # fmt: skip
+#: Methods kept as label values; anything else a client invents is counted as "other",
+#: so a fuzzing client cannot blow up the number of time series.
+_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE"})
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+            0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+
+
+class Metrics:
+    """Request counters and a latency histogram for one worker process.
+
+    Args:
+        multiproc_dir: the server's shared metrics directory; None keeps the metrics in
+            this process only (a single-process app, e.g. in a test).
+    """
+
+    def __init__(self, multiproc_dir: str | None = None):
+        self.multiproc_dir = multiproc_dir
+        if multiproc_dir:
+            # prometheus_client picks its value class when it is first imported; the
+            # supervisor imports it before it knows the directory, so switch explicitly.
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = multiproc_dir
+            values.ValueClass = values.MultiProcessValue()
+        self.requests = Counter(
+            "eg_kv_requests", "HTTP requests answered, by route, method and status",
+            ["route", "method", "status"], registry=None,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "eg_kv_request_duration_seconds",
+            "Time from the request's headers to the end of its response, by route",
+            ["route"], registry=None, buckets=_BUCKETS,
+        )  # fmt: skip
+        # Children looked up once per label set: .labels() costs more than .inc().
+        self._counters: dict[tuple[str, str, str], Counter] = {}
+        self._hists: dict[str, Histogram] = {}
+
+    def observe(self, route: str, method: str, status: int | str, seconds: float) -> None:
+        """Count one answered request and record how long it took."""
+        key = (route, method if method in _METHODS else "other", str(status))
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = self.requests.labels(*key)
+        counter.inc()
+        hist = self._hists.get(route)
+        if hist is None:
+            hist = self._hists[route] = self.latency.labels(route)
+        hist.observe(seconds)
+
+    def render(self, slab_stats: dict[str, int], workers_up: int, workers: int) -> bytes:
+        """The Prometheus text exposition: every worker's requests plus the slab's stats."""
+        registry = CollectorRegistry(auto_describe=False)
+        if self.multiproc_dir:
+            MultiProcessCollector(registry, self.multiproc_dir)
+        else:
+            registry.register(self.requests)
+            registry.register(self.latency)
+        registry.register(_Snapshot(lambda: _slab_families(slab_stats, workers_up, workers)))
+        return generate_latest(registry)
+
+
+class _Snapshot:
+    """A collector that yields metric families computed by a function at scrape time."""
+
+    def __init__(self, families: Callable[[], list]):
+        self._families = families
+
+    def collect(self):
+        return self._families()
+
+
+def _slab_families(stats: dict[str, int], workers_up: int, workers: int) -> list:
+    out = []
+    for key, value in stats.items():
+        if key in _SLAB_COUNTERS:
+            fam = CounterMetricFamily(f"eg_kv_{key}", f"slab counter {key}")
+        else:
+            fam = GaugeMetricFamily(f"eg_kv_{key}", f"slab value {key}")
+        fam.add_metric([], value)
+        out.append(fam)
+    up = GaugeMetricFamily("eg_kv_workers_up", "worker processes serving now")
+    up.add_metric([], workers_up)
+    conf = GaugeMetricFamily("eg_kv_workers", "worker processes configured")
+    conf.add_metric([], workers)
+    return [*out, up, conf]

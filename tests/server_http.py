@@ -1,0 +1,93 @@
+"""Small HTTP helpers shared by the server tests: one real connection per call, no mocks."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import time
+
+WORKER_HEADER = "X-EgKv-Worker"
+
+
+class Reply:
+    """A complete HTTP response: status, headers (case-insensitive) and the whole body."""
+
+    def __init__(self, status: int, headers: http.client.HTTPMessage, body: bytes):
+        self.status, self.headers, self.body = status, headers, body
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+    def json(self):
+        return json.loads(self.body)
+
+    @property
+    def worker(self) -> int:
+        return int(self.headers[WORKER_HEADER])
+
+    def __repr__(self) -> str:
+        return f"Reply({self.status}, {self.body[:120]!r})"
+
+
+def request(
+    srv,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+    context: ssl.SSLContext | None = None,
+    token: str | None = None,
+) -> Reply:
+    """One request on a fresh connection to the server ``srv`` (a conftest ``Server``)."""
+    if srv.scheme == "https":
+        conn = http.client.HTTPSConnection(srv.host, srv.port, timeout=timeout, context=context)
+    else:
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=timeout)
+    hdrs = dict(headers or {})
+    tok = token if token is not None else srv.token
+    if tok and "Authorization" not in hdrs:
+        hdrs["Authorization"] = f"Bearer {tok}"
+    try:
+        conn.request(method, path, body=body, headers=hdrs)
+        resp = conn.getresponse()
+        return Reply(resp.status, resp.headers, resp.read())
+    finally:
+        conn.close()
+
+
+def stats(srv) -> dict:
+    reply = request(srv, "GET", "/kv/stats")
+    assert reply.status == 200, reply
+    return reply.json()
+
+
+def raw_exchange(
+    port: int, data: bytes, timeout: float = 5.0, shut_write: bool = True, host="127.0.0.1"
+) -> bytes:
+    """Send raw bytes, optionally half-close, and read until the server closes or times out."""
+    out = bytearray()
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(data)
+        if shut_write:
+            s.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                chunk = s.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            out += chunk
+    return bytes(out)
+
+
+def status_of(raw: bytes) -> int | None:
+    """The status code of the first response in ``raw``, or None if there is none."""
+    if not raw.startswith(b"HTTP/1."):
+        return None
+    return int(raw.split(b" ", 2)[1])

@@ -1,0 +1,271 @@
+"""Every endpoint, status code and body of the contract, against a real 2-worker server."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+import re
+import threading
+
+import pytest
+from server_http import WORKER_HEADER, request, stats
+
+from eg_kv.address import RESERVED
+
+SEED_FIELDS = [
+    "unique_blocks", "total_refs", "resident_bytes", "logical_bytes",
+    "dedup_savings_bytes", "dedup_hits", "get_hits", "get_misses",
+]  # fmt: skip
+
+
+@pytest.fixture
+def srv(server_factory):
+    return server_factory(workers=2)
+
+
+def _one_line(reply) -> str:
+    text = reply.text
+    assert reply.headers["Content-Type"].startswith("text/plain"), reply.headers
+    assert text.endswith("\n") and "\n" not in text[:-1], text
+    assert len(text) > 5, "an error body says what was wrong"
+    return text
+
+
+def test_healthz_reports_workers(srv):
+    reply = request(srv, "GET", "/healthz")
+    assert reply.status == 200
+    assert reply.json() == {"status": "ok", "workers_up": 2, "workers": 2}
+    assert reply.worker > 0
+
+
+def test_put_get_head_exists_delete_roundtrip(srv):
+    data = os.urandom(10_000)
+    r = request(srv, "PUT", "/kv/blk-1", data)
+    assert r.status == 201 and r.text == "created\n"
+    assert int(r.headers[WORKER_HEADER]) > 0
+    r = request(srv, "PUT", "/kv/blk-1", data)
+    assert r.status == 200 and r.text == "dedup\n"
+
+    r = request(srv, "GET", "/kv/blk-1")
+    assert r.status == 200 and r.body == data
+    assert r.headers["Content-Type"] == "application/octet-stream"
+    assert int(r.headers["Content-Length"]) == len(data)
+
+    r = request(srv, "HEAD", "/kv/blk-1")
+    assert r.status == 200 and r.body == b""
+    assert int(r.headers["Content-Length"]) == len(data)
+
+    assert request(srv, "GET", "/kv/blk-1/exists").json() == {"hash": "blk-1", "exists": True}
+    s = stats(srv)
+    assert (s["unique_blocks"], s["total_refs"], s["dedup_hits"]) == (1, 2, 1)
+    assert s["resident_bytes"] == len(data) and s["logical_bytes"] == 2 * len(data)
+    assert s["dedup_savings_bytes"] == len(data)
+
+    # Two references: the first DELETE releases one, the second frees the block.
+    assert request(srv, "DELETE", "/kv/blk-1").status == 204
+    assert request(srv, "GET", "/kv/blk-1").body == data
+    r = request(srv, "DELETE", "/kv/blk-1")
+    assert r.status == 204 and r.body == b""
+    assert request(srv, "GET", "/kv/blk-1/exists").json() == {"hash": "blk-1", "exists": False}
+    r = request(srv, "DELETE", "/kv/blk-1")
+    assert r.status == 404
+    _one_line(r)
+
+
+def test_misses_are_404_and_counted(srv):
+    r = request(srv, "GET", "/kv/nope")
+    assert r.status == 404
+    assert "nope" in _one_line(r)
+    r = request(srv, "HEAD", "/kv/nope")
+    assert r.status == 404 and r.body == b""
+    s = stats(srv)
+    assert s["get_misses"] == 1 and s["get_hits"] == 0
+
+
+def test_stats_has_seed_fields_first(srv):
+    request(srv, "PUT", "/kv/a", b"x" * 100)
+    request(srv, "GET", "/kv/a")
+    r = request(srv, "GET", "/kv/stats")
+    assert r.status == 200 and r.headers["Content-Type"].startswith("application/json")
+    body = r.json()
+    assert list(body)[:8] == SEED_FIELDS
+    assert body["unique_blocks"] == 1 and body["get_hits"] == 1
+    for extra in ("capacity_bytes", "free_bytes", "evictions", "evicted_bytes"):
+        assert extra in body
+    assert body["capacity_bytes"] == 64 * 1024 * 1024
+
+
+@pytest.mark.parametrize("size", [1, 65_536, 1024 * 1024, 1024 * 1024 + 1, 14 * 1024 * 1024])
+def test_block_sizes_roundtrip_identically(srv, size):
+    data = os.urandom(size)
+    assert request(srv, "PUT", f"/kv/size-{size}", data).status == 201
+    r = request(srv, "GET", f"/kv/size-{size}")
+    assert r.status == 200 and len(r.body) == size
+    assert hashlib.sha256(r.body).digest() == hashlib.sha256(data).digest()
+
+
+def test_chunked_put_is_stored(srv):
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+    try:
+        chunks = (data[i : i + 100_000] for i in range(0, len(data), 100_000))
+        conn.request("PUT", "/kv/chunky", body=chunks, encode_chunked=True,
+                     headers={"Transfer-Encoding": "chunked"})  # fmt: skip
+        resp = conn.getresponse()
+        assert resp.status == 201, resp.read()
+        resp.read()
+    finally:
+        conn.close()
+    assert request(srv, "GET", "/kv/chunky").body == data
+    assert stats(srv)["reserved_pages"] == 0
+
+
+def test_batch_exists_and_prefix_hits(srv):
+    for a in ("p0", "p1", "p3"):
+        assert request(srv, "PUT", f"/kv/{a}", b"k" * 10).status == 201
+    body = b'{"addresses": ["p0", "p1", "p2", "p3"]}'
+    r = request(srv, "POST", "/kv/batch/exists", body, {"Content-Type": "application/json"})
+    assert r.status == 200
+    assert r.json() == {"exists": [True, True, False, True], "prefix_hits": 2}
+    r = request(srv, "POST", "/kv/batch/exists", b'{"addresses": []}')
+    assert r.json() == {"exists": [], "prefix_hits": 0}
+    many = ",".join(f'"p{i % 2}"' for i in range(1024)).encode()
+    r = request(srv, "POST", "/kv/batch/exists", b'{"addresses": [' + many + b"]}")
+    assert r.status == 200 and r.json()["prefix_hits"] == 1024
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"not json", 400),
+        (b'["p0"]', 400),
+        (b'{"addresses": "p0"}', 400),
+        (b'{"addresses": [1, 2]}', 400),
+        (b'{"addresses": ["bad/address"]}', 400),
+        (b'{"addresses": ["stats"]}', 400),
+        (b'{"addresses": [' + b",".join([b'"a"'] * 1025) + b"]}", 413),
+        (b'{"addresses": ["' + b"a" * 600_000 + b'"]}', 413),
+    ],
+)
+def test_batch_exists_bad_bodies(srv, body, status):
+    r = request(srv, "POST", "/kv/batch/exists", body)
+    assert r.status == status
+    _one_line(r)
+
+
+def test_wrong_method_is_405_with_allow(srv):
+    r = request(srv, "POST", "/kv/abc", b"x")
+    assert r.status == 405
+    assert set(r.headers["Allow"].split(", ")) == {"GET", "HEAD", "PUT", "DELETE"}
+    assert "POST" in _one_line(r)
+    assert request(srv, "PATCH", "/kv/abc", b"x").status == 405
+    assert request(srv, "DELETE", "/kv/stats").status in (400, 405)
+    r = request(srv, "GET", "/kv/batch/exists")
+    assert r.status == 405 and r.headers["Allow"] == "POST"
+    r = request(srv, "PUT", "/kv/abc/exists", b"x")
+    assert r.status == 405 and r.headers["Allow"] == "GET"
+    assert request(srv, "POST", "/healthz").status == 405
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/kv/a%20b", "/kv/" + "a" * 257, "/kv/a/b", "/kv/", "/kv/%C3%A9t%C3%A9", "/kv/a%2Fb",
+     *(f"/kv/{w}" for w in sorted(RESERVED - {"stats"}))],
+)  # fmt: skip
+def test_invalid_addresses_are_400(srv, path):
+    for method, body in (("PUT", b"data"), ("GET", None)):
+        r = request(srv, method, path, body)
+        assert r.status == 400, (method, path, r)
+        _one_line(r)
+    assert stats(srv)["unique_blocks"] == 0
+
+
+def test_reserved_stats_cannot_be_stored(srv):
+    r = request(srv, "PUT", "/kv/stats", b"data")
+    assert r.status == 400 and "reserved" in _one_line(r)
+
+
+def test_address_of_256_chars_is_fine(srv):
+    addr = "a" * 255 + "Z"
+    assert request(srv, "PUT", f"/kv/{addr}", b"1").status == 201
+    assert request(srv, "GET", f"/kv/{addr}").body == b"1"
+
+
+def test_length_conflict_is_409(srv):
+    assert request(srv, "PUT", "/kv/c", b"1234").status == 201
+    r = request(srv, "PUT", "/kv/c", b"12345")
+    assert r.status == 409
+    assert "4" in _one_line(r)
+    assert request(srv, "GET", "/kv/c").body == b"1234"
+
+
+def test_oversize_put_is_413(server_factory):
+    srv = server_factory(workers=1, extra=("--max-block-size", "1MiB"))
+    r = request(srv, "PUT", "/kv/big", os.urandom(1024 * 1024 + 1))
+    assert r.status == 413
+    assert "1048576" in _one_line(r)
+    assert request(srv, "PUT", "/kv/big", os.urandom(1024 * 1024)).status == 201
+
+
+def test_empty_put_is_400(srv):
+    r = request(srv, "PUT", "/kv/empty", b"")
+    assert r.status == 400
+    _one_line(r)
+
+
+def test_unknown_path_is_404(srv):
+    r = request(srv, "GET", "/nothing/here")
+    assert r.status == 404
+    _one_line(r)
+
+
+def test_metrics_aggregate_over_workers(srv):
+    pids = set()
+    for i in range(20):
+        r = request(srv, "PUT", f"/kv/m{i}", b"x" * 10)
+        assert r.status == 201
+        pids.add(r.worker)
+    assert len(pids) == 2, "20 connections should reach both workers"
+    r = request(srv, "GET", "/metrics")
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+    text = r.text
+    m = re.search(
+        r'^eg_kv_requests_total\{method="PUT",route="block",status="201"\} (\S+)$', text, re.M
+    )
+    assert m and float(m.group(1)) == 20.0, text
+    assert re.search(r"^eg_kv_unique_blocks 20\.0$", text, re.M)
+    assert re.search(r"^eg_kv_workers_up 2\.0$", text, re.M)
+    assert 'eg_kv_request_duration_seconds_bucket{le="+Inf",route="block"} 20.0' in text
+
+
+def test_dedup_across_processes(srv):
+    """32 connections PUT one address at once: one 201, 31 dedup hits, >= 2 workers."""
+    data = os.urandom(256 * 1024)
+    n = 32
+    barrier = threading.Barrier(n)
+    replies: list = [None] * n
+
+    def put(i: int) -> None:
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+        try:
+            conn.connect()
+            barrier.wait(timeout=30)
+            conn.request("PUT", "/kv/shared-block", body=data)
+            resp = conn.getresponse()
+            replies[i] = (resp.status, int(resp.headers[WORKER_HEADER]), resp.read())
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(r is not None for r in replies), replies
+    statuses = sorted(r[0] for r in replies)
+    assert statuses == [200] * 31 + [201]
+    assert len({r[1] for r in replies}) >= 2, "both workers served some of the PUTs"
+    s = stats(srv)
+    assert (s["unique_blocks"], s["total_refs"], s["dedup_hits"]) == (1, 32, 31)
+    assert request(srv, "GET", "/kv/shared-block").body == data

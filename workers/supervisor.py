@@ -1,0 +1,411 @@
+"""The supervisor: owns the slab, forks the workers, replaces the dead, drains on SIGTERM.
+
+Modelled on uvicorn's multiprocess supervisor and gunicorn's arbiter:
+
+* signal handlers only queue the signal and wake the main loop (a self-pipe); one loop
+  handles signals, reads worker notifications, reaps children and refills the pool;
+* worker deaths are classified: a worker that exits with :data:`BOOT_ERROR` could not
+  start serving (port taken, bad certificate), so the supervisor stops with that reason
+  and a non-zero status instead of respawning forever; any other death is logged,
+  the slab is repaired (the dead worker may have held the lock or reserved pages) and a
+  replacement is forked at once; workers that keep dying before they serve also stop it;
+* workers are forked, so they start in milliseconds from the supervisor's imports; each
+  attaches the slab itself, and they inherit the supervisor's stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import time
+import traceback
+
+from eg_kv import layout as L
+from eg_kv import runstate
+from eg_kv.config import Settings, format_size
+from eg_kv.errors import EgKvError, SlabError
+from eg_kv.slab import Slab, pid_alive
+
+from . import worker as worker_mod
+from .worker import BOOT_ERROR, make_ssl_context
+
+log = logging.getLogger("eg_kv.supervisor")
+
+#: Workers that die this many times in a row before they serve stop the supervisor.
+MAX_BOOT_DEATHS = 5
+#: Extra time, after the drain timeout, before workers that did not exit are killed.
+KILL_GRACE_S = 5.0
+#: The main loop wakes at least this often even when nothing happens.
+TICK_S = 0.5
+
+_GRACEFUL = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_HANDLED = (*_GRACEFUL, signal.SIGQUIT, signal.SIGCHLD)
+
+
+class CannotServe(EgKvError):
+    """The server cannot start serving as configured (port taken, bad TLS files)."""
+
+
+@dataclasses.dataclass
+class _Worker:
+    pid: int
+    started: float
+    ready: bool = False
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail early and clearly if something listens on ``host:port`` already.
+
+    The workers bind with ``SO_REUSEPORT``, which would silently share the port with
+    another eg-kv of the same user; this probe binds *without* it (but with
+    ``SO_REUSEADDR``, so connections in TIME_WAIT from a previous run do not count).
+
+    Raises:
+        CannotServe: the address is taken or cannot be bound here.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CannotServe(f"cannot resolve {host}: {e}") from None
+    family, _type, _proto, _canon, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            what = "is taken by another process" if e.errno == errno.EADDRINUSE else str(e)
+            raise CannotServe(f"cannot bind {host}:{port}: the address {what}") from None
+
+
+def open_slab(settings: Settings) -> tuple[Slab, str]:
+    """Create the slab, or re-attach a compatible one whose owner is gone (warm restart).
+
+    Returns:
+        (the slab, a sentence for the log saying what happened).
+
+    Raises:
+        SlabError: a live server owns it, or it was made with other sizes (and no
+            ``--fresh``), or it cannot be created.
+    """
+    name = settings.slab_name
+    if Slab.exists_named(name):
+        try:
+            slab = Slab.attach(name)
+        except SlabError:
+            if not settings.fresh:
+                raise
+            Slab.unlink_named(name)
+        else:
+            owner = slab.owner_pid
+            if owner != os.getpid() and pid_alive(owner):
+                slab.close()
+                raise SlabError(
+                    f"slab {name} belongs to a running eg-kv (pid {owner}): stop it first, "
+                    "or give this server another --addr / --slab-name"
+                )
+            if settings.fresh:
+                slab.close()
+                Slab.unlink_named(name)
+            else:
+                want = L.Geometry.plan(settings.capacity, settings.page_size,
+                                       settings.max_block_size)  # fmt: skip
+                have = slab.geometry
+                if want != have:
+                    slab.close()
+                    raise SlabError(
+                        f"slab {name} was made with capacity "
+                        f"{format_size(have.npages * have.page_size)}, page size "
+                        f"{format_size(have.page_size)}, max block "
+                        f"{format_size(have.max_block_size)}; this server asks for "
+                        f"{format_size(want.npages * want.page_size)} / "
+                        f"{format_size(want.page_size)} / {format_size(want.max_block_size)}"
+                        ": start with the same sizes to keep its blocks, or --fresh"
+                    )
+                slab.claim()
+                problems = slab.repair()
+                blocks = slab.stats()["unique_blocks"]
+                note = f"re-attached slab {name} left by pid {owner}: {blocks} blocks kept"
+                if problems:
+                    note += f"; repaired {len(problems)} problem(s): {problems[0]}"
+                return slab, note
+    slab = Slab.create(name, settings.capacity, settings.page_size, settings.max_block_size)
+    return slab, (
+        f"created slab {name}: {format_size(settings.capacity)} in "
+        f"{format_size(settings.page_size)} pages, blocks up to "
+        f"{format_size(settings.max_block_size)}"
+    )
+
+
+class Supervisor:
+    """Runs the server described by ``settings`` until a signal stops it.
+
+    Use :meth:`run`; it returns the process exit status.
+    """
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.workers: dict[int, _Worker] = {}
+        self.slab: Slab | None = None
+        self.run_dir: str | None = None
+        self.stopping = False
+        self.stop_deadline = 0.0
+        self.exit_code = 0
+        self.fatal: str | None = None
+        self.boot_deaths = 0
+        self._signals: list[int] = []
+        self._wake_r = self._wake_w = -1
+        self._notify_r = self._notify_w = -1
+        self._buf = b""
+
+    # ------------------------------------------------------------------ top level
+
+    def run(self) -> int:
+        """Start everything, supervise, clean up. Returns the exit status."""
+        s = self.settings
+        try:
+            check_port_free(s.host, s.port)
+            try:
+                make_ssl_context(s)
+            except (OSError, ValueError) as e:
+                raise CannotServe(f"cannot use the TLS certificate and key: {e}") from None
+            self.slab, note = open_slab(s)
+        except CannotServe as e:
+            log.error("eg-kv: %s", e)
+            return BOOT_ERROR
+        except EgKvError as e:
+            log.error("eg-kv: %s", e)
+            return 1
+        log.info("%s", note)
+        try:
+            self.run_dir = runstate.make_run_dir(s.port)
+            runstate.write_state(self.run_dir, s.workers, [])
+            self._install_signals()
+            self._warm_imports()
+            log.info(
+                "eg-kv supervisor %d serving %s://%s with %d workers (auth %s)",
+                os.getpid(), s.scheme, s.bind, s.workers, "on" if s.token else "off",
+            )  # fmt: skip
+            self._loop()
+        finally:
+            self._cleanup()
+        if self.fatal:
+            log.error("eg-kv: stopping: %s", self.fatal)
+        else:
+            log.info("eg-kv supervisor %d stopped", os.getpid())
+        return self.exit_code
+
+    def _warm_imports(self) -> None:
+        # Import the worker's modules once here, so each fork starts serving at once.
+        import aiohttp.web  # noqa: F401
+
+        import eg_kv.app  # noqa: F401
+
+        with contextlib.suppress(ImportError):
+            import uvloop  # noqa: F401
+
+    def _install_signals(self) -> None:
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._notify_r, self._notify_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self._notify_r, False)
+        for sig in _HANDLED:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        # Only queue and wake the loop: nothing else is safe in a signal handler.
+        self._signals.append(signum)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(InterruptedError):
+                select.select([self._wake_r, self._notify_r], [], [], TICK_S)
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_r, 4096):
+                    pass
+            self._read_notifications()
+            self._handle_signals()
+            self._reap()
+            if self.fatal and not self.stopping:
+                self.exit_code = BOOT_ERROR
+                self._begin_stop(signal.SIGTERM)
+            if self.stopping:
+                if not self.workers:
+                    return
+                if time.monotonic() > self.stop_deadline:
+                    for pid in list(self.workers):
+                        log.warning("worker %d did not drain in time; killing it", pid)
+                        self._kill(pid, signal.SIGKILL)
+                    self.stop_deadline = float("inf")
+            else:
+                self._refill()
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            sig = self._signals.pop(0)
+            if sig == signal.SIGCHLD:
+                continue  # the reap below does the work
+            if sig == signal.SIGQUIT or (self.stopping and sig in _GRACEFUL):
+                log.warning("eg-kv: %s: stopping now, without draining",
+                            signal.Signals(sig).name)  # fmt: skip
+                self._begin_stop(signal.SIGKILL)
+            else:
+                log.info("eg-kv: %s: draining (up to %.0f s)",
+                         signal.Signals(sig).name, self.settings.drain_timeout_s)  # fmt: skip
+                self._begin_stop(signal.SIGTERM)
+
+    def _begin_stop(self, sig: int) -> None:
+        self.stopping = True
+        grace = 0.0 if sig == signal.SIGKILL else self.settings.drain_timeout_s + KILL_GRACE_S
+        self.stop_deadline = time.monotonic() + grace
+        for pid in list(self.workers):
+            self._kill(pid, sig)
+
+    def _kill(self, pid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    def _read_notifications(self) -> None:
+        try:
+            while chunk := os.read(self._notify_r, 65536):
+                self._buf += chunk
+        except BlockingIOError:
+            pass
+        *lines, self._buf = self._buf.split(b"\n")
+        changed = False
+        for line in lines:
+            kind, _, rest = line.decode("utf-8", "replace").partition(" ")
+            pid_text, _, reason = rest.partition(" ")
+            pid = int(pid_text) if pid_text.isdigit() else -1
+            if kind == "R" and pid in self.workers:
+                self.workers[pid].ready = True
+                self.boot_deaths = 0
+                changed = True
+                log.info("worker %d serving", pid)
+            elif kind == "F":
+                self.fatal = f"worker {pid} could not start: {reason}"
+        if changed:
+            self._write_state()
+
+    def _write_state(self) -> None:
+        ready = [w.pid for w in self.workers.values() if w.ready]
+        with contextlib.suppress(OSError):
+            runstate.write_state(self.run_dir, self.settings.workers, ready)
+
+    # ------------------------------------------------------------------ children
+
+    def _reap(self) -> None:
+        died = False
+        while self.workers:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            w = self.workers.pop(pid, None)
+            if w is None:
+                continue
+            died = True
+            self._classify(w, status)
+        if died:
+            self._write_state()
+            self._repair()
+
+    def _classify(self, w: _Worker, status: int) -> None:
+        if os.WIFSIGNALED(status):
+            how = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        else:
+            how = f"exited with status {os.WEXITSTATUS(status)}"
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        if self.stopping:
+            if code != 0:
+                log.warning("worker %d %s while stopping", w.pid, how)
+            return
+        if code == BOOT_ERROR:
+            if not self.fatal:
+                self.fatal = f"worker {w.pid} could not start ({how})"
+            return
+        log.warning("worker %d %s after %.1f s; replacing it", w.pid, how,
+                    time.monotonic() - w.started)  # fmt: skip
+        if not w.ready:
+            self.boot_deaths += 1
+            if self.boot_deaths >= MAX_BOOT_DEATHS:
+                self.fatal = f"{self.boot_deaths} workers in a row died before serving ({how})"
+
+    def _repair(self) -> None:
+        """Repair the slab after a worker died: it may have died holding its lock or pages."""
+        try:
+            problems = self.slab.repair()
+        except Exception as e:
+            log.error("slab repair failed: %s", e)
+            return
+        if problems:
+            log.warning("slab repaired after a worker died: %d problem(s), first: %s",
+                        len(problems), problems[0])  # fmt: skip
+
+    def _refill(self) -> None:
+        while len(self.workers) < self.settings.workers and not self.fatal:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        parent = os.getpid()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the supervisor's code
+            code = 1
+            try:
+                for sig in _HANDLED:
+                    signal.signal(sig, signal.SIG_DFL)
+                for fd in (self._wake_r, self._wake_w, self._notify_r):
+                    os.close(fd)
+                self.slab.close()  # the supervisor's handle: a worker attaches its own
+                code = worker_mod.run(self.settings, self.run_dir, self._notify_w, parent)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        self.workers[pid] = _Worker(pid, time.monotonic())
+
+    # ------------------------------------------------------------------ the end
+
+    def _cleanup(self) -> None:
+        for pid in list(self.workers):  # only after an error in the loop itself
+            self._kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self.workers.clear()
+        if self.slab is not None:
+            self._repair()
+            name = self.slab.name
+            self.slab.close()
+            if self.settings.keep:
+                log.info("slab %s kept (--keep): the next eg-kv serve re-attaches it", name)
+            else:
+                Slab.unlink_named(name)
+                log.info("slab %s removed", name)
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        for fd in (self._wake_r, self._wake_w, self._notify_r, self._notify_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def serve(settings: Settings) -> int:
+    """Run the server (the ``eg-kv serve`` command). Returns the exit status."""
+    return Supervisor(settings).run()

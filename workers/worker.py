@@ -1,0 +1,125 @@
+"""One worker process: the aiohttp app on the shared port, until told to stop.
+
+A worker is forked by the supervisor. It attaches the slab itself (a handle is never
+used across ``fork``), binds the port with ``SO_REUSEPORT`` beside its siblings, tells
+the supervisor it is ready over a pipe, and serves until SIGTERM; then it stops
+accepting, lets in-flight requests finish within the drain timeout, and exits 0.
+
+It exits on its own when the supervisor dies: the kernel sends it SIGTERM
+(``PR_SET_PDEATHSIG``), and a once-a-second check of the parent pid covers the window
+before that was set up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import ssl
+import sys
+
+from eg_kv.config import Settings
+
+log = logging.getLogger("eg_kv.worker")
+
+#: Exit status of a worker that could not start serving (gunicorn's convention): the
+#: supervisor stops instead of replacing it, since a replacement would fail the same way.
+BOOT_ERROR = 3
+_PR_SET_PDEATHSIG = 1
+
+
+def make_ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """The server-side TLS context from the certificate and key, or None without TLS.
+
+    Raises:
+        OSError, ssl.SSLError: the files cannot be read or do not make a key pair.
+    """
+    if not settings.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+    return ctx
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux); harmless elsewhere."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _notify(fd: int, message: str) -> None:
+    """One line to the supervisor; under PIPE_BUF, so the write is atomic."""
+    data = (message.replace("\n", " ")[:1000] + "\n").encode("utf-8", "replace")
+    with contextlib.suppress(OSError):
+        os.write(fd, data)
+
+
+def run(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
+    """Serve until SIGTERM. Returns the exit status (0, or BOOT_ERROR)."""
+    _die_with_parent(parent)
+    # Ctrl-C reaches the whole process group; the supervisor alone decides how to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional: the server runs on asyncio's own loop
+        uvloop = None
+    loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(_serve(settings, run_dir, notify_fd, parent))
+    finally:
+        loop.close()
+
+
+async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
+    from aiohttp import web
+
+    from eg_kv.app import make_app
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    pid = os.getpid()
+    runner = web.AppRunner(
+        make_app(settings, run_dir=run_dir),
+        handle_signals=False,
+        access_log=logging.getLogger("aiohttp.access") if settings.access_log else None,
+        shutdown_timeout=settings.drain_timeout_s,
+        auto_decompress=False,
+    )
+    try:
+        ssl_context = make_ssl_context(settings)
+        await runner.setup()
+        site = web.TCPSite(
+            runner, settings.host, settings.port, reuse_port=True, ssl_context=ssl_context,
+            backlog=1024,
+        )  # fmt: skip
+        await site.start()
+    except Exception as e:
+        reason = f"cannot serve on {settings.bind}: {type(e).__name__}: {e}"
+        _notify(notify_fd, f"F {pid} {reason}")
+        print(f"eg-kv worker {pid}: {reason}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            await runner.cleanup()
+        return BOOT_ERROR
+    _notify(notify_fd, f"R {pid}")
+
+    async def watch_parent() -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        log.warning("worker %d: supervisor %d is gone; stopping", pid, parent)
+        stop.set()
+
+    watcher = asyncio.ensure_future(watch_parent())
+    await stop.wait()
+    watcher.cancel()
+    # Stop accepting, close idle keep-alive connections, let in-flight requests finish
+    # within the drain timeout, then close the slab handle (cleanup_ctx).
+    await runner.cleanup()
+    return 0
