@@ -543,41 +543,33 @@ def test_docker_compose_config_where_the_plugin_is_installed(tmp_path):
 # --------------------------------------------------------------- the eg-kv command line
 
 
-def serve_args(compose: dict) -> argparse.Namespace:
-    from workers.__main__ import build_parser
+def serve_settings(compose: dict):
+    """The Settings ``eg-kv serve`` builds from the compose command line and environment,
+    the way ``workers.__main__`` does it (flags over the environment)."""
+    from eg_kv.config import settings_from_env
+    from workers.__main__ import SERVE_FLAGS, build_parser
 
-    command = compose["services"]["eg-kv"]["command"]
+    svc = compose["services"]["eg-kv"]
+    command = svc["command"]
     assert command[0] == "serve", command
-    return build_parser().parse_args(command)
-
-
-def _size(value) -> int:
-    from eg_kv.config import parse_size
-
-    return value if isinstance(value, int) else parse_size(value)
+    args = build_parser().parse_args(command)
+    env = {k: str(v) for k, v in svc["environment"].items()}
+    return settings_from_env(env, **{k: getattr(args, k) for k in SERVE_FLAGS})
 
 
 def test_eg_kv_serve_command_line_is_accepted_by_our_cli(compose):
-    from eg_kv.config import parse_addr, settings_from_env
-
-    args = serve_args(compose)
-    assert parse_addr(args.addr) == ("0.0.0.0", EG_KV_CONTAINER_PORT)
-    settings = settings_from_env(
-        {TOKEN_VAR: TEST_TOKEN},
-        addr=args.addr,
-        workers=int(args.workers),
-        capacity=_size(args.capacity),
-        page_size=_size(args.page_size),
-        max_block_size=_size(args.max_block_size),
-    )
+    settings = serve_settings(compose)
     assert (settings.host, settings.port) == ("0.0.0.0", EG_KV_CONTAINER_PORT)
     assert settings.workers == 4 and settings.token == TEST_TOKEN
     assert settings.capacity == 8 << 30 and settings.page_size == 64 << 10
+    assert settings.max_block_size == 64 << 20 and not settings.tls_cert
     # The container port the server binds is the one compose publishes and probes.
     svc = compose["services"]["eg-kv"]
     assert parse_port(svc["ports"][0])[2] == settings.port
     probe = " ".join(svc["healthcheck"]["test"][1:])
     assert f"http://127.0.0.1:{settings.port}/healthz" in probe
+    # docker stop waits long enough for the server's drain, then SIGKILLs.
+    assert docker_duration(svc["stop_grace_period"]) > settings.drain_timeout_s + 5
 
 
 def test_eg_kv_refuses_a_bad_command_line(compose):
@@ -593,9 +585,8 @@ def test_eg_kv_refuses_a_bad_command_line(compose):
 def test_shm_size_holds_the_slab_and_a_chunk_fits_a_block(compose):
     from eg_kv.layout import Geometry
 
-    args = serve_args(compose)
-    capacity, page = _size(args.capacity), _size(args.page_size)
-    max_block = _size(args.max_block_size)
+    settings = serve_settings(compose)
+    capacity, page, max_block = settings.capacity, settings.page_size, settings.max_block_size
     slab = Geometry.plan(capacity, page, max_block).total_size
     shm = docker_bytes(compose["services"]["eg-kv"]["shm_size"])
     assert slab <= shm, f"a {slab}-byte slab does not fit shm_size {shm}"
