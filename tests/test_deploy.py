@@ -368,7 +368,7 @@ def test_compose_parses_and_every_variable_has_a_default_but_the_token():
     for var in (
         "VLLM_MODEL", "EG_KV_CAPACITY", "EG_KV_SHM_SIZE", "EG_KV_PORT", "EG_KV_WORKERS",
         "VLLM_A_PORT", "VLLM_B_PORT", "VLLM_A_GPU", "VLLM_B_GPU", "LMCACHE_L1_SIZE_GB",
-        "HF_TOKEN", "HF_CACHE", "LMCACHE_IMAGE", TOKEN_VAR,
+        "HF_TOKEN", "HF_CACHE", "LMCACHE_IMAGE", "EG_KV_URL", TOKEN_VAR,
     ):  # fmt: skip
         assert var in names, f"{var} is not a variable of the compose file"
     for name, op, arg in seen:
@@ -414,6 +414,7 @@ def test_operator_settings_are_wired_to_where_they_act():
         "EG_KV_SHM_SIZE": "3g", "EG_KV_PORT": "19130", "EG_KV_WORKERS": "3",
         "VLLM_A_PORT": "18000", "VLLM_B_PORT": "18001", "VLLM_A_GPU": "2", "VLLM_B_GPU": "5",
         "LMCACHE_L1_SIZE_GB": "4", "HF_CACHE": "/srv/hf", "VLLM_PUBLISH_ADDR": "0.0.0.0",
+        "EG_KV_URL": "https://kv.example.internal:9130",
     }  # fmt: skip
     svc = load_compose(env)["services"]
     eg = svc["eg-kv"]["command"]
@@ -426,6 +427,8 @@ def test_operator_settings_are_wired_to_where_they_act():
         assert svc[vllm]["volumes"] == ["/srv/hf:/root/.cache/huggingface"]
         cmd = svc[lmc]["command"]
         assert cmd[cmd.index("--l1-size-gb") + 1] == "4"
+        spec = json.loads(cmd[cmd.index("--l2-adapter") + 1])
+        assert spec["adapter_params"]["base_url"] == "https://kv.example.internal:9130"
     assert parse_port(svc["vllm-a"]["ports"][0]) == ("0.0.0.0", 18000, 8000)
     assert parse_port(svc["vllm-b"]["ports"][0]) == ("0.0.0.0", 18001, 8000)
     assert gpus(svc["vllm-a"]) == gpus(svc["lmcache-a"]) == ["2"]
