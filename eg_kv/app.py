@@ -36,7 +36,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 
 from . import runstate
 from .address import validate
@@ -471,6 +471,48 @@ def make_app(
     block.add_route("DELETE", delete_block)
     r.add_route("*", "/kv/{rest:.*}", bad_kv_path, name="invalid")
     return app
+
+
+class _OneLineErrorHandler(web_protocol.RequestHandler):
+    """aiohttp's connection handler, answering unparsable requests with one-line reasons.
+
+    aiohttp's own answer to a request it cannot parse is a multi-line body (a caret
+    under the bad byte) and a traceback in the log for each; a fuzzing or confused client
+    would flood the log. Here it is one line in the body and a debug line in the log.
+    """
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        if status >= 500:
+            self.log_exception("error handling request", exc_info=exc)
+        else:
+            log.debug("malformed request (%d): %s", status, _why(exc) if exc else message)
+        if request.writer.output_size > 0:  # the response had begun: only closing is left
+            raise ConnectionError("response already started; cannot send the error")
+        if status >= 500:
+            reason = f"internal error ({type(exc).__name__ if exc else status}); see the log"
+        else:
+            reason = f"malformed request: {message or (_why(exc) if exc else status)}"
+        resp = error_response(status, reason[:300])
+        resp.headers[WORKER_HEADER] = _PID[0]
+        resp.force_close()
+        return resp
+
+
+class _Server(web_server.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _OneLineErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class AppRunner(web.AppRunner):
+    """``aiohttp.web.AppRunner`` whose connections answer unparsable requests in one line."""
+
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        # aiohttp offers no hook for the connection handler class; its Server has no
+        # slots, so switching the instance to a subclass that only overrides __call__
+        # is safe (tests/test_server_badinput.py checks the bodies).
+        server.__class__ = _Server
+        return server
 
 
 async def _slab_ctx(app: web.Application) -> AsyncIterator[None]:

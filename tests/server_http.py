@@ -66,9 +66,13 @@ def stats(srv) -> dict:
 
 
 def raw_exchange(
-    port: int, data: bytes, timeout: float = 5.0, shut_write: bool = True, host="127.0.0.1"
+    port: int, data: bytes, timeout: float = 5.0, shut_write: bool = False, host="127.0.0.1"
 ) -> bytes:
-    """Send raw bytes, optionally half-close, and read until the server closes or times out."""
+    """Send raw bytes and read until the server closes the connection or ``timeout`` passes.
+
+    aiohttp closes a connection as soon as the client half-closes it (``shut_write``),
+    without answering; send ``Connection: close`` to have the server close after its answer.
+    """
     out = bytearray()
     with socket.create_connection((host, port), timeout=timeout) as s:
         s.sendall(data)

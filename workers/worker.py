@@ -80,13 +80,13 @@ def run(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
 async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
     from aiohttp import web
 
-    from eg_kv.app import make_app
+    from eg_kv.app import AppRunner, make_app
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     pid = os.getpid()
-    runner = web.AppRunner(
+    runner = AppRunner(
         make_app(settings, run_dir=run_dir),
         handle_signals=False,
         access_log=logging.getLogger("aiohttp.access") if settings.access_log else None,
