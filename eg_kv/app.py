@@ -68,6 +68,44 @@ HEALTH = web.AppKey("health", Callable[[], tuple[int, int]])
 TOKEN = web.AppKey("token", bytes)
 
 
+class Drain:
+    """Counts requests in flight so a worker can stop gracefully.
+
+    aiohttp's own graceful shutdown marks every connection closing, and a closing
+    connection ignores the bytes that still arrive, so an upload in flight could never
+    finish. The worker instead closes its listener, sets :attr:`draining` (answers then
+    say ``Connection: close``) and waits for :meth:`wait_idle` before aiohttp's shutdown.
+    """
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.draining = False
+        self._idle: asyncio.Event | None = None
+
+    def enter(self) -> None:
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False if ``timeout`` passed first."""
+        self.draining = True
+        if self.inflight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
+DRAIN = web.AppKey("drain", Drain)
+
+
 def _line(text: str) -> str:
     """One line of text: an error body never spans lines."""
     return " ".join(str(text).split()) + "\n"
@@ -111,6 +149,8 @@ async def _front(request: web.Request, handler) -> web.StreamResponse:
     app = request.app
     start = time.perf_counter()
     status: int | str = 500
+    drain = app[DRAIN]
+    drain.enter()
     try:
         token = app[TOKEN]
         if token and request.path != "/healthz":
@@ -120,6 +160,8 @@ async def _front(request: web.Request, handler) -> web.StreamResponse:
                 return _unauthorized(why)
         resp = await handler(request)
         status = resp.status
+        if drain.draining and not resp.prepared:
+            resp.force_close()  # the worker is stopping: no next request on this connection
         return resp
     except EgKvError as e:
         status = e.status
@@ -145,6 +187,7 @@ async def _front(request: web.Request, handler) -> web.StreamResponse:
         log.exception("internal error on %s %s", request.method, request.path[:200])
         return error_response(500, f"internal error ({type(e).__name__}); see the server log")
     finally:
+        drain.leave()
         app[METRICS].observe(_route_name(request), request.method, status,
                              time.perf_counter() - start)  # fmt: skip
 
@@ -452,6 +495,7 @@ def make_app(
     app[TOKEN] = settings.token.encode("utf-8", "surrogateescape") if settings.token else b""
     metrics_path = runstate.metrics_dir(run_dir) if run_dir else None
     app[METRICS] = Metrics(metrics_path)
+    app[DRAIN] = Drain()
     app[HEALTH] = health or _health_from(run_dir, settings.workers)
     app.cleanup_ctx.append(_slab_ctx)
     app.on_response_prepare.append(_worker_header)

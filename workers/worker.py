@@ -80,17 +80,19 @@ def run(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
 async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
     from aiohttp import web
 
-    from eg_kv.app import AppRunner, make_app
+    from eg_kv.app import DRAIN, AppRunner, make_app
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     pid = os.getpid()
+    app = make_app(settings, run_dir=run_dir)
     runner = AppRunner(
-        make_app(settings, run_dir=run_dir),
+        app,
         handle_signals=False,
         access_log=logging.getLogger("aiohttp.access") if settings.access_log else None,
-        shutdown_timeout=settings.drain_timeout_s,
+        # By the time aiohttp's own shutdown runs, requests have drained (see below).
+        shutdown_timeout=1.0,
         auto_decompress=False,
     )
     try:
@@ -119,7 +121,11 @@ async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) 
     watcher = asyncio.ensure_future(watch_parent())
     await stop.wait()
     watcher.cancel()
-    # Stop accepting, close idle keep-alive connections, let in-flight requests finish
-    # within the drain timeout, then close the slab handle (cleanup_ctx).
+    # Stop accepting; let requests in flight finish (uploads keep receiving their bodies)
+    # within the drain timeout; then close the connections and the slab handle.
+    await site.stop()
+    if not await app[DRAIN].wait_idle(settings.drain_timeout_s):
+        log.warning("worker %d: requests still in flight after %.0f s; cutting them",
+                    pid, settings.drain_timeout_s)  # fmt: skip
     await runner.cleanup()
     return 0
