@@ -81,8 +81,8 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind(addr)
         except OSError as e:
-            what = "is taken by another process" if e.errno == errno.EADDRINUSE else str(e)
-            raise CannotServe(f"cannot bind {host}:{port}: the address {what}") from None
+            what = "the address is taken by another process" if e.errno == errno.EADDRINUSE else e
+            raise CannotServe(f"cannot bind {host}:{port}: {what}") from None
 
 
 def open_slab(settings: Settings) -> tuple[Slab, str]:
@@ -175,7 +175,8 @@ class Supervisor:
             try:
                 make_ssl_context(s)
             except (OSError, ValueError) as e:
-                raise CannotServe(f"cannot use the TLS certificate and key: {e}") from None
+                where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+                raise CannotServe(f"cannot use the TLS certificate and key{where}: {e}") from None
             self.slab, note = open_slab(s)
         except CannotServe as e:
             log.error("eg-kv: %s", e)
