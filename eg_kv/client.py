@@ -17,7 +17,9 @@ The bearer token is sent in a header only; it never appears in a URL, a log line
 from __future__ import annotations
 
 import dataclasses
+import functools
 import http.client
+import io
 import json
 import logging
 import os
@@ -53,9 +55,6 @@ DEFAULT_NUM_WORKERS = 8
 DEFAULT_MAX_CONNECTIONS = 16
 #: The server's limit on addresses per ``POST /kv/batch/exists``.
 BATCH_EXISTS_MAX = 1024
-#: Bytes moved per ``readinto``: big enough to amortise the call, small enough that the
-#: deadline is re-checked often while a slow server drips a body.
-_READ_SLICE = 4 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------- config
@@ -289,6 +288,43 @@ class _Deadline:
         return left
 
 
+class _DeadlineRaw(io.RawIOBase):
+    """The raw reader under a response: every ``recv`` waits at most what is left of the
+    operation's deadline, so neither a dripped header line nor a dripped body can stretch
+    a call past its budget (a per-``recv`` socket timeout alone would allow that)."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        self._sock.settimeout(self._deadline.left())
+        return self._sock.recv_into(b)
+
+
+class _SockShim:
+    """What ``HTTPResponse.__init__`` needs of a socket: ``makefile``, over a deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineRaw(self._sock, self._deadline), 64 * 1024)
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    """An ``HTTPResponse`` whose every read is bounded by the operation's deadline."""
+
+    def __init__(self, sock: Any, debuglevel: int = 0, method: str | None = None,
+                 url: str | None = None, *, deadline: _Deadline) -> None:  # fmt: skip
+        super().__init__(_SockShim(sock, deadline), debuglevel, method, url)
+
+
 class _Pool:
     """A LIFO pool of kept-alive connections, bounded by ``max_connections``.
 
@@ -353,19 +389,28 @@ def _set_timeout(conn: http.client.HTTPConnection, seconds: float) -> None:
 
 
 def _read_exact(resp: http.client.HTTPResponse, view: memoryview, deadline: _Deadline) -> None:
-    """Fill ``view`` from the body; raise _Miss if the body ends first (block evicted)."""
+    """Fill ``view`` from the body; raise _Miss if the body ends first (block evicted).
+
+    Reads with ``readinto1``: at most one ``recv`` per call, straight into ``view`` once
+    the reader's buffer is empty (no extra copy of a large block).
+    """
     got, total = 0, len(view)
-    # The socket under the response's buffered reader: its timeout is re-armed with what is
-    # left of the deadline before each slice, so a server that drips bytes cannot stretch
-    # the call past its budget.
-    sock = getattr(getattr(resp.fp, "raw", None), "_sock", None)
+    fp = resp.fp
+    if fp is None:
+        if total:
+            raise _Miss("no body to read")
+        return
     while got < total:
-        if sock is not None:
-            sock.settimeout(deadline.left())
-        n = resp.readinto(view[got : min(total, got + _READ_SLICE)])
+        # One recv at most per call (a plain readinto loops until the view is full);
+        # the deadline is enforced underneath, by _DeadlineRaw.
+        n = fp.readinto1(view[got:])
         if not n:
             raise _Miss(f"body cut short at {got} of {total} bytes")
         got += n
+        if resp.length is not None:
+            resp.length -= n
+    if resp.length == 0:
+        resp.read()  # the body is done: lets http.client release the connection for reuse
 
 
 Sink = Callable[[int, Callable[[memoryview], None]], T]
@@ -464,7 +509,7 @@ class RemoteKVConnector:
                 for part in body:
                     conn.sock.settimeout(deadline.left())
                     conn.send(part)
-                conn.sock.settimeout(deadline.left())
+                conn.response_class = functools.partial(_DeadlineResponse, deadline=deadline)
                 resp = conn.getresponse()
                 result = on_response(resp, deadline)
                 ok = not resp.will_close and resp.isclosed()

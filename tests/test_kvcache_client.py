@@ -1,0 +1,383 @@
+"""The sync and async clients: against a real server, and against broken ones.
+
+Broken servers are real loopback sockets (``kvcache_helpers.RawServer``): nothing
+listening, a server that never answers, one that answers garbage, a short body, a body
+dripped byte by byte, bad JSON. On all of them every hot-path call is a miss, raises
+nothing, and returns within about the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+from kvcache_helpers import RawServer
+
+from eg_kv.address import address_for_key
+from eg_kv.errors import ConfigError, RemoteError, Unauthorized
+from eg_kv.kvcache import (
+    AsyncRemoteKVConnector,
+    KvCacheConfig,
+    KvCacheStats,
+    RemoteKVConnector,
+    to_address,
+)
+
+LMCACHE_KEY = "Qwen/Qwen2.5-7B-Instruct@01000100@0@" + "ab" * 32
+TOKEN = "s3cret-T0ken-for-tests"
+BAD_TIMEOUT = 0.5
+# A broken server may cost one timeout per phase (connect/send/answer); twice the timeout
+# plus scheduling slack on a loaded 2-core box is the bound "no hang" is held to.
+BAD_BOUND = 2 * BAD_TIMEOUT + 1.0
+#: Broken servers that answer a HEAD with a well-formed ``200`` (they break only bodies).
+HEAD_200_MODES = ("short", "drip")
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_from_env_follows_the_contract_grammar():
+    env = {"EPISTEMIC_GRAPH_KVCACHE_ADDR": "1"}
+    assert KvCacheConfig.from_env(env).base_url == "http://127.0.0.1:9130"
+    env = {"EPISTEMIC_GRAPH_KVCACHE_ADDR": "9200"}
+    assert KvCacheConfig.from_env(env).base_url == "http://127.0.0.1:9200"
+    env = {"EPISTEMIC_GRAPH_KVCACHE_ADDR": "[::1]:9300"}
+    assert KvCacheConfig.from_env(env).base_url == "http://[::1]:9300"
+    env = {
+        "EPISTEMIC_GRAPH_KVCACHE_URL": "https://kv.example:443/",
+        "EPISTEMIC_GRAPH_KVCACHE_ADDR": "9200",  # the URL wins over the bind address
+        "EPISTEMIC_GRAPH_KVCACHE_TOKEN": TOKEN,
+        "EPISTEMIC_GRAPH_KVCACHE_TIMEOUT_S": "2.5",
+        "EPISTEMIC_GRAPH_KVCACHE_TLS_VERIFY": "off",
+    }
+    cfg = KvCacheConfig.from_env(env)
+    assert cfg.base_url == "https://kv.example:443"
+    assert (cfg.token, cfg.timeout_s, cfg.verify_tls) == (TOKEN, 2.5, False)
+    # Keywords beat the environment; an omitted keyword falls back to it.
+    cfg = KvCacheConfig.from_env(env, addr="127.0.0.1:7000", timeout_s=1)
+    assert (cfg.base_url, cfg.timeout_s, cfg.token) == ("http://127.0.0.1:7000", 1.0, TOKEN)
+    assert KvCacheConfig.from_env({}).base_url == "http://127.0.0.1:9130"
+    for bad in (
+        {"EPISTEMIC_GRAPH_KVCACHE_TIMEOUT_S": "soon"},
+        {"EPISTEMIC_GRAPH_KVCACHE_TLS_VERIFY": "maybe"},
+        {"EPISTEMIC_GRAPH_KVCACHE_ADDR": "host:99999"},
+        {"EPISTEMIC_GRAPH_KVCACHE_URL": "ftp://x"},
+        {"EPISTEMIC_GRAPH_KVCACHE_URL": "http://user:pw@x:1"},
+    ):
+        with pytest.raises(ConfigError):
+            KvCacheConfig.from_env(bad)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        RemoteKVConnector(base_url="http://127.0.0.1:1", colour="red")
+
+
+def test_token_stays_out_of_repr_and_errors():
+    with socket.socket() as held:  # bound, not listening: connections are refused
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}"
+        kv = RemoteKVConnector(base_url=url, token=TOKEN, timeout_s=BAD_TIMEOUT)
+        assert TOKEN not in repr(kv) and TOKEN not in repr(kv.config)
+        with pytest.raises(RemoteError) as info:
+            kv.stats()
+        assert TOKEN not in str(info.value)
+        kv.close()
+
+
+def test_keys_map_to_the_same_address_in_every_process():
+    assert to_address("abc123") == "abc123"  # a token hash is used verbatim
+    addr = to_address(LMCACHE_KEY)
+    assert addr == address_for_key(LMCACHE_KEY) and "/" not in addr
+    code = "from eg_kv.kvcache import to_address; import sys; print(to_address(sys.argv[1]))"
+    out = subprocess.run(
+        [sys.executable, "-c", code, LMCACHE_KEY],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},  # hash() would differ; ours must not
+        check=True,
+    )
+    assert out.stdout.strip() == addr
+
+
+# --------------------------------------------------------------------------- real server
+
+
+def raw_get(url: str, token: str | None = None) -> bytes | None:
+    req = urllib.request.Request(url)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.read()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
+
+
+def test_sync_client_against_real_server(server_factory):
+    srv = server_factory(workers=2, capacity="64MiB")
+    with RemoteKVConnector(base_url=srv.url, timeout_s=10) as kv:
+        # Misses.
+        assert kv.get("nothere") is None
+        assert kv.get_into("nothere", bytearray(8)) is None
+        assert kv.contains("nothere") is False
+        assert kv.exists("nothere") is False
+        assert kv.delete("nothere") is False
+
+        # Store, then every way of looking at it.
+        assert kv.put("blk1", b"hello world") is True
+        assert kv.get("blk1") == b"hello world"
+        buf = bytearray(32)
+        assert kv.get_into("blk1", buf) == 11 and bytes(buf[:11]) == b"hello world"
+        assert kv.get_into("blk1", bytearray(4)) is None  # does not fit: a miss
+        assert kv.contains("blk1") is True
+        assert kv.exists("blk1") is True
+
+        # Dedup: a second put of the same address is a hit, one resident copy.
+        before = kv.stats()
+        assert kv.put("blk1", b"hello world") is True
+        after = kv.stats()
+        assert after.dedup_hits == before.dedup_hits + 1
+        assert after.unique_blocks == before.unique_blocks
+        assert after.total_refs == before.total_refs + 1
+        # DELETE releases one reference: the block survives the first, not the second.
+        assert kv.delete("blk1") is True and kv.contains("blk1") is True
+        assert kv.delete("blk1") is True and kv.contains("blk1") is False
+        assert kv.get("blk1") is None
+
+        # An LMCache key (holds "/") is stored under its stable digest.
+        assert kv.put(LMCACHE_KEY, b"kv-page") is True
+        assert kv.get(LMCACHE_KEY) == b"kv-page"
+        assert raw_get(f"{srv.url}/kv/{address_for_key(LMCACHE_KEY)}") == b"kv-page"
+
+        # A 14 MiB chunk, byte-identical through get and get_into.
+        big = os.urandom(14 * 1024 * 1024)
+        assert kv.put("big", memoryview(big)) is True
+        assert kv.get("big") == big
+        into = bytearray(len(big))
+        assert kv.get_into("big", into) == len(big) and into == big
+        assert kv.put_parts("parts", [b"head-", memoryview(big)[:1000]]) is True
+        assert kv.get("parts") == b"head-" + big[:1000]
+
+        # Batch existence: per key, and the prefix run.
+        assert kv.exists_many(["big", "nothere", LMCACHE_KEY]) == [True, False, True]
+        assert kv.contains_prefix(["big", LMCACHE_KEY, "nothere", "parts"]) == 2
+        assert kv.contains_prefix([]) == 0
+        # More than one batch's worth (the server takes 1024 per request).
+        many = ["big"] * 1500
+        assert kv.contains_prefix(many) == 1500
+        assert kv.exists_many([*many, "nothere"]) == [True] * 1500 + [False]
+
+        stats = kv.stats()
+        assert isinstance(stats, KvCacheStats)
+        assert stats.unique_blocks == 3  # big, parts, the LMCache key
+        assert stats.resident_bytes >= len(big)
+        assert stats.get_hits >= 5 and stats.get_misses >= 2
+        assert kv.healthz()["workers_up"] == 2
+
+
+def test_sync_client_keeps_one_connection_alive(server_factory):
+    srv = server_factory(workers=2, capacity="16MiB")
+    kv = RemoteKVConnector(base_url=srv.url, timeout_s=10)
+    assert kv.put("k", b"v")
+    sock = kv._pool._idle[0].sock
+    for _ in range(50):
+        assert kv.get("k") == b"v"
+        assert kv.contains("k")
+        assert kv.get("missing") is None  # a 404 keeps the connection too
+    assert len(kv._pool._idle) == 1 and kv._pool._idle[0].sock is sock
+    kv.close()
+
+
+def test_sync_client_is_thread_safe(server_factory):
+    srv = server_factory(workers=2, capacity="64MiB")
+    kv = RemoteKVConnector(base_url=srv.url, timeout_s=20, max_connections=4)
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        for i in range(25):
+            data = os.urandom(1000 + t * 100 + i)
+            key = f"t{t}-{i}"
+            if not kv.put(key, data):
+                errors.append(f"put {key}")
+            elif kv.get(key) != data:
+                errors.append(f"get {key}")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert 1 <= len(kv._pool._idle) <= 4  # never more connections than allowed
+    assert kv.stats().unique_blocks == 200
+    kv.close()
+
+
+def test_bearer_token(server_factory):
+    srv = server_factory(workers=1, capacity="16MiB", env={"EPISTEMIC_GRAPH_KVCACHE_TOKEN": TOKEN})
+    anon = RemoteKVConnector(base_url=srv.url, timeout_s=5)
+    assert anon.put("k", b"v") is False
+    assert anon.get("k") is None and anon.contains("k") is False and anon.exists("k") is False
+    with pytest.raises(Unauthorized):
+        anon.stats()
+    wrong = RemoteKVConnector(base_url=srv.url, token="not-it", timeout_s=5)
+    assert wrong.put("k", b"v") is False
+    kv = RemoteKVConnector(base_url=srv.url, token=TOKEN, timeout_s=5)
+    assert kv.put("k", b"v") is True and kv.get("k") == b"v" and kv.exists("k")
+    assert kv.stats().unique_blocks == 1
+    assert anon.get("k") is None  # still refused without the token
+    # The token came from the environment too.
+    env_kv = RemoteKVConnector(KvCacheConfig.from_env({"EPISTEMIC_GRAPH_KVCACHE_TOKEN": TOKEN},
+                                                      base_url=srv.url))  # fmt: skip
+    assert env_kv.get("k") == b"v"
+    for c in (anon, wrong, kv, env_kv):
+        c.close()
+
+
+def test_stale_kept_alive_connection_is_retried_once():
+    with RawServer("oneshot") as srv:
+        kv = RemoteKVConnector(base_url=srv.url, timeout_s=5)
+        assert kv.get("a") == b"hello"
+        # The server closed that connection after answering; the client still holds it.
+        assert kv.get("a") == b"hello"
+        assert kv.get("a") == b"hello"
+        assert srv.accepted == 3 and len(srv.requests) == 3
+        kv.close()
+
+
+# --------------------------------------------------------------------------- broken servers
+
+
+def _down_url() -> tuple[socket.socket, str]:
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # bound but not listening: connection refused
+    return held, f"http://127.0.0.1:{held.getsockname()[1]}"
+
+
+def _timed(fn, *args):
+    t0 = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("mode", ["down", "silent", "garbage", "short", "drip", "badjson"])
+def test_sync_client_misses_on_a_broken_server(mode):
+    if mode == "down":
+        held, url = _down_url()
+        srv = None
+    else:
+        srv = RawServer(mode)
+        url, held = srv.url, None
+    try:
+        kv = RemoteKVConnector(base_url=url, timeout_s=BAD_TIMEOUT)
+        calls = [
+            (kv.get, ("k",), None),
+            (kv.get_into, ("k", bytearray(64)), None),
+            (kv.put, ("k", b"v" * 1000), False),
+            (kv.put, ("k", os.urandom(1 << 20)), False),
+            # A HEAD has no body, so "200 with a Content-Length" is a well-formed "present".
+            (kv.contains, ("k",), mode in HEAD_200_MODES),
+            (kv.exists, ("k",), False),
+            (kv.delete, ("k",), False),
+            (kv.exists_many, (["a", "b"],), [False, False]),
+            (kv.contains_prefix, (["a", "b"],), 0),
+            (kv.healthz, (), None),
+        ]
+        for fn, args, miss in calls:
+            out, took = _timed(fn, *args)
+            assert out == miss, (fn.__name__, out)
+            assert took < BAD_BOUND, (fn.__name__, took)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError):
+            kv.stats()
+        assert time.monotonic() - t0 < BAD_BOUND
+        kv.close()
+    finally:
+        if srv is not None:
+            srv.stop()
+        if held is not None:
+            held.close()
+
+
+# --------------------------------------------------------------------------- async
+
+
+def test_async_client_against_real_server(server_factory):
+    srv = server_factory(workers=2, capacity="64MiB")
+    big = os.urandom(14 * 1024 * 1024)
+
+    async def main() -> None:
+        async with AsyncRemoteKVConnector(base_url=srv.url, timeout_s=10) as kv:
+            assert await kv.get("a") is None
+            assert await kv.contains("a") is False
+            assert await kv.exists("a") is False
+            assert await kv.put("a", b"alpha") is True
+            assert await kv.put("a", b"alpha") is True  # dedup
+            assert await kv.get("a") == b"alpha"
+            assert await kv.contains("a") and await kv.exists("a")
+            assert await kv.put(LMCACHE_KEY, big) is True
+            assert await kv.get(LMCACHE_KEY) == big
+            assert await kv.exists_many(["a", "zz", LMCACHE_KEY]) == [True, False, True]
+            assert await kv.contains_prefix(["a", LMCACHE_KEY, "zz"]) == 2
+            stats = await kv.stats()
+            assert stats.unique_blocks == 2 and stats.dedup_hits >= 1
+            assert await kv.delete("a") and await kv.delete("a")
+            assert await kv.delete("a") is False
+        # Sharing a caller-owned session: the connector never closes it.
+        async with aiohttp.ClientSession() as session:
+            kv = AsyncRemoteKVConnector(base_url=srv.url, session=session)
+            assert await kv.get(LMCACHE_KEY) == big
+            await kv.close()
+            assert not session.closed
+            again = AsyncRemoteKVConnector(base_url=srv.url, session=session)
+            assert await again.contains(LMCACHE_KEY)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["down", "silent", "garbage", "short", "drip", "badjson"])
+def test_async_client_misses_on_a_broken_server(mode):
+    if mode == "down":
+        held, url = _down_url()
+        srv = None
+    else:
+        srv = RawServer(mode)
+        url, held = srv.url, None
+
+    async def main() -> None:
+        async with AsyncRemoteKVConnector(base_url=url, timeout_s=BAD_TIMEOUT) as kv:
+            calls = [
+                (kv.get("k"), None),
+                (kv.put("k", b"v" * 1000), False),
+                # A HEAD 200 is a well-formed "present" (see the sync test); aiohttp may
+                # also reject the stray body bytes after it, so both answers are fine.
+                (kv.contains("k"), (True, False) if mode in HEAD_200_MODES else (False,)),
+                (kv.exists("k"), False),
+                (kv.delete("k"), False),
+                (kv.exists_many(["a", "b"]), [False, False]),
+                (kv.contains_prefix(["a", "b"]), 0),
+            ]
+            for coro, miss in calls:
+                t0 = time.monotonic()
+                out = await coro
+                assert out in miss if isinstance(miss, tuple) else out == miss
+                assert time.monotonic() - t0 < BAD_BOUND
+            with pytest.raises(RemoteError):
+                await kv.stats()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if srv is not None:
+            srv.stop()
+        if held is not None:
+            held.close()
