@@ -210,9 +210,11 @@ async def get_block(request: web.Request) -> web.StreamResponse:
         raise NotFound(f"no block {address}")
     n = reader.length
     if n <= READ_SLICE:
-        # One copy, one write: the fast path for the small pages LMCache moves most.
+        # One response, one write: the fast path for the small blocks LMCache moves most.
+        # (A block whose pages are not contiguous comes in several slices; join copies
+        # only then: a single slice is returned as it is.)
         try:
-            (data,) = reader.slices(READ_SLICE)
+            data = b"".join(reader.slices(READ_SLICE))
         except BlockGone:
             raise NotFound(f"no block {address} (evicted while read)") from None
         return web.Response(body=data, content_type=OCTETS)

@@ -269,3 +269,17 @@ def test_dedup_across_processes(srv):
     s = stats(srv)
     assert (s["unique_blocks"], s["total_refs"], s["dedup_hits"]) == (1, 32, 31)
     assert request(srv, "GET", "/kv/shared-block").body == data
+
+
+def test_block_on_scattered_pages_reads_back(srv):
+    """A block whose pages are not contiguous comes out of the slab in several slices."""
+    page = 64 * 1024
+    for name in ("f0", "f1", "f2"):
+        assert request(srv, "PUT", f"/kv/{name}", os.urandom(page)).status == 201
+    for name in ("f0", "f2"):
+        assert request(srv, "DELETE", f"/kv/{name}").status == 204
+    for size in (3 * page, 3 * page - 100):  # both under one read slice
+        data = os.urandom(size)
+        assert request(srv, "PUT", f"/kv/scattered-{size}", data).status == 201
+        assert request(srv, "GET", f"/kv/scattered-{size}").body == data
+        assert request(srv, "DELETE", f"/kv/scattered-{size}").status == 204
