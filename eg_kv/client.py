@@ -743,12 +743,28 @@ class RemoteKVConnector:
         out: list[bool] = []
         for i in range(0, len(addresses), BATCH_EXISTS_MAX):
             chunk = addresses[i : i + BATCH_EXISTS_MAX]
-            try:
-                out.extend(self._batch_exists(chunk)[0])
-            except Exception as exc:
-                self._miss("batch/exists", f"[{len(chunk)} addresses]", exc)
-                out.extend([False] * len(chunk))
+            found = self._try_batch(chunk)
+            out.extend(found if found is not None else [False] * len(chunk))
         return out
+
+    def try_exists_many(self, keys: Sequence[str | bytes]) -> list[bool] | None:
+        """Like :meth:`exists_many`, but None when any batch request failed (so a caller
+        can tell "absent" from "could not ask"). Never raises."""
+        addresses = [to_address(k) for k in keys]
+        out: list[bool] = []
+        for i in range(0, len(addresses), BATCH_EXISTS_MAX):
+            found = self._try_batch(addresses[i : i + BATCH_EXISTS_MAX])
+            if found is None:
+                return None
+            out.extend(found)
+        return out
+
+    def _try_batch(self, chunk: list[str]) -> list[bool] | None:
+        try:
+            return self._batch_exists(chunk)[0]
+        except Exception as exc:
+            self._miss("batch/exists", f"[{len(chunk)} addresses]", exc)
+            return None
 
     def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
         """How many of ``keys``, from the first, are resident without a gap (prefix hits).

@@ -148,8 +148,11 @@ class RemoteKVL2Connector:
             return fid
 
         def run() -> None:
-            found = self._client.exists_many(addresses)
-            self._complete(fid, True, "", found)
+            found = self._client.try_exists_many(addresses)
+            if found is None:  # could not ask: a failed lookup, which LMCache counts as misses
+                self._complete(fid, False, "eg-kv batch exists failed", [False] * len(addresses))
+            else:
+                self._complete(fid, True, "", found)
 
         self._spawn(fid, run)
         return fid

@@ -1,0 +1,144 @@
+"""RemoteKVL2Connector on its own: the native_plugin contract, against a real server.
+
+No LMCache here (that is ``test_lmcache_*``): these tests call the connector the way
+LMCache's ``NativeConnectorL2Adapter`` does and check each promise of the contract.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+import urllib.request
+
+from conftest import wait_for
+from kvcache_helpers import RawServer, metric_count
+
+from eg_kv.address import address_for_key
+from eg_kv.kvcache import RemoteKVConnector, RemoteKVL2Connector
+
+MODEL = "Qwen/Qwen2.5-7B-Instruct"
+
+
+def lm_keys(n: int, start: int = 0) -> list[str]:
+    """Keys in LMCache's native-connector format (they hold ``/``)."""
+    return [f"{MODEL}@{1:08x}@0@{(start + i).to_bytes(32, 'big').hex()}" for i in range(n)]
+
+
+def wait_completions(conn: RemoteKVL2Connector, fids: set[int], timeout: float = 30.0) -> dict:
+    """Poll the eventfd the way LMCache's demux thread does; return {fid: completion}."""
+    poller = select.poll()
+    poller.register(conn.event_fd(), select.POLLIN)
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    while not fids <= got.keys():
+        left = deadline - time.monotonic()
+        assert left > 0, f"completions missing for {fids - got.keys()}"
+        if poller.poll(left * 1000):
+            for c in conn.drain_completions():
+                got[c[0]] = c
+    return got
+
+
+def metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def test_l2_connector_store_lookup_load_delete(server_factory):
+    srv = server_factory(workers=2, capacity="128MiB")
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=10, num_workers=4)
+    keys = lm_keys(6)
+    size = 2 * 1024 * 1024 + 17  # not a page multiple on purpose
+    blocks = [bytearray(os.urandom(size)) for _ in keys]
+
+    f_miss = conn.submit_batch_exists(keys)
+    f_set = conn.submit_batch_set(keys, [memoryview(b) for b in blocks])
+    got = wait_completions(conn, {f_miss, f_set})
+    assert f_miss != f_set
+    assert got[f_miss][1:] == (True, "", [False] * 6)
+    assert got[f_set][1] is True and got[f_set][3] == [True] * 6
+
+    # Every key is stored under the stable digest of the whole key.
+    plain = RemoteKVConnector(base_url=srv.url)
+    assert plain.get(address_for_key(keys[3])) == bytes(blocks[3])
+
+    before = metrics(srv.url)
+    probe = [*keys[:4], *lm_keys(2, start=100), keys[5]]
+    f_hit = conn.submit_batch_exists(probe)
+    got = wait_completions(conn, {f_hit})
+    assert got[f_hit][1:] == (True, "", [True] * 4 + [False] * 2 + [True])
+    after = metrics(srv.url)
+    # One batch request for the whole batch, and no per-key probe.
+    assert metric_count(after, "batch_exists") - metric_count(before, "batch_exists") == 1
+    assert metric_count(after, "exists") == metric_count(before, "exists")
+    assert metric_count(after, "block", "HEAD") == metric_count(before, "block", "HEAD")
+
+    # Loads fill the caller's buffers in place; a buffer of the wrong size is a miss.
+    outs = [bytearray(size) for _ in keys]
+    outs[2] = bytearray(size + 1)
+    f_get = conn.submit_batch_get(keys, [memoryview(o) for o in outs])
+    got = wait_completions(conn, {f_get})
+    assert got[f_get][3] == [True, True, False, True, True, True]
+    assert got[f_get][1] is False  # one key missed: the batch reports it
+    for i in (0, 1, 3, 4, 5):
+        assert outs[i] == blocks[i]
+
+    f_del = conn.submit_batch_delete(keys[:3] + lm_keys(1, start=500))
+    got = wait_completions(conn, {f_del})
+    assert got[f_del][3] == [True, True, True, False]
+    f_after = conn.submit_batch_exists(keys)
+    got = wait_completions(conn, {f_after})
+    assert got[f_after][3] == [False] * 3 + [True] * 3
+
+    conn.close()
+    conn.close()  # idempotent
+    plain.close()
+
+
+def test_l2_future_ids_are_unique_and_submits_never_block():
+    # A server that never answers: submits must still return at once, with fresh ids,
+    # and every batch must complete (as a failure) within about the timeout.
+    with RawServer("silent") as srv:
+        conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=0.3, num_workers=4)
+        keys = lm_keys(4)
+        bufs = [memoryview(bytearray(1024)) for _ in keys]
+        t0 = time.monotonic()
+        fids = []
+        for _ in range(4):
+            fids.append(conn.submit_batch_set(keys, bufs))
+            fids.append(conn.submit_batch_get(keys, bufs))
+            fids.append(conn.submit_batch_exists(keys))
+            fids.append(conn.submit_batch_delete(keys))
+        submit_time = time.monotonic() - t0
+        assert submit_time < 0.5, f"16 submits took {submit_time:.3f}s: they must not block"
+        assert len(set(fids)) == len(fids) == 16
+        # 4 workers, 0.3 s per stuck request, 52 requests: about 4 s.
+        got = wait_completions(conn, set(fids), timeout=60)
+        for fid in fids:
+            _, ok, error, results = got[fid]
+            assert ok is False and error and results == [False] * 4
+        conn.close()
+
+
+def test_l2_closed_connector_fails_batches_without_raising(server_factory):
+    srv = server_factory(workers=1, capacity="16MiB")
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=5)
+    fid = conn.submit_batch_exists([])
+    assert wait_completions(conn, {fid})[fid][1:] == (True, "", [])
+    conn.close()
+    f_set = conn.submit_batch_set(lm_keys(1), [memoryview(b"x")])
+    f_ex = conn.submit_batch_exists(lm_keys(1))
+    done = {c[0]: c for c in conn.drain_completions()}
+    assert done[f_set][1] is False and done[f_ex][1] is False
+
+
+def test_l2_connector_reads_the_environment(server_factory, monkeypatch):
+    srv = server_factory(workers=1, capacity="16MiB")
+    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_ADDR", f"127.0.0.1:{srv.port}")
+    conn = RemoteKVL2Connector()  # LMCache's adapter_params may be empty
+    assert conn.config.base_url == srv.url
+    fid = conn.submit_batch_set(lm_keys(1), [memoryview(b"from-env")])
+    assert wait_completions(conn, {fid})[fid][1] is True
+    assert wait_for(lambda: RemoteKVConnector(base_url=srv.url).get(address_for_key(lm_keys(1)[0])))
+    conn.close()
