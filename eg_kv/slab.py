@@ -47,6 +47,8 @@ _UNLOCK = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels fall back to touching each page
 _OS_PAGE = mmap.PAGESIZE
 DEFAULT_READ_SLICE = 1024 * 1024
+_CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once per sweep
+_SPINS = 50  # non-blocking lock attempts (with a yield between) before sleeping on it
 
 
 class BlockGone(NotFound):
@@ -162,8 +164,12 @@ class Slab:
         return slab
 
     @classmethod
-    def attach(cls, name: str) -> Slab:
+    def attach(cls, name: str, *, prefault: bool = False) -> Slab:
         """Attach to an existing slab by name.
+
+        ``prefault`` fills this process's page tables for the whole segment up front
+        (about 0.2 s per GiB here) instead of taking a fault on each first touch, which
+        halved the rate of a new process's first 14 MiB puts (measured).
 
         Raises:
             SlabError: no such segment, or one that is not an eg-kv slab of this layout.
@@ -192,10 +198,13 @@ class Slab:
                     f"{name} is {size} bytes but its header says {g.total_size}: "
                     "it is damaged; restart the server with --fresh"
                 )
-            return cls(name, shm, g)
+            slab = cls(name, shm, g)
         except BaseException:
             shm.close_fd()
             raise
+        if prefault:
+            slab._prefault()
+        return slab
 
     @staticmethod
     def exists_named(name: str) -> bool:
@@ -271,7 +280,7 @@ class Slab:
         if self.closed:
             raise SlabError("the slab handle is closed")
         with self._tlock:
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _LOCK)
+            self._acquire()
             try:
                 st = self._state
                 dead = st[L.ST_LOCK_HOLDER]
@@ -282,6 +291,20 @@ class Slab:
             finally:
                 st[L.ST_LOCK_HOLDER] = 0
                 fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _UNLOCK)
+
+    def _acquire(self) -> None:
+        # Try without sleeping first: a sleeping waiter is woken only to find the lock
+        # taken again by a holder that never left the CPU, and that convoy cut two-process
+        # put rates by 10x (measured). Yielding lets the holder finish its few microseconds.
+        for _ in range(_SPINS):
+            try:
+                fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _LOCK)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                os.sched_yield()
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _LOCK)
 
     # ------------------------------------------------------------------ slots
 
@@ -404,18 +427,22 @@ class Slab:
                     f"no room for {n} pages: {st[L.ST_FREE_COUNT]} free, "
                     f"{st[L.ST_RESV_PAGES]} held by uploads in flight"
                 )
+        # The hand walks the slots in a scattered (but complete, cyclic) order: sweeping
+        # them in address order grew probe clusters of ~900 slots (measured), since every
+        # eviction then lands at the front of the same cluster.
         mask, hand, mm, base = self._mask, st[L.ST_CLOCK_HAND], self._mm, self.geometry.slots_off
         while st[L.ST_FREE_COUNT] < n:
-            off = base + hand * L.SLOT_SIZE
+            i = (hand * _CLOCK_STRIDE) & mask
+            off = base + i * L.SLOT_SIZE
             if mm[off] == L.SLOT_READY:
                 if mm[off + L.SLOT_REF_OFFSET]:
                     mm[off + L.SLOT_REF_OFFSET] = 0  # second chance
                 else:
-                    s = self._read_slot(hand)
-                    self._drop_block(hand, s)
+                    s = self._read_slot(i)
+                    self._drop_block(i, s)
                     st[L.ST_EVICTIONS] += 1
                     st[L.ST_EVICTED_BYTES] += s[4]
-                    continue  # backward shift may have moved another block into `hand`
+                    continue  # backward shift may have moved another block into slot i
             hand = (hand + 1) & mask
         st[L.ST_CLOCK_HAND] = hand
 
