@@ -317,16 +317,23 @@ def test_holder_killed_inside_the_lock_is_repaired_by_the_next_taker(slab):
     assert slab.check() == []
 
 
-def test_reservation_of_a_killed_writer_is_reclaimed(slab):
+def kill_a_writer_holding_a_reservation(slab) -> int:
+    """Start a process that reserves 5 pages for a put, SIGKILL it; return the free bytes
+    seen while it was alive."""
     ctx = mp.get_context("fork")
     ready = ctx.Event()
-    p = ctx.Process(target=_die_with_a_reservation, args=(slab.name, ready))
+    p = ctx.Process(target=_die_with_a_reservation, args=(slab.name, ready), daemon=True)
     p.start()
     assert ready.wait(10)
     free_during = slab.stats()["free_bytes"]
     os.kill(p.pid, signal.SIGKILL)
     p.join(10)
     assert not pid_alive(p.pid)
+    return free_during
+
+
+def test_reservation_of_a_killed_writer_is_reclaimed(slab):
+    free_during = kill_a_writer_holding_a_reservation(slab)
     assert any("writer is dead" in x for x in slab.check())
     slab.repair()
     assert slab.check() == []
@@ -335,13 +342,7 @@ def test_reservation_of_a_killed_writer_is_reclaimed(slab):
 
 
 def test_dead_reservations_are_reclaimed_when_room_runs_out(slab):
-    ctx = mp.get_context("fork")
-    ready = ctx.Event()
-    p = ctx.Process(target=_die_with_a_reservation, args=(slab.name, ready))
-    p.start()
-    assert ready.wait(10)
-    os.kill(p.pid, signal.SIGKILL)
-    p.join(10)
+    kill_a_writer_holding_a_reservation(slab)
     handles = [slab.begin_put(f"h{i}", 900 * KiB) for i in range(4)]  # needs the orphan's pages
     for h in handles:
         h.abort()
