@@ -1,8 +1,9 @@
 """The synchronous eg-kv client: standard library only, kept-alive pooled connections.
 
 :class:`RemoteKVConnector` speaks the HTTP contract (``GET/PUT/HEAD/DELETE /kv/<addr>``,
-``GET /kv/<addr>/exists``, ``POST /kv/batch/exists``, ``GET /kv/stats``) over
-``http.client`` connections that are kept alive and reused from a small thread-safe pool.
+``GET /kv/<addr>/exists``, ``POST /kv/batch/exists``, ``GET /kv/stats``) over HTTP/1.1
+connections (:mod:`eg_kv.http11`, standard library only) that are kept alive and reused
+from a small thread-safe pool.
 
 The hot path (``get``, ``get_into``, ``put``, ``contains``, ``exists``, ``delete``,
 ``contains_prefix``, ``exists_many``) never raises: any transport or protocol error is a
@@ -17,16 +18,11 @@ The bearer token is sent in a header only; it never appears in a URL, a log line
 from __future__ import annotations
 
 import dataclasses
-import functools
-import http.client
-import io
 import json
 import logging
 import os
-import socket
 import ssl
 import threading
-import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -45,6 +41,7 @@ from .config import (
     parse_bool,
 )
 from .errors import ConfigError, EgKvError, InvalidAddress, RemoteError, Unauthorized
+from .http11 import Connection, Deadline, Response, StaleConnection, host_header
 
 log = logging.getLogger("eg_kv.kvcache")
 
@@ -258,71 +255,8 @@ class _Miss(Exception):
     """Internal: the answer cannot be used (short body, wrong length, bad JSON)."""
 
 
-class _HTTPConnection(http.client.HTTPConnection):
-    """``HTTPConnection`` with Nagle off: headers and body go out as separate sends, and
-    Nagle + delayed ACK would otherwise stall the body by up to 40 ms."""
-
-    def connect(self) -> None:
-        super().connect()
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class _HTTPSConnection(http.client.HTTPSConnection):
-    def connect(self) -> None:
-        super().connect()
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class _Deadline:
-    """One operation's time budget; each socket wait gets what is left of it."""
-
-    __slots__ = ("end",)
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("eg-kv operation timed out")
-        return left
-
-
-class _DeadlineRaw(io.RawIOBase):
-    """The raw reader under a response: every ``recv`` waits at most what is left of the
-    operation's deadline, so neither a dripped header line nor a dripped body can stretch
-    a call past its budget (a per-``recv`` socket timeout alone would allow that)."""
-
-    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
-        super().__init__()
-        self._sock = sock
-        self._deadline = deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        self._sock.settimeout(self._deadline.left())
-        return self._sock.recv_into(b)
-
-
-class _SockShim:
-    """What ``HTTPResponse.__init__`` needs of a socket: ``makefile``, over a deadline."""
-
-    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
-        self._sock = sock
-        self._deadline = deadline
-
-    def makefile(self, mode: str) -> io.BufferedReader:
-        return io.BufferedReader(_DeadlineRaw(self._sock, self._deadline), 64 * 1024)
-
-
-class _DeadlineResponse(http.client.HTTPResponse):
-    """An ``HTTPResponse`` whose every read is bounded by the operation's deadline."""
-
-    def __init__(self, sock: Any, debuglevel: int = 0, method: str | None = None,
-                 url: str | None = None, *, deadline: _Deadline) -> None:  # fmt: skip
-        super().__init__(_SockShim(sock, deadline), debuglevel, method, url)
+#: Largest non-block answer read (JSON, error lines).
+_SMALL_ANSWER = 16 * 1024 * 1024
 
 
 class _Pool:
@@ -338,35 +272,27 @@ class _Pool:
         self.https = parts.scheme == "https"
         self.port = parts.port or (443 if self.https else 80)
         self.prefix = parts.path.rstrip("/")
-        self.timeout = config.timeout_s
+        self.host_header = host_header(self.host, self.port, self.https)
         self.ssl_context: ssl.SSLContext | None = None
         if self.https:
             self.ssl_context = ssl.create_default_context()
             if not config.verify_tls:
                 self.ssl_context.check_hostname = False
                 self.ssl_context.verify_mode = ssl.CERT_NONE
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(config.max_connections)
         self._closed = False
 
-    def new(self) -> http.client.HTTPConnection:
-        if self.https:
-            return _HTTPSConnection(
-                self.host, self.port, timeout=self.timeout, context=self.ssl_context
-            )
-        return _HTTPConnection(self.host, self.port, timeout=self.timeout)
-
-    def acquire(self, deadline: _Deadline) -> tuple[http.client.HTTPConnection, bool]:
-        """A connection and whether it was reused (a reused one may have gone stale)."""
+    def acquire(self, deadline: Deadline) -> Connection:
         if not self._slots.acquire(timeout=deadline.left()):
             raise TimeoutError("no free eg-kv connection within the timeout")
         with self._lock:
             if self._idle:
-                return self._idle.pop(), True
-        return self.new(), False
+                return self._idle.pop()
+        return Connection(self.host, self.port, self.host_header, self.ssl_context)
 
-    def release(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
+    def release(self, conn: Connection, reusable: bool) -> None:
         if reusable and not self._closed:
             with self._lock:
                 self._idle.append(conn)
@@ -380,37 +306,6 @@ class _Pool:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
-
-
-def _set_timeout(conn: http.client.HTTPConnection, seconds: float) -> None:
-    conn.timeout = seconds
-    if conn.sock is not None:
-        conn.sock.settimeout(seconds)
-
-
-def _read_exact(resp: http.client.HTTPResponse, view: memoryview, deadline: _Deadline) -> None:
-    """Fill ``view`` from the body; raise _Miss if the body ends first (block evicted).
-
-    Reads with ``readinto1``: at most one ``recv`` per call, straight into ``view`` once
-    the reader's buffer is empty (no extra copy of a large block).
-    """
-    got, total = 0, len(view)
-    fp = resp.fp
-    if fp is None:
-        if total:
-            raise _Miss("no body to read")
-        return
-    while got < total:
-        # One recv at most per call (a plain readinto loops until the view is full);
-        # the deadline is enforced underneath, by _DeadlineRaw.
-        n = fp.readinto1(view[got:])
-        if not n:
-            raise _Miss(f"body cut short at {got} of {total} bytes")
-        got += n
-        if resp.length is not None:
-            resp.length -= n
-    if resp.length == 0:
-        resp.read()  # the body is done: lets http.client release the connection for reuse
 
 
 Sink = Callable[[int, Callable[[memoryview], None]], T]
@@ -438,9 +333,10 @@ class RemoteKVConnector:
         """
         self.config = resolve_config(config, settings)
         self._pool = _Pool(self.config)
-        self._headers: dict[str, str] = {}
+        # The one place the token lives besides the config: a ready-made header line.
+        self._auth = b""
         if self.config.token:
-            self._headers["Authorization"] = f"Bearer {self.config.token}"
+            self._auth = b"Authorization: Bearer %s\r\n" % self.config.token.encode("latin-1")
         self._warned_401 = False
         self._closed = False
 
@@ -475,58 +371,44 @@ class RemoteKVConnector:
     def _exchange(
         self,
         method: str,
-        path: str,
-        on_response: Callable[[http.client.HTTPResponse, _Deadline], T],
-        body: Sequence[memoryview | bytes] = (),
-        headers: Mapping[str, str] | None = None,
+        target: str,
+        on_response: Callable[[Response], T],
+        body: Sequence[Any] = (),
+        headers: bytes = b"",
     ) -> T:
         """Send one request and hand the response to ``on_response``.
 
-        ``on_response`` must read the body fully (the connection is then reused) or raise.
-        A kept-alive connection the server closed while idle fails on first use; that one
-        case is retried once on a fresh connection (every request here is idempotent).
+        ``on_response`` must read the body fully (the connection is then kept) or raise.
+        A kept-alive connection the server closed while idle fails before any answer;
+        that one case is retried once on a fresh connection (every request here is
+        idempotent).
 
         Raises:
-            Any transport error, TimeoutError, or what ``on_response`` raises.
+            Any transport error, TimeoutError, ProtocolError, or what ``on_response``
+            raises.
         """
         if self._closed:
             raise RemoteError("the connector is closed")
-        deadline = _Deadline(self.config.timeout_s)
-        hdrs = dict(self._headers)
-        if headers:
-            hdrs.update(headers)
+        deadline = Deadline(self.config.timeout_s)
+        parts = [memoryview(b).cast("B") for b in body]
+        head = self._auth + headers
         if method in ("PUT", "POST"):
-            hdrs["Content-Length"] = str(sum(len(memoryview(b).cast("B")) for b in body))
+            head += b"Content-Length: %d\r\n" % sum(len(p) for p in parts)
         for attempt in (0, 1):
-            conn, reused = self._pool.acquire(deadline)
-            ok = False
+            conn = self._pool.acquire(deadline)
+            keep = False
             try:
-                _set_timeout(conn, deadline.left())
-                conn.putrequest(method, path, skip_accept_encoding=True)
-                for k, v in hdrs.items():
-                    conn.putheader(k, v)
-                conn.endheaders()
-                for part in body:
-                    conn.sock.settimeout(deadline.left())
-                    conn.send(part)
-                conn.response_class = functools.partial(_DeadlineResponse, deadline=deadline)
-                resp = conn.getresponse()
-                result = on_response(resp, deadline)
-                ok = not resp.will_close and resp.isclosed()
+                resp = conn.request(method, target, head, parts, deadline)
+                result = on_response(resp)
+                keep = conn.reusable(resp)
                 return result
-            except (
-                http.client.RemoteDisconnected,
-                BrokenPipeError,
-                ConnectionResetError,
-                ConnectionAbortedError,
-            ):
-                # Only a reused connection that died before answering is worth a retry:
-                # the server closed it while it sat idle in the pool.
-                if attempt == 0 and reused and deadline.left() > 0:
+            except StaleConnection:
+                # The server closed this idle connection; a fresh one gets a real answer.
+                if attempt == 0:
                     continue
                 raise
             finally:
-                self._pool.release(conn, ok)
+                self._pool.release(conn, keep)
         raise RemoteError("unreachable")  # pragma: no cover
 
     def _miss(self, what: str, address: str, exc: BaseException) -> None:
@@ -537,28 +419,14 @@ class RemoteKVConnector:
         log.debug("eg-kv %s %s: miss (%s: %s)", what, address, type(exc).__name__, exc)
 
     @staticmethod
-    def _check_auth(resp: http.client.HTTPResponse) -> None:
+    def _check_auth(resp: Response) -> None:
         if resp.status == 401:
-            resp.read()
+            resp.read_all(_SMALL_ANSWER)
             raise Unauthorized("the server wants a valid bearer token")
 
-    @staticmethod
-    def _drain(resp: http.client.HTTPResponse, deadline: _Deadline) -> bytes:
-        """Read a small body (status answers, JSON) within the deadline."""
-        length = resp.length
-        if length is not None and length > 16 * 1024 * 1024:
-            raise _Miss(f"unexpectedly large answer ({length} bytes)")
-        if length is None:
-            return resp.read()
-        buf = bytearray(length)
-        _read_exact(resp, memoryview(buf), deadline)
-        if not resp.isclosed():
-            resp.read()  # an empty body: marks the response done so the connection is reused
-        return bytes(buf)
-
-    def _json(self, resp: http.client.HTTPResponse, deadline: _Deadline) -> Any:
+    def _json(self, resp: Response) -> Any:
         self._check_auth(resp)
-        data = self._drain(resp, deadline)
+        data = resp.read_all(_SMALL_ANSWER)
         if resp.status != 200:
             raise _Miss(f"HTTP {resp.status}")
         try:
@@ -577,29 +445,36 @@ class RemoteKVConnector:
         """
         address = to_address(key)
 
-        def on_response(resp: http.client.HTTPResponse, deadline: _Deadline) -> T | None:
+        def on_response(resp: Response) -> T | None:
             self._check_auth(resp)
-            if resp.status != 200 or resp.length is None:
-                self._drain(resp, deadline)
+            if resp.status != 200:
+                resp.read_all(_SMALL_ANSWER)
                 return None
-            total = resp.length
-            consumed = 0
+            if resp.length is None:
+                # Chunked or read-to-close: not what the server sends for a block, but
+                # still well-formed; take it through memory.
+                data = memoryview(resp.read_all(1 << 40))
+                offset = 0
+
+                def read_exact(view: memoryview) -> None:
+                    nonlocal offset
+                    view = memoryview(view).cast("B")
+                    if offset + len(view) > len(data):
+                        raise _Miss("sink asked for more bytes than the block holds")
+                    view[:] = data[offset : offset + len(view)]
+                    offset += len(view)
+
+                result = sink(len(data), read_exact)
+                if offset != len(data):
+                    raise _Miss("sink left part of the body unread")
+                return result
 
             def read_exact(view: memoryview) -> None:
-                nonlocal consumed
-                view = memoryview(view).cast("B")
-                if consumed + len(view) > total:
-                    raise _Miss("sink asked for more bytes than the block holds")
-                _read_exact(resp, view, deadline)
-                consumed += len(view)
+                resp.read_exact(memoryview(view).cast("B"))
 
-            result = sink(total, read_exact)
-            if consumed != total:
-                # The rest of the body is unread: the connection cannot be reused.
-                resp.close()
+            result = sink(resp.length, read_exact)
+            if not resp.complete:
                 raise _Miss("sink left part of the body unread")
-            if not resp.isclosed():
-                resp.read()  # an empty body: marks the response done
             return result
 
         try:
@@ -659,9 +534,9 @@ class RemoteKVConnector:
             self._miss("PUT", address, exc)
             return False
 
-        def on_response(resp: http.client.HTTPResponse, deadline: _Deadline) -> bool:
+        def on_response(resp: Response) -> bool:
             self._check_auth(resp)
-            self._drain(resp, deadline)
+            resp.read_all(_SMALL_ANSWER)
             return resp.status in (200, 201)
 
         try:
@@ -670,16 +545,16 @@ class RemoteKVConnector:
                 self._path(address),
                 on_response,
                 body=views,
-                headers={"Content-Type": "application/octet-stream"},
+                headers=b"Content-Type: application/octet-stream\r\n",
             )
         except Exception as exc:
             self._miss("PUT", address, exc)
             return False
 
     def _status(self, method: str, address: str, path: str) -> int | None:
-        def on_response(resp: http.client.HTTPResponse, deadline: _Deadline) -> int:
+        def on_response(resp: Response) -> int:
             self._check_auth(resp)
-            self._drain(resp, deadline)
+            resp.read_all(_SMALL_ANSWER)
             return resp.status
 
         try:
@@ -719,7 +594,7 @@ class RemoteKVConnector:
             f"{self._pool.prefix}/kv/batch/exists",
             self._json,
             body=(body,),
-            headers={"Content-Type": "application/json"},
+            headers=b"Content-Type: application/json\r\n",
         )
         found = doc.get("exists") if isinstance(doc, dict) else None
         if (
