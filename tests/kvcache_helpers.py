@@ -26,6 +26,8 @@ class RawServer:
         drip: promise a 1 MB body and send one byte every 0.1 s until stopped.
         badjson: a 200 whose body is not JSON on the JSON routes, 404 elsewhere
             (keep-alive).
+        chunked: correct answers with chunked bodies (``hello``, or exists=true JSON).
+        close10: an HTTP/1.0 ``200`` whose body ``hello`` ends with the connection.
         oneshot: a correct ``200`` with body ``hello`` (no ``Connection: close``), then
             close the socket, as a server that drops idle kept-alive connections does.
 
@@ -141,6 +143,20 @@ class RawServer:
                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
                     )
                     continue
+                if self.mode == "chunked":
+                    # Well-formed HTTP/1.1 with chunked bodies (and a chunk extension).
+                    line = self.requests[-1]
+                    body = b'{"hash": "k", "exists": true}' if b"exists" in line else b"hello"
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        b"3;ext=1\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
+                        % (body[:3], len(body) - 3, body[3:])
+                    )
+                    continue
+                if self.mode == "close10":
+                    # HTTP/1.0, no Content-Length: the body runs to the end of the connection.
+                    conn.sendall(b"HTTP/1.0 200 OK\r\n\r\nhello")
+                    return
                 if self.mode == "oneshot":
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
                     return

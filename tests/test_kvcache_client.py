@@ -254,6 +254,23 @@ def test_stale_kept_alive_connection_is_retried_once():
         kv.close()
 
 
+def test_chunked_and_read_to_close_answers_are_understood():
+    # Not what eg-kv sends, but well-formed HTTP a proxy in between might produce.
+    with RawServer("chunked") as srv:
+        kv = RemoteKVConnector(base_url=srv.url, timeout_s=5)
+        assert kv.get("k") == b"hello"
+        buf = bytearray(8)
+        assert kv.get_into("k", buf) == 5 and buf[:5] == b"hello"
+        assert kv.exists("k") is True
+        assert srv.accepted == 1  # a complete chunked answer keeps the connection
+        kv.close()
+    with RawServer("close10") as srv:
+        kv = RemoteKVConnector(base_url=srv.url, timeout_s=5)
+        assert kv.get("k") == b"hello" and kv.get("k") == b"hello"
+        assert srv.accepted == 2  # the connection ended with each answer
+        kv.close()
+
+
 # --------------------------------------------------------------------------- broken servers
 
 
