@@ -625,10 +625,14 @@ class RemoteKVConnector:
     def try_exists_many(self, keys: Sequence[str | bytes]) -> list[bool] | None:
         """Like :meth:`exists_many`, but None when any batch request failed (so a caller
         can tell "absent" from "could not ask"). Never raises."""
-        addresses = [to_address(k) for k in keys]
+        return self.try_exists_addresses([to_address(k) for k in keys])
+
+    def try_exists_addresses(self, addresses: Sequence[str]) -> list[bool] | None:
+        """:meth:`try_exists_many` for ready-made addresses (no per-key mapping: the L2
+        connector's lookups are latency-bound). Never raises."""
         out: list[bool] = []
         for i in range(0, len(addresses), BATCH_EXISTS_MAX):
-            found = self._try_batch(addresses[i : i + BATCH_EXISTS_MAX])
+            found = self._try_batch(list(addresses[i : i + BATCH_EXISTS_MAX]))
             if found is None:
                 return None
             out.extend(found)

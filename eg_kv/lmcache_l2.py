@@ -142,15 +142,15 @@ class RemoteKVL2Connector:
             The future id its completion will carry (per-key: resident or not).
         """
         fid = next(self._ids)
-        addresses = [address_for_key(k) for k in keys]
-        if not addresses:
+        keys = list(keys)  # LMCache may reuse its list; hashing waits for the pool thread
+        if not keys:
             self._complete(fid, True, "", [])
             return fid
 
         def run() -> None:
-            found = self._client.try_exists_many(addresses)
+            found = self._client.try_exists_addresses([address_for_key(k) for k in keys])
             if found is None:  # could not ask: a failed lookup, which LMCache counts as misses
-                self._complete(fid, False, "eg-kv batch exists failed", [False] * len(addresses))
+                self._complete(fid, False, "eg-kv batch exists failed", [False] * len(keys))
             else:
                 self._complete(fid, True, "", found)
 
@@ -228,19 +228,19 @@ class RemoteKVL2Connector:
             error = "" if ok else f"{results.count(False)} of {n} keys failed"
             self._complete(fid, ok, error, list(results))
 
-        def run(i: int, addr: str) -> None:
+        def run(i: int, key: str) -> None:
             try:
-                ok = bool(op(i, addr))
+                ok = bool(op(i, address_for_key(key)))
             except Exception:  # the client never raises; this guards LMCache's buffers
                 log.exception("eg-kv L2 operation failed")
                 ok = False
             if batch.done(i, ok):
                 finish()
 
+        # The key is hashed on the pool thread: submit runs under LMCache's adapter lock.
         for i, key in enumerate(keys):
-            addr = address_for_key(key)
             try:
-                self._pool.submit(run, i, addr)
+                self._pool.submit(run, i, key)
             except RuntimeError:  # closed between the check and here
                 if batch.done(i, False):
                     finish()
