@@ -165,18 +165,3 @@ class RawServer:
             return
         finally:
             conn.close()
-
-
-def metric_count(metrics_text: str, route: str, method: str | None = None) -> float:
-    """Sum of ``eg_kv_requests_total`` samples for ``route`` (and ``method``) in /metrics."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if not line.startswith("eg_kv_requests_total{"):
-            continue
-        labels, _, value = line.rpartition(" ")
-        if f'route="{route}"' not in labels:
-            continue
-        if method is not None and f'method="{method}"' not in labels:
-            continue
-        total += float(value)
-    return total
