@@ -19,6 +19,7 @@ import urllib.request
 
 import aiohttp
 import pytest
+from conftest import wait_for
 from kvcache_helpers import RawServer
 
 from eg_kv.address import address_for_key
@@ -241,6 +242,51 @@ def test_bearer_token(server_factory):
     assert env_kv.get("k") == b"v"
     for c in (anon, wrong, kv, env_kv):
         c.close()
+
+
+def test_tls(server_factory, tmp_path, monkeypatch):
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert_path, key_path, ca_path = tmp_path / "s.pem", tmp_path / "s.key", tmp_path / "ca.pem"
+    cert.private_key_pem.write_to_path(str(key_path))
+    cert.cert_chain_pems[0].write_to_path(str(cert_path))
+    ca.cert_pem.write_to_path(str(ca_path))
+    srv = server_factory(
+        workers=1, capacity="16MiB", wait=False,
+        extra=("--tls-cert", str(cert_path), "--tls-key", str(key_path)),
+    )  # fmt: skip
+    url = f"https://127.0.0.1:{srv.port}"
+    # Trusting the test CA through the standard SSL_CERT_FILE (read when a client starts).
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_path))
+    kv = RemoteKVConnector(base_url=url, timeout_s=5)
+    assert wait_for(lambda: kv.healthz(), timeout=30, what="TLS server healthy")
+    data = os.urandom(3 * 1024 * 1024 + 5)
+    assert kv.put("secure", data) is True and kv.get("secure") == data
+    assert kv.stats().unique_blocks == 1
+    kv.close()
+    monkeypatch.delenv("SSL_CERT_FILE")
+    # Without the CA the certificate is refused: a miss, not an exception...
+    strict = RemoteKVConnector(base_url=url, timeout_s=5)
+    assert strict.get("secure") is None and strict.contains("secure") is False
+    # ...unless the check is turned off (EPISTEMIC_GRAPH_KVCACHE_TLS_VERIFY=0).
+    loose = RemoteKVConnector(
+        KvCacheConfig.from_env({"EPISTEMIC_GRAPH_KVCACHE_TLS_VERIFY": "0"}, base_url=url)
+    )
+    assert loose.get("secure") == data
+    # Plain HTTP to the TLS port gets no usable answer.
+    assert (
+        RemoteKVConnector(base_url=f"http://127.0.0.1:{srv.port}", timeout_s=2).get("secure")
+        is None
+    )
+
+    async def main() -> None:
+        async with AsyncRemoteKVConnector(base_url=url, verify_tls=False) as akv:
+            assert await akv.get("secure") == data
+
+    asyncio.run(main())
+    strict.close()
+    loose.close()
 
 
 def test_stale_kept_alive_connection_is_retried_once():
