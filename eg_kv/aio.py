@@ -117,13 +117,21 @@ class AsyncRemoteKVConnector:
         session = self._get_session()
         headers = dict(self._headers)
         headers.update(kw.pop("headers", {}))
-        async with session.request(
-            method, url, headers=headers, timeout=self._timeout, **kw
-        ) as resp:
-            if resp.status == 401:
-                raise Unauthorized("the server wants a valid bearer token")
-            body = await resp.read()
-            return resp.status, body, resp.content_length
+        for attempt in (0, 1):
+            try:
+                async with session.request(
+                    method, url, headers=headers, timeout=self._timeout, **kw
+                ) as resp:
+                    if resp.status == 401:
+                        raise Unauthorized("the server wants a valid bearer token")
+                    body = await resp.read()
+                    return resp.status, body, resp.content_length
+            except aiohttp.ServerDisconnectedError:
+                # A pooled connection the server closed while idle: every request here is
+                # idempotent, so one retry on a fresh connection is safe.
+                if attempt:
+                    raise
+        raise RemoteError("unreachable")  # pragma: no cover
 
     async def _json(self, method: str, url: str, **kw: Any) -> Any:
         status, body, _ = await self._request(method, url, **kw)

@@ -299,6 +299,14 @@ def test_stale_kept_alive_connection_is_retried_once():
         assert srv.accepted == 3 and len(srv.requests) == 3
         kv.close()
 
+        async def main() -> None:
+            async with AsyncRemoteKVConnector(base_url=srv.url, timeout_s=5) as akv:
+                for _ in range(3):
+                    assert await akv.get("a") == b"hello"
+
+        asyncio.run(main())
+        assert len(srv.requests) == 6
+
 
 def test_chunked_and_read_to_close_answers_are_understood():
     # Not what eg-kv sends, but well-formed HTTP a proxy in between might produce.
@@ -387,7 +395,7 @@ def test_async_client_against_real_server(server_factory):
             assert await kv.put("a", b"alpha") is True  # dedup
             assert await kv.get("a") == b"alpha"
             assert await kv.contains("a") and await kv.exists("a")
-            assert await kv.put(LMCACHE_KEY, big) is True
+            assert await kv.put(LMCACHE_KEY, memoryview(big)) is True
             assert await kv.get(LMCACHE_KEY) == big
             assert await kv.exists_many(["a", "zz", LMCACHE_KEY]) == [True, False, True]
             assert await kv.contains_prefix(["a", LMCACHE_KEY, "zz"]) == 2
