@@ -75,6 +75,12 @@ class RemoteKVL2Connector:
         Raises:
             ConfigError: a parameter cannot be used.
         """
+        if adapter_params.get("token"):
+            # LMCache logs adapter_params verbatim when it builds the adapter.
+            log.warning(
+                "eg-kv: a token in adapter_params ends up in LMCache's log; "
+                "set EPISTEMIC_GRAPH_KVCACHE_TOKEN in the environment instead"
+            )
         self.config = resolve_config(config, adapter_params)
         self._client = RemoteKVConnector(self.config)
         # Non-blocking so drain_completions() can reset it without waiting; the counter
