@@ -9,6 +9,7 @@ are read straight from the slab at scrape time rather than copied into per-proce
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable
 
@@ -17,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Seconds between flushes of a worker's request counts into the shared files.
+FLUSH_S = 1.0
 
 #: Slab counters that only grow; everything else in the stats is a gauge.
 _SLAB_COUNTERS = {
@@ -54,21 +57,44 @@ class Metrics:
             "Time from the request's headers to the end of its response, by route",
             ["route"], registry=None, buckets=_BUCKETS,
         )  # fmt: skip
-        # Children looked up once per label set: .labels() costs more than .inc().
-        self._counters: dict[tuple[str, str, str], Counter] = {}
-        self._hists: dict[str, Histogram] = {}
+        # Requests are counted in plain Python objects and flushed in bulk (flush()):
+        # three locked writes into memory-mapped files per request cost about a tenth of
+        # a small GET. Pending: counts by label set; per route, bucket counts then the sum.
+        self._counts: dict[tuple[str, str, int | str], int] = {}
+        self._hist: dict[str, list[float]] = {}
+        self._nbuckets = len(_BUCKETS) + 1  # the last one is +Inf
 
     def observe(self, route: str, method: str, status: int | str, seconds: float) -> None:
-        """Count one answered request and record how long it took."""
-        key = (route, method if method in _METHODS else "other", str(status))
-        counter = self._counters.get(key)
-        if counter is None:
-            counter = self._counters[key] = self.requests.labels(*key)
-        counter.inc()
-        hist = self._hists.get(route)
-        if hist is None:
-            hist = self._hists[route] = self.latency.labels(route)
-        hist.observe(seconds)
+        """Count one answered request and record how long it took (until the next flush)."""
+        key = (route, method if method in _METHODS else "other", status)
+        counts = self._counts
+        counts[key] = counts.get(key, 0) + 1
+        h = self._hist.get(route)
+        if h is None:
+            h = self._hist[route] = [0] * (self._nbuckets + 1)
+        h[bisect.bisect_left(_BUCKETS, seconds)] += 1  # prometheus: value <= upper bound
+        h[-1] += seconds
+
+    def flush(self) -> None:
+        """Add the pending counts to the prometheus metrics (the shared files)."""
+        counts, self._counts = self._counts, {}
+        hists, self._hist = self._hist, {}
+        for (route, method, status), n in counts.items():
+            self.requests.labels(route, method, str(status)).inc(n)
+        for route, h in hists.items():
+            child = self.latency.labels(route)
+            buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+            if buckets is None or total is None or len(buckets) != self._nbuckets:
+                # prometheus_client changed its internals: replay the observations.
+                for i, n in enumerate(h[:-1]):
+                    bound = (*_BUCKETS, float("inf"))[i]
+                    for _ in range(int(n)):
+                        child.observe(bound if bound != float("inf") else _BUCKETS[-1] * 2)
+                continue
+            for i, n in enumerate(h[:-1]):
+                if n:
+                    buckets[i].inc(n)
+            total.inc(h[-1])
 
     def render(self, slab_stats: dict[str, int], workers_up: int, workers: int) -> bytes:
         """The Prometheus text exposition: every worker's requests plus the slab's stats."""

@@ -9,6 +9,7 @@ import re
 import threading
 
 import pytest
+from conftest import wait_for
 from server_http import WORKER_HEADER, request, stats
 
 from eg_kv.address import RESERVED
@@ -227,16 +228,24 @@ def test_metrics_aggregate_over_workers(srv):
         assert r.status == 201
         pids.add(r.worker)
     assert len(pids) == 2, "20 connections should reach both workers"
-    r = request(srv, "GET", "/metrics")
-    assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
-    text = r.text
-    m = re.search(
-        r'^eg_kv_requests_total\{method="PUT",route="block",status="201"\} (\S+)$', text, re.M
+    # Each worker flushes its counts into the shared files at least once a second.
+    pattern = re.compile(
+        r'^eg_kv_requests_total\{method="PUT",route="block",status="201"\} (\S+)$', re.M
     )
-    assert m and float(m.group(1)) == 20.0, text
+
+    def scraped():
+        r = request(srv, "GET", "/metrics")
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        m = pattern.search(r.text)
+        return r.text if m and float(m.group(1)) == 20.0 else None
+
+    text = wait_for(scraped, timeout=10, what="20 PUTs in /metrics")
     assert re.search(r"^eg_kv_unique_blocks 20\.0$", text, re.M)
     assert re.search(r"^eg_kv_workers_up 2\.0$", text, re.M)
     assert 'eg_kv_request_duration_seconds_bucket{le="+Inf",route="block"} 20.0' in text
+    assert 'eg_kv_request_duration_seconds_count{route="block"} 20.0' in text
+    total = re.search(r'^eg_kv_request_duration_seconds_sum\{route="block"\} (\S+)$', text, re.M)
+    assert total and 0 < float(total.group(1)) < 20
 
 
 def test_dedup_across_processes(srv):

@@ -1,0 +1,638 @@
+#!/usr/bin/env python3
+"""Benchmark eg-kv against a bare aiohttp handler and redis-server, side by side.
+
+GET, PUT and HEAD at 4 KiB, 1 MiB and 14 MiB, with 1 and N workers. Small requests are
+driven by ``wrk`` (and ``redis-benchmark`` for redis); large ones by a raw-socket
+keep-alive client in threads (the same client for every server). Also measured: a worker's
+private memory (USS) while 4 clients move 14 MiB blocks, and batch existence against the
+same number of HEADs over one connection.
+
+Run it alone on the machine (other load skews it), e.g.::
+
+    flock /tmp/eg-kv-bench.lock .venv/bin/python scripts/bench_server.py --seconds 2
+
+Needs ``wrk``, ``ab``, ``redis-server`` and ``redis-benchmark`` on PATH (Debian:
+``apt-get install redis-server wrk apache2-utils``; ``ab`` drives HEAD, since ``wrk``
+waits for a body after a HEAD answer). Every server it starts listens on a free loopback port and is
+stopped by pid; every slab it creates is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+KiB, MiB = 1024, 1024 * 1024
+SIZES = {"4KiB": 4 * KiB, "1MiB": MiB, "14MiB": 14 * MiB}
+OPS = ("GET", "HEAD", "PUT")  # PUT last: its new blocks may evict the ones GET reads
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port} after {timeout}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+# ---------------------------------------------------------------------------- the bare server
+
+
+def bare_server(port: int, workers: int) -> None:
+    """The framework's ceiling: aiohttp + uvloop serving / draining bytes from memory.
+
+    Started the way an eg-kv worker starts (forked, ``AppRunner`` + ``TCPSite`` with
+    ``reuse_port``, uvloop), so the handlers are the only difference. Large bodies go out
+    in 1 MiB zero-copy slices of the in-memory block: one 14 MiB write is slower in
+    aiohttp (measured), and a ceiling should be the best the framework can do.
+    """
+    import asyncio
+
+    from aiohttp import web
+
+    blocks = {f"b{name}": os.urandom(n) for name, n in SIZES.items()}
+    slice_size = MiB
+
+    async def get(request):
+        data = blocks[request.match_info["h"]]
+        if len(data) <= slice_size:
+            return web.Response(body=data, content_type="application/octet-stream")
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = len(data)
+        await resp.prepare(request)
+        view = memoryview(data)
+        for i in range(0, len(data), slice_size):
+            await resp.write(view[i : i + slice_size])
+        await resp.write_eof()
+        return resp
+
+    async def head(request):
+        resp = web.StreamResponse()
+        resp.content_length = len(blocks[request.match_info["h"]])
+        await resp.prepare(request)
+        await resp.write_eof()
+        return resp
+
+    async def put(request):
+        while await request.content.readany():
+            pass
+        return web.Response(status=201, text="created\n")
+
+    async def run() -> None:
+        app = web.Application(handler_args={"auto_decompress": False})
+        app.router.add_route("GET", "/kv/{h}", get)
+        app.router.add_route("HEAD", "/kv/{h}", head)
+        app.router.add_route("PUT", "/kv/{h}", put)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, reuse_port=True, backlog=1024).start()
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    def serve() -> None:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(run())
+
+    children = []
+    for _ in range(workers):
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            try:
+                serve()
+            finally:
+                os._exit(0)
+        children.append(pid)
+
+    def down(*_):
+        for c in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, down)
+    for c in children:
+        while True:
+            try:
+                os.waitpid(c, 0)
+                break
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+class Server:
+    """A server under test: eg-kv, bare aiohttp or redis."""
+
+    kind = ""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            stop(self.proc)
+
+
+class EgKv(Server):
+    kind = "eg-kv"
+
+    def start(self) -> None:
+        self.slab = f"/eg-kv-bench-{os.getpid()}-{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{self.port}",
+             "--workers", str(self.workers), "--capacity", "512MiB", "--slab-name", self.slab,
+             "--fresh"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz") as r:
+                    if json.loads(r.read())["workers_up"] == self.workers:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.blocks = {name: os.urandom(n) for name, n in SIZES.items()}
+
+    def ensure(self, size_name: str) -> None:
+        """(Re)store the block GET and HEAD read: an earlier PUT run may have evicted it."""
+        http_put_once(self.port, f"/kv/b{size_name}", self.blocks[size_name])
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        from eg_kv.slab import Slab
+
+        Slab.unlink_named(self.slab)
+
+    def worker_pids(self) -> list[int]:
+        import psutil
+
+        return [p.pid for p in psutil.Process(self.proc.pid).children()]
+
+
+class Bare(Server):
+    kind = "bare aiohttp"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--bare-server", str(self.port), str(self.workers)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_port(self.port, self.proc)
+
+    def ensure(self, size_name: str) -> None:
+        pass
+
+
+class Redis(Server):
+    kind = "redis"
+
+    def start(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="eg-kv-bench-redis-")
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru",
+             "--dir", self.dir, "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_port(self.port, self.proc)
+
+    def ensure(self, size_name: str) -> None:
+        with connect(self.port) as s:
+            redis_cmd(s, b"SET", f"b{size_name}".encode(), os.urandom(SIZES[size_name]))
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- raw clients
+
+
+def _read_until(s: socket.socket, buf: bytearray, marker: bytes) -> int:
+    while (i := buf.find(marker)) < 0:
+        chunk = s.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return i
+
+
+def _read_exact(s: socket.socket, buf: bytearray, n: int, sink: memoryview) -> None:
+    """Consume ``n`` bytes: first from ``buf``, the rest straight into ``sink``."""
+    take = min(n, len(buf))
+    del buf[:take]
+    left = n - take
+    while left:
+        got = s.recv_into(sink[: min(left, len(sink))])
+        if not got:
+            raise ConnectionError("closed mid-body")
+        left -= got
+
+
+def http_exchange(s, buf, sink, method: str, path: str, body=None) -> int:
+    head = f"{method} {path} HTTP/1.1\r\nHost: b\r\n"
+    if body is not None:
+        head += f"Content-Length: {len(body)}\r\n"
+    s.sendall(head.encode() + b"\r\n")
+    if body is not None:
+        s.sendall(body)
+    end = _read_until(s, buf, b"\r\n\r\n")
+    header = bytes(buf[:end])
+    del buf[: end + 4]
+    status = int(header[9:12])
+    m = re.search(rb"(?i)\r\ncontent-length: *(\d+)", header)
+    if method != "HEAD" and m:
+        _read_exact(s, buf, int(m.group(1)), sink)
+    return status
+
+
+def connect(port: int) -> socket.socket:
+    """A client connection; no Nagle delay between a request's head and its body."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def http_put_once(port: int, path: str, body: bytes) -> int:
+    with connect(port) as s:
+        return http_exchange(s, bytearray(), memoryview(bytearray(65536)), "PUT", path, body)
+
+
+def redis_cmd(s: socket.socket, *parts: bytes, buf=None, sink=None) -> None:
+    out = b"*%d\r\n" % len(parts)
+    for p in parts:
+        out += b"$%d\r\n" % len(p)
+        if len(p) > 65536:
+            s.sendall(out)
+            s.sendall(p)
+            out = b"\r\n"
+        else:
+            out += p + b"\r\n"
+    s.sendall(out)
+    buf = bytearray() if buf is None else buf
+    sink = memoryview(bytearray(65536)) if sink is None else sink
+    end = _read_until(s, buf, b"\r\n")
+    line = bytes(buf[:end])
+    del buf[: end + 2]
+    if line == b"$-1":
+        raise RuntimeError(f"redis: no key {parts[1]!r}")
+    if line.startswith(b"$"):
+        _read_exact(s, buf, int(line[1:]) + 2, sink)
+    elif line.startswith(b"-"):
+        raise RuntimeError(line.decode())
+
+
+def run_threads(nthreads: int, seconds: float, one) -> float:
+    """Run ``one(state)`` in a loop in each thread for ``seconds``; return total ops/s."""
+    counts = [0] * nthreads
+    start = threading.Barrier(nthreads + 1)
+    stop_at = [0.0]
+
+    def loop(i: int) -> None:
+        state = {"i": i, "n": 0}
+        one(state, setup=True)
+        start.wait()
+        while time.monotonic() < stop_at[0]:
+            one(state)
+            counts[i] += 1
+        one(state, teardown=True)
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(nthreads)]
+    for t in threads:
+        t.start()
+    stop_at[0] = time.monotonic() + seconds
+    t0 = time.monotonic()
+    start.wait()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.monotonic() - t0)
+
+
+def large_http(port: int, op: str, size_name: str, seconds: float, conns: int) -> float:
+    payload = os.urandom(SIZES[size_name])
+
+    def one(st, setup=False, teardown=False):
+        if setup:
+            st["s"] = connect(port)
+            st["buf"], st["sink"] = bytearray(), memoryview(bytearray(4 * MiB))
+            return
+        if teardown:
+            st["s"].close()
+            return
+        st["n"] += 1
+        path = f"/kv/b{size_name}" if op != "PUT" else f"/kv/p{st['i']}-{st['n']}-{size_name}"
+        status = http_exchange(st["s"], st["buf"], st["sink"], op, path,
+                               payload if op == "PUT" else None)  # fmt: skip
+        if status not in (200, 201):
+            raise RuntimeError(f"{op} {path}: {status}")
+
+    return run_threads(conns, seconds, one)
+
+
+def large_redis(port: int, op: str, size_name: str, seconds: float, conns: int) -> float:
+    payload = os.urandom(SIZES[size_name])
+
+    def one(st, setup=False, teardown=False):
+        if setup:
+            st["s"] = connect(port)
+            st["buf"], st["sink"] = bytearray(), memoryview(bytearray(4 * MiB))
+            return
+        if teardown:
+            st["s"].close()
+            return
+        st["n"] += 1
+        key = f"b{size_name}".encode()
+        if op == "GET":
+            redis_cmd(st["s"], b"GET", key, buf=st["buf"], sink=st["sink"])
+        elif op == "HEAD":
+            redis_cmd(st["s"], b"STRLEN", key, buf=st["buf"], sink=st["sink"])
+        else:
+            k = f"p{st['i']}-{st['n']}-{size_name}".encode()
+            redis_cmd(st["s"], b"SET", k, payload, buf=st["buf"], sink=st["sink"])
+
+    return run_threads(conns, seconds, one)
+
+
+# ---------------------------------------------------------------------------- wrk / redis-benchmark
+
+
+WRK_PUT = """
+counter = 0
+thread_id = 0
+local threads = {}
+function setup(thread) thread:set("id", #threads); table.insert(threads, thread) end
+function init(args) body = string.rep("x", %d) end
+request = function()
+  counter = counter + 1
+  return wrk.format("PUT", "/kv/w" .. id .. "-" .. counter, nil, body)
+end
+"""
+
+
+def ab_head_rate(port: int, size_name: str, seconds: float, conns: int) -> float:
+    """HEAD requests/s with ApacheBench: wrk waits for a body after a HEAD answer."""
+    url = f"http://127.0.0.1:{port}/kv/b{size_name}"
+    args = ["ab", "-q", "-k", "-i", "-c", str(conns), "-t", str(max(1, round(seconds))),
+            "-n", "10000000", url]  # fmt: skip
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
+    m = re.search(r"Requests per second:\s+([\d.]+)", out)
+    bad = re.search(r"Non-2xx responses:\s+(\d+)", out)
+    failed = re.search(r"Failed requests:\s+(\d+)", out)
+    if not m or bad or (failed and int(failed.group(1))):
+        raise RuntimeError(f"ab failed: {out}")
+    return float(m.group(1))
+
+
+def wrk_rate(port: int, op: str, size_name: str, seconds: float, conns: int) -> float:
+    if op == "HEAD":
+        return ab_head_rate(port, size_name, seconds, conns)
+    url = f"http://127.0.0.1:{port}/kv/b{size_name}"
+    args = ["wrk", "-t", "1", "-c", str(conns), "-d", f"{max(1, round(seconds))}s"]
+    script = None
+    if op == "PUT":
+        script = WRK_PUT % SIZES[size_name]
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(script or "")
+    try:
+        if script:
+            args += ["-s", f.name]
+        out = subprocess.run([*args, url], capture_output=True, text=True, timeout=60).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if not m or bad:
+        raise RuntimeError(f"wrk failed: {out}")
+    return float(m.group(1))
+
+
+def redis_bench_rate(port: int, op: str, size_name: str, seconds: float, conns: int) -> float:
+    n = SIZES[size_name]
+    cmd = {"GET": ["GET", f"b{size_name}"], "HEAD": ["STRLEN", f"b{size_name}"],
+           "PUT": ["SET", "w:__rand_int__", "x" * n]}[op]  # fmt: skip
+    # redis-benchmark runs a request count, not a duration: size it from a short probe.
+    total = 20000
+    args = ["redis-benchmark", "-p", str(port), "-c", str(conns), "-q", "--csv", "-r", "100000"]
+    for _ in range(2):
+        t0 = time.monotonic()
+        out = subprocess.run([*args, "-n", str(total), *cmd], capture_output=True, text=True,
+                             timeout=120).stdout  # fmt: skip
+        took = time.monotonic() - t0
+        if took >= seconds * 0.5:
+            break
+        total = int(total * seconds / max(took, 0.05))
+    m = re.findall(r'"([\d.]+)"', out)
+    if not m:
+        raise RuntimeError(f"redis-benchmark failed: {out}")
+    return float(m[0])
+
+
+# ---------------------------------------------------------------------------- extra checks
+
+
+def uss_under_load(srv: EgKv, seconds: float) -> dict:
+    """Worker USS idle, at the peak while 4 clients move 14 MiB blocks, and after."""
+    import psutil
+
+    procs = [psutil.Process(p) for p in srv.worker_pids()]
+
+    def uss() -> list[int]:
+        return [p.memory_full_info().uss for p in procs]
+
+    idle = uss()
+    peak = list(idle)
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            for i, v in enumerate(uss()):
+                peak[i] = max(peak[i], v)
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        large_http(srv.port, "PUT", "14MiB", seconds / 2, 4)
+        large_http(srv.port, "GET", "14MiB", seconds / 2, 4)
+    finally:
+        done.set()
+        sampler.join()
+    time.sleep(1.0)  # let the allocator hand buffers back before the "after" sample
+    return {"idle_mib": [round(v / MiB, 1) for v in idle],
+            "peak_mib": [round(v / MiB, 1) for v in peak],
+            "after_mib": [round(v / MiB, 1) for v in uss()]}  # fmt: skip
+
+
+def batch_vs_heads(srv: EgKv) -> dict:
+    """1024 addresses: one POST /kv/batch/exists against 1024 HEADs on one connection."""
+    addrs = [f"bx{i}" for i in range(1024)]
+    for a in addrs[:512]:
+        http_put_once(srv.port, f"/kv/{a}", b"x" * 100)
+    body = json.dumps({"addresses": addrs}).encode()
+    with connect(srv.port) as s:
+        buf, sink = bytearray(), memoryview(bytearray(MiB))
+        t0 = time.perf_counter()
+        for a in addrs:
+            http_exchange(s, buf, sink, "HEAD", f"/kv/{a}")
+        heads = time.perf_counter() - t0
+        rounds = 20
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            assert http_exchange(s, buf, sink, "POST", "/kv/batch/exists", body) == 200
+        batch = (time.perf_counter() - t0) / rounds
+    return {"heads_ms": round(heads * 1000, 1), "batch_ms": round(batch * 1000, 2),
+            "speedup": round(heads / batch, 1)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def measure(server: Server, op: str, size_name: str, seconds: float) -> float:
+    """Requests per second for one cell."""
+    if op != "PUT":
+        server.ensure(size_name)
+    small = SIZES[size_name] <= 64 * KiB
+    if isinstance(server, Redis):
+        if small:
+            return redis_bench_rate(server.port, op, size_name, seconds, 16)
+        return large_redis(server.port, op, size_name, seconds, 4)
+    if small or op == "HEAD":
+        return wrk_rate(server.port, op, size_name, seconds, 16)
+    return large_http(server.port, op, size_name, seconds, 4)
+
+
+def fmt_rate(rate: float, size: int, op: str) -> str:
+    if op == "HEAD" or size <= 64 * KiB:
+        return f"{rate:,.0f} req/s"
+    return f"{rate * size / MiB:,.0f} MiB/s"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=2.0, help="per measurement (default 2)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="N (default: cores)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per cell, median kept (3)")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--bare-server", nargs=2, type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.bare_server:
+        bare_server(*args.bare_server)
+        return 0
+    for tool in ("wrk", "ab", "redis-server", "redis-benchmark"):
+        if not shutil.which(tool):
+            print(f"bench_server: {tool} is not on PATH (apt-get install redis-server wrk "
+                  "apache2-utils)",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+    os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+    results: dict = {"cells": [], "seconds": args.seconds, "repeat": args.repeat,
+                     "cpus": os.cpu_count()}  # fmt: skip
+    worker_counts = sorted({1, args.workers})
+    rates: dict[tuple, float] = {}
+
+    def cell(servers: list[Server], workers: int, op: str, size_name: str) -> None:
+        # Interleave the servers and keep each one's median of --repeat runs: the machine
+        # is shared, and load that comes and goes would otherwise favour one of them.
+        runs: dict[str, list[float]] = {srv.kind: [] for srv in servers}
+        for _ in range(args.repeat):
+            for srv in servers:
+                runs[srv.kind].append(measure(srv, op, size_name, args.seconds))
+        for kind, values in runs.items():
+            r = statistics.median(values)
+            rates[(kind, workers, op, size_name)] = r
+            print(f"  {kind:>12} x{workers} {op:4} {size_name:>5}: "
+                  f"{fmt_rate(r, SIZES[size_name], op)}", file=sys.stderr)  # fmt: skip
+
+    with Redis(1) as redis:
+        for workers in worker_counts:
+            with EgKv(workers) as eg, Bare(workers) as bare:
+                servers: list[Server] = [eg, bare] + ([redis] if workers == 1 else [])
+                for size_name in SIZES:
+                    for op in OPS:
+                        cell(servers, workers, op, size_name)
+                if workers == args.workers:
+                    results["uss"] = uss_under_load(eg, 2 * args.seconds)
+                    results["batch_exists"] = batch_vs_heads(eg)
+
+    lines = [
+        "| op | size | workers | eg-kv | bare aiohttp | eg-kv / bare | redis | eg-kv / redis |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for size_name, size in SIZES.items():
+        for op in OPS:
+            for workers in worker_counts:
+                eg = rates[("eg-kv", workers, op, size_name)]
+                bare = rates[("bare aiohttp", workers, op, size_name)]
+                red = rates[("redis", 1, op, size_name)]
+                lines.append(
+                    f"| {op} | {size_name} | {workers} | {fmt_rate(eg, size, op)} | "
+                    f"{fmt_rate(bare, size, op)} | {eg / bare:.2f} | {fmt_rate(red, size, op)} | "
+                    f"{eg / red:.2f} |"
+                )
+                results["cells"].append({"op": op, "size": size_name, "workers": workers,
+                                         "eg_kv": eg, "bare": bare, "redis": red})  # fmt: skip
+    print("\n".join(lines))
+    print(f"\nworker USS with 4 clients moving 14 MiB blocks: {results['uss']}")
+    print(f"batch exists of 1024 vs 1024 HEADs on one connection: {results['batch_exists']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
