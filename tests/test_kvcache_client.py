@@ -107,6 +107,17 @@ def test_keys_map_to_the_same_address_in_every_process():
     assert out.stdout.strip() == addr
 
 
+def test_base_import_needs_the_standard_library_only():
+    code = (
+        "import sys, eg_kv.kvcache as k; k.RemoteKVConnector; k.RemoteKVL2Connector; "
+        "print(sorted(m for m in ('aiohttp', 'torch', 'lmcache', 'yarl') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
 # --------------------------------------------------------------------------- real server
 
 
