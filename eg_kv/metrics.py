@@ -75,6 +75,10 @@ class Metrics:
         h[bisect.bisect_left(_BUCKETS, seconds)] += 1  # prometheus: value <= upper bound
         h[-1] += seconds
 
+    def pending(self) -> bool:
+        """Whether requests were counted since the last flush."""
+        return bool(self._counts)
+
     def flush(self) -> None:
         """Add the pending counts to the prometheus metrics (the shared files)."""
         counts, self._counts = self._counts, {}

@@ -340,17 +340,24 @@ def redis_cmd(s: socket.socket, *parts: bytes, buf=None, sink=None) -> None:
 def run_threads(nthreads: int, seconds: float, one) -> float:
     """Run ``one(state)`` in a loop in each thread for ``seconds``; return total ops/s."""
     counts = [0] * nthreads
+    errors: list[BaseException] = []
     start = threading.Barrier(nthreads + 1)
     stop_at = [0.0]
 
     def loop(i: int) -> None:
         state = {"i": i, "n": 0}
-        one(state, setup=True)
-        start.wait()
-        while time.monotonic() < stop_at[0]:
-            one(state)
-            counts[i] += 1
-        one(state, teardown=True)
+        try:
+            one(state, setup=True)
+        finally:
+            start.wait()
+        try:
+            while time.monotonic() < stop_at[0] and not errors:
+                one(state)
+                counts[i] += 1
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            one(state, teardown=True)
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(nthreads)]
     for t in threads:
@@ -360,6 +367,8 @@ def run_threads(nthreads: int, seconds: float, one) -> float:
     start.wait()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     return sum(counts) / (time.monotonic() - t0)
 
 
@@ -485,37 +494,41 @@ def redis_bench_rate(port: int, op: str, size_name: str, seconds: float, conns: 
 # ---------------------------------------------------------------------------- extra checks
 
 
-def uss_under_load(srv: EgKv, seconds: float) -> dict:
-    """Worker USS idle, at the peak while 4 clients move 14 MiB blocks, and after."""
+def uss_under_load(workers: int, seconds: float) -> dict:
+    """A fresh server's worker USS: idle, at the peak while 4 clients move 14 MiB blocks
+    (PUTs, then GETs), and after."""
     import psutil
 
-    procs = [psutil.Process(p) for p in srv.worker_pids()]
+    with EgKv(workers) as srv:
+        procs = [psutil.Process(p) for p in srv.worker_pids()]
 
-    def uss() -> list[int]:
-        return [p.memory_full_info().uss for p in procs]
+        def uss() -> list[int]:
+            return [p.memory_full_info().uss for p in procs]
 
-    idle = uss()
-    peak = list(idle)
-    done = threading.Event()
+        idle = uss()
+        peak = list(idle)
+        done = threading.Event()
 
-    def sample():
-        while not done.is_set():
-            for i, v in enumerate(uss()):
-                peak[i] = max(peak[i], v)
-            time.sleep(0.05)
+        def sample():
+            while not done.is_set():
+                for i, v in enumerate(uss()):
+                    peak[i] = max(peak[i], v)
+                time.sleep(0.02)
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        large_http(srv.port, "PUT", "14MiB", seconds / 2, 4)
-        large_http(srv.port, "GET", "14MiB", seconds / 2, 4)
-    finally:
-        done.set()
-        sampler.join()
-    time.sleep(1.0)  # let the allocator hand buffers back before the "after" sample
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            large_http(srv.port, "PUT", "14MiB", seconds / 2, 4)
+            srv.ensure("14MiB")
+            large_http(srv.port, "GET", "14MiB", seconds / 2, 4)
+        finally:
+            done.set()
+            sampler.join()
+        time.sleep(3.0)  # a worker hands freed buffers back after a quiet second (app.py)
+        after = uss()
     return {"idle_mib": [round(v / MiB, 1) for v in idle],
             "peak_mib": [round(v / MiB, 1) for v in peak],
-            "after_mib": [round(v / MiB, 1) for v in uss()]}  # fmt: skip
+            "after_mib": [round(v / MiB, 1) for v in after]}  # fmt: skip
 
 
 def batch_vs_heads(srv: EgKv) -> dict:
@@ -606,8 +619,8 @@ def main() -> int:
                     for op in OPS:
                         cell(servers, workers, op, size_name)
                 if workers == args.workers:
-                    results["uss"] = uss_under_load(eg, 2 * args.seconds)
                     results["batch_exists"] = batch_vs_heads(eg)
+    results["uss"] = uss_under_load(args.workers, 4 * args.seconds)
 
     lines = [
         "| op | size | workers | eg-kv | bare aiohttp | eg-kv / bare | redis | eg-kv / redis |",

@@ -287,7 +287,12 @@ def test_block_on_scattered_pages_reads_back(srv):
         assert request(srv, "PUT", f"/kv/{name}", os.urandom(page)).status == 201
     for name in ("f0", "f2"):
         assert request(srv, "DELETE", f"/kv/{name}").status == 204
-    for size in (3 * page, 3 * page - 100):  # both under one read slice
+    for i in range(40):
+        assert request(srv, "PUT", f"/kv/g{i}", os.urandom(page)).status == 201
+    for i in range(0, 40, 2):
+        assert request(srv, "DELETE", f"/kv/g{i}").status == 204
+    # Under one read slice, and over it (scattered pages first, then contiguous ones).
+    for size in (3 * page, 3 * page - 100, 1024 * 1024 + 7, 3 * 1024 * 1024):
         data = os.urandom(size)
         assert request(srv, "PUT", f"/kv/scattered-{size}", data).status == 201
         assert request(srv, "GET", f"/kv/scattered-{size}").body == data

@@ -278,3 +278,47 @@ def test_slab_of_other_sizes_is_refused(server_factory):
     assert second.proc.wait(30) == 1
     assert "--fresh" in second.log() and "32MiB" in second.log()
     assert Slab.exists_named(name), "a refused start does not destroy the kept blocks"
+
+
+def test_worker_memory_stays_small_under_14mib_traffic(server_factory):
+    """4 clients move 14 MiB blocks through one worker: its private memory stays small."""
+    srv = server_factory(workers=1, capacity="256MiB")  # room for all 12 blocks: no eviction
+    worker = psutil.Process(next(iter(_workers(srv))))
+    failures: list[str] = []
+    idle = worker.memory_full_info().uss
+    peak = [idle]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            with contextlib.suppress(psutil.Error):
+                peak.append(worker.memory_full_info().uss)
+            done.wait(0.02)
+
+    def client(cid: int) -> None:
+        data = os.urandom(14 * MiB)
+        try:
+            for i in range(3):
+                put = request(srv, "PUT", f"/kv/m{cid}-{i}", data)
+                got = request(srv, "GET", f"/kv/m{cid}-{i}")
+                if put.status != 201 or got.body != data:
+                    failures.append(f"client {cid} block {i}: {put}, {got.status}")
+        except Exception as e:
+            failures.append(f"client {cid}: {e!r}")
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        clients = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(60)
+    finally:
+        done.set()
+        sampler.join()
+    assert not failures, failures
+    assert max(peak) < 120 * MiB, f"USS peaked at {max(peak) / MiB:.0f} MiB"
+    # Once quiet, the worker hands freed buffers back (glibc malloc_trim).
+    wait_for(lambda: worker.memory_full_info().uss < idle + 16 * MiB, timeout=10,
+             what="USS back near its idle level")  # fmt: skip
