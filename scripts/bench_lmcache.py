@@ -5,8 +5,10 @@ adapter on ``redis-server``, same chunk size, same key count, one run.
 Starts an eg-kv server and a redis-server on free loopback ports (one after the other, so
 they never compete for the cores), runs the same ``lmcache bench l2`` against each, stops
 each by pid, and prints store / load throughput (MB/s) and lookup rate (keys/s) with the
-ratio ours / redis. Lookup is measured twice: inside the main run (a handful of
-batches) and in its own run of ``--lookup-rounds`` batches, which is the figure to read.
+ratio ours / redis: the median of ``--repeat`` repetitions, run in alternating order so
+that drifting background load does not favour one side. Lookup is measured twice: inside
+the main run (a handful of batches) and in its own run of ``--lookup-rounds`` batches,
+which is the figure to read.
 
 Run it alone (the box is shared)::
 
@@ -24,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -183,63 +186,86 @@ def main() -> int:
     p.add_argument("--egkv-threads", type=int, default=4, help="eg-kv num_workers")
     p.add_argument("--redis-threads", type=int, default=8, help="resp adapter num_workers")
     p.add_argument("--verify", action="store_true", help="also check the round trip")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (median)")
     args = p.parse_args()
 
     keys = (args.rounds + args.warmup_rounds) * args.in_flight * args.num_keys
     stored = keys * args.data_size_kb * 1024
     # Room for every chunk plus slack, so the load phase never meets an eviction.
     capacity = int(stored * 1.25) + 64 * MiB
-    results: dict[str, dict] = {}
-    lookups: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="eg-kv-bench-") as tmp:
-        logdir = Path(tmp)
-        with egkv_server(args.workers, capacity, logdir) as url:
-            ours = json.dumps({
-                "type": "native_plugin", "module_path": "eg_kv.kvcache",
-                "class_name": "RemoteKVL2Connector",
-                "adapter_params": {"base_url": url, "num_workers": args.egkv_threads,
-                                   "timeout_s": 60},
-            })  # fmt: skip
-            results["eg-kv"] = run_bench(ours, args, logdir / "ours.json")
-            lookups["eg-kv"] = run_bench(ours, args, logdir / "ours-l.json", lookup_only=True)
-        with redis_server(logdir) as port:
-            resp = json.dumps(
-                {"type": "resp", "host": "127.0.0.1", "port": port,
-                 "num_workers": args.redis_threads}
-            )  # fmt: skip
-            results["redis"] = run_bench(resp, args, logdir / "redis.json")
-            lookups["redis"] = run_bench(resp, args, logdir / "redis-l.json", lookup_only=True)
-
-    for name in lookups:
-        results[name]["Lookup-long"] = lookups[name]["Lookup"]
     rows = [
         ("store (MB/s)", "Store", "throughput_avg_mbps"),
         ("load (MB/s)", "Load", "throughput_avg_mbps"),
         (f"lookup (keys/s), {args.lookup_rounds} rounds", "Lookup-long", "ops_per_sec_avg"),
         (f"lookup (keys/s), {args.rounds} rounds", "Lookup", "ops_per_sec_avg"),
     ]
+    # samples[name][op] = one figure per repetition
+    samples: dict[str, dict[str, list[float]]] = {
+        n: {op: [] for _, op, _ in rows} for n in ("eg-kv", "redis")
+    }
+    failures: list[str] = []
+
+    def record(name: str, main_run: dict, lookup_run: dict) -> None:
+        main_run["Lookup-long"] = lookup_run["Lookup"]
+        for _, op, field in rows:
+            samples[name][op].append(float(main_run[op][field]))
+        for op in ("Store", "Load"):
+            total, succ = main_run[op].get("total_keys"), main_run[op].get("total_success")
+            if total != succ:
+                failures.append(f"{name} {op}: {succ}/{total} keys succeeded")
+
+    def run_ours(logdir: Path) -> None:
+        # A fresh server (and slab) per repetition: every store is a new block.
+        with egkv_server(args.workers, capacity, logdir) as url:
+            spec = json.dumps({
+                "type": "native_plugin", "module_path": "eg_kv.kvcache",
+                "class_name": "RemoteKVL2Connector",
+                "adapter_params": {"base_url": url, "num_workers": args.egkv_threads,
+                                   "timeout_s": 60},
+            })  # fmt: skip
+            record("eg-kv", run_bench(spec, args, logdir / "o.json"),
+                   run_bench(spec, args, logdir / "ol.json", lookup_only=True))  # fmt: skip
+
+    def run_redis(logdir: Path) -> None:
+        with redis_server(logdir) as port:
+            spec = json.dumps(
+                {"type": "resp", "host": "127.0.0.1", "port": port,
+                 "num_workers": args.redis_threads}
+            )  # fmt: skip
+            record("redis", run_bench(spec, args, logdir / "r.json"),
+                   run_bench(spec, args, logdir / "rl.json", lookup_only=True))  # fmt: skip
+
+    with tempfile.TemporaryDirectory(prefix="eg-kv-bench-") as tmp:
+        logdir = Path(tmp)
+        for rep in range(args.repeat):
+            # Alternate who goes first: on a shared box, background load drifts.
+            order = (run_ours, run_redis) if rep % 2 == 0 else (run_redis, run_ours)
+            for fn in order:
+                fn(logdir)
+
     print(
         f"lmcache bench l2: {args.num_keys} keys/submit x {args.in_flight} in flight, "
         f"{args.data_size_kb // 1024} MiB chunks, {args.rounds} rounds (+{args.warmup_rounds} "
         f"warmup), {keys} keys stored; eg-kv: {args.workers} server workers, "
-        f"{args.egkv_threads} client threads; redis: {args.redis_threads} client threads"
+        f"{args.egkv_threads} client threads; redis: {args.redis_threads} client threads; "
+        f"median of {args.repeat} interleaved repetitions"
     )
-    print(f"| {'':30} | {'eg-kv':>10} | {'redis':>10} | {'ours/redis':>10} |")
-    print(f"|{'-' * 32}|{'-' * 11}:|{'-' * 11}:|{'-' * 11}:|")
+    print(f"| {'':30} | {'eg-kv':>10} | {'redis':>10} | {'ours/redis':>10} | per run |")
+    print(f"|{'-' * 32}|{'-' * 11}:|{'-' * 11}:|{'-' * 11}:|---|")
     ok = True
-    for label, op, field in rows:
-        a = float(results["eg-kv"][op][field])
-        b = float(results["redis"][op][field])
+    for label, op, _ in rows:
+        a = statistics.median(samples["eg-kv"][op])
+        b = statistics.median(samples["redis"][op])
         ratio = a / b if b else float("inf")
+        per_run = " ".join(
+            f"{x / y:.2f}" for x, y in zip(samples["eg-kv"][op], samples["redis"][op], strict=True)
+        )
         if op != "Lookup":  # the 3-round lookup is shown, but too few samples to judge
             ok &= ratio >= 1.0
-        print(f"| {label:30} | {a:>10,.0f} | {b:>10,.0f} | {ratio:>10.2f} |")
-    for name, res in results.items():
-        for op in ("Store", "Lookup", "Load"):
-            total, succ = res[op].get("total_keys"), res[op].get("total_success")
-            if op != "Lookup" and total != succ:
-                print(f"warning: {name} {op}: {succ}/{total} keys succeeded")
-    return 0 if ok else 1
+        print(f"| {label:30} | {a:>10,.0f} | {b:>10,.0f} | {ratio:>10.2f} | {per_run} |")
+    for f in failures:
+        print(f"warning: {f}")
+    return 0 if ok and not failures else 1
 
 
 if __name__ == "__main__":
