@@ -109,11 +109,14 @@ def test_sigkill_workers_under_load(server_factory):
     for t in threads:
         t.start()
     replaced_in: list[float] = []
+    cut: list[socket.socket] = []
     try:
         for k in range(3):
             wait_for(lambda k=k: len(acked) >= (k + 1) * 20 or failures, timeout=60, what="load")
-            before = _workers(srv)
-            victim = sorted(before)[k % 2]
+            # Besides the load, an upload is surely in flight on the victim: start one
+            # and kill the worker that holds its connection.
+            upload, victim = _upload_in_flight(srv, f"cut-{k}")
+            cut.append(upload)
             os.kill(victim, signal.SIGKILL)
             t0 = time.monotonic()
             wait_for(
@@ -130,9 +133,10 @@ def test_sigkill_workers_under_load(server_factory):
         for t in threads:
             t.join(120)
         done.set()
+        for upload in cut:
+            upload.close()
     assert not failures, failures
     print(f"replaced in {replaced_in}; requests retried: {RETRIES}")
-    assert RETRIES, "the kills hit requests in flight, which the clients retried"
     assert len(acked) == nclients * nputs
     assert max(replaced_in) < 1.0, f"replacements took {replaced_in}"
     assert srv.log().count("replacing it") == 3
@@ -146,6 +150,26 @@ def test_sigkill_workers_under_load(server_factory):
     for addr, digest in acked.items():
         r = request(srv, "GET", f"/kv/{addr}")
         assert r.status == 200 and hashlib.sha256(r.body).digest() == digest, addr
+    for k in range(3):  # the uploads cut by the kills left nothing behind
+        assert request(srv, "HEAD", f"/kv/cut-{k}").status == 404
+
+
+def _upload_in_flight(srv, address: str) -> tuple[socket.socket, int]:
+    """Start a PUT that stays in flight; return its socket and the worker serving it."""
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    s.sendall(b"PUT /kv/%s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n"
+              % (address.encode(), 4 * MiB) + b"u" * MiB)  # fmt: skip
+    port = s.getsockname()[1]
+
+    def server_side() -> int | None:
+        for pid in _workers(srv):
+            with contextlib.suppress(psutil.Error):
+                for c in psutil.Process(pid).net_connections(kind="tcp"):
+                    if c.raddr and c.raddr.port == port:
+                        return pid
+        return None
+
+    return s, wait_for(server_side, timeout=10, what="the worker serving the upload")
 
 
 def test_workers_exit_when_supervisor_dies(server_factory):
@@ -322,3 +346,26 @@ def test_worker_memory_stays_small_under_14mib_traffic(server_factory):
     # Once quiet, the worker hands freed buffers back (glibc malloc_trim).
     wait_for(lambda: worker.memory_full_info().uss < idle + 16 * MiB, timeout=10,
              what="USS back near its idle level")  # fmt: skip
+
+
+def test_sigterm_during_startup_still_cleans_up(server_factory):
+    srv = server_factory(workers=2, wait=False)
+    wait_for(lambda: Slab.exists_named(srv.slab_name) or srv.proc.poll() is not None,
+             timeout=30, what="the slab to be created")  # fmt: skip
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0, srv.log()
+    assert not Slab.exists_named(srv.slab_name)
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"eg-kv-{srv.port}-*"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [(("--capacity", "64TiB"), "free but the slab needs"), (("--workers", "0"), "at least 1"),
+     (("--capacity", "lots"), "not a size"), (("--tls-cert", "only-a-cert.pem"), "both")],
+)  # fmt: skip
+def test_bad_settings_exit_1_with_reason(extra, reason):
+    cmd = [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{free_port()}",
+           "--slab-name", unique_slab_name("bad"), *extra]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert reason in out.stderr

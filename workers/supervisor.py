@@ -170,25 +170,29 @@ class Supervisor:
     def run(self) -> int:
         """Start everything, supervise, clean up. Returns the exit status."""
         s = self.settings
+        # Signals first: a SIGTERM while the slab is created (seconds for a large one)
+        # must still end in a clean exit that removes it, not in the default death.
+        self._install_signals()
         try:
-            check_port_free(s.host, s.port)
             try:
-                make_ssl_context(s)
-            except (OSError, ValueError) as e:
-                where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-                raise CannotServe(f"cannot use the TLS certificate and key{where}: {e}") from None
-            self.slab, note = open_slab(s)
-        except CannotServe as e:
-            log.error("eg-kv: %s", e)
-            return BOOT_ERROR
-        except EgKvError as e:
-            log.error("eg-kv: %s", e)
-            return 1
-        log.info("%s", note)
-        try:
+                check_port_free(s.host, s.port)
+                try:
+                    make_ssl_context(s)
+                except (OSError, ValueError) as e:
+                    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+                    raise CannotServe(
+                        f"cannot use the TLS certificate and key{where}: {e}"
+                    ) from None
+                self.slab, note = open_slab(s)
+            except CannotServe as e:
+                log.error("eg-kv: %s", e)
+                return BOOT_ERROR
+            except EgKvError as e:
+                log.error("eg-kv: %s", e)
+                return 1
+            log.info("%s", note)
             self.run_dir = runstate.make_run_dir(s.port)
             runstate.write_state(self.run_dir, s.workers, [])
-            self._install_signals()
             self._warm_imports()
             log.info(
                 "eg-kv supervisor %d serving %s://%s with %d workers (auth %s)",
@@ -229,11 +233,6 @@ class Supervisor:
 
     def _loop(self) -> None:
         while True:
-            with contextlib.suppress(InterruptedError):
-                select.select([self._wake_r, self._notify_r], [], [], TICK_S)
-            with contextlib.suppress(BlockingIOError):
-                while os.read(self._wake_r, 4096):
-                    pass
             self._read_notifications()
             self._handle_signals()
             self._reap()
@@ -250,6 +249,12 @@ class Supervisor:
                     self.stop_deadline = float("inf")
             else:
                 self._refill()
+            # Sleep until a signal, a child's death (SIGCHLD) or a worker's message.
+            with contextlib.suppress(InterruptedError):
+                select.select([self._wake_r, self._notify_r], [], [], TICK_S)
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_r, 4096):
+                    pass
 
     def _handle_signals(self) -> None:
         while self._signals:
