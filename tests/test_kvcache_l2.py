@@ -10,7 +10,6 @@ import os
 import select
 import time
 
-from conftest import wait_for
 from kvcache_helpers import RawServer
 
 from eg_kv.address import address_for_key
@@ -140,5 +139,6 @@ def test_l2_connector_reads_the_environment(server_factory, monkeypatch):
     assert conn.config.base_url == srv.url
     fid = conn.submit_batch_set(lm_keys(1), [memoryview(b"from-env")])
     assert wait_completions(conn, {fid})[fid][1] is True
-    assert wait_for(lambda: RemoteKVConnector(base_url=srv.url).get(address_for_key(lm_keys(1)[0])))
+    with RemoteKVConnector(base_url=srv.url) as kv:
+        assert kv.get(address_for_key(lm_keys(1)[0])) == b"from-env"
     conn.close()
