@@ -266,7 +266,8 @@ def test_warm_restart_with_keep(server_factory):
     assert first.stop() == 0
     assert Slab.exists_named(name), "--keep leaves the slab"
 
-    second = server_factory(workers=2, slab_name=name)
+    # The same port at once: connections of the first run in TIME_WAIT do not block it.
+    second = server_factory(workers=2, slab_name=name, port=first.port)
     assert "re-attached" in second.log()
     for addr, data in blocks.items():
         assert request(second, "GET", f"/kv/{addr}").body == data
