@@ -178,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     except EgKvError as e:
         print(f"eg-kv {args.command}: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (eg-kv stats | head): quietly, as Python's docs advise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
