@@ -27,6 +27,7 @@ def authed(server_factory):
 def _assert_401(reply, head: bool = False) -> None:
     assert reply.status == 401, reply
     assert reply.headers["WWW-Authenticate"].startswith("Bearer")
+    assert int(reply.headers["X-EgKv-Worker"]) > 0
     assert TOKEN not in reply.text and reply.text.count("\n") == (0 if head else 1)
 
 

@@ -40,6 +40,7 @@ def test_put_without_content_length_is_400(srv):
     raw = raw_exchange(srv.port, b"PUT /kv/x HTTP/1.1\r\nHost: t\r\n\r\nhello")
     assert status_of(raw) == 400
     assert _body_of(raw).count(b"\n") == 1 and b"malformed" in _body_of(raw)
+    assert b"\r\nX-EgKv-Worker: " in raw, "aiohttp's own parse errors carry the header too"
     _assert_nothing_held(srv)
 
 
@@ -70,6 +71,7 @@ def test_expect_100_continue(srv):
         s.sendall(head)
         reply = s.recv(65536)
     assert status_of(reply) == 413, reply
+    assert b"\r\nX-EgKv-Worker: " in reply
     # A fitting one gets 100 Continue, then 201 once the body arrives.
     head = b"PUT /kv/e HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
