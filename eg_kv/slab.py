@@ -591,7 +591,7 @@ class Slab:
         if reader is None:
             return None
         try:
-            return b"".join(reader.slices(max(reader.length, 1)))
+            return reader.read()
         except BlockGone:
             return None
 
@@ -886,7 +886,8 @@ def _runs(slab: Slab, first: int, npages: int, length: int) -> list[tuple[int, i
 
 
 class BlockReader:
-    """Copies one block out of the slab slice by slice, outside the lock."""
+    """Reads one block out of the slab outside the lock; the block's tag says whether what
+    was read is still the block's (see :mod:`eg_kv.layout`)."""
 
     __slots__ = ("_slab", "block_id", "first", "length", "npages")
 
@@ -894,38 +895,80 @@ class BlockReader:
         self._slab, self.length, self.first = slab, length, first
         self.npages, self.block_id = npages, block_id
 
-    def _still_there(self) -> bool:
+    def still_there(self) -> bool:
+        """True while the block has not been evicted or released since it was opened."""
         return self._slab._tag[self.first] == self.block_id
 
+    def verify(self) -> None:
+        """Raise :class:`BlockGone` (a counted miss) unless :meth:`still_there`."""
+        if not self.still_there():
+            raise self._gone()
+
+    def _gone(self) -> BlockGone:
+        self._slab._count_aborted_read()
+        return BlockGone("block was evicted while it was read")
+
+    def views(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[memoryview]:
+        """Yield zero-copy views of the block's contiguous runs (each <= ``max_slice``).
+
+        The views are slab memory: they are the block's bytes only if :meth:`still_there`
+        is true *after* they were last read. A caller that hands them on (a socket send)
+        must check it once they are consumed, and treat False as a miss.
+
+        Raises:
+            BlockGone: the page chain broke off (the block was released meanwhile).
+        """
+        slab = self._slab
+        nxt, ps, g, mv = slab._next, slab.page_size, slab.geometry, slab._mv
+        base, npages, length = g.data_off, g.npages, self.length
+        p, pos, left = self.first, 0, self.npages
+        while pos < length and left and 0 <= p < npages:
+            start = base + p * ps
+            size = 0
+            # Gather pages that lie next to each other into one run.
+            while left and size < max_slice and base + p * ps == start + size:
+                size += min(ps, length - pos - size)
+                left -= 1
+                if left:
+                    p = nxt[p]
+                    if not 0 <= p < npages:
+                        break
+            pos += size
+            yield mv[start : start + size]
+        if pos < length:
+            raise self._gone()
+
     def slices(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[bytes]:
-        """Yield the block's bytes in copies of at most ``max_slice`` bytes.
+        """Yield the block's bytes in copies of about ``max_slice`` bytes each.
+
+        Scattered runs are gathered into one copy (``b"".join`` of views: one memcpy each).
 
         Raises:
             BlockGone: the block was evicted or released meanwhile (the bytes already
                 yielded were the block's; the caller must treat the whole read as a miss).
         """
-        slab = self._slab
-        nxt, ps, g = slab._next, slab.page_size, slab.geometry
-        base, npages = g.data_off, g.npages
-        p, pos, left = self.first, 0, self.npages
-        while pos < self.length:
-            # Gather contiguous pages up to max_slice, then copy them in one go.
-            if not 0 <= p < npages:
-                break
-            start, size = base + p * ps, 0
-            while left and size < max_slice and base + p * ps == start + size:
-                size += min(ps, self.length - pos - size)
-                left -= 1
-                p = nxt[p] if left else p
-                if left and not 0 <= p < npages:
-                    break
-            if size == 0:
-                break
-            data = slab._mm[start : start + size]
-            if not self._still_there():
-                break
-            pos += size
+        pending: list[memoryview] = []
+        size = 0
+        for view in self.views(max_slice):
+            pending.append(view)
+            size += len(view)
+            if size >= max_slice:
+                data = b"".join(pending)
+                pending.clear()
+                size = 0
+                self.verify()
+                yield data
+        if pending:
+            data = b"".join(pending)
+            self.verify()
             yield data
-        if pos < self.length or not self._still_there():
-            slab._count_aborted_read()
-            raise BlockGone("block was evicted while it was read")
+
+    def read(self) -> bytes:
+        """The whole block in one copy.
+
+        Raises:
+            BlockGone: the block was evicted or released meanwhile.
+        """
+        data = b"".join(self.views(self.length))
+        self.verify()
+        return data
