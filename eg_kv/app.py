@@ -56,6 +56,9 @@ BATCH_MAX_BYTES = 512 * 1024
 #: Slice size for streaming a block out: big enough that per-write overhead vanishes,
 #: small enough that a handful of concurrent GETs stays far below the memory budget.
 READ_SLICE = 1024 * 1024
+#: A connection's body buffer before reading pauses (aiohttp's 64 KiB default paused and
+#: resumed the socket every few reads of a large PUT).
+READ_BUFSIZE = 1024 * 1024
 #: Bytes of a large GET that are copied, and sent only after the block's tag is checked.
 ZERO_COPY_TAIL = 64 * 1024
 #: Slice size for copying a spooled chunked upload into the slab.
@@ -344,7 +347,9 @@ async def put_block(request: web.Request) -> web.Response:
         try:
             content = request.content
             try:
-                while chunk := await content.readany():
+                # readchunk hands over each buffered read as it came; readany joins them
+                # into a new bytes first (11% of a worker's time under 14 MiB PUTs).
+                while chunk := (await content.readchunk())[0]:
                     handle.write(chunk)
             except EgKvError:
                 raise
@@ -553,7 +558,7 @@ def make_app(
     Returns:
         The application; it attaches the slab on start-up and closes it on clean-up.
     """
-    app = web.Application(handler_args={"auto_decompress": False})
+    app = web.Application(handler_args={"auto_decompress": False, "read_bufsize": READ_BUFSIZE})
     app[SETTINGS] = settings
     app[TOKEN] = settings.token.encode("utf-8", "surrogateescape") if settings.token else b""
     metrics_path = runstate.metrics_dir(run_dir) if run_dir else None
