@@ -8,9 +8,11 @@ recorded in the header, so a process that attaches needs nothing but the name::
     │ header │ reservations      │ slot table       │ next   │ tag    │ pages           │
     │        │ R × RESV (32 B)   │ S × SLOT (304 B) │ P × q  │ P × Q  │ P × page_size   │
     └────────┴───────────────────┴──────────────────┴────────┴────────┴─────────────────┘
-    header:  [0, 256)   GEOMETRY, written once at creation
-             [256, ..)  STATE: one native int64 per field (lock holder, free list, clock
-                        hand, block ids, counters), changed only under the slab lock
+    header:  [0, 256)      GEOMETRY, written once at creation
+             [256, ..)     STATE: one native int64 per field (lock holder, free list, clock
+                           hand, block ids, counters), changed only under the slab lock
+             [1024, 4096)  PROCS: 96 x (pid, get hits, get misses, spare) int64: each
+                           process counts its lock-free reads in its own entry
 
 * **slot table**: open addressing with linear probing (home = fingerprint & (S - 1)) and
   backward-shift deletion, so there are no tombstones. It is the one source of truth for
@@ -31,7 +33,7 @@ import dataclasses
 import struct
 
 MAGIC = b"EGKVSLB1"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 4096
 STATE_OFFSET = 256
 ALIGN = 4096
@@ -65,8 +67,9 @@ GEOMETRY = struct.Struct("<8sIIQQQQQQQQQQQd")
     ST_EVICTED_BYTES,
     ST_PUTS_CREATED,
     ST_DELETES,
+    ST_SEQ,  # odd while a process is inside the critical section (a seqlock for readers)
     STATE_WORDS,
-) = range(22)
+) = range(23)
 
 DERIVED_COUNTERS = {
     "unique_blocks": ST_UNIQUE_BLOCKS,
@@ -86,6 +89,11 @@ EVENT_COUNTERS = {
     "deletes": ST_DELETES,
     "repairs": ST_REPAIRS,
 }
+
+# Per-process read counters (see the header picture): one writer each, summed by stats().
+PROCS_OFFSET = 1024
+PROC_WORDS = 4  # pid, get hits, get misses, spare
+NPROCS = (HEADER_SIZE - PROCS_OFFSET) // (8 * PROC_WORDS)  # 96
 
 # Slot: state, clock reference bit, address length, refcount, block length, first page,
 # page count, block id, address fingerprint; the address itself follows (ASCII, padded).

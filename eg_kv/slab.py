@@ -19,6 +19,7 @@ import errno
 import fcntl
 import mmap
 import os
+import platform
 import struct
 import threading
 import time
@@ -49,6 +50,8 @@ _OS_PAGE = mmap.PAGESIZE
 DEFAULT_READ_SLICE = 1024 * 1024
 _CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once per sweep
 _SPINS = 50  # non-blocking lock attempts (with a yield between) before sleeping on it
+# Lock-free lookups rely on x86's ordering of loads and of stores (see _find_unlocked).
+_LOCKFREE_READS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 class BlockGone(NotFound):
@@ -92,6 +95,8 @@ class Slab:
         self._state = self._mv[L.STATE_OFFSET : L.STATE_OFFSET + 8 * L.STATE_WORDS].cast("q")
         self._next = self._mv[g.next_off : g.next_off + 8 * g.npages].cast("q")
         self._tag = self._mv[g.tag_off : g.tag_off + 8 * g.npages].cast("Q")
+        self._procs = self._mv[L.PROCS_OFFSET : L.HEADER_SIZE].cast("q")
+        self._me = -1  # this process's entry in the PROCS table, once claimed
         self._tlock = threading.Lock()
         self._pid = os.getpid()
         self._mask = g.nslots - 1
@@ -227,8 +232,10 @@ class Slab:
         """Unmap and close this process's handle. Idempotent. The segment stays."""
         if self.closed:
             return
+        with contextlib.suppress(SlabError, OSError):
+            self._release_proc_entry()
         self.closed = True
-        for view in (self._state, self._next, self._tag, self._mv):
+        for view in (self._state, self._procs, self._next, self._tag, self._mv):
             view.release()
         with contextlib.suppress(BufferError):  # a reader holds a view; the GC unmaps it
             self._mm.close()
@@ -269,6 +276,7 @@ class Slab:
             st[i] = 0
         st[L.ST_OWNER_PID] = self._pid
         st[L.ST_NEXT_BLOCK_ID] = 1
+        self._mv[L.PROCS_OFFSET : L.HEADER_SIZE] = bytes(L.HEADER_SIZE - L.PROCS_OFFSET)
         self._mv[g.resv_off : g.next_off] = bytes(g.next_off - g.resv_off)
         self._rebuild_free_list(bytearray(g.npages))
 
@@ -285,10 +293,12 @@ class Slab:
                 st = self._state
                 dead = st[L.ST_LOCK_HOLDER]
                 st[L.ST_LOCK_HOLDER] = self._pid
+                st[L.ST_SEQ] |= 1  # odd: lock-free readers retry (stays odd if holder died)
                 if dead:
                     self._repair_locked()
                 yield
             finally:
+                st[L.ST_SEQ] += 1
                 st[L.ST_LOCK_HOLDER] = 0
                 fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _UNLOCK)
 
@@ -567,22 +577,86 @@ class Slab:
 
     # ------------------------------------------------------------------ get / exists / delete
 
+    def _find_unlocked(self, raw: bytes, fp: int) -> tuple[int, tuple | None] | None:
+        """Look ``raw`` up without the lock (a seqlock read); None if a writer interfered.
+
+        Every critical section makes ST_SEQ odd on entry and even on exit. A lookup that
+        saw the same even value before and after read a table no writer touched meanwhile,
+        so its slot fields belong together. (x86 keeps loads in order and stores in order,
+        which is all a seqlock needs; elsewhere reads take the lock.)
+        """
+        if not _LOCKFREE_READS:
+            return None
+        st = self._state
+        seq = st[L.ST_SEQ]
+        if seq & 1:
+            return None
+        try:
+            found = self._find(raw, fp)
+        except SlabError:  # a torn view of a table being rebuilt
+            return None
+        return found if st[L.ST_SEQ] == seq else None
+
+    def _count_read(self, hit: int, miss: int) -> None:
+        """Count get hits and misses in this process's own entry (no lock, one writer)."""
+        me = self._me if self._me >= 0 else self._claim_proc_entry()
+        if me < 0:
+            with self._locked():
+                self._state[L.ST_GET_HITS] += hit
+                self._state[L.ST_GET_MISSES] += miss
+            return
+        procs = self._procs
+        with self._tlock:  # threads sharing this handle share its entry
+            procs[me + 1] += hit
+            procs[me + 2] += miss
+
+    def _claim_proc_entry(self) -> int:
+        """Take a free PROCS entry (folding a dead process's counts into the totals)."""
+        procs, st = self._procs, self._state
+        with self._locked():
+            for e in range(0, L.NPROCS * L.PROC_WORDS, L.PROC_WORDS):
+                pid = procs[e]
+                if pid and pid_alive(pid):  # taken (by another handle of ours too)
+                    continue
+                st[L.ST_GET_HITS] += procs[e + 1]
+                st[L.ST_GET_MISSES] += procs[e + 2]
+                procs[e + 1] = procs[e + 2] = 0
+                procs[e] = self._pid
+                self._me = e
+                return e
+        return -1  # more than NPROCS processes: this one counts under the lock
+
+    def _release_proc_entry(self) -> None:
+        if self._me < 0:
+            return
+        procs, st, e = self._procs, self._state, self._me
+        with self._locked():
+            st[L.ST_GET_HITS] += procs[e + 1]
+            st[L.ST_GET_MISSES] += procs[e + 2]
+            procs[e + 1] = procs[e + 2] = procs[e] = 0
+        self._me = -1
+
     def open_block(self, address: str) -> BlockReader | None:
         """Look a block up for reading; None (a counted miss) if absent.
 
-        The reader copies the bytes out slice by slice outside the lock; a block evicted
-        or released meanwhile ends the read with :class:`BlockGone`.
+        The lookup needs no lock unless a writer is busy (see :meth:`_find_unlocked`);
+        the reader copies the bytes out outside the lock, and a block evicted or released
+        meanwhile ends the read with :class:`BlockGone`.
         """
         raw = validate(address)
         fp = fingerprint(raw)
-        st = self._state
-        with self._locked():
-            i, s = self._find(raw, fp)
-            if s is None:
-                st[L.ST_GET_MISSES] += 1
-                return None
-            self._mm[self._slot_off(i) + L.SLOT_REF_OFFSET] = 1
-            st[L.ST_GET_HITS] += 1
+        found = self._find_unlocked(raw, fp)
+        if found is None:
+            with self._locked():
+                found = self._find(raw, fp)
+        i, s = found
+        if s is None:
+            self._count_read(0, 1)
+            return None
+        # The CLOCK reference bit, set without the lock: at worst a block that moved into
+        # this slot meanwhile gets a second chance it did not earn.
+        self._mm[self._slot_off(i) + L.SLOT_REF_OFFSET] = 1
+        self._count_read(1, 0)
         return BlockReader(self, s[4], s[5], s[6], s[7])
 
     def get(self, address: str) -> bytes | None:
@@ -598,8 +672,12 @@ class Slab:
     def length(self, address: str) -> int | None:
         """The block's length if resident, else None. Counts nothing, reads no data."""
         raw = validate(address)
-        with self._locked():
-            s = self._find(raw, fingerprint(raw))[1]
+        fp = fingerprint(raw)
+        found = self._find_unlocked(raw, fp)
+        if found is None:
+            with self._locked():
+                found = self._find(raw, fp)
+        s = found[1]
         return None if s is None else s[4]
 
     def exists(self, address: str) -> bool:
@@ -609,6 +687,13 @@ class Slab:
     def exists_many(self, addresses: Iterable[str]) -> list[bool]:
         """Existence of each address, looked up under one lock (prefix lookups)."""
         keys = [(raw, fingerprint(raw)) for raw in map(validate, addresses)]
+        st = self._state
+        seq = st[L.ST_SEQ]
+        if _LOCKFREE_READS and not seq & 1:
+            with contextlib.suppress(SlabError):
+                out = [self._find(raw, fp)[1] is not None for raw, fp in keys]
+                if st[L.ST_SEQ] == seq:
+                    return out
         with self._locked():
             return [self._find(raw, fp)[1] is not None for raw, fp in keys]
 
@@ -630,9 +715,7 @@ class Slab:
             return True
 
     def _count_aborted_read(self) -> None:
-        with self._locked():
-            self._state[L.ST_GET_HITS] -= 1
-            self._state[L.ST_GET_MISSES] += 1
+        self._count_read(-1, 1)
 
     # ------------------------------------------------------------------ stats
 
@@ -643,6 +726,10 @@ class Slab:
             out = {k: st[i] for k, i in L.DERIVED_COUNTERS.items()}
             out.update({k: st[i] for k, i in L.EVENT_COUNTERS.items()})
             free = st[L.ST_FREE_COUNT]
+            procs = self._procs
+            for e in range(0, L.NPROCS * L.PROC_WORDS, L.PROC_WORDS):
+                out["get_hits"] += procs[e + 1]
+                out["get_misses"] += procs[e + 2]
         out["dedup_savings_bytes"] = out["logical_bytes"] - out["resident_bytes"]
         out["capacity_bytes"] = self.geometry.npages * ps
         out["free_bytes"] = free * ps

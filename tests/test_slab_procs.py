@@ -79,6 +79,47 @@ def test_four_processes_thousand_puts_counters_are_exact(slab_name):
         slab.close()
 
 
+def _getter(name: str, seed: int, n: int, die: bool) -> None:
+    slab = Slab.attach(name)
+    rng = random.Random(seed)
+    for _ in range(n):
+        address = f"blk-{rng.randrange(400)}"
+        got = slab.get(address)
+        assert got is None or got == content(address)
+    if die:  # its counts live on in its entry: the next process to claim it folds them in
+        os.kill(os.getpid(), signal.SIGKILL)
+    slab.close()
+
+
+def test_lock_free_get_counts_are_exact_across_processes(slab_name):
+    slab = Slab.create(slab_name, 64 * MiB, page_size=16 * KiB, max_block_size=MiB)
+    try:
+        for i in range(0, 400, 2):  # every even address is resident
+            slab.put(f"blk-{i}", content(f"blk-{i}"))
+        seeds, n = [5, 6, 7, 8], 800
+        procs = [
+            FORK.Process(target=_getter, args=(slab_name, s, n, s % 2 == 0), daemon=True)
+            for s in seeds
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, -9, 0, -9]  # seeds 6 and 8 die
+        hits = 0
+        for s in seeds:
+            rng = random.Random(s)
+            hits += sum(rng.randrange(400) % 2 == 0 for _ in range(n))
+        st = slab.stats()
+        assert (st["get_hits"], st["get_misses"]) == (hits, len(seeds) * n - hits)
+        slab.get("blk-0")  # this process claims an entry, folding a dead one's counts
+        st = slab.stats()
+        assert (st["get_hits"], st["get_misses"]) == (hits + 1, len(seeds) * n - hits)
+        assert slab.check() == []
+    finally:
+        slab.close()
+
+
 # ---------------------------------------------------------------- SIGKILL torture
 
 
