@@ -241,40 +241,50 @@ async def _send_zero_copy(resp: web.StreamResponse, transport, reader) -> None:
     """Send a block straight from slab memory, withholding its tail until that is safe.
 
     A transport keeps a reference to bytes the kernel has not taken yet, so slab memory
-    reused meanwhile could go out as the new owner's bytes. Two rules make that harmless:
-    the write-buffer limits are set to zero, so every write waits until the kernel has
-    taken all of it; and the last ``ZERO_COPY_TAIL`` bytes are copied out first and sent
-    only after the block's tag is checked. Had the block been released during the send,
-    the check fails before the body is complete and the connection is cut: the client
-    sees a short body (a miss), never a whole body with wrong bytes. This saves the copy
-    that otherwise bounds large GETs (measured in scripts/bench_server.py).
+    reused meanwhile could go out as the new owner's bytes. The last ``ZERO_COPY_TAIL``
+    bytes are therefore copied out first; once everything before them has been taken by
+    the kernel, the block's tag is checked, and only then does the tail go. Had the block
+    been released during the send, the check fails before the body is complete and the
+    connection is cut: the client sees a short body (a miss), never a whole body with
+    wrong bytes. This saves the copy that otherwise bounds large GETs
+    (scripts/bench_server.py).
 
     Raises:
         BlockGone: the block was evicted or released during the send.
+        ConnectionResetError: the client went away.
     """
-    limits = transport.get_write_buffer_limits()
-    transport.set_write_buffer_limits(high=0, low=0)
-    writer = resp._payload_writer  # aiohttp exposes drain() only on the writer
+    head = reader.length - min(ZERO_COPY_TAIL, reader.length)
+    sent, tail = 0, []
+    for view in reader.views(READ_SLICE):
+        cut = max(0, min(len(view), head - sent))
+        if cut:
+            await resp.write(view[:cut])
+        if cut < len(view):
+            tail.append(bytes(view[cut:]))
+        sent += len(view)
+    await _flushed(transport, resp._payload_writer)  # aiohttp's writer owns drain()
+    reader.verify()
+    await resp.write(b"".join(tail))
+
+
+async def _flushed(transport, writer) -> None:
+    """Wait until the transport has handed every byte written so far to the kernel.
+
+    Raises:
+        ConnectionResetError: the connection closed first.
+    """
+    low, high = transport.get_write_buffer_limits()
+    transport.set_write_buffer_limits(high=0, low=0)  # pause writing until the buffer is empty
     try:
-        head = reader.length - min(ZERO_COPY_TAIL, reader.length)
-        sent, tail = 0, []
-        for view in reader.views(READ_SLICE):
-            cut = max(0, min(len(view), head - sent))
-            if cut:
-                await resp.write(view[:cut])
-            if cut < len(view):
-                tail.append(bytes(view[cut:]))
-            sent += len(view)
         while transport.get_write_buffer_size() and not transport.is_closing():
             await writer.drain()
-            await asyncio.sleep(0)
-        if transport.is_closing():
-            raise ConnectionResetError("the client went away during the send")
-        reader.verify()
+            if transport.get_write_buffer_size():
+                await asyncio.sleep(0.001)  # not paused yet: poll, briefly
     finally:
         if not transport.is_closing():
-            transport.set_write_buffer_limits(high=limits[1], low=limits[0])
-    await resp.write(b"".join(tail))
+            transport.set_write_buffer_limits(high=high, low=low)
+    if transport.is_closing():
+        raise ConnectionResetError("the client went away during the send")
 
 
 async def head_block(request: web.Request) -> web.StreamResponse:
