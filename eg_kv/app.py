@@ -61,6 +61,8 @@ READ_SLICE = 1024 * 1024
 READ_BUFSIZE = 1024 * 1024
 #: Bytes of a large GET that are copied, and sent only after the block's tag is checked.
 ZERO_COPY_TAIL = 64 * 1024
+#: Runs of contiguous pages shorter than this are gathered into copies instead.
+ZERO_COPY_MIN = 256 * 1024
 #: Slice size for copying a spooled chunked upload into the slab.
 SPOOL_SLICE = 1024 * 1024
 
@@ -254,14 +256,28 @@ async def _send_zero_copy(resp: web.StreamResponse, transport, reader) -> None:
         ConnectionResetError: the client went away.
     """
     head = reader.length - min(ZERO_COPY_TAIL, reader.length)
-    sent, tail = 0, []
+    sent, tail, pending, pending_size = 0, [], [], 0
     for view in reader.views(READ_SLICE):
         cut = max(0, min(len(view), head - sent))
-        if cut:
-            await resp.write(view[:cut])
+        part = view[:cut]
         if cut < len(view):
             tail.append(bytes(view[cut:]))
         sent += len(view)
+        if len(part) >= ZERO_COPY_MIN:
+            if pending:  # keep the order: what was gathered goes first
+                await resp.write(b"".join(pending))
+                pending, pending_size = [], 0
+            await resp.write(part)
+        elif part:
+            # Scattered pages: hundreds of page-sized writes cost more than one copy
+            # gathering them into a slice (measured).
+            pending.append(part)
+            pending_size += len(part)
+            if pending_size >= READ_SLICE:
+                await resp.write(b"".join(pending))
+                pending, pending_size = [], 0
+    if pending:
+        await resp.write(b"".join(pending))
     await _flushed(transport, resp._payload_writer)  # aiohttp's writer owns drain()
     reader.verify()
     await resp.write(b"".join(tail))
