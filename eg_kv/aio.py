@@ -19,16 +19,14 @@ from .client import (
     BATCH_EXISTS_MAX,
     KvCacheConfig,
     KvCacheStats,
+    _Miss,
+    batch_answer,
     resolve_config,
     to_address,
 )
 from .errors import EgKvError, RemoteError, Unauthorized
 
 log = logging.getLogger("eg_kv.kvcache")
-
-
-class _Miss(Exception):
-    """Internal: the answer cannot be used."""
 
 
 class AsyncRemoteKVConnector:
@@ -206,17 +204,7 @@ class AsyncRemoteKVConnector:
         doc = await self._json(
             "POST", f"{self._base}/kv/batch/exists", json={"addresses": addresses}
         )
-        found = doc.get("exists") if isinstance(doc, dict) else None
-        if (
-            not isinstance(found, list)
-            or len(found) != len(addresses)
-            or not all(isinstance(b, bool) for b in found)
-        ):
-            raise _Miss("batch answer does not hold one boolean per address")
-        prefix = doc.get("prefix_hits")
-        if not isinstance(prefix, int) or isinstance(prefix, bool):
-            prefix = next((i for i, b in enumerate(found) if not b), len(found))
-        return found, prefix
+        return batch_answer(doc, len(addresses))
 
     async def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
         """One bool per key (one batch request per 1024 keys); False where a batch failed."""

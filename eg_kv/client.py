@@ -52,6 +52,10 @@ DEFAULT_NUM_WORKERS = 8
 DEFAULT_MAX_CONNECTIONS = 16
 #: The server's limit on addresses per ``POST /kv/batch/exists``.
 BATCH_EXISTS_MAX = 1024
+#: The keywords every connector takes (and LMCache's ``adapter_params`` / ``extra_config``).
+CONFIG_KEYWORDS = (
+    "base_url", "addr", "token", "timeout_s", "num_workers", "max_connections", "verify_tls",
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- config
@@ -176,15 +180,7 @@ def resolve_config(config: KvCacheConfig | None, overrides: dict[str, Any]) -> K
         if overrides:
             raise ConfigError("pass either a KvCacheConfig or keyword settings, not both")
         return config
-    allowed = {
-        "base_url",
-        "addr",
-        "token",
-        "timeout_s",
-        "num_workers",
-        "max_connections",
-        "verify_tls",
-    }
+    allowed = set(CONFIG_KEYWORDS)
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown}; known: {sorted(allowed)}")
@@ -253,6 +249,28 @@ def to_address(key: str | bytes) -> str:
 
 class _Miss(Exception):
     """Internal: the answer cannot be used (short body, wrong length, bad JSON)."""
+
+
+def batch_answer(doc: Any, n: int) -> tuple[list[bool], int]:
+    """Check a ``POST /kv/batch/exists`` answer for ``n`` addresses.
+
+    Returns:
+        (one boolean per address, the length of the leading run of hits).
+
+    Raises:
+        _Miss: the answer does not hold one boolean per address.
+    """
+    found = doc.get("exists") if isinstance(doc, dict) else None
+    if (
+        not isinstance(found, list)
+        or len(found) != n
+        or not all(isinstance(b, bool) for b in found)
+    ):
+        raise _Miss("batch answer does not hold one boolean per address")
+    prefix = doc.get("prefix_hits")
+    if not isinstance(prefix, int) or isinstance(prefix, bool):
+        prefix = next((i for i, b in enumerate(found) if not b), len(found))
+    return found, prefix
 
 
 #: Largest non-block answer read (JSON, error lines).
@@ -596,17 +614,7 @@ class RemoteKVConnector:
             body=(body,),
             headers=b"Content-Type: application/json\r\n",
         )
-        found = doc.get("exists") if isinstance(doc, dict) else None
-        if (
-            not isinstance(found, list)
-            or len(found) != len(addresses)
-            or not all(isinstance(b, bool) for b in found)
-        ):
-            raise _Miss("batch answer does not hold one boolean per address")
-        prefix = doc.get("prefix_hits")
-        if not isinstance(prefix, int) or isinstance(prefix, bool):
-            prefix = next((i for i, b in enumerate(found) if not b), len(found))
-        return found, prefix
+        return batch_answer(doc, len(addresses))
 
     def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
         """Which keys are resident: one batch request per 1024 keys.

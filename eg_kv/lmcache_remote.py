@@ -34,19 +34,11 @@ from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from .address import address_for_key
-from .client import KvCacheConfig, RemoteKVConnector
+from .client import CONFIG_KEYWORDS, KvCacheConfig, RemoteKVConnector
 
 log = logging.getLogger("eg_kv.kvcache")
 
-_SETTINGS = (
-    "base_url",
-    "addr",
-    "token",
-    "timeout_s",
-    "num_workers",
-    "max_connections",
-    "verify_tls",
-)
+_SETTINGS = CONFIG_KEYWORDS
 
 
 class _Miss(Exception):
