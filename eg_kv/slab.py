@@ -919,11 +919,6 @@ class PutHandle:
         self.done = False
         self._runs = None if resv < 0 else _runs(slab, first, npages, length)
 
-    @property
-    def is_dedup(self) -> bool:
-        """True when the address was resident at the start: the bytes are not stored."""
-        return self.resv < 0
-
     def write(self, chunk) -> None:
         """Copy ``chunk`` into the block's pages at the current position.
 
