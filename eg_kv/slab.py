@@ -97,7 +97,7 @@ class Slab:
         self._next = self._mv[g.next_off : g.next_off + 8 * g.npages].cast("q")
         self._tag = self._mv[g.tag_off : g.tag_off + 8 * g.npages].cast("Q")
         self._procs = self._mv[L.PROCS_OFFSET : L.HEADER_SIZE].cast("q")
-        self._me = -1  # this process's entry in the PROCS table, once claimed
+        self._me = -1  # this handle's entry in the PROCS table once claimed (-2: none free)
         self._keys: dict[str, tuple[bytes, int]] = {}
         self._tlock = threading.Lock()
         self._pid = os.getpid()
@@ -616,7 +616,7 @@ class Slab:
 
     def _count_read(self, hit: int, miss: int) -> None:
         """Count get hits and misses in this process's own entry (no lock, one writer)."""
-        me = self._me if self._me >= 0 else self._claim_proc_entry()
+        me = self._me if self._me != -1 else self._claim_proc_entry()
         if me < 0:
             with self._locked():
                 self._state[L.ST_GET_HITS] += hit
@@ -641,10 +641,11 @@ class Slab:
                 procs[e] = self._pid
                 self._me = e
                 return e
-        return -1  # more than NPROCS processes: this one counts under the lock
+        self._me = -2  # more than NPROCS handles: this one counts under the lock
+        return -2
 
     def _release_proc_entry(self) -> None:
-        if self._me < 0:
+        if self._me < 0:  # -1: never claimed, -2: none was free
             return
         procs, st, e = self._procs, self._state, self._me
         with self._locked():

@@ -347,3 +347,19 @@ def test_dead_reservations_are_reclaimed_when_room_runs_out(slab):
     for h in handles:
         h.abort()
     assert slab.check() == []
+
+
+def test_get_counts_stay_exact_when_every_process_entry_is_taken(slab):
+    handles = [Slab.attach(slab.name) for _ in range(L.NPROCS + 2)]
+    try:
+        slab.put("k", b"v")
+        for h in handles:  # the last handles find no free entry and count under the lock
+            assert h.get("k") == b"v" and h.get("nope") is None
+        assert slab.get("k") == b"v"
+        st = slab.stats()
+        assert (st["get_hits"], st["get_misses"]) == (len(handles) + 1, len(handles))
+    finally:
+        for h in handles:
+            h.close()
+    st = slab.stats()  # closing folds each entry's counts into the totals
+    assert (st["get_hits"], st["get_misses"]) == (len(handles) + 1, len(handles))
