@@ -261,7 +261,7 @@ async def _send_zero_copy(resp: web.StreamResponse, transport, reader) -> None:
         cut = max(0, min(len(view), head - sent))
         part = view[:cut]
         if cut < len(view):
-            tail.append(bytes(view[cut:]))
+            tail.append(view[cut:])
         sent += len(view)
         if len(part) >= ZERO_COPY_MIN:
             if pending:  # keep the order: what was gathered goes first
@@ -278,9 +278,10 @@ async def _send_zero_copy(resp: web.StreamResponse, transport, reader) -> None:
                 pending, pending_size = [], 0
     if pending:
         await resp.write(b"".join(pending))
+    tail_bytes = b"".join(tail)  # the copy, taken before the check that vouches for it
     await _flushed(transport, resp._payload_writer)  # aiohttp's writer owns drain()
     reader.verify()
-    await resp.write(b"".join(tail))
+    await resp.write(tail_bytes)
 
 
 async def _flushed(transport, writer) -> None:

@@ -23,8 +23,9 @@ import platform
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import posix_ipc
 
@@ -49,9 +50,10 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels fall back to touching ea
 _OS_PAGE = mmap.PAGESIZE
 DEFAULT_READ_SLICE = 1024 * 1024
 _CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once per sweep
+_T = TypeVar("_T")
 _KEY_CACHE = 16384  # addresses whose validated bytes and fingerprint a handle remembers
 _SPINS = 50  # non-blocking lock attempts (with a yield between) before sleeping on it
-# Lock-free lookups rely on x86's ordering of loads and of stores (see _find_unlocked).
+# Lock-free lookups rely on x86's ordering of loads and of stores (see Slab._read).
 _LOCKFREE_READS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
@@ -594,25 +596,28 @@ class Slab:
 
     # ------------------------------------------------------------------ get / exists / delete
 
-    def _find_unlocked(self, raw: bytes, fp: int) -> tuple[int, tuple | None] | None:
-        """Look ``raw`` up without the lock (a seqlock read); None if a writer interfered.
+    def _read(self, lookup: Callable[[], _T]) -> _T:
+        """Run a read-only ``lookup`` of the slot table, without the lock if it can.
 
-        Every critical section makes ST_SEQ odd on entry and even on exit. A lookup that
-        saw the same even value before and after read a table no writer touched meanwhile,
-        so its slot fields belong together. (x86 keeps loads in order and stores in order,
-        which is all a seqlock needs; elsewhere reads take the lock.)
+        Every critical section makes ST_SEQ odd on entry and even on exit (a seqlock). A
+        lookup that saw the same even value before and after read a table no writer
+        touched meanwhile, so what it read belongs together; otherwise it runs again
+        under the lock. (x86 keeps loads in order and stores in order, which is all a
+        seqlock needs; elsewhere every lookup takes the lock.)
         """
-        if not _LOCKFREE_READS:
-            return None
-        st = self._state
-        seq = st[L.ST_SEQ]
-        if seq & 1:
-            return None
-        try:
-            found = self._find(raw, fp)
-        except SlabError:  # a torn view of a table being rebuilt
-            return None
-        return found if st[L.ST_SEQ] == seq else None
+        if _LOCKFREE_READS:
+            st = self._state
+            seq = st[L.ST_SEQ]
+            if not seq & 1:
+                try:
+                    result = lookup()
+                except SlabError:  # a torn view of a table being rebuilt
+                    pass
+                else:
+                    if st[L.ST_SEQ] == seq:
+                        return result
+        with self._locked():
+            return lookup()
 
     def _count_read(self, hit: int, miss: int) -> None:
         """Count get hits and misses in this process's own entry (no lock, one writer)."""
@@ -657,16 +662,12 @@ class Slab:
     def open_block(self, address: str) -> BlockReader | None:
         """Look a block up for reading; None (a counted miss) if absent.
 
-        The lookup needs no lock unless a writer is busy (see :meth:`_find_unlocked`);
+        The lookup needs no lock unless a writer is busy (see :meth:`_read`);
         the reader copies the bytes out outside the lock, and a block evicted or released
         meanwhile ends the read with :class:`BlockGone`.
         """
         raw, fp = self._key(address)
-        found = self._find_unlocked(raw, fp)
-        if found is None:
-            with self._locked():
-                found = self._find(raw, fp)
-        i, s = found
+        i, s = self._read(lambda: self._find(raw, fp))
         if s is None:
             self._count_read(0, 1)
             return None
@@ -689,11 +690,7 @@ class Slab:
     def length(self, address: str) -> int | None:
         """The block's length if resident, else None. Counts nothing, reads no data."""
         raw, fp = self._key(address)
-        found = self._find_unlocked(raw, fp)
-        if found is None:
-            with self._locked():
-                found = self._find(raw, fp)
-        s = found[1]
+        s = self._read(lambda: self._find(raw, fp))[1]
         return None if s is None else s[4]
 
     def exists(self, address: str) -> bool:
@@ -701,17 +698,9 @@ class Slab:
         return self.length(address) is not None
 
     def exists_many(self, addresses: Iterable[str]) -> list[bool]:
-        """Existence of each address, looked up under one lock (prefix lookups)."""
+        """Existence of each address, looked up in one pass (prefix lookups)."""
         keys = [self._key(a) for a in addresses]
-        st = self._state
-        seq = st[L.ST_SEQ]
-        if _LOCKFREE_READS and not seq & 1:
-            with contextlib.suppress(SlabError):
-                out = [self._find(raw, fp)[1] is not None for raw, fp in keys]
-                if st[L.ST_SEQ] == seq:
-                    return out
-        with self._locked():
-            return [self._find(raw, fp)[1] is not None for raw, fp in keys]
+        return self._read(lambda: [self._find(raw, fp)[1] is not None for raw, fp in keys])
 
     def delete(self, address: str) -> bool:
         """Release one reference; free the block when the last goes. False if absent."""

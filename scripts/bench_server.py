@@ -372,39 +372,43 @@ def run_threads(nthreads: int, seconds: float, one) -> float:
     return sum(counts) / (time.monotonic() - t0)
 
 
-def large_http(port: int, op: str, size_name: str, seconds: float, conns: int) -> float:
-    payload = os.urandom(SIZES[size_name])
+def run_raw(port: int, seconds: float, conns: int, exchange) -> float:
+    """Run ``exchange(state)`` on ``conns`` raw keep-alive connections; return ops/s.
+
+    Each state holds its socket (``s``), a read buffer (``buf``), a 4 MiB body sink
+    (``sink``), the thread index (``i``) and the operations done so far (``n``).
+    """
 
     def one(st, setup=False, teardown=False):
         if setup:
             st["s"] = connect(port)
             st["buf"], st["sink"] = bytearray(), memoryview(bytearray(4 * MiB))
-            return
-        if teardown:
+        elif teardown:
             st["s"].close()
-            return
-        st["n"] += 1
+        else:
+            st["n"] += 1
+            exchange(st)
+
+    return run_threads(conns, seconds, one)
+
+
+def large_http(port: int, op: str, size_name: str, seconds: float, conns: int) -> float:
+    payload = os.urandom(SIZES[size_name])
+
+    def exchange(st):
         path = f"/kv/b{size_name}" if op != "PUT" else f"/kv/p{st['i']}-{st['n']}-{size_name}"
         status = http_exchange(st["s"], st["buf"], st["sink"], op, path,
                                payload if op == "PUT" else None)  # fmt: skip
         if status not in (200, 201):
             raise RuntimeError(f"{op} {path}: {status}")
 
-    return run_threads(conns, seconds, one)
+    return run_raw(port, seconds, conns, exchange)
 
 
 def large_redis(port: int, op: str, size_name: str, seconds: float, conns: int) -> float:
     payload = os.urandom(SIZES[size_name])
 
-    def one(st, setup=False, teardown=False):
-        if setup:
-            st["s"] = connect(port)
-            st["buf"], st["sink"] = bytearray(), memoryview(bytearray(4 * MiB))
-            return
-        if teardown:
-            st["s"].close()
-            return
-        st["n"] += 1
+    def exchange(st):
         key = f"b{size_name}".encode()
         if op == "GET":
             redis_cmd(st["s"], b"GET", key, buf=st["buf"], sink=st["sink"])
@@ -414,7 +418,7 @@ def large_redis(port: int, op: str, size_name: str, seconds: float, conns: int) 
             k = f"p{st['i']}-{st['n']}-{size_name}".encode()
             redis_cmd(st["s"], b"SET", k, payload, buf=st["buf"], sink=st["sink"])
 
-    return run_threads(conns, seconds, one)
+    return run_raw(port, seconds, conns, exchange)
 
 
 # ---------------------------------------------------------------------------- wrk / redis-benchmark
