@@ -15,14 +15,14 @@ Routes (reserved words under ``/kv/`` never name a block, see :data:`eg_kv.addre
 ===========================  =============================================================
 
 Every error is ``text/plain``, one line that says what was wrong. Every response carries
-``X-EgKv-Worker: <pid>``.
+``X-EgKv-Worker: <pid>``. The block routes write their responses themselves
+(:mod:`eg_kv.replies`); the rest use aiohttp's.
 
 Bodies never sit whole in Python memory: a PUT streams ``request.content`` into the pages
-it reserved; a GET copies the block out slice by slice and writes each copy (never slab
-memory itself: a transport may keep a reference to unsent bytes). A PUT needs a
-``Content-Length``, or a chunked body, which is spooled into an anonymous memory file
-(``memfd``, capped at the maximum block size) because the slab must know a block's length
-before it reserves pages.
+it reserved; a large GET hands the block's pages to the socket straight from the slab
+(:func:`_send_zero_copy`). A PUT needs a ``Content-Length``, or a chunked body, which is
+spooled into an anonymous memory file (``memfd``, capped at the maximum block size)
+because the slab must know a block's length before it reserves pages.
 """
 
 from __future__ import annotations
@@ -36,15 +36,17 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from aiohttp import web, web_protocol, web_server
 
-from . import runstate
+from . import replies, runstate
 from .address import validate
 from .config import Settings
 from .errors import BadRequest, EgKvError, NotFound, TooLarge
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import FLUSH_S, Metrics
+from .replies import JSON, OCTETS, WORKER_HEADER, Written, reply
 from .slab import BlockGone, Slab
 
 log = logging.getLogger("eg_kv.app")
@@ -53,21 +55,18 @@ log = logging.getLogger("eg_kv.app")
 BATCH_MAX = 1024
 #: Largest batch request body: 1024 addresses of 256 characters, quoted, with room to spare.
 BATCH_MAX_BYTES = 512 * 1024
-#: Slice size for streaming a block out: big enough that per-write overhead vanishes,
-#: small enough that a handful of concurrent GETs stays far below the memory budget.
+#: Blocks up to this size go out in one copy and one write; larger ones are streamed.
+#: Also the slice size of the copies a TLS connection is sent.
 READ_SLICE = 1024 * 1024
+#: Bytes of slab pages handed to the socket per ``writelines`` call of a large GET.
+SEND_BATCH = 4 * 1024 * 1024
 #: A connection's body buffer before reading pauses (aiohttp's 64 KiB default paused and
 #: resumed the socket every few reads of a large PUT).
 READ_BUFSIZE = 1024 * 1024
 #: Bytes of a large GET that are copied, and sent only after the block's tag is checked.
 ZERO_COPY_TAIL = 64 * 1024
-#: Runs of contiguous pages shorter than this are gathered into copies instead.
-ZERO_COPY_MIN = 256 * 1024
 #: Slice size for copying a spooled chunked upload into the slab.
 SPOOL_SLICE = 1024 * 1024
-
-WORKER_HEADER = "X-EgKv-Worker"
-OCTETS = "application/octet-stream"
 
 SETTINGS = web.AppKey("settings", Settings)
 SLAB = web.AppKey("slab", Slab)
@@ -146,23 +145,24 @@ def _check_auth(request: web.BaseRequest, token: bytes) -> str | None:
 # ---------------------------------------------------------------------------- middleware
 
 
-def _endpoint(route: str, fn: Callable) -> Callable:
+def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
     """Wrap a handler with auth, error mapping, the worker header and metrics.
 
     A wrapper per handler rather than an aiohttp middleware: a middleware makes aiohttp add
     a second layer of its own to every request, and together they cost a tenth of a small
-    GET. Catch-all routes send every request that matches no route through a wrapped
+    GET. The app's drain counter, metrics and token are bound here once, not looked up per
+    request. Catch-all routes send every request that matches no route through a wrapped
     handler as well, so nothing bypasses the auth check or the one-line errors.
     """
+    drain, metrics, token = app[DRAIN], app[METRICS], app[TOKEN]
+    if route == "healthz":
+        token = b""  # liveness needs no auth
 
     async def endpoint(request: web.Request) -> web.StreamResponse:
-        app = request.app
         start = time.perf_counter()
-        drain = app[DRAIN]
         drain.inflight += 1
         try:
-            token = app[TOKEN]
-            why = _check_auth(request, token) if token and route != "healthz" else None
+            why = _check_auth(request, token) if token else None
             resp = _unauthorized(why) if why is not None else await fn(request)
         except EgKvError as e:
             resp = error_response(e.status, str(e))
@@ -173,73 +173,79 @@ def _endpoint(route: str, fn: Callable) -> Callable:
                 f"method {e.method} is not allowed on {request.path[:200]}; allowed: {allowed}",
                 {"Allow": allowed},
             )
-        except asyncio.CancelledError:  # the client left, or the drain timed out
+        except (asyncio.CancelledError, ConnectionError):
+            # The client left (aiohttp drops the connection quietly), or the drain timed out.
             drain.leave()
-            app[METRICS].observe(route, request.method, "cancelled", time.perf_counter() - start)
+            metrics.observe(route, request.method, "cancelled", time.perf_counter() - start)
             raise
         except Exception as e:  # a bug: answer 500 with one line, keep the worker alive
             log.exception("internal error on %s %s", request.method, request.path[:200])
             resp = error_response(500, f"internal error ({type(e).__name__}); see the server log")
-        if not resp.prepared:  # a streamed response set its headers before it started
-            resp.headers[WORKER_HEADER] = _PID[0]
+        if not resp.prepared:  # an aiohttp response: replies.Written carries its own
+            _label(resp)
             if drain.draining:
                 resp.force_close()  # the worker is stopping: no next request on this connection
         drain.leave()
-        app[METRICS].observe(route, request.method, resp.status, time.perf_counter() - start)
+        metrics.observe(route, request.method, resp.status, time.perf_counter() - start)
         return resp
 
     endpoint.__name__, endpoint.__doc__ = fn.__name__, fn.__doc__
     return endpoint
 
 
-def _streamed(headers: dict[str, str]) -> web.StreamResponse:
-    """A StreamResponse that carries the worker header (it is prepared in the handler)."""
-    headers[WORKER_HEADER] = _PID[0]
-    return web.StreamResponse(headers=headers)
+def _label(resp: web.StreamResponse) -> web.StreamResponse:
+    """Give an aiohttp response the headers every eg-kv response carries."""
+    resp.headers[WORKER_HEADER] = replies.worker_pid()
+    resp.headers["Server"] = replies.SERVER
+    return resp
 
 
-_PID = [str(os.getpid())]  # refreshed in each worker when its app starts (after fork)
+def _closing(request: web.BaseRequest) -> bool:
+    """Whether this worker is draining: answers then close their connections."""
+    return request.app[DRAIN].draining
 
 
 # ---------------------------------------------------------------------------- blocks
 
 
 async def get_block(request: web.Request) -> web.StreamResponse:
-    """``GET /kv/<hash>``: the block's bytes, streamed slice by slice; 404 if absent."""
+    """``GET /kv/<hash>``: the block's bytes; 404 if absent."""
     address = request.match_info["hash"]
     reader = request.app[SLAB].open_block(address)
     if reader is None:
         raise NotFound(f"no block {address}")
     n = reader.length
     if n <= READ_SLICE:
-        # One response, one copy, one write: the fast path for small blocks.
+        # One copy, one write: the fast path for small blocks.
         try:
             data = reader.read()
         except BlockGone:
             raise NotFound(f"no block {address} (evicted while read)") from None
-        return web.Response(body=data, content_type=OCTETS)
-    resp = _streamed({"Content-Type": OCTETS})
-    resp.content_length = n
-    await resp.prepare(request)
+        return reply(request, 200, data, OCTETS, close=_closing(request))
     transport = request.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client went away before the response")
+    head, keep = replies.head(request, 200, OCTETS, n, _closing(request))
+    transport.write(head)
     try:
-        if transport is not None and transport.get_extra_info("sslcontext") is None:
-            await _send_zero_copy(resp, transport, reader)
+        if transport.get_extra_info("sslcontext") is None:
+            await _send_zero_copy(request.writer, transport, reader)
         else:  # TLS buffers plaintext we cannot watch: send copies
             for chunk in reader.slices(READ_SLICE):
-                await resp.write(chunk)
-    except BlockGone:
-        # The status line is gone already: cut the connection so the client sees a short
-        # body (a miss), never a complete-looking response with wrong bytes.
+                transport.write(chunk)
+                await request.writer.drain()
+    except BaseException as e:
+        # The head is out: cut the connection, so the client sees a short body (a miss),
+        # never a complete-looking response with wrong bytes, nor an error after a body.
+        transport.abort()
+        if not isinstance(e, BlockGone):
+            raise
         log.info("block %s evicted while it was sent; aborting the response", address)
-        if request.transport is not None:
-            request.transport.abort()
-        return resp
-    await resp.write_eof()
-    return resp
+        return Written(200, False, 0)
+    return Written(200, keep, n)
 
 
-async def _send_zero_copy(resp: web.StreamResponse, transport, reader) -> None:
+async def _send_zero_copy(writer, transport, reader) -> None:
     """Send a block straight from slab memory, withholding its tail until that is safe.
 
     A transport keeps a reference to bytes the kernel has not taken yet, so slab memory
@@ -248,40 +254,38 @@ async def _send_zero_copy(resp: web.StreamResponse, transport, reader) -> None:
     the kernel, the block's tag is checked, and only then does the tail go. Had the block
     been released during the send, the check fails before the body is complete and the
     connection is cut: the client sees a short body (a miss), never a whole body with
-    wrong bytes. This saves the copy that otherwise bounds large GETs
-    (scripts/bench_server.py).
+    wrong bytes. The pages go out in ``writelines`` batches, one scatter-gather ``writev``
+    each under uvloop, however scattered they lie (scripts/bench_server.py).
+
+    Args:
+        writer: aiohttp's writer of this request (its ``drain()`` waits out back-pressure).
 
     Raises:
         BlockGone: the block was evicted or released during the send.
         ConnectionResetError: the client went away.
     """
     head = reader.length - min(ZERO_COPY_TAIL, reader.length)
-    sent, tail, pending, pending_size = 0, [], [], 0
+    sent, tail, batch, batched = 0, [], [], 0
     for view in reader.views(READ_SLICE):
         cut = max(0, min(len(view), head - sent))
-        part = view[:cut]
+        if cut:
+            batch.append(view[:cut])
+            batched += cut
         if cut < len(view):
             tail.append(view[cut:])
         sent += len(view)
-        if len(part) >= ZERO_COPY_MIN:
-            if pending:  # keep the order: what was gathered goes first
-                await resp.write(b"".join(pending))
-                pending, pending_size = [], 0
-            await resp.write(part)
-        elif part:
-            # Scattered pages: hundreds of page-sized writes cost more than one copy
-            # gathering them into a slice (measured).
-            pending.append(part)
-            pending_size += len(part)
-            if pending_size >= READ_SLICE:
-                await resp.write(b"".join(pending))
-                pending, pending_size = [], 0
-    if pending:
-        await resp.write(b"".join(pending))
+        if batched >= SEND_BATCH:
+            if transport.is_closing():
+                raise ConnectionResetError("the client went away during the send")
+            transport.writelines(batch)
+            batch, batched = [], 0
+            await writer.drain()
+    if batch:
+        transport.writelines(batch)
     tail_bytes = b"".join(tail)  # the copy, taken before the check that vouches for it
-    await _flushed(transport, resp._payload_writer)  # aiohttp's writer owns drain()
+    await _flushed(transport, writer)
     reader.verify()
-    await resp.write(tail_bytes)
+    transport.write(tail_bytes)
 
 
 async def _flushed(transport, writer) -> None:
@@ -310,12 +314,7 @@ async def head_block(request: web.Request) -> web.StreamResponse:
     n = request.app[SLAB].length(address)
     if n is None:
         raise NotFound(f"no block {address}")
-    # A bodiless response that keeps the length it is given (aiohttp sends no body for HEAD).
-    resp = _streamed({"Content-Type": OCTETS})
-    resp.content_length = n
-    await resp.prepare(request)
-    await resp.write_eof()
-    return resp
+    return reply(request, 200, b"", OCTETS, length=n, close=_closing(request))
 
 
 def _announced_length(request: web.BaseRequest, max_block: int) -> int | None:
@@ -343,25 +342,19 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
     app = request.app
     try:
         if app[TOKEN] and (why := _check_auth(request, app[TOKEN])) is not None:
-            resp = _unauthorized(why)
-            resp.headers[WORKER_HEADER] = _PID[0]
-            return resp
+            return _label(_unauthorized(why))
         validate(request.match_info["hash"])
         _announced_length(request, app[SLAB].max_block_size)
     except EgKvError as e:
-        resp = error_response(e.status, str(e))
-        resp.headers[WORKER_HEADER] = _PID[0]
-        return resp
+        return _label(error_response(e.status, str(e)))
     if request.headers.get("Expect", "").lower() != "100-continue":
-        resp = error_response(417, "only Expect: 100-continue is understood")
-        resp.headers[WORKER_HEADER] = _PID[0]
-        return resp
+        return _label(error_response(417, "only Expect: 100-continue is understood"))
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the final one
     return None
 
 
-async def put_block(request: web.Request) -> web.Response:
+async def put_block(request: web.Request) -> web.StreamResponse:
     """``PUT /kv/<hash>``: stream the body into the slab; 201 new block, 200 dedup hit."""
     address = request.match_info["hash"]
     slab = request.app[SLAB]
@@ -386,8 +379,8 @@ async def put_block(request: web.Request) -> web.Response:
         finally:
             handle.abort()  # no-op after commit; frees the pages of a failed upload
     if created:
-        return web.Response(status=201, text="created\n")
-    return web.Response(status=200, text="dedup\n")
+        return reply(request, 201, b"created\n", close=_closing(request))
+    return reply(request, 200, b"dedup\n", close=_closing(request))
 
 
 async def _put_chunked(request: web.Request, slab: Slab, address: str) -> bool:
@@ -427,24 +420,24 @@ def _why(e: BaseException) -> str:
     return text[:200]
 
 
-async def delete_block(request: web.Request) -> web.Response:
+async def delete_block(request: web.Request) -> web.StreamResponse:
     """``DELETE /kv/<hash>``: release one reference; 204, or 404 if absent."""
     address = request.match_info["hash"]
     if not request.app[SLAB].delete(address):
         raise NotFound(f"no block {address}")
-    return web.Response(status=204)
+    return reply(request, 204, close=_closing(request))
 
 
-async def block_exists(request: web.Request) -> web.Response:
+async def block_exists(request: web.Request) -> web.StreamResponse:
     """``GET /kv/<hash>/exists``: ``{"hash": ..., "exists": bool}``."""
     address = request.match_info["hash"]
     if address == "batch":  # /kv/batch/exists exists, for POST only
         raise web.HTTPMethodNotAllowed(request.method, ("POST",))
-    found = request.app[SLAB].exists(address)
-    return web.json_response({"hash": address, "exists": found})
+    body = json.dumps({"hash": address, "exists": request.app[SLAB].exists(address)})
+    return reply(request, 200, body.encode(), JSON, close=_closing(request))
 
 
-async def batch_exists(request: web.Request) -> web.Response:
+async def batch_exists(request: web.Request) -> web.StreamResponse:
     """``POST /kv/batch/exists`` with ``{"addresses": [...]}`` (at most 1024).
 
     Answers ``{"exists": [bool, ...], "prefix_hits": n}``, ``n`` being the length of the
@@ -468,7 +461,8 @@ async def batch_exists(request: web.Request) -> web.Response:
         raise TooLarge(f"{len(addresses)} addresses in one batch; at most {BATCH_MAX}")
     found = request.app[SLAB].exists_many(addresses)
     prefix = next((i for i, hit in enumerate(found) if not hit), len(found))
-    return web.json_response({"exists": found, "prefix_hits": prefix})
+    body = json.dumps({"exists": found, "prefix_hits": prefix}).encode()
+    return reply(request, 200, body, JSON, close=_closing(request))
 
 
 _BLOCK_METHODS = ("DELETE", "GET", "HEAD", "PUT")
@@ -596,19 +590,22 @@ def make_app(
     app.on_startup.append(_start_metrics_flush)
     app.on_cleanup.append(_stop_metrics_flush)
 
-    r, E = app.router, _endpoint
-    # Fixed routes first: they win over /kv/{hash}, whose reserved words never validate.
+    r, E = app.router, partial(_endpoint, app)
+    # Fixed paths win over /kv/{hash} (aiohttp tries the longest fixed prefix first), and
+    # the reserved words never validate as addresses anyway.
     r.add_get("/healthz", E("healthz", healthz), name="healthz", allow_head=False)
     r.add_get("/metrics", E("metrics", metrics), name="metrics", allow_head=False)
     r.add_get("/kv/stats", E("stats", stats), name="stats", allow_head=False)
     r.add_post("/kv/batch/exists", E("batch_exists", batch_exists), name="batch_exists")
-    r.add_get("/kv/{hash}/exists", E("exists", block_exists), name="exists", allow_head=False)
-    # One resource for the block routes: one path match serves every method.
+    # One resource for the block routes: one path match serves every method. It goes
+    # before /kv/{hash}/exists, which it never matches (an address holds no "/"), so the
+    # busiest route is the first one tried.
     block = r.add_resource("/kv/{hash}", name="block")
     block.add_route("GET", E("block", get_block))
     block.add_route("HEAD", E("block", head_block))
     block.add_route("PUT", E("block", put_block), expect_handler=put_expect)
     block.add_route("DELETE", E("block", delete_block))
+    r.add_get("/kv/{hash}/exists", E("exists", block_exists), name="exists", allow_head=False)
     # Catch-alls: wrong methods and unknown paths get the same auth and one-line answers.
     r.add_route("*", "/kv/{rest:.*}", E("invalid", bad_kv_path), name="invalid")
     r.add_route("*", "/{tail:.*}", E("unmatched", no_route), name="unmatched")
@@ -624,6 +621,9 @@ class _OneLineErrorHandler(web_protocol.RequestHandler):
     """
 
     def handle_error(self, request, status=500, exc=None, message=None):
+        if isinstance(exc, ConnectionError):  # the client left: nobody to answer
+            log.debug("client went away: %s", _why(exc))
+            raise ConnectionResetError("the client went away")
         if status >= 500:
             self.log_exception("error handling request", exc_info=exc)
         else:
@@ -634,8 +634,7 @@ class _OneLineErrorHandler(web_protocol.RequestHandler):
             reason = f"internal error ({type(exc).__name__ if exc else status}); see the log"
         else:
             reason = f"malformed request: {message or (_why(exc) if exc else status)}"
-        resp = error_response(status, reason[:300])
-        resp.headers[WORKER_HEADER] = _PID[0]
+        resp = _label(error_response(status, reason[:300]))
         resp.force_close()
         return resp
 
@@ -697,7 +696,7 @@ async def _stop_metrics_flush(app: web.Application) -> None:
 
 async def _slab_ctx(app: web.Application) -> AsyncIterator[None]:
     """Attach the slab in this process when the app starts; close the handle at clean-up."""
-    _PID[0] = str(os.getpid())
+    replies.set_worker_pid()
     slab = Slab.attach(app[SETTINGS].slab_name)
     app[SLAB] = slab
     try:

@@ -1056,6 +1056,11 @@ class BlockReader:
         Raises:
             BlockGone: the block was evicted or released meanwhile.
         """
-        data = b"".join(self.views(self.length))
+        slab = self._slab
+        if self.npages == 1:  # a small block: one slice, no generator
+            start = slab.geometry.data_off + self.first * slab.page_size
+            data = slab._mv[start : start + self.length].tobytes()
+        else:
+            data = b"".join(self.views(self.length))
         self.verify()
         return data

@@ -579,12 +579,57 @@ def fmt_rate(rate: float, size: int, op: str) -> str:
     return f"{rate * size / MiB:,.0f} MiB/s"
 
 
+def parse_cells(specs: list[str]) -> list[tuple[str, str]]:
+    """``["GET:4KiB", ...]`` as (op, size) pairs; SystemExit naming the valid ones."""
+    cells = []
+    for spec in specs:
+        op, _, size_name = spec.partition(":")
+        if op.upper() not in OPS or size_name not in SIZES:
+            raise SystemExit(f"bench_server: bad cell {spec!r}; use OP:SIZE with OP in "
+                             f"{'/'.join(OPS)} and SIZE in {'/'.join(SIZES)}")  # fmt: skip
+        cells.append((op.upper(), size_name))
+    return cells
+
+
+def quick_ab(args, worker_counts: list[int], cell, rates: dict) -> int:
+    """Only the cells of ``--only``, eg-kv against the bare handler.
+
+    The slab is first churned by 4 KiB and 1 MiB PUTs, as the full run's PUT cells leave it
+    before the 14 MiB GETs, so large blocks lie on scattered pages here too.
+    """
+    cells = parse_cells(args.only)
+    for workers in worker_counts:
+        with EgKv(workers) as eg, Bare(workers) as bare:
+            wrk_rate(eg.port, "PUT", "4KiB", args.seconds, 16)
+            large_http(eg.port, "PUT", "1MiB", args.seconds, 4)
+            for op, size_name in cells:
+                cell([eg, bare], workers, op, size_name)
+    print(
+        "| op | size | workers | eg-kv | bare aiohttp | eg-kv / bare |\n|---|---|---|---|---|---|"
+    )
+    for op, size_name in cells:
+        size = SIZES[size_name]
+        for workers in worker_counts:
+            eg, bare = (
+                rates[("eg-kv", workers, op, size_name)],
+                rates[("bare aiohttp", workers, op, size_name)],
+            )
+            print(
+                f"| {op} | {size_name} | {workers} | {fmt_rate(eg, size, op)} | "
+                f"{fmt_rate(bare, size, op)} | {eg / bare:.2f} |"
+            )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement (default 2)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="N (default: cores)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per cell, median kept (3)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--only", nargs="+", metavar="OP:SIZE",
+                    help="measure only these cells (e.g. GET:4KiB GET:14MiB) against the bare "
+                         "handler, without redis and the memory checks: a quick A/B")  # fmt: skip
     ap.add_argument("--bare-server", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_server:
@@ -614,6 +659,9 @@ def main() -> int:
             rates[(kind, workers, op, size_name)] = r
             print(f"  {kind:>12} x{workers} {op:4} {size_name:>5}: "
                   f"{fmt_rate(r, SIZES[size_name], op)}", file=sys.stderr)  # fmt: skip
+
+    if args.only:
+        return quick_ab(args, worker_counts, cell, rates)
 
     with Redis(1) as redis:
         for workers in worker_counts:
