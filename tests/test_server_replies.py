@@ -171,3 +171,29 @@ def test_error_responses_carry_the_same_server_headers(srv):
         line, h, _ = conn.response()
         assert line.startswith("HTTP/1.1 404")
         _common_headers(h)
+
+
+def test_client_leaving_mid_download_is_no_error(srv):
+    """Clients that hang up inside a large body cost nothing but their connection."""
+    import struct
+
+    data = os.urandom(12 * 1024 * 1024)  # far more than the socket buffers hold
+    with Conn(srv) as conn:
+        _put(conn, "leave", data)
+        assert conn.response()[0] == "HTTP/1.1 201 Created"
+        worker = None
+        for _ in range(10):
+            with Conn(srv) as c:
+                c.send(b"GET /kv/leave HTTP/1.1\r\nHost: t\r\n\r\n")
+                while b"\r\n\r\n" not in c.buf:
+                    assert c._fill()
+                worker = worker or c.buf.split(b"X-EgKv-Worker: ")[1].split(b"\r\n")[0]
+                # Hang up with a reset, the way a killed client does.
+                c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        # The same worker answers, whole, and wrote nothing alarming in its log.
+        conn.send(b"GET /kv/leave HTTP/1.1\r\nHost: t\r\n\r\n")
+        line, h, body = conn.response()
+        assert (line, body == data) == ("HTTP/1.1 200 OK", True)
+        assert h[WORKER_HEADER.lower()].encode() == worker
+    log = srv.log()
+    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
