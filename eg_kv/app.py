@@ -47,7 +47,7 @@ from .errors import BadRequest, EgKvError, NotFound, TooLarge
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import FLUSH_S, Metrics
 from .replies import JSON, OCTETS, WORKER_HEADER, Written, reply
-from .slab import BlockGone, Slab
+from .slab import SMALL_PUT, BlockGone, Slab
 
 log = logging.getLogger("eg_kv.app")
 
@@ -362,19 +362,19 @@ async def put_block(request: web.Request) -> web.StreamResponse:
     length = _announced_length(request, slab.max_block_size)
     if length is None:
         created = await _put_chunked(request, slab, address)
+    elif length <= SMALL_PUT:
+        # Gather a small body, then store it in one critical section (Slab.put): the
+        # second lock round trip of a streamed put cost more than holding these bytes.
+        chunks: list[bytes] = []
+        await _receive(request, chunks.append)
+        body = b"".join(chunks)
+        if len(body) != length:
+            raise BadRequest(f"body cut short: {len(body)} of {length} bytes arrived")
+        created = slab.put(address, body)
     else:
         handle = slab.begin_put(address, length)
         try:
-            content = request.content
-            try:
-                # readchunk hands over each buffered read as it came; readany joins them
-                # into a new bytes first (11% of a worker's time under 14 MiB PUTs).
-                while chunk := (await content.readchunk())[0]:
-                    handle.write(chunk)
-            except EgKvError:
-                raise
-            except Exception as e:  # the client's body broke off or was malformed
-                raise BadRequest(f"body cut short or malformed: {_why(e)}") from None
+            await _receive(request, handle.write)
             created = handle.commit()
         finally:
             handle.abort()  # no-op after commit; frees the pages of a failed upload
@@ -383,24 +383,46 @@ async def put_block(request: web.Request) -> web.StreamResponse:
     return reply(request, 200, b"dedup\n", close=_closing(request))
 
 
+async def _receive(request: web.Request, sink: Callable[[bytes], object]) -> None:
+    """Hand the request body to ``sink`` chunk by chunk, as it arrives.
+
+    Raises:
+        BadRequest: the body broke off or was malformed.
+        EgKvError: whatever ``sink`` raised.
+    """
+    content = request.content
+    try:
+        # readchunk hands over each buffered read as it came; readany joins them into a
+        # new bytes first (11% of a worker's time under 14 MiB PUTs).
+        while True:
+            chunk, end_of_http_chunk = await content.readchunk()
+            if chunk:
+                sink(chunk)
+            elif not end_of_http_chunk:  # (b"", True) only marks a chunk boundary
+                break
+    except EgKvError:
+        raise
+    except Exception as e:  # the client's body broke off or was malformed
+        raise BadRequest(f"body cut short or malformed: {_why(e)}") from None
+
+
 async def _put_chunked(request: web.Request, slab: Slab, address: str) -> bool:
     """Spool a chunked body into a memfd (capped), then copy it into the slab."""
     limit = slab.max_block_size
     fd = os.memfd_create("eg-kv-put", os.MFD_CLOEXEC)
     try:
         total = 0
-        try:
-            while chunk := await request.content.readany():
-                total += len(chunk)
-                if total > limit:
-                    raise TooLarge(f"chunked body is over the maximum block size of {limit} bytes")
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-        except EgKvError:
-            raise
-        except Exception as e:
-            raise BadRequest(f"chunked body cut short or malformed: {_why(e)}") from None
+
+        def spool(chunk: bytes) -> None:
+            nonlocal total
+            total += len(chunk)
+            if total > limit:
+                raise TooLarge(f"chunked body is over the maximum block size of {limit} bytes")
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+
+        await _receive(request, spool)
         handle = slab.begin_put(address, total)
         try:
             pos = 0

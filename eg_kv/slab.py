@@ -51,6 +51,9 @@ _OS_PAGE = mmap.PAGESIZE
 DEFAULT_READ_SLICE = 1024 * 1024
 _CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once per sweep
 _T = TypeVar("_T")
+#: Blocks up to this size are stored by :meth:`Slab.put` in one critical section, copy
+#: included: a second lock round trip cost more than the copy (scripts/bench_server.py).
+SMALL_PUT = 64 * 1024
 _KEY_CACHE = 16384  # addresses whose validated bytes and fingerprint a handle remembers
 _SPINS = 50  # non-blocking lock attempts (with a yield between) before sleeping on it
 # Lock-free lookups rely on x86's ordering of loads and of stores (see Slab._read).
@@ -524,13 +527,7 @@ class Slab:
             another length), InsufficientStorage, Busy (too many puts in flight).
         """
         raw, fp = self._key(address)
-        if length < 1:
-            raise BadRequest(f"empty block ({length} bytes): nothing to store")
-        if length > self.max_block_size:
-            raise TooLarge(
-                f"block of {length} bytes is over the maximum block size of {self.max_block_size}"
-            )
-        n = self._npages(length)
+        n = self._pages_for(length)
         with self._locked():
             _i, s = self._find(raw, fp)
             if s is not None:
@@ -546,45 +543,96 @@ class Slab:
         return PutHandle(self, address, raw, fp, length, r, first, n)
 
     def put(self, address: str, data) -> bool:
-        """Store ``data`` under ``address`` in one call; True if created, False if dedup."""
-        handle = self.begin_put(address, len(data))
-        try:
-            handle.write(data)
-            return handle.commit()
-        finally:
-            handle.abort()
+        """Store ``data`` under ``address`` in one call; True if created, False if dedup.
+
+        Up to :data:`SMALL_PUT` bytes are looked up, copied in and published in one
+        critical section; larger blocks go through :meth:`begin_put`, copied outside it.
+
+        Raises:
+            The same as :meth:`begin_put`.
+        """
+        length = len(data)
+        if length > SMALL_PUT:
+            handle = self.begin_put(address, length)
+            try:
+                handle.write(data)
+                return handle.commit()
+            finally:
+                handle.abort()
+        raw, fp = self._key(address)
+        n = self._pages_for(length)
+        with self._locked():
+            i, s = self._find(raw, fp)
+            if s is not None:
+                return self._add_ref(i, s, address, length)
+            if self._state[L.ST_FREE_COUNT] < n:
+                self._make_room(n)
+                i = self._find(raw, fp)[0]  # evictions may have moved the empty slot
+            first = self._alloc_pages(n)
+            src, mv = memoryview(data).cast("B"), self._mv
+            for pos, off, size in _runs(self, first, n, length):
+                mv[off : off + size] = src[pos : pos + size]
+            # A crash before the slot is written leaves pages no slot owns: repair frees them.
+            self._publish(i, raw, fp, length, first, n)
+            return True
+
+    def _pages_for(self, length: int) -> int:
+        """Pages a block of ``length`` bytes takes.
+
+        Raises:
+            BadRequest: an empty block. TooLarge: over the maximum block size.
+        """
+        if length < 1:
+            raise BadRequest(f"empty block ({length} bytes): nothing to store")
+        if length > self.max_block_size:
+            raise TooLarge(
+                f"block of {length} bytes is over the maximum block size of {self.max_block_size}"
+            )
+        return self._npages(length)
+
+    def _add_ref(self, i: int, s: tuple, address: str, length: int) -> bool:
+        """A dedup hit on slot ``i`` (fields ``s``): one more reference. Returns False.
+
+        Raises:
+            Conflict: the resident block has another length.
+        """
+        if s[4] != length:
+            raise Conflict(_conflict_message(address, s[4], length))
+        L.SLOT.pack_into(self._mm, self._slot_off(i), L.SLOT_READY, 1, *s[2:3], s[3] + 1, *s[4:])
+        st = self._state
+        st[L.ST_TOTAL_REFS] += 1
+        st[L.ST_LOGICAL_BYTES] += length
+        st[L.ST_DEDUP_HITS] += 1
+        return False
+
+    def _publish(self, i: int, raw: bytes, fp: int, length: int, first: int, npages: int) -> None:
+        """Make the block on pages ``first``.. visible in empty slot ``i``, and count it."""
+        st = self._state
+        block_id = st[L.ST_NEXT_BLOCK_ID]
+        st[L.ST_NEXT_BLOCK_ID] = block_id + 1
+        self._tag[first] = block_id
+        self._write_slot(i, 0, raw, 1, length, first, npages, block_id, fp)
+        st[L.ST_UNIQUE_BLOCKS] += 1
+        st[L.ST_TOTAL_REFS] += 1
+        st[L.ST_RESIDENT_BYTES] += length
+        st[L.ST_LOGICAL_BYTES] += length
+        st[L.ST_SLOT_PAGES] += npages
+        st[L.ST_PUTS_CREATED] += 1
 
     def _commit(self, h: PutHandle) -> bool:
-        st = self._state
         with self._locked():
             i, s = self._find(h.raw, h.fp)
             if s is not None:
                 if h.resv >= 0:
                     first, npages = self._unreserve(h.resv)
                     self._free_pages(first, npages)
-                if s[4] != h.length:
-                    raise Conflict(_conflict_message(h.address, s[4], h.length))
-                off = self._slot_off(i)
-                L.SLOT.pack_into(self._mm, off, L.SLOT_READY, 1, *s[2:3], s[3] + 1, *s[4:])
-                st[L.ST_TOTAL_REFS] += 1
-                st[L.ST_LOGICAL_BYTES] += h.length
-                st[L.ST_DEDUP_HITS] += 1
-                return False
+                return self._add_ref(i, s, h.address, h.length)
             if h.resv < 0:
                 raise Busy(f"block {h.address} was evicted while its duplicate was uploaded; retry")
-            block_id = st[L.ST_NEXT_BLOCK_ID]
-            st[L.ST_NEXT_BLOCK_ID] = block_id + 1
-            self._tag[h.first] = block_id
             # Publish the slot before giving up the reservation: a crash in between leaves
             # both claiming the pages, and repair lets the published slot win.
-            self._write_slot(i, 0, h.raw, 1, h.length, h.first, h.npages, block_id, h.fp)
+            self._publish(i, h.raw, h.fp, h.length, h.first, h.npages)
             self._unreserve(h.resv)
-            st[L.ST_UNIQUE_BLOCKS] += 1
-            st[L.ST_TOTAL_REFS] += 1
-            st[L.ST_RESIDENT_BYTES] += h.length
-            st[L.ST_LOGICAL_BYTES] += h.length
-            st[L.ST_SLOT_PAGES] += h.npages
-            st[L.ST_PUTS_CREATED] += 1
             return True
 
     def _abort(self, h: PutHandle) -> None:

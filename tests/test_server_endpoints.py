@@ -6,7 +6,9 @@ import hashlib
 import http.client
 import os
 import re
+import socket
 import threading
+import time
 
 import pytest
 from conftest import wait_for
@@ -120,6 +122,26 @@ def test_chunked_put_is_stored(srv):
         conn.close()
     assert request(srv, "GET", "/kv/chunky").body == data
     assert stats(srv)["reserved_pages"] == 0
+
+
+@pytest.mark.parametrize("size", [5000, 200_000])  # stored in one go / streamed
+def test_chunked_put_arriving_in_fragments_is_stored_whole(srv, size):
+    """Each chunk's data lands before its closing CRLF: the server reads up to a chunk
+    boundary that is only marked later, and must not take that mark for the end."""
+    data = os.urandom(size)
+    step = size // 8 + 1
+    with socket.create_connection((srv.host, srv.port), timeout=30) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(b"PUT /kv/fragments HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(0, size, step):
+            piece = data[i : i + step]
+            s.sendall(b"%x\r\n" % len(piece) + piece)
+            time.sleep(0.02)  # provokes the split; the outcome must not depend on it
+            s.sendall(b"\r\n")
+        s.sendall(b"0\r\n\r\n")
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 201"), answer
+    assert request(srv, "GET", "/kv/fragments").body == data
 
 
 def test_batch_exists_and_prefix_hits(srv):

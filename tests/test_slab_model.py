@@ -26,7 +26,8 @@ def content(key: str, length: int) -> bytes:
 
 # Hypothesis favours small integers; mix in big blocks so sequences keep evicting.
 SIZES = st.one_of(st.integers(1, 2 * PAGE), st.integers(6 * PAGE, 10 * PAGE))
-PUT = st.tuples(st.just("put"), st.sampled_from(KEYS), SIZES)
+# "put" stores in one critical section (small blocks), "stream" through a PutHandle.
+PUT = st.tuples(st.sampled_from(["put", "stream"]), st.sampled_from(KEYS), SIZES)
 ops = st.lists(
     st.one_of(
         PUT,
@@ -40,6 +41,17 @@ ops = st.lists(
 )
 
 
+def streamed_put(slab: Slab, key: str, body: bytes) -> bool:
+    """The streaming path: a PutHandle fed in three uneven chunks."""
+    handle = slab.begin_put(key, len(body))
+    try:
+        for a, b in ((0, len(body) // 3), (len(body) // 3, len(body) - 1), (len(body) - 1, None)):
+            handle.write(body[a:b])
+        return handle.commit()
+    finally:
+        handle.abort()
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
 def test_slab_matches_dict_model(sequence):
@@ -49,12 +61,12 @@ def test_slab_matches_dict_model(sequence):
     try:
         for op, key, length in sequence:
             before = slab.stats()["evictions"]
-            if op == "put":
+            if op in ("put", "stream"):
                 held = model.get(key)
                 if held is not None and len(held[0]) != length:
                     length = len(held[0])  # the same address always names the same bytes
                 body = content(key, length)
-                created = slab.put(key, body)
+                created = slab.put(key, body) if op == "put" else streamed_put(slab, key, body)
                 assert created == (held is None), (op, key)
                 if created:
                     model[key] = [body, 1]
