@@ -18,11 +18,13 @@ Every error is ``text/plain``, one line that says what was wrong. Every response
 ``X-EgKv-Worker: <pid>``. The block routes write their responses themselves
 (:mod:`eg_kv.replies`); the rest use aiohttp's.
 
-Bodies never sit whole in Python memory: a PUT streams ``request.content`` into the pages
-it reserved; a large GET hands the block's pages to the socket straight from the slab
-(:func:`_send_zero_copy`). A PUT needs a ``Content-Length``, or a chunked body, which is
-spooled into an anonymous memory file (``memfd``, capped at the maximum block size)
-because the slab must know a block's length before it reserves pages.
+No body larger than one slice ever sits whole in Python memory: a PUT over
+:data:`~eg_kv.slab.SMALL_PUT` (64 KiB) streams ``request.content`` into the pages it
+reserved, a smaller one is gathered and stored in one critical section; a GET up to
+:data:`READ_SLICE` (1 MiB) is one copy, a larger one hands the block's pages to the socket
+straight from the slab (:func:`_send_zero_copy`). A PUT needs a ``Content-Length``, or a
+chunked body, which is spooled into an anonymous memory file (``memfd``, capped at the
+maximum block size) because the slab must know a block's length before it reserves pages.
 """
 
 from __future__ import annotations
