@@ -229,6 +229,7 @@ async def get_block(request: web.Request) -> web.StreamResponse:
         raise ConnectionResetError("the client went away before the response")
     head, keep = replies.head(request, 200, OCTETS, n, _closing(request))
     transport.write(head)
+    replies.sent(request, len(head))
     try:
         if transport.get_extra_info("sslcontext") is None:
             await _send_zero_copy(request.writer, transport, reader)
@@ -244,6 +245,7 @@ async def get_block(request: web.Request) -> web.StreamResponse:
             raise
         log.info("block %s evicted while it was sent; aborting the response", address)
         return Written(200, False, 0)
+    replies.sent(request, n)
     return Written(200, keep, n)
 
 
@@ -277,17 +279,26 @@ async def _send_zero_copy(writer, transport, reader) -> None:
             tail.append(view[cut:])
         sent += len(view)
         if batched >= SEND_BATCH:
-            if transport.is_closing():
-                raise ConnectionResetError("the client went away during the send")
-            transport.writelines(batch)
+            _write_views(transport, batch)
             batch, batched = [], 0
             await writer.drain()
     if batch:
-        transport.writelines(batch)
+        _write_views(transport, batch)
     tail_bytes = b"".join(tail)  # the copy, taken before the check that vouches for it
     await _flushed(transport, writer)
     reader.verify()
     transport.write(tail_bytes)
+
+
+def _write_views(transport, views: list[memoryview]) -> None:
+    """One ``writelines``; a closed uvloop transport raises RuntimeError, so check first.
+
+    Raises:
+        ConnectionResetError: the connection is closing.
+    """
+    if transport.is_closing():
+        raise ConnectionResetError("the client went away during the send")
+    transport.writelines(views)
 
 
 async def _flushed(transport, writer) -> None:
@@ -296,6 +307,8 @@ async def _flushed(transport, writer) -> None:
     Raises:
         ConnectionResetError: the connection closed first.
     """
+    if transport.is_closing():
+        raise ConnectionResetError("the client went away during the send")
     low, high = transport.get_write_buffer_limits()
     transport.set_write_buffer_limits(high=0, low=0)  # pause writing until the buffer is empty
     try:
@@ -362,6 +375,8 @@ async def put_block(request: web.Request) -> web.StreamResponse:
     slab = request.app[SLAB]
     validate(address)
     length = _announced_length(request, slab.max_block_size)
+    if length == 0:  # refused before reading: there is nothing to store
+        raise BadRequest("empty block (0 bytes): nothing to store")
     if length is None:
         created = await _put_chunked(request, slab, address)
     elif length <= SMALL_PUT:
@@ -385,8 +400,17 @@ async def put_block(request: web.Request) -> web.StreamResponse:
     return reply(request, 200, b"dedup\n", close=_closing(request))
 
 
-async def _receive(request: web.Request, sink: Callable[[bytes], object]) -> None:
-    """Hand the request body to ``sink`` chunk by chunk, as it arrives.
+async def _receive(
+    request: web.Request, sink: Callable[[bytes], object], *, chunked: bool = False
+) -> None:
+    """Hand the request body to ``sink`` piece by piece, as it arrives.
+
+    Args:
+        chunked: the body is chunked: what is buffered goes out joined (``readany``), so
+            a body of many tiny HTTP chunks reaches the sink in a few large pieces.
+            Otherwise ``readchunk`` hands over each buffered read as it came, without the
+            join (which was 11% of a worker's time under 14 MiB PUTs); a Content-Length
+            body has no chunk boundaries, so an empty piece is its end.
 
     Raises:
         BadRequest: the body broke off or was malformed.
@@ -394,14 +418,12 @@ async def _receive(request: web.Request, sink: Callable[[bytes], object]) -> Non
     """
     content = request.content
     try:
-        # readchunk hands over each buffered read as it came; readany joins them into a
-        # new bytes first (11% of a worker's time under 14 MiB PUTs).
-        while True:
-            chunk, end_of_http_chunk = await content.readchunk()
-            if chunk:
+        if chunked:
+            while chunk := await content.readany():
                 sink(chunk)
-            elif not end_of_http_chunk:  # (b"", True) only marks a chunk boundary
-                break
+        else:
+            while chunk := (await content.readchunk())[0]:
+                sink(chunk)
     except EgKvError:
         raise
     except Exception as e:  # the client's body broke off or was malformed
@@ -424,7 +446,7 @@ async def _put_chunked(request: web.Request, slab: Slab, address: str) -> bool:
             while view:
                 view = view[os.write(fd, view) :]
 
-        await _receive(request, spool)
+        await _receive(request, spool, chunked=True)
         handle = slab.begin_put(address, total)
         try:
             pos = 0

@@ -143,6 +143,7 @@ def reply(
     if status == 204:
         head_bytes, keep = head(request, status, "", None, close)
         transport.write(head_bytes)
+        sent(request, len(head_bytes))
         return Written(status, keep, 0)
     head_bytes, keep = head(
         request, status, content_type, len(body) if length is None else length, close
@@ -151,4 +152,15 @@ def reply(
         transport.writelines((head_bytes, body))
     else:
         transport.write(head_bytes)
+    sent(request, len(head_bytes) + len(body))
     return Written(status, keep, len(body))
+
+
+def sent(request: web.BaseRequest, nbytes: int) -> None:
+    """Count bytes written past aiohttp's writer in its ``output_size``.
+
+    aiohttp takes ``output_size > 0`` to mean the response has begun: an error raised
+    after that closes the connection instead of appending an error response to bytes
+    already sent.
+    """
+    request.writer.output_size += nbytes

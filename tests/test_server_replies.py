@@ -197,3 +197,15 @@ def test_client_leaving_mid_download_is_no_error(srv):
         assert h[WORKER_HEADER.lower()].encode() == worker
     log = srv.log()
     assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+
+
+def test_empty_puts_are_400_and_the_worker_stays_responsive(srv):
+    """aiohttp shares one empty-payload reader among all bodiless requests of a process;
+    repeated empty PUTs must not leave it (or a loop reading it) in a state that hangs."""
+    with Conn(srv) as conn:
+        for _ in range(3):
+            conn.send(b"PUT /kv/empty HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+            line, _, body = conn.response()
+            assert line.startswith("HTTP/1.1 400") and b"empty" in body, (line, body)
+        _put(conn, "after-empty", b"fine")
+        assert conn.response()[0] == "HTTP/1.1 201 Created"
