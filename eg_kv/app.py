@@ -207,6 +207,11 @@ def _closing(request: web.BaseRequest) -> bool:
     return request.app[DRAIN].draining
 
 
+def _reply(request: web.BaseRequest, status: int, body: bytes = b"", *args, **kwargs) -> Written:
+    """:func:`eg_kv.replies.reply`, closing the connection while this worker drains."""
+    return reply(request, status, body, *args, close=_closing(request), **kwargs)
+
+
 # ---------------------------------------------------------------------------- blocks
 
 
@@ -223,7 +228,7 @@ async def get_block(request: web.Request) -> web.StreamResponse:
             data = reader.read()
         except BlockGone:
             raise NotFound(f"no block {address} (evicted while read)") from None
-        return reply(request, 200, data, OCTETS, close=_closing(request))
+        return _reply(request, 200, data, OCTETS)
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away before the response")
@@ -329,7 +334,7 @@ async def head_block(request: web.Request) -> web.StreamResponse:
     n = request.app[SLAB].length(address)
     if n is None:
         raise NotFound(f"no block {address}")
-    return reply(request, 200, b"", OCTETS, length=n, close=_closing(request))
+    return _reply(request, 200, b"", OCTETS, length=n)
 
 
 def _announced_length(request: web.BaseRequest, max_block: int) -> int | None:
@@ -396,8 +401,8 @@ async def put_block(request: web.Request) -> web.StreamResponse:
         finally:
             handle.abort()  # no-op after commit; frees the pages of a failed upload
     if created:
-        return reply(request, 201, b"created\n", close=_closing(request))
-    return reply(request, 200, b"dedup\n", close=_closing(request))
+        return _reply(request, 201, b"created\n")
+    return _reply(request, 200, b"dedup\n")
 
 
 async def _receive(
@@ -471,7 +476,7 @@ async def delete_block(request: web.Request) -> web.StreamResponse:
     address = request.match_info["hash"]
     if not request.app[SLAB].delete(address):
         raise NotFound(f"no block {address}")
-    return reply(request, 204, close=_closing(request))
+    return _reply(request, 204)
 
 
 async def block_exists(request: web.Request) -> web.StreamResponse:
@@ -480,7 +485,7 @@ async def block_exists(request: web.Request) -> web.StreamResponse:
     if address == "batch":  # /kv/batch/exists exists, for POST only
         raise web.HTTPMethodNotAllowed(request.method, ("POST",))
     body = json.dumps({"hash": address, "exists": request.app[SLAB].exists(address)})
-    return reply(request, 200, body.encode(), JSON, close=_closing(request))
+    return _reply(request, 200, body.encode(), JSON)
 
 
 async def batch_exists(request: web.Request) -> web.StreamResponse:
@@ -508,7 +513,7 @@ async def batch_exists(request: web.Request) -> web.StreamResponse:
     found = request.app[SLAB].exists_many(addresses)
     prefix = next((i for i, hit in enumerate(found) if not hit), len(found))
     body = json.dumps({"exists": found, "prefix_hits": prefix}).encode()
-    return reply(request, 200, body, JSON, close=_closing(request))
+    return _reply(request, 200, body, JSON)
 
 
 _BLOCK_METHODS = ("DELETE", "GET", "HEAD", "PUT")

@@ -42,11 +42,10 @@ _PID = [str(os.getpid())]
 _DATE = [-1, b""]
 
 
-def set_worker_pid() -> str:
-    """Take this process's pid for the worker header (call after ``fork``); returns it."""
+def set_worker_pid() -> None:
+    """Take this process's pid for the worker header (call after ``fork``)."""
     _PID[0] = str(os.getpid())
     _HEADS.clear()
-    return _PID[0]
 
 
 def worker_pid() -> str:

@@ -9,6 +9,7 @@ nothing, and returns within about the timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -339,10 +341,16 @@ def test_chunked_and_read_to_close_answers_are_understood():
 # --------------------------------------------------------------------------- broken servers
 
 
-def _down_url() -> tuple[socket.socket, str]:
-    held = socket.socket()
-    held.bind(("127.0.0.1", 0))  # bound but not listening: connection refused
-    return held, f"http://127.0.0.1:{held.getsockname()[1]}"
+@contextlib.contextmanager
+def _broken_server(mode: str) -> Iterator[str]:
+    """The URL of a server broken in ``mode`` (a RawServer mode, or "down")."""
+    if mode == "down":
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))  # bound but not listening: connection refused
+            yield f"http://127.0.0.1:{held.getsockname()[1]}"
+    else:
+        with RawServer(mode) as srv:
+            yield srv.url
 
 
 def _timed(fn, *args):
@@ -353,13 +361,7 @@ def _timed(fn, *args):
 
 @pytest.mark.parametrize("mode", ["down", "silent", "garbage", "short", "drip", "badjson"])
 def test_sync_client_misses_on_a_broken_server(mode):
-    if mode == "down":
-        held, url = _down_url()
-        srv = None
-    else:
-        srv = RawServer(mode)
-        url, held = srv.url, None
-    try:
+    with _broken_server(mode) as url:
         kv = RemoteKVConnector(base_url=url, timeout_s=BAD_TIMEOUT)
         calls = [
             (kv.get, ("k",), None),
@@ -383,11 +385,6 @@ def test_sync_client_misses_on_a_broken_server(mode):
             kv.stats()
         assert time.monotonic() - t0 < BAD_BOUND
         kv.close()
-    finally:
-        if srv is not None:
-            srv.stop()
-        if held is not None:
-            held.close()
 
 
 # --------------------------------------------------------------------------- async
@@ -428,14 +425,7 @@ def test_async_client_against_real_server(server_factory):
 
 @pytest.mark.parametrize("mode", ["down", "silent", "garbage", "short", "drip", "badjson"])
 def test_async_client_misses_on_a_broken_server(mode):
-    if mode == "down":
-        held, url = _down_url()
-        srv = None
-    else:
-        srv = RawServer(mode)
-        url, held = srv.url, None
-
-    async def main() -> None:
+    async def main(url: str) -> None:
         async with AsyncRemoteKVConnector(base_url=url, timeout_s=BAD_TIMEOUT) as kv:
             calls = [
                 (kv.get("k"), None),
@@ -456,10 +446,5 @@ def test_async_client_misses_on_a_broken_server(mode):
             with pytest.raises(RemoteError):
                 await kv.stats()
 
-    try:
-        asyncio.run(main())
-    finally:
-        if srv is not None:
-            srv.stop()
-        if held is not None:
-            held.close()
+    with _broken_server(mode) as url:
+        asyncio.run(main(url))
