@@ -34,6 +34,7 @@ import math
 import re
 import threading
 import time
+import types
 import urllib.parse
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -52,6 +53,10 @@ DEFAULT_REFRESH_S = 15.0
 DEFAULT_QUERY_TIMEOUT_S = 2.0
 #: The bound on one call of the ``weigh`` hook, for all members together.
 DEFAULT_WEIGH_TIMEOUT_S = 5.0
+#: A member that failed is down for this long, doubling at each failed probe up to the
+#: maximum (pymemcache's HashClient and mcrouter retry dead servers the same way).
+DEFAULT_BACKOFF_S = 1.0
+DEFAULT_MAX_BACKOFF_S = 30.0
 
 _SCHEMES = ("http", "https")
 _GRAMMAR = (
@@ -567,7 +572,14 @@ class Membership:
             if members == dict(old.members):
                 return False
             placement = Placement({m.id: m.weight for m in members.values()})
-            view = View(members, placement, old.placement, time.monotonic(), self.refresh_s)
+            previous = old.placement if old.members else None
+            view = View(
+                types.MappingProxyType(members),
+                placement,
+                previous,
+                time.monotonic(),
+                self.refresh_s,
+            )
             self._view = view
         if old.members:
             log.info(
@@ -576,3 +588,85 @@ class Membership:
         if self._on_change is not None:
             self._on_change(view)
         return True
+
+
+# --------------------------------------------------------------------------- health
+
+
+class Health:
+    """Which members are down, each with its back-off; thread-safe.
+
+    A member that failed (refused connection, timeout) is down until a probe finds it up:
+    pass :meth:`down` as ``skip`` to :meth:`Placement.home` / :meth:`Placement.group`, so
+    its addresses go to their next-ranked member and no request waits on it. A background
+    prober asks :meth:`due` which members to probe now, probes each (``/healthz``, with a
+    short timeout) and reports :meth:`succeeded` or :meth:`failed`; every failure doubles
+    the member's back-off, from ``first_s`` up to ``max_s``.
+
+    Args:
+        first_s: the back-off after a first failure.
+        max_s: the longest back-off.
+        clock: a monotonic clock (seconds); tests pass their own.
+    """
+
+    def __init__(
+        self,
+        first_s: float = DEFAULT_BACKOFF_S,
+        max_s: float = DEFAULT_MAX_BACKOFF_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < first_s <= max_s:
+            raise ConfigError(f"want 0 < first_s <= max_s, not {first_s!r} and {max_s!r}")
+        self.first_s = float(first_s)
+        self.max_s = float(max_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._backoff: dict[str, float] = {}  # member id -> its current back-off
+        self._next_probe: dict[str, float] = {}  # member id -> when to probe it
+        self._down: frozenset[str] = frozenset()
+
+    def failed(self, member_id: str) -> float:
+        """A request or a probe to the member failed: it is down (again).
+
+        Returns:
+            Seconds until it is due for a probe.
+        """
+        with self._lock:
+            backoff = self._backoff.get(member_id)
+            backoff = self.first_s if backoff is None else min(backoff * 2, self.max_s)
+            self._backoff[member_id] = backoff
+            self._next_probe[member_id] = self._clock() + backoff
+            self._down = frozenset(self._backoff)
+            return backoff
+
+    def succeeded(self, member_id: str) -> bool:
+        """A probe (or a request) reached the member: it is up. Returns True if it was down."""
+        with self._lock:
+            was_down = self._backoff.pop(member_id, None) is not None
+            self._next_probe.pop(member_id, None)
+            if was_down:
+                self._down = frozenset(self._backoff)
+            return was_down
+
+    def down(self) -> frozenset[str]:
+        """The ids of the members that are down now (one atomic read, no lock)."""
+        return self._down
+
+    def due(self) -> list[str]:
+        """Members whose back-off has run out, to probe now, sorted. Each is handed out once
+        per back-off: it is due again only after the prober reports :meth:`failed`, or
+        after another back-off if the prober never reports."""
+        with self._lock:
+            now = self._clock()
+            ready = sorted(m for m, t in self._next_probe.items() if t <= now)
+            for m in ready:
+                self._next_probe[m] = now + self._backoff[m]
+            return ready
+
+    def forget(self, keep: Collection[str]) -> None:
+        """Drop the state of members no longer in the set (``keep``: the current ids)."""
+        with self._lock:
+            for m in [m for m in self._backoff if m not in keep]:
+                del self._backoff[m]
+                self._next_probe.pop(m, None)
+            self._down = frozenset(self._backoff)

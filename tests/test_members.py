@@ -18,10 +18,12 @@ from conftest import ROOT, wait_for
 from eg_kv.errors import ConfigError
 from eg_kv.members import (
     DnsQuery,
+    Health,
     Member,
     Membership,
     parse_server_set,
 )
+from eg_kv.placement import Placement
 
 dnslib = pytest.importorskip("dnslib")
 from dnslib import AAAA, QTYPE, RCODE, RR, SRV, A, DNSError  # noqa: E402
@@ -126,10 +128,14 @@ def dns_server():
     try:
         yield zone, port
     finally:
-        for server in servers:
-            server.stop()
-            server.server.server_close()
+        # Both at once: each shutdown waits up to socketserver's 0.5 s poll.
+        stoppers = [threading.Thread(target=server.stop) for server in servers]
+        for t in stoppers:
+            t.start()
+        for t, server in zip(stoppers, servers, strict=True):
+            t.join(timeout=10)
             server.thread.join(timeout=10)
+            server.server.server_close()
 
 
 def membership(setting: str, port: int, **kw) -> Membership:
@@ -425,3 +431,60 @@ def test_a_static_list_weighed_by_a_hook_that_hangs_is_bounded():
         assert time.monotonic() - t0 < 10
         assert {x.id: x.weight for x in m.members} == {"fast:1": 2.0, "slow:1": 2.0}
         release.set()
+
+
+# --------------------------------------------------------------------------- health
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_failed_member_is_skipped_until_a_probe_finds_it_up():
+    clock = Clock()
+    health = Health(first_s=1.0, max_s=30.0, clock=clock)
+    placement = Placement(dict.fromkeys(["a:1", "b:1", "c:1"], 1.0))
+    batch = [f"{i:x}" for i in range(300)]
+    on_b = [x for x in batch if placement.home(x) == "b:1"]
+    assert health.failed("b:1") == 1.0
+    assert health.down() == {"b:1"}
+    # Its addresses go to their next-ranked member; the others stay where they are.
+    groups = placement.group(batch, skip=health.down())
+    assert "b:1" not in groups
+    for x in on_b:
+        assert placement.home(x, health.down()) == placement.ranking(x)[1]
+    # Probed after its back-off, once; each failed probe doubles it, up to the maximum.
+    assert health.due() == []
+    backoffs = []
+    for _ in range(7):
+        clock.now += backoffs[-1] if backoffs else 1.0
+        assert health.due() == ["b:1"]
+        assert health.due() == [], "handed out twice in one back-off"
+        backoffs.append(health.failed("b:1"))
+    assert backoffs == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+    assert health.down() == {"b:1"}, "down until a probe succeeds, however long"
+    # A prober that never reports gets it again after another back-off.
+    clock.now += 30.0
+    assert health.due() == ["b:1"]
+    clock.now += 30.0
+    assert health.due() == ["b:1"]
+    # Up again: home again, and a later failure starts from the first back-off.
+    assert health.succeeded("b:1") is True and health.succeeded("b:1") is False
+    assert health.down() == frozenset()
+    assert [placement.home(x, health.down()) for x in on_b] == ["b:1"] * len(on_b)
+    assert health.failed("b:1") == 1.0
+
+
+def test_health_forgets_members_that_left_and_refuses_bad_bounds():
+    health = Health(clock=Clock())
+    health.failed("a:1")
+    health.failed("b:1")
+    health.forget({"b:1", "c:1"})
+    assert health.down() == {"b:1"}
+    for first, most in ((0, 1), (2, 1), (-1, 5)):
+        with pytest.raises(ConfigError):
+            Health(first, most)
