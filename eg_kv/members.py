@@ -53,6 +53,8 @@ DEFAULT_REFRESH_S = 15.0
 DEFAULT_QUERY_TIMEOUT_S = 2.0
 #: The bound on one call of the ``weigh`` hook, for all members together.
 DEFAULT_WEIGH_TIMEOUT_S = 5.0
+#: At most this many weighings at once (and so threads of a hook that hangs).
+_WEIGH_THREADS = 8
 #: A member that failed is down for this long, doubling at each failed probe up to the
 #: maximum (pymemcache's HashClient and mcrouter retry dead servers the same way).
 DEFAULT_BACKOFF_S = 1.0
@@ -229,7 +231,12 @@ def make_resolver(
         dns_port: their port (tests run a DNS server on a free loopback port).
         timeout_s: the lifetime of one resolution, retries included.
     """
-    import dns.resolver
+    try:
+        import dns.resolver
+    except ImportError:
+        raise ConfigError(
+            "dns+ and dnssrv+ server URLs need dnspython: pip install dnspython"
+        ) from None
 
     resolver = dns.resolver.Resolver(configure=nameservers is None)
     if nameservers is not None:
@@ -283,6 +290,10 @@ def _addresses(resolver: Any, name: str, response: Any = None) -> list[str]:
             continue
         found += [r.address for r in answer]
     return _ordered(found)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
 
 
 def _ordered(addresses: list[str]) -> list[str]:
@@ -428,7 +439,7 @@ class Membership:
     ) -> None:
         for name, value in (("refresh_s", refresh_s), ("query_timeout_s", query_timeout_s),
                             ("weigh_timeout_s", weigh_timeout_s)):  # fmt: skip
-            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            if not _positive(value):
                 raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}")
         self.servers = setting if isinstance(setting, ServerSet) else parse_server_set(setting)
         self.refresh_s = float(refresh_s)
@@ -441,6 +452,8 @@ class Membership:
         self._found: dict[DnsQuery, list[Member]] = {}  # last good answer of each entry
         self._failing: set[DnsQuery] = set()
         self._weights: dict[str, float] = {}  # measured weights, by member id
+        self._weighing: dict[str, concurrent.futures.Future] = {}  # weighings under way
+        self._weigh_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()  # one refresh at a time
         self._view = View({}, Placement({}), None, time.monotonic(), self.refresh_s)
@@ -489,6 +502,9 @@ class Membership:
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=self._join_bound())
+        pool, self._weigh_pool = self._weigh_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _join_bound(self) -> float:
         resolver = self._resolver
@@ -515,7 +531,15 @@ class Membership:
         if query in self._failing:
             log.info("eg-kv: %s resolves again: %d member(s)", query, len(members))
             self._failing.discard(query)
-        self._found[query] = members
+        # An SRV target whose address lookup failed this time keeps its last address
+        # rather than falling back to the system resolver for one refresh.
+        before = {m.id: m for m in self._found.get(query, ())}
+        self._found[query] = [
+            dataclasses.replace(m, host=before[m.id].host)
+            if m.host == m.server_name and m.id in before
+            else m
+            for m in members
+        ]
 
     def _candidates(self) -> dict[str, Member]:
         """Static members first, then each DNS entry's; the first with an id wins."""
@@ -534,26 +558,29 @@ class Membership:
                 del self._weights[member_id]
         if self._weigh is None:
             return
-        todo = [m for m in candidates.values() if m.id not in self._weights]
-        if not todo:
+        if self._weigh_pool is None:
+            self._weigh_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=_WEIGH_THREADS, thread_name_prefix="eg-kv-weigh"
+            )
+        # A member whose last weighing still runs (a hook that hangs) is not asked again:
+        # the threads stay bounded however long the hook takes.
+        for m in candidates.values():
+            if m.id not in self._weights and m.id not in self._weighing:
+                self._weighing[m.id] = self._weigh_pool.submit(self._weigh, m)
+        if not self._weighing:
             return
-        pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(16, len(todo)), thread_name_prefix="eg-kv-weigh"
-        )
-        futures = {pool.submit(self._weigh, m): m for m in todo}
-        try:
-            done, _ = concurrent.futures.wait(futures, timeout=self._weigh_timeout_s)
-            for future in done:
-                member = futures[future]
-                try:
-                    weight = future.result()
-                except Exception as e:
-                    log.info("eg-kv: cannot weigh %s yet: %s", member.id, e)
-                    continue
-                if weight is not None and weight > 0 and math.isfinite(weight):
-                    self._weights[member.id] = float(weight)
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        concurrent.futures.wait(self._weighing.values(), timeout=self._weigh_timeout_s)
+        for member_id, future in list(self._weighing.items()):
+            if not future.done():
+                continue
+            del self._weighing[member_id]
+            try:
+                weight = future.result()
+            except Exception as e:
+                log.info("eg-kv: cannot weigh %s yet: %s", member_id, e)
+                continue
+            if member_id in candidates and _positive(weight):
+                self._weights[member_id] = float(weight)
 
     def _publish(self, candidates: dict[str, Member]) -> bool:
         weighed = [self._weights[m] for m in candidates if m in self._weights]
