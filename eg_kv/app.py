@@ -24,7 +24,9 @@ reserved, a smaller one is gathered and stored in one critical section; a GET up
 :data:`READ_SLICE` (1 MiB) is one copy, a larger one hands the block's pages to the socket
 straight from the slab (:func:`_send_zero_copy`). A PUT needs a ``Content-Length``, or a
 chunked body, which is spooled into an anonymous memory file (``memfd``, capped at the
-maximum block size) because the slab must know a block's length before it reserves pages.
+maximum block size, and all of a worker's at ``--chunked-spool``: :class:`SpoolBudget`)
+because the slab must know a block's length before it reserves pages. Uploads in flight
+reserve at most ``--upload-share`` of the slab (503 + ``Retry-After`` beyond it).
 """
 
 from __future__ import annotations
@@ -402,34 +404,38 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
     the client may send the body anyway, and those bytes must never be read as its next
     request. Otherwise the client gets ``100 Continue`` and :func:`put_block` runs.
     """
-    app = request.app
+    app, start = request.app, time.perf_counter()
     try:
         if app[TOKEN] and (why := _check_auth(request, app[TOKEN])) is not None:
-            return await _final_answer(request, _unauthorized(why))
+            return await _final_answer(request, _unauthorized(why), start)
         address = request.match_info["hash"]
         validate(address)
         slab = app[SLAB]
         length = _announced_length(request, slab.max_block_size)
         if request.headers.get("Expect", "").lower() != "100-continue":
             return await _final_answer(
-                request, error_response(417, "only Expect: 100-continue is understood")
+                request, error_response(417, "only Expect: 100-continue is understood"), start
             )
         if length and slab.add_ref(address, length):
-            return await _final_answer(request, web.Response(status=200, text="dedup\n"))
+            return await _final_answer(request, web.Response(status=200, text="dedup\n"), start)
     except EgKvError as e:
-        return await _final_answer(request, error_response(e.status, str(e)))
+        return await _final_answer(request, error_response(e.status, str(e)), start)
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the final one
     return None
 
 
-async def _final_answer(request: web.Request, resp: web.Response) -> web.Response:
+async def _final_answer(request: web.Request, resp: web.Response, start: float) -> web.Response:
     """Send ``resp`` as the final answer to an ``Expect: 100-continue`` request, then close
-    the connection at once (no lingering read of a body the client may never send)."""
+    the connection at once (no lingering read of a body the client may never send).
+
+    The request never reaches :func:`_endpoint`, so it is counted in the metrics here.
+    """
     _label(resp).force_close()
     await resp.prepare(request)
     await resp.write_eof()
     request.protocol.force_close()  # the transport sends what it holds, then closes
+    request.app[METRICS].observe("block", "PUT", resp.status, time.perf_counter() - start)
     return resp
 
 

@@ -613,11 +613,9 @@ class Slab:
             if s is not None:
                 self._add_ref(i, s, address, length)
                 return PutHandle(self, address, raw, fp, length, -1, L.NO_PAGE, 0, s[7])
-            cap = int(upload_share * self.geometry.npages)
-            if st[L.ST_RESV_PAGES] + n > cap:
-                self._release_dead_reservations()  # a dead writer's pages count for nothing
-            held = st[L.ST_RESV_PAGES]
-            # Over the share but within the slab: 503, retry. Beyond the slab: 507 below.
+            held, cap = st[L.ST_RESV_PAGES], int(upload_share * self.geometry.npages)
+            # Over the share but within the slab: 503, retry. Beyond the slab: 507 below
+            # (after _make_room has released any dead writer's pages).
             if held and cap < held + n <= self.geometry.npages:
                 raise Busy(
                     f"uploads in flight hold {held * self.page_size} bytes of the "

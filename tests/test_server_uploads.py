@@ -4,6 +4,7 @@ answered from the headers, final answers to ``Expect: 100-continue``, ``--fresh`
 from __future__ import annotations
 
 import os
+import re
 import select
 import selectors
 import socket
@@ -206,14 +207,25 @@ def test_stalled_chunked_uploads_have_a_memory_budget(server_factory):
     assert stats(srv)["reserved_pages"] == 0
 
 
-def test_max_block_size_over_capacity_is_refused_at_start():
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [(("--capacity", "8MiB", "--max-block-size", "16MiB"),
+      "--max-block-size 16MiB is larger than the slab's capacity of 8MiB: no such block could "
+      "be stored; lower --max-block-size or raise --capacity"),
+     (("--upload-share", "1.5"), "--upload-share 1.5 must be a fraction in (0, 1]"),
+     (("--chunked-spool", "0"), "--chunked-spool must be at least 1 byte")],
+)  # fmt: skip
+def test_bad_upload_limits_are_refused_at_start(extra, reason):
     cmd = [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{free_port()}",
-           "--slab-name", unique_slab_name("mbs"), "--capacity", "8MiB",
-           "--max-block-size", "16MiB"]  # fmt: skip
+           "--slab-name", unique_slab_name("lim"), *extra]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, out.stderr
-    assert "--max-block-size 16MiB is larger than" in out.stderr
-    assert "lower --max-block-size or raise --capacity" in out.stderr
+    assert reason in out.stderr
+
+
+def test_default_max_block_size_fits_a_small_capacity(server_factory):
+    srv = server_factory(workers=1, capacity="8MiB")
+    assert stats(srv)["max_block_size"] == 8 * MiB
 
 
 # ---------------------------------------------------------------- dedup from the headers (item 6)
@@ -232,6 +244,12 @@ def test_dedup_hit_with_expect_is_answered_before_any_body_byte(server_factory):
             assert _closed_by_server(s), "a final answer to Expect closes the connection"
         st = stats(srv)
         assert (st["unique_blocks"], st["total_refs"], st["dedup_hits"]) == (1, 1 + n, n)
+    # Answered outside the usual handler, yet counted in /metrics.
+    counted = re.compile(
+        r'^eg_kv_requests_total\{method="PUT",route="block",status="200"\} 2(\.0)?$', re.M
+    )
+    wait_for(lambda: counted.search(request(srv, "GET", "/metrics").text), timeout=10,
+             what="the two dedup hits in /metrics")  # fmt: skip
     # Another length is a conflict, answered from the headers as well.
     with _connect(srv) as s:
         s.sendall(_put_head("dup", len(block) + 1, expect=True))
