@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import select
 import selectors
 import socket
@@ -118,8 +119,21 @@ def test_stalled_uploads_cannot_pin_the_slab(server_factory):
     assert stats(srv)["unique_blocks"] >= 2
 
 
+@pytest.fixture
+def fds_for_1030_sockets():
+    """Room for this test's sockets under a soft fd limit of 1024 (the server inherits it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 @pytest.mark.timeout(120)
-def test_many_small_stalled_uploads_do_not_fill_the_reservation_table(server_factory):
+def test_many_small_stalled_uploads_do_not_fill_the_reservation_table(
+    server_factory, fds_for_1030_sockets
+):
     """1,030 stalled 65,537-byte uploads (more than the old fixed 1,024-entry table held):
     every one reserves, and a streamed PUT still succeeds while most of the slab is free."""
     n, pages_each = 1030, 17  # 65,537 bytes in 4 KiB pages
