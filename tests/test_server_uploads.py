@@ -255,6 +255,7 @@ def test_dedup_hit_with_expect_is_answered_before_any_body_byte(server_factory):
             reply = _response(s)
             assert status_of(reply) == 200, reply[:300]
             assert reply.endswith(b"\r\n\r\ndedup\n")
+            assert _header(reply, b"Connection") == b"close"
             assert _closed_by_server(s), "a final answer to Expect closes the connection"
         st = stats(srv)
         assert (st["unique_blocks"], st["total_refs"], st["dedup_hits"]) == (1, 1 + n, n)
