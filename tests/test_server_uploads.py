@@ -230,9 +230,13 @@ def test_stalled_chunked_uploads_have_a_memory_budget(server_factory):
      (("--chunked-spool", "0"), "--chunked-spool must be at least 1 byte")],
 )  # fmt: skip
 def test_bad_upload_limits_are_refused_at_start(extra, reason):
+    name = unique_slab_name("lim")
     cmd = [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{free_port()}",
-           "--slab-name", unique_slab_name("lim"), *extra]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+           "--slab-name", name, *extra]  # fmt: skip
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        Slab.unlink_named(name)  # made only if the settings were (wrongly) accepted
     assert out.returncode == 1, out.stderr
     assert reason in out.stderr
 
