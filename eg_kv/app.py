@@ -24,7 +24,9 @@ reserved, a smaller one is gathered and stored in one critical section; a GET up
 :data:`READ_SLICE` (1 MiB) is one copy, a larger one hands the block's pages to the socket
 straight from the slab (:func:`_send_zero_copy`). A PUT needs a ``Content-Length``, or a
 chunked body, which is spooled into an anonymous memory file (``memfd``, capped at the
-maximum block size) because the slab must know a block's length before it reserves pages.
+maximum block size, and all of a worker's at ``--chunked-spool``: :class:`SpoolBudget`)
+because the slab must know a block's length before it reserves pages. Uploads in flight
+reserve at most ``--upload-share`` of the slab (503 + ``Retry-After`` beyond it).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from aiohttp import web, web_protocol, web_server
 from . import replies, runstate
 from .address import validate
 from .config import Settings
-from .errors import BadRequest, EgKvError, NotFound, TooLarge
+from .errors import BadRequest, Busy, EgKvError, NotFound, TooLarge
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import FLUSH_S, Metrics
 from .replies import JSON, OCTETS, WORKER_HEADER, Written, reply
@@ -69,6 +71,9 @@ READ_BUFSIZE = 1024 * 1024
 ZERO_COPY_TAIL = 64 * 1024
 #: Slice size for copying a spooled chunked upload into the slab.
 SPOOL_SLICE = 1024 * 1024
+#: Seconds a 503 tells the client to wait (``Retry-After``): uploads in flight finish in
+#: milliseconds, stalled ones are cut by the body timeout.
+RETRY_AFTER_S = 1
 
 SETTINGS = web.AppKey("settings", Settings)
 SLAB = web.AppKey("slab", Slab)
@@ -113,6 +118,39 @@ class Drain:
 
 
 DRAIN = web.AppKey("drain", Drain)
+
+
+class SpoolBudget:
+    """Bytes of chunked bodies this worker holds spooled (``--chunked-spool`` bounds them).
+
+    A chunked body's length is known only at its end, so it waits in a memory file
+    outside the slab; without a bound, stalled chunked uploads pinned 720 MiB of them.
+    """
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    def take(self, n: int, own: int) -> None:
+        """Count ``n`` more bytes of an upload that holds ``own`` bytes already.
+
+        One upload alone may always grow to the maximum block size; beyond the limit
+        while others hold spool, it is refused.
+
+        Raises:
+            Busy: the worker's spool is full.
+        """
+        if self.held + n > self.limit and self.held > own:
+            raise Busy(
+                f"chunked uploads on this worker hold {self.held} of {self.limit} spool bytes "
+                "(--chunked-spool); retry shortly, or send a Content-Length"
+            )
+        self.held += n
+
+    def give_back(self, n: int) -> None:
+        self.held -= n
+
+
+SPOOL = web.AppKey("spool", SpoolBudget)
 
 
 def _line(text: str) -> str:
@@ -358,48 +396,89 @@ def _announced_length(request: web.BaseRequest, max_block: int) -> int | None:
 
 
 async def put_expect(request: web.Request) -> web.StreamResponse | None:
-    """``Expect: 100-continue``: refuse a bad or oversize upload before its body is sent."""
-    app = request.app
+    """``Expect: 100-continue``: answer from the headers when they are enough.
+
+    A bad or oversize upload is refused, and a dedup hit (the address resident with the
+    announced length: the address names the content) is answered 200 with its reference
+    taken, all before the body is sent. Every such final answer closes the connection:
+    the client may send the body anyway, and those bytes must never be read as its next
+    request. Otherwise the client gets ``100 Continue`` and :func:`put_block` runs.
+    """
+    app, start = request.app, time.perf_counter()
     try:
         if app[TOKEN] and (why := _check_auth(request, app[TOKEN])) is not None:
-            return _label(_unauthorized(why))
-        validate(request.match_info["hash"])
-        _announced_length(request, app[SLAB].max_block_size)
+            return await _final_answer(request, _unauthorized(why), start)
+        address = request.match_info["hash"]
+        validate(address)
+        slab = app[SLAB]
+        length = _announced_length(request, slab.max_block_size)
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return await _final_answer(
+                request, error_response(417, "only Expect: 100-continue is understood"), start
+            )
+        if length and slab.add_ref(address, length):
+            return await _final_answer(request, web.Response(status=200, text="dedup\n"), start)
     except EgKvError as e:
-        return _label(error_response(e.status, str(e)))
-    if request.headers.get("Expect", "").lower() != "100-continue":
-        return _label(error_response(417, "only Expect: 100-continue is understood"))
+        return await _final_answer(request, error_response(e.status, str(e)), start)
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the final one
     return None
 
 
+async def _final_answer(request: web.Request, resp: web.Response, start: float) -> web.Response:
+    """Send ``resp`` as the final answer to an ``Expect: 100-continue`` request, then close
+    the connection at once (no lingering read of a body the client may never send).
+
+    The request never reaches :func:`_endpoint`, so it is counted in the metrics here.
+    """
+    _label(resp).force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    request.protocol.force_close()  # the transport sends what it holds, then closes
+    request.app[METRICS].observe("block", "PUT", resp.status, time.perf_counter() - start)
+    return resp
+
+
+def _retry_later(e: Busy) -> web.Response:
+    """503 with ``Retry-After``: the same request may succeed shortly."""
+    return _label(error_response(503, str(e), {"Retry-After": str(RETRY_AFTER_S)}))
+
+
 async def put_block(request: web.Request) -> web.StreamResponse:
-    """``PUT /kv/<hash>``: stream the body into the slab; 201 new block, 200 dedup hit."""
+    """``PUT /kv/<hash>``: stream the body into the slab; 201 new block, 200 dedup hit.
+
+    A streamed PUT whose address is resident with its length is a dedup hit from its
+    headers: the reference is taken then, and the body is read and dropped chunk by
+    chunk (so the connection stays usable); a body that breaks off gives it back. A small
+    one is gathered and stored (or deduplicated) in one critical section.
+    """
     address = request.match_info["hash"]
     slab = request.app[SLAB]
     validate(address)
     length = _announced_length(request, slab.max_block_size)
     if length == 0:  # refused before reading: there is nothing to store
         raise BadRequest("empty block (0 bytes): nothing to store")
-    if length is None:
-        created = await _put_chunked(request, slab, address)
-    elif length <= SMALL_PUT:
-        # Gather a small body, then store it in one critical section (Slab.put): the
-        # second lock round trip of a streamed put cost more than holding these bytes.
-        chunks: list[bytes] = []
-        await _receive(request, chunks.append)
-        body = b"".join(chunks)
-        if len(body) != length:
-            raise BadRequest(f"body cut short: {len(body)} of {length} bytes arrived")
-        created = slab.put(address, body)
-    else:
-        handle = slab.begin_put(address, length)
-        try:
-            await _receive(request, handle.write)
-            created = handle.commit()
-        finally:
-            handle.abort()  # no-op after commit; frees the pages of a failed upload
+    try:
+        if length is None:
+            created = await _put_chunked(request, slab, address)
+        elif length <= SMALL_PUT:
+            # Gather a small body, then store it in one critical section (Slab.put): the
+            # second lock round trip of a streamed put cost more than holding these bytes.
+            chunks: list[bytes] = []
+            await _receive(request, chunks.append)
+            body = b"".join(chunks)
+            if len(body) != length:
+                raise BadRequest(f"body cut short: {len(body)} of {length} bytes arrived")
+            created = slab.put(address, body)
+        else:
+            handle = slab.begin_put(address, length, request.app[SETTINGS].upload_share)
+            try:
+                await _receive(request, handle.write)
+                created = handle.commit()
+            finally:
+                handle.abort()  # no-op after commit; frees the pages (or the dedup reference)
+    except Busy as e:
+        return _retry_later(e)
     if created:
         return _reply(request, 201, b"created\n")
     return _reply(request, 200, b"dedup\n")
@@ -436,23 +515,28 @@ async def _receive(
 
 
 async def _put_chunked(request: web.Request, slab: Slab, address: str) -> bool:
-    """Spool a chunked body into a memfd (capped), then copy it into the slab."""
-    limit = slab.max_block_size
+    """Spool a chunked body into a memfd, then copy it into the slab.
+
+    The body may be at most the maximum block size (413 beyond), and the worker's chunked
+    bodies together at most its ``--chunked-spool`` (503 beyond, see :class:`SpoolBudget`).
+    """
+    limit, budget = slab.max_block_size, request.app[SPOOL]
     fd = os.memfd_create("eg-kv-put", os.MFD_CLOEXEC)
+    total = 0
     try:
-        total = 0
 
         def spool(chunk: bytes) -> None:
             nonlocal total
-            total += len(chunk)
-            if total > limit:
+            if total + len(chunk) > limit:
                 raise TooLarge(f"chunked body is over the maximum block size of {limit} bytes")
+            budget.take(len(chunk), total)
+            total += len(chunk)
             view = memoryview(chunk)
             while view:
                 view = view[os.write(fd, view) :]
 
         await _receive(request, spool, chunked=True)
-        handle = slab.begin_put(address, total)
+        handle = slab.begin_put(address, total, request.app[SETTINGS].upload_share)
         try:
             pos = 0
             while pos < total:
@@ -463,6 +547,7 @@ async def _put_chunked(request: web.Request, slab: Slab, address: str) -> bool:
         finally:
             handle.abort()
     finally:
+        budget.give_back(total)
         os.close(fd)
 
 
@@ -636,6 +721,7 @@ def make_app(
     metrics_path = runstate.metrics_dir(run_dir) if run_dir else None
     app[METRICS] = Metrics(metrics_path)
     app[DRAIN] = Drain()
+    app[SPOOL] = SpoolBudget(settings.chunked_spool)
     app[HEALTH] = health or _health_from(run_dir, settings.workers)
     app.cleanup_ctx.append(_slab_ctx)
     app.on_startup.append(_start_metrics_flush)

@@ -33,6 +33,14 @@ DEFAULT_CAPACITY = 1 * GiB
 DEFAULT_PAGE_SIZE = 64 * KiB
 DEFAULT_MAX_BLOCK_SIZE = 64 * MiB
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
+#: Fraction of the slab that uploads in flight may reserve together. Half keeps the other
+#: half for resident blocks (hits and small PUTs go on whatever stalls), while 512 MiB of a
+#: 1 GiB slab is 36 uploads of 14 MiB (LMCache's chunk) at once, nine times what the
+#: benchmark's four 14 MiB writers hold.
+DEFAULT_UPLOAD_SHARE = 0.5
+#: Memory one worker may hold spooling chunked bodies (their length is unknown until the
+#: end, so they wait outside the slab): four bodies of the default 64 MiB maximum block.
+DEFAULT_CHUNKED_SPOOL = 256 * MiB
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
@@ -123,7 +131,8 @@ class Settings:
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     capacity: int = DEFAULT_CAPACITY
     page_size: int = DEFAULT_PAGE_SIZE
-    max_block_size: int = DEFAULT_MAX_BLOCK_SIZE
+    #: None: the default, 64 MiB or the capacity if that is smaller.
+    max_block_size: int | None = None
     slab_name: str = ""
     keep: bool = False
     fresh: bool = False
@@ -132,12 +141,29 @@ class Settings:
     tls_key: str | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     access_log: bool = False
+    upload_share: float = DEFAULT_UPLOAD_SHARE
+    chunked_spool: int = DEFAULT_CHUNKED_SPOOL
 
     def __post_init__(self) -> None:
         if not self.slab_name:
             object.__setattr__(self, "slab_name", f"/eg-kv-{self.port}")
         if self.workers < 1:
             raise ConfigError("--workers must be at least 1")
+        room = self.capacity // self.page_size * self.page_size if self.page_size > 0 else 0
+        if self.max_block_size is None:
+            object.__setattr__(self, "max_block_size", min(DEFAULT_MAX_BLOCK_SIZE, room) or 1)
+        elif self.max_block_size > room:
+            raise ConfigError(
+                f"--max-block-size {format_size(self.max_block_size)} is larger than the "
+                f"slab's capacity of {format_size(room)}: no such block could be stored; "
+                "lower --max-block-size or raise --capacity"
+            )
+        if not 0 < self.upload_share <= 1:
+            raise ConfigError(
+                f"--upload-share {self.upload_share:g} must be a fraction in (0, 1], e.g. 0.5"
+            )
+        if self.chunked_spool < 1:
+            raise ConfigError("--chunked-spool must be at least 1 byte, e.g. 256MiB")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
 
@@ -168,7 +194,7 @@ def settings_from_env(env: Mapping[str, str] | None = None, **overrides) -> Sett
     for key, var in (("tls_cert", ENV_TLS_CERT), ("tls_key", ENV_TLS_KEY)):
         if env.get(var):
             values[key] = env[var]
-    for key in ("capacity", "page_size", "max_block_size"):
+    for key in ("capacity", "page_size", "max_block_size", "chunked_spool"):
         if overrides.get(key) is not None:
             overrides[key] = parse_size(overrides[key])
     values.update({k: v for k, v in overrides.items() if v is not None})

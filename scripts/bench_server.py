@@ -405,6 +405,54 @@ def large_http(port: int, op: str, size_name: str, seconds: float, conns: int) -
     return run_raw(port, seconds, conns, exchange)
 
 
+def dedup_put(port: int, seconds: float, conns: int, expect: bool) -> float:
+    """PUTs per second of a resident 14 MiB block: every one a dedup hit.
+
+    ``expect`` False sends the body, as clients did before; True sends
+    ``Expect: 100-continue`` and gets its 200 from the headers, no body moved. The server
+    closes the connection after such an answer, so each of those PUTs opens its own.
+    """
+    payload = os.urandom(SIZES["14MiB"])
+    path = "/kv/dedup-14MiB"
+    if http_put_once(port, path, payload) not in (200, 201):
+        raise RuntimeError(f"PUT {path} failed")
+
+    def sent(st):
+        status = http_exchange(st["s"], st["buf"], st["sink"], "PUT", path, payload)
+        if status != 200:
+            raise RuntimeError(f"dedup PUT {path}: {status}")
+
+    if not expect:
+        return run_raw(port, seconds, conns, sent)
+    head = (f"PUT {path} HTTP/1.1\r\nHost: b\r\nContent-Length: {len(payload)}\r\n"
+            "Expect: 100-continue\r\n\r\n").encode()  # fmt: skip
+    sink = memoryview(bytearray(65536))
+
+    def expecting(st, setup=False, teardown=False):
+        if setup or teardown:
+            return
+        with connect(port) as s:
+            s.sendall(head)
+            buf = bytearray()
+            end = _read_until(s, buf, b"\r\n\r\n")
+            if int(buf[9:12]) != 200:  # a 100 Continue: not answered from the headers
+                raise RuntimeError(f"dedup PUT {path} with Expect: {bytes(buf[:12])!r}")
+            m = re.search(rb"(?i)\r\ncontent-length: *(\d+)", bytes(buf[:end]))
+            del buf[: end + 4]
+            _read_exact(s, buf, int(m.group(1)) if m else 0, sink)
+
+    return run_threads(conns, seconds, expecting)
+
+
+def dedup_rows(port: int, seconds: float, repeat: int) -> dict[str, float]:
+    """Dedup PUTs of 14 MiB, body sent against Expect, interleaved; medians (req/s)."""
+    runs: dict[str, list[float]] = {"body sent": [], "Expect: 100-continue": []}
+    for _ in range(repeat):
+        runs["body sent"].append(dedup_put(port, seconds, 4, expect=False))
+        runs["Expect: 100-continue"].append(dedup_put(port, seconds, 4, expect=True))
+    return {kind: statistics.median(values) for kind, values in runs.items()}
+
+
 def large_redis(port: int, op: str, size_name: str, seconds: float, conns: int) -> float:
     payload = os.urandom(SIZES[size_name])
 
@@ -621,6 +669,14 @@ def quick_ab(args, worker_counts: list[int], cell, rates: dict) -> int:
     return 0
 
 
+def print_dedup(rates: dict[str, float], workers: int) -> None:
+    """The PUT dedup 14MiB row: requests/s, and the logical bytes they stand for."""
+    print(f"\n| PUT dedup 14MiB, {workers} workers, 4 clients | req/s | logical MiB/s |")
+    print("|---|---|---|")
+    for kind, rate in rates.items():
+        print(f"| {kind} | {rate:,.0f} | {rate * 14:,.0f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement (default 2)")
@@ -630,6 +686,11 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", metavar="OP:SIZE",
                     help="measure only these cells (e.g. GET:4KiB GET:14MiB) against the bare "
                          "handler, without redis and the memory checks: a quick A/B")  # fmt: skip
+    ap.add_argument(
+        "--dedup",
+        action="store_true",
+        help="measure only PUT dedup 14MiB, body sent against Expect: 100-continue",
+    )
     ap.add_argument("--bare-server", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_server:
@@ -662,6 +723,10 @@ def main() -> int:
 
     if args.only:
         return quick_ab(args, worker_counts, cell, rates)
+    if args.dedup:
+        with EgKv(args.workers) as eg:
+            print_dedup(dedup_rows(eg.port, args.seconds, args.repeat), args.workers)
+        return 0
 
     with Redis(1) as redis:
         for workers in worker_counts:
@@ -672,6 +737,7 @@ def main() -> int:
                         cell(servers, workers, op, size_name)
                 if workers == args.workers:
                     results["batch_exists"] = batch_vs_heads(eg)
+                    results["dedup_put_14MiB"] = dedup_rows(eg.port, args.seconds, args.repeat)
     results["uss"] = uss_under_load(args.workers, 4 * args.seconds)
 
     lines = [
@@ -694,6 +760,7 @@ def main() -> int:
     print("\n".join(lines))
     print(f"\nworker USS with 4 clients moving 14 MiB blocks: {results['uss']}")
     print(f"batch exists of 1024 vs 1024 HEADs on one connection: {results['batch_exists']}")
+    print_dedup(results["dedup_put_14MiB"], args.workers)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -10,9 +10,11 @@ import posix_ipc
 import pytest
 
 from eg_kv import layout as L
+from eg_kv import slab as slab_module
 from eg_kv.address import fingerprint
 from eg_kv.errors import (
     BadRequest,
+    Busy,
     Conflict,
     InsufficientStorage,
     InvalidAddress,
@@ -193,6 +195,99 @@ def test_insufficient_storage_when_uploads_hold_the_room(slab):
     assert slab.put("one-more", b"x") is True
     for h in handles[1:]:
         h.abort()
+
+
+def test_reservation_table_never_fills_before_the_pages(slab_name):
+    """One entry per page: 2,048 one-page puts in flight (the old table held 1,024) all
+    reserve, and the next one finds no room (507), not a full table (503)."""
+    with Slab.create(slab_name, 8 * MiB, page_size=4 * KiB, max_block_size=MiB) as s:
+        assert s.geometry.nresv == s.geometry.npages == 2048
+        handles = [s.begin_put(f"p{i}", 4 * KiB) for i in range(2048)]
+        with pytest.raises(InsufficientStorage):
+            s.begin_put("one-more", 4 * KiB)
+        assert s.stats()["reserved_pages"] == 2048 and s.check() == []
+        for h in handles[::2]:
+            h.abort()
+        handles = [s.begin_put(f"q{i}", 4 * KiB) for i in range(1024)]  # entries reused
+        assert s.check() == []
+
+
+def test_upload_share_bounds_what_puts_in_flight_hold(slab):
+    """Half of the 4 MiB slab for uploads in flight: the third 1 MiB put is told to retry,
+    small puts still find room, and one upload alone may be larger than the share."""
+    handles = [slab.begin_put(f"h{i}", MiB, upload_share=0.5) for i in range(2)]
+    with pytest.raises(Busy, match=r"--upload-share 0.5"):
+        slab.begin_put("third", MiB, upload_share=0.5)
+    assert slab.put("small", data(1000)) is True
+    for h in handles:
+        h.abort()
+    alone = slab.begin_put("alone", MiB, upload_share=0.2)  # 16 pages, over a share of 12
+    with pytest.raises(Busy):
+        slab.begin_put("next", 100 * KiB, upload_share=0.2)
+    alone.write(data(MiB))
+    assert alone.commit() is True
+    assert slab.stats()["reserved_pages"] == 0 and slab.check() == []
+
+
+def test_add_ref_counts_a_dedup_hit_from_the_headers(slab):
+    assert slab.add_ref("absent", 10) is False
+    slab.put("here", data(300 * KiB))
+    assert slab.add_ref("here", 300 * KiB) is True
+    with pytest.raises(Conflict, match="resident with 307200 bytes, not 5"):
+        slab.add_ref("here", 5)
+    st = slab.stats()
+    assert (st["total_refs"], st["dedup_hits"], st["logical_bytes"]) == (2, 1, 600 * KiB)
+
+
+def test_streamed_dedup_hit_takes_its_reference_at_once_and_back_on_abort(slab):
+    slab.put("d", data(200 * KiB))
+    h = slab.begin_put("d", 200 * KiB)
+    assert h.dedup and slab.stats()["total_refs"] == 2 and slab.stats()["dedup_hits"] == 1
+    h.write(data(100 * KiB))
+    with pytest.raises(BadRequest, match="cut short"):
+        h.commit()  # aborts: the reference goes back
+    st = slab.stats()
+    assert (st["total_refs"], st["dedup_hits"], st["reserved_pages"]) == (1, 0, 0)
+    # Evicted (deleted here) and stored anew while the dedup body arrived: the abort must
+    # not take a reference of the new block.
+    h = slab.begin_put("d", 200 * KiB)
+    assert slab.delete("d") and slab.delete("d")
+    slab.put("d", data(200 * KiB, seed=1))
+    h.abort()
+    st = slab.stats()
+    assert (st["unique_blocks"], st["total_refs"], st["dedup_hits"]) == (1, 1, 0)
+    # A completed dedup hit stores nothing and keeps its reference.
+    h = slab.begin_put("d", 200 * KiB)
+    h.write(b"anything: the address names the content".ljust(200 * KiB))
+    assert h.commit() is False
+    assert slab.get("d") == data(200 * KiB, seed=1)
+    assert (slab.stats()["total_refs"], slab.stats()["dedup_hits"]) == (2, 1)
+    assert slab.check() == []
+
+
+def test_prefault_of_an_attached_slab_never_writes(slab, monkeypatch):
+    """Without MADV_POPULATE_WRITE (forced here with an advice the kernel rejects), the
+    fallback faults an attached slab in by reading, never by writing zeros into it."""
+    blocks = {f"b{i}": bytes([0xA5 + i]) * (300 * KiB) for i in range(4)}
+    for address, block in blocks.items():
+        slab.put(address, block)
+    monkeypatch.setattr(slab_module, "_MADV_POPULATE_WRITE", 0x7FFF)
+    with Slab.attach(slab.name, prefault=True) as other:
+        for address, block in blocks.items():
+            assert other.get(address) == block
+    assert slab.check() == []
+
+
+def test_is_eg_kv_segment(slab, slab_name):
+    assert Slab.is_eg_kv_segment(slab.name)
+    assert not Slab.is_eg_kv_segment(slab_name + "-none")
+    shm = posix_ipc.SharedMemory(slab_name + "-x", posix_ipc.O_CREX, size=8192)
+    try:
+        os.pwrite(shm.fd, b"NOTOURS!", 0)
+        assert not Slab.is_eg_kv_segment(slab_name + "-x")
+    finally:
+        shm.close_fd()
+        Slab.unlink_named(slab_name + "-x")
 
 
 # ---------------------------------------------------------------- get / exists / delete

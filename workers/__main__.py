@@ -15,17 +15,21 @@ import urllib.error
 import urllib.request
 
 from eg_kv.config import (
+    DEFAULT_CHUNKED_SPOOL,
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_UPLOAD_SHARE,
     ENV_TLS_VERIFY,
     ENV_TOKEN,
     ENV_URL,
+    format_size,
     parse_bool,
     settings_from_env,
 )
 from eg_kv.errors import EgKvError
 
 SERVE_FLAGS = ("addr", "workers", "capacity", "page_size", "max_block_size", "keep", "fresh",
-               "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log")  # fmt: skip
+               "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log",
+               "upload_share", "chunked_spool")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--capacity", help="slab data capacity, e.g. 8GiB (default 1GiB)")
     s.add_argument("--page-size", dest="page_size", help="slab page size (default 64KiB)")
     s.add_argument(
-        "--max-block-size", dest="max_block_size", help="largest block accepted (default 64MiB)"
-    )
+        "--max-block-size", dest="max_block_size",
+        help="largest block accepted, at most --capacity (default 64MiB, or the capacity)",
+    )  # fmt: skip
+    s.add_argument(
+        "--upload-share", dest="upload_share", type=float,
+        help="fraction of the slab that uploads in flight may reserve; a new upload beyond "
+        f"it gets 503 + Retry-After (default {DEFAULT_UPLOAD_SHARE:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--chunked-spool", dest="chunked_spool",
+        help="memory one worker may hold spooling chunked PUT bodies; beyond it a chunked "
+        f"PUT gets 503 + Retry-After (default {format_size(DEFAULT_CHUNKED_SPOOL)})",
+    )  # fmt: skip
     s.add_argument(
         "--keep",
         action="store_true",

@@ -93,7 +93,8 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
 
     Raises:
         SlabError: a live server owns it, or it was made with other sizes (and no
-            ``--fresh``), or it cannot be created.
+            ``--fresh``), or a segment of that name is not an eg-kv slab (``--fresh``
+            removes only eg-kv slabs), or it cannot be created.
     """
     name = settings.slab_name
     if Slab.exists_named(name):
@@ -102,6 +103,12 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
         except SlabError:
             if not settings.fresh:
                 raise
+            if not Slab.is_eg_kv_segment(name):  # another program's memory: never remove it
+                raise SlabError(
+                    f"shared-memory segment {name} (/dev/shm{name}) is not an eg-kv slab, so "
+                    "--fresh leaves it alone: give this server another --slab-name, or remove "
+                    "the segment yourself once you know nothing uses it"
+                ) from None
             Slab.unlink_named(name)
         else:
             owner = slab.owner_pid
