@@ -199,6 +199,8 @@ def test_worker_killed_outside_the_lock_is_cleaned_up_without_a_full_walk(server
         os.kill(worker, signal.SIGKILL)
         wait_for(lambda: _procs_entry(slab, worker) is None, timeout=10, what="its entry freed")
         upload.close()
+        wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 1, timeout=20,
+                 what="the replacement")  # fmt: skip
         after = stats(srv)
     finally:
         slab.close()

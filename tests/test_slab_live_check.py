@@ -29,9 +29,10 @@ def _writer(name: str, seed: int, stop, limit_s: float) -> None:
     slab = Slab.attach(name)
     rng, deadline = random.Random(seed), time.monotonic() + limit_s
     while not stop.is_set() and time.monotonic() < deadline:
-        a = f"w{seed}-{rng.randrange(5000)}"
-        if rng.random() < 0.6:
-            slab.put(a, bytes([seed]) * rng.randrange(1, 6 * KiB))
+        n = rng.randrange(5000)
+        a = f"w{seed}-{n}"
+        if rng.random() < 0.6:  # an address always names the same bytes
+            slab.put(a, bytes([seed]) * (1 + n * 7919 % (6 * KiB)))
         else:
             slab.delete(a)
     slab.close()
@@ -69,7 +70,7 @@ def test_live_check_holds_the_lock_briefly_and_finds_no_false_problems(big_slab)
         stop.set()
         for p in writers:
             p.join(30)
-    assert all(p.exitcode == 0 for p in writers)
+    assert all(p.exitcode == 0 for p in writers), [p.exitcode for p in writers]
     print(f"whole walk {whole * 1000:.0f} ms CPU; live check: {report.slices} holds, longest "
           f"{report.longest_hold_cpu_s * 1000:.1f} ms CPU, {report.longest_hold_s * 1000:.1f} ms "
           "wall")  # fmt: skip
