@@ -144,7 +144,8 @@ class Slab:
         self.page_size = g.page_size
         self.max_block_size = g.max_block_size
         self.closed = False
-        #: (dead holder's pid, problems) if the last entry into the lock repaired the slab
+        #: (dead holder's pid, problems) once an entry into the lock repaired the slab (a
+        #: caller that wants to know resets it first: the hot path does not pay for it)
         self.repaired_on_entry: tuple[int, list[str]] | None = None
 
     @classmethod
@@ -371,7 +372,6 @@ class Slab:
                 write = write or bool(dead)
                 if write:
                     st[L.ST_SEQ] |= 1  # odd: lock-free readers retry (stays odd if holder died)
-                self.repaired_on_entry = None
                 if dead:
                     self.repaired_on_entry = (dead, self._repair_locked(count=True))
                 yield
@@ -918,6 +918,7 @@ class Slab:
             LockTimeout: the lock stayed taken for ``timeout`` seconds (None: no bound;
                 the default bounds a supervisor's start-up behind a stopped holder).
         """
+        self.repaired_on_entry = None
         with self._locked(timeout):
             if self.repaired_on_entry is not None:  # the holder had died: done on entry
                 return self.repaired_on_entry[1]
@@ -940,6 +941,7 @@ class Slab:
         out = Leftovers(pid)
         r = 0
         while True:
+            self.repaired_on_entry = None
             with self._locked(timeout):
                 if self.repaired_on_entry is not None:
                     out.full_repair = self.repaired_on_entry[1]
