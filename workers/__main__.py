@@ -26,6 +26,9 @@ from eg_kv.config import (
 )
 from eg_kv.errors import EgKvError
 
+#: How long ``eg-kv check`` waits for the slab lock at a time (a supervisor kills a holder
+#: that hangs within --lock-timeout, 2 s by default).
+CHECK_LOCK_WAIT_S = 30.0
 SERVE_FLAGS = ("addr", "workers", "capacity", "page_size", "max_block_size", "keep", "fresh",
                "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log",
                "heartbeat_timeout_s", "lock_timeout_s")  # fmt: skip
@@ -174,7 +177,8 @@ def _check(args: argparse.Namespace) -> int:
     name = settings.slab_name
     with Slab.attach(name) as slab:
         # In slices: a live server's requests wait a few ms at a time, never the whole walk.
-        report = slab.check_live()
+        # A lock stuck for longer than CHECK_LOCK_WAIT_S ends the check with its holder's pid.
+        report = slab.check_live(timeout=CHECK_LOCK_WAIT_S)
         stats = slab.stats()
     for problem in report.problems:
         print(f"eg-kv check: {problem}")
