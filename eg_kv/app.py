@@ -684,16 +684,27 @@ async def metrics(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------------- the app
 
 
-def _health_from(run_dir: str | None, configured: int) -> Callable[[], tuple[int, int]]:
+def _health_from(
+    run_dir: str | None, configured: int, window_s: float
+) -> Callable[[], tuple[int, int]]:
+    """How ``/healthz`` counts workers: the ready ones that beat within ``window_s``.
+
+    A worker that is stopped or wedged still runs, and SO_REUSEPORT still hands it new
+    connections, so a live pid is not enough: only a recent heartbeat says it answers.
+    """
     if run_dir is None:
         return lambda: (1, 1)
+    beats: list[runstate.Heartbeats] = []
 
     def health() -> tuple[int, int]:
         try:
             n, pids = runstate.read_state(run_dir)
+            if not beats:
+                beats.append(runstate.Heartbeats.open(run_dir))
         except (OSError, ValueError, KeyError):
             return 1, configured  # this worker answers, so at least one is up
-        return len(pids), n
+        ages = beats[0].ages()
+        return sum(1 for p in pids if ages.get(p, window_s) < window_s), n
 
     return health
 
@@ -722,7 +733,9 @@ def make_app(
     app[METRICS] = Metrics(metrics_path)
     app[DRAIN] = Drain()
     app[SPOOL] = SpoolBudget(settings.chunked_spool)
-    app[HEALTH] = health or _health_from(run_dir, settings.workers)
+    app[HEALTH] = health or _health_from(
+        run_dir, settings.workers, runstate.health_window(settings.heartbeat_timeout_s)
+    )
     app.cleanup_ctx.append(_slab_ctx)
     app.on_startup.append(_start_metrics_flush)
     app.on_cleanup.append(_stop_metrics_flush)

@@ -41,6 +41,13 @@ DEFAULT_UPLOAD_SHARE = 0.5
 #: Memory one worker may hold spooling chunked bodies (their length is unknown until the
 #: end, so they wait outside the slab): four bodies of the default 64 MiB maximum block.
 DEFAULT_CHUNKED_SPOOL = 256 * MiB
+#: A worker whose event loop has not beat for this long is killed and replaced. Long
+#: enough that a loaded host's scheduling hiccups never trip it, short enough that a
+#: stopped worker's share of new connections hangs for seconds, not forever.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+#: A worker that holds the slab lock this long is killed. The longest honest critical
+#: section is a full repair: 0.34 s at 2 GiB of 4 KiB pages (measured).
+DEFAULT_LOCK_TIMEOUT_S = 2.0
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
@@ -143,6 +150,8 @@ class Settings:
     access_log: bool = False
     upload_share: float = DEFAULT_UPLOAD_SHARE
     chunked_spool: int = DEFAULT_CHUNKED_SPOOL
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.slab_name:
@@ -166,6 +175,10 @@ class Settings:
             raise ConfigError("--chunked-spool must be at least 1 byte, e.g. 256MiB")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
+        if not self.heartbeat_timeout_s > 0.2:
+            raise ConfigError("--heartbeat-timeout must be more than 0.2 seconds")
+        if not self.lock_timeout_s > 0.1:
+            raise ConfigError("--lock-timeout must be more than 0.1 seconds")
 
     @property
     def bind(self) -> str:

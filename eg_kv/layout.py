@@ -33,7 +33,7 @@ import dataclasses
 import struct
 
 MAGIC = b"EGKVSLB1"
-VERSION = 3  # 3: the reservation table has one entry per page
+VERSION = 3  # 3: one reservation entry per page; the lock-entries word
 HEADER_SIZE = 4096
 STATE_OFFSET = 256
 ALIGN = 4096
@@ -67,9 +67,10 @@ GEOMETRY = struct.Struct("<8sIIQQQQQQQQQQQd")
     ST_EVICTED_BYTES,
     ST_PUTS_CREATED,
     ST_DELETES,
-    ST_SEQ,  # odd while a process is inside the critical section (a seqlock for readers)
+    ST_SEQ,  # odd while a process is inside a writing critical section (a seqlock for readers)
+    ST_LOCK_ENTRIES,  # bumped on every entry into the critical section (the watchdog's clock)
     STATE_WORDS,
-) = range(23)
+) = range(24)
 
 DERIVED_COUNTERS = {
     "unique_blocks": ST_UNIQUE_BLOCKS,

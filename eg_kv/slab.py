@@ -15,6 +15,7 @@ a put fills pages it reserved, a get copies slices out and then checks the block
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import itertools
@@ -60,6 +61,12 @@ _T = TypeVar("_T")
 #: included: a second lock round trip cost more than the copy (scripts/bench_server.py).
 SMALL_PUT = 64 * 1024
 _KEY_CACHE = 16384  # addresses whose validated bytes and fingerprint a handle remembers
+#: Longest a sliced walk (check_live, release_process) holds the lock at once, checked
+#: every few entries: the bound on stalling other requests is ~20 ms, and 5 ms keeps the
+#: hold under it on a busy machine (a slice is ~1,000-3,000 slots of 2 GiB's million).
+CHECK_SLICE_S = 0.005
+#: How long the owner's one-off operations (claim, repair) wait for the lock by default.
+OWNER_LOCK_WAIT_S = 10.0
 _SPINS = 50  # non-blocking lock attempts (with a yield between) before sleeping on it
 # Lock-free lookups rely on x86's ordering of loads and of stores (see Slab._read).
 _LOCKFREE_READS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -67,6 +74,33 @@ _LOCKFREE_READS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i68
 
 class BlockGone(NotFound):
     """The block was evicted or released while it was being read: a miss."""
+
+
+class LockTimeout(SlabError):
+    """A bounded wait for the slab lock ran out (see :meth:`Slab._locked`)."""
+
+
+@dataclasses.dataclass
+class Leftovers:
+    """What :meth:`Slab.release_process` gave back for one dead process."""
+
+    pid: int
+    reservations: int = 0  #: uploads it had in flight
+    pages: int = 0  #: pages those held
+    hits: int = 0  #: its lock-free GET hits, folded into the totals
+    misses: int = 0  #: and misses
+    full_repair: list[str] | None = None  #: what the full repair found, if one ran
+
+
+@dataclasses.dataclass
+class CheckReport:
+    """What :meth:`Slab.check_live` found."""
+
+    problems: list[str]  #: invariants that do not hold (empty: clean as far as checked)
+    unchecked: list[str]  #: what could not be concluded because writers ran meanwhile
+    slices: int = 0  #: holds of the lock
+    longest_hold_s: float = 0.0  #: the longest hold, wall clock
+    longest_hold_cpu_s: float = 0.0  #: the longest hold's CPU time (without preemption)
 
 
 def pid_alive(pid: int) -> bool:
@@ -119,6 +153,9 @@ class Slab:
         self.page_size = g.page_size
         self.max_block_size = g.max_block_size
         self.closed = False
+        #: (dead holder's pid, problems) once an entry into the lock repaired the slab (a
+        #: caller that wants to know resets it first: the hot path does not pay for it)
+        self.repaired_on_entry: tuple[int, list[str]] | None = None
 
     @classmethod
     def create(
@@ -292,9 +329,13 @@ class Slab:
     def owner_pid(self) -> int:
         return self._state[L.ST_OWNER_PID]
 
-    def claim(self) -> None:
-        """Make this process the slab's owner (a supervisor re-attaching a warm slab)."""
-        with self._locked():
+    def claim(self, timeout: float | None = OWNER_LOCK_WAIT_S) -> None:
+        """Make this process the slab's owner (a supervisor re-attaching a warm slab).
+
+        Raises:
+            LockTimeout: the lock stayed taken for ``timeout`` seconds.
+        """
+        with self._locked(timeout):
             self._state[L.ST_OWNER_PID] = self._pid
 
     def _prefault(self, may_write: bool) -> None:
@@ -345,38 +386,81 @@ class Slab:
     # ------------------------------------------------------------------ the lock
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
-        """Hold the slab lock; repair first if the previous holder died inside."""
+    def _locked(self, timeout: float | None = None, *, write: bool = True) -> Iterator[None]:
+        """Hold the slab lock; repair first if the previous holder died inside.
+
+        Args:
+            timeout: give up after this many seconds (:class:`LockTimeout`); None waits
+                as long as it takes (workers: the supervisor kills a holder that hangs).
+            write: False for a section that changes nothing the lock-free readers look
+                at: it leaves ``ST_SEQ`` alone, so readers need not retry and a sliced
+                check can tell that no writer ran between its slices.
+
+        Raises:
+            LockTimeout: ``timeout`` passed and the lock was still taken.
+        """
         if self.closed:
             raise SlabError("the slab handle is closed")
         with self._tlock:
-            self._acquire()
+            self._acquire(timeout)
+            st = self._state
             try:
-                st = self._state
                 dead = st[L.ST_LOCK_HOLDER]
                 st[L.ST_LOCK_HOLDER] = self._pid
-                st[L.ST_SEQ] |= 1  # odd: lock-free readers retry (stays odd if holder died)
+                st[L.ST_LOCK_ENTRIES] += 1
+                write = write or bool(dead)
+                if write:
+                    st[L.ST_SEQ] |= 1  # odd: lock-free readers retry (stays odd if holder died)
                 if dead:
-                    self._repair_locked()
+                    self.repaired_on_entry = (dead, self._repair_locked(count=True))
                 yield
             finally:
-                st[L.ST_SEQ] += 1
+                if write:
+                    st[L.ST_SEQ] += 1
                 st[L.ST_LOCK_HOLDER] = 0
                 fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _UNLOCK)
 
-    def _acquire(self) -> None:
+    def _try_lock(self) -> bool:
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _LOCK)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            return False
+        return True
+
+    def _acquire(self, timeout: float | None = None) -> None:
         # Try without sleeping first: a sleeping waiter is woken only to find the lock
         # taken again by a holder that never left the CPU, and that convoy cut two-process
         # put rates by 10x (measured). Yielding lets the holder finish its few microseconds.
         for _ in range(_SPINS):
-            try:
-                fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _LOCK)
+            if self._try_lock():
                 return
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-                os.sched_yield()
-        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _LOCK)
+            os.sched_yield()
+        if timeout is None:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _LOCK)
+            return
+        # A bounded wait polls: F_OFD_SETLKW cannot time out, and a signal to break it
+        # would need a timer thread. Sleeps grow to 2 ms, so a holder that leaves at once
+        # costs the poller little and a long hold costs it ~500 wake-ups a second.
+        deadline, pause = time.monotonic() + timeout, 0.0002
+        while not self._try_lock():
+            if time.monotonic() >= deadline:
+                holder = self._state[L.ST_LOCK_HOLDER]
+                raise LockTimeout(
+                    f"the lock of slab {self.name} stayed taken for {timeout:g} s (holder: pid "
+                    f"{holder}): retry later, or stop that process if it hangs"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.002)
+
+    def lock_state(self) -> tuple[int, int]:
+        """``(holder pid or 0, lock entries so far)``, read without taking the lock.
+
+        The same non-zero pair seen twice, some time apart, means one critical section
+        lasted at least that long (the supervisor's watchdog).
+        """
+        return self._state[L.ST_LOCK_HOLDER], self._state[L.ST_LOCK_ENTRIES]
 
     # ------------------------------------------------------------------ slots
 
@@ -783,7 +867,7 @@ class Slab:
                 else:
                     if st[L.ST_SEQ] == seq:
                         return result
-        with self._locked():
+        with self._locked(write=False):
             return lookup()
 
     def _count_read(self, hit: int, miss: int) -> None:
@@ -801,15 +885,13 @@ class Slab:
 
     def _claim_proc_entry(self) -> int:
         """Take a free PROCS entry (folding a dead process's counts into the totals)."""
-        procs, st = self._procs, self._state
+        procs = self._procs
         with self._locked():
             for e in range(0, L.NPROCS * L.PROC_WORDS, L.PROC_WORDS):
                 pid = procs[e]
                 if pid and pid_alive(pid):  # taken (by another handle of ours too)
                     continue
-                st[L.ST_GET_HITS] += procs[e + 1]
-                st[L.ST_GET_MISSES] += procs[e + 2]
-                procs[e + 1] = procs[e + 2] = 0
+                self._fold_proc_entry(e)
                 procs[e] = self._pid
                 self._me = e
                 return e
@@ -819,12 +901,17 @@ class Slab:
     def _release_proc_entry(self) -> None:
         if self._me < 0:  # -1: never claimed, -2: none was free
             return
-        procs, st, e = self._procs, self._state, self._me
         with self._locked():
-            st[L.ST_GET_HITS] += procs[e + 1]
-            st[L.ST_GET_MISSES] += procs[e + 2]
-            procs[e + 1] = procs[e + 2] = procs[e] = 0
+            self._fold_proc_entry(self._me)
+            self._procs[self._me] = 0
         self._me = -1
+
+    def _fold_proc_entry(self, e: int) -> None:
+        """Add PROCS entry ``e``'s read counts to the totals and zero them (under the lock)."""
+        procs, st = self._procs, self._state
+        st[L.ST_GET_HITS] += procs[e + 1]
+        st[L.ST_GET_MISSES] += procs[e + 2]
+        procs[e + 1] = procs[e + 2] = 0
 
     def open_block(self, address: str) -> BlockReader | None:
         """Look a block up for reading; None (a counted miss) if absent.
@@ -898,7 +985,7 @@ class Slab:
     def stats(self) -> dict[str, int]:
         """Exact counters over the whole slab (the seed's eight fields and more)."""
         st, ps = self._state, self.page_size
-        with self._locked():
+        with self._locked(write=False):
             out = {k: st[i] for k, i in L.DERIVED_COUNTERS.items()}
             out.update({k: st[i] for k, i in L.EVENT_COUNTERS.items()})
             free = st[L.ST_FREE_COUNT]
@@ -916,26 +1003,147 @@ class Slab:
     # ------------------------------------------------------------------ check / repair
 
     def check(self) -> list[str]:
-        """Walk the whole slab; return every invariant that does not hold (empty = clean)."""
-        with self._locked():
+        """Walk the whole slab in one hold of the lock; return every invariant that does not
+        hold (empty = clean).
+
+        Writers wait for the whole walk (0.3 s at 2 GiB of 4 KiB pages): this is for a slab
+        at rest; a live one wants :meth:`check_live`.
+        """
+        with self._locked(write=False):
             return self._walk(fix=False)
 
-    def repair(self) -> list[str]:
+    def check_live(self, slice_s: float = CHECK_SLICE_S, timeout: float | None = None):
+        """Check the slab in slices of at most about ``slice_s`` each under the lock.
+
+        What each slice sees is consistent, so what concerns one slot or one reservation
+        (its fields, fingerprint, tag, home, page chain) is always checked. What spans
+        slices (a page in two chains, an address stored twice, the free list, the global
+        counters) is concluded only if no writer changed the slab between the first
+        slice and the last (``ST_SEQ`` did not move); otherwise it is listed in
+        ``unchecked``, never reported as a problem.
+
+        Returns:
+            A :class:`CheckReport`.
+
+        Raises:
+            LockTimeout: a slice waited more than ``timeout`` for the lock.
+        """
+        return _SlicedCheck(self, slice_s).run(timeout)
+
+    def repair(self, timeout: float | None = OWNER_LOCK_WAIT_S) -> list[str]:
         """Restore every invariant; return what was wrong before (empty = was clean).
 
         The slot table is the source of truth: damaged slots are dropped (counted as
         evictions), reservations of dead writers are released, the free list, the table's
         probe order and the derived counters are rebuilt.
+
+        Raises:
+            LockTimeout: the lock stayed taken for ``timeout`` seconds (None: no bound;
+                the default bounds a supervisor's start-up behind a stopped holder).
         """
-        with self._locked():
+        self.repaired_on_entry = None
+        with self._locked(timeout):
+            if self.repaired_on_entry is not None:  # the holder had died: done on entry
+                return self.repaired_on_entry[1]
             return self._repair_locked()
 
-    def _repair_locked(self) -> list[str]:
+    def release_process(self, pid: int, timeout: float | None = None) -> Leftovers:
+        """Give back what the dead process ``pid`` left in the slab, without a full walk.
+
+        Its reservations (uploads it had in flight) are freed and its PROCS entry is
+        folded into the totals. If it died inside the critical section, taking the lock
+        runs the full repair first (``full_repair`` in the result). Each hold of the lock
+        frees reservations for at most about :data:`CHECK_SLICE_S`.
+
+        Raises:
+            SlabError: ``pid`` still runs (its reservations are live uploads).
+            LockTimeout: the lock stayed taken for ``timeout`` seconds.
+        """
+        if pid <= 0 or pid == self._pid or pid_alive(pid):
+            raise SlabError(f"process {pid} still runs: only a dead process's leftovers go")
+        out = Leftovers(pid)
+        r = 0
+        while True:
+            self.repaired_on_entry = None
+            with self._locked(timeout):
+                if self.repaired_on_entry is not None:
+                    out.full_repair = self.repaired_on_entry[1]
+                end = time.perf_counter() + CHECK_SLICE_S
+                while (r := self._next_resv_of(pid, r)) >= 0:
+                    first, npages = self._unreserve(r)
+                    self._free_pages(first, npages)
+                    out.reservations += 1
+                    out.pages += npages
+                    if time.perf_counter() > end:
+                        break  # let the others in; go on in another hold
+                else:
+                    procs = self._procs
+                    for e in range(0, L.NPROCS * L.PROC_WORDS, L.PROC_WORDS):
+                        if procs[e] == pid:
+                            out.hits, out.misses = procs[e + 1], procs[e + 2]
+                            self._fold_proc_entry(e)
+                            procs[e] = 0
+                    return out
+
+    def _next_resv_of(self, pid: int, r: int) -> int:
+        """The first reservation at or after ``r`` held by ``pid``, or -1.
+
+        A search of the table's bytes (C speed) for the pid, the first field of an entry:
+        a hit that is not at an entry's start is part of another field and is skipped.
+        """
+        g, mm, size = self.geometry, self._mm, L.RESV_SIZE
+        needle = L.RESV.pack(pid, 0, 0, 0)[:8]
+        at, end = g.resv_off + r * size, g.resv_off + g.nresv * size
+        while (at := mm.find(needle, at, end)) >= 0:
+            k, into = divmod(at - g.resv_off, size)
+            if into == 0:
+                return k
+            at += 1
+        return -1
+
+    def _repair_locked(self, count: bool = False) -> list[str]:
+        """Walk; rebuild if anything was wrong. ``count``: count it in ``repairs`` even if
+        nothing was (a holder died inside the lock: the full repair ran either way)."""
         problems = self._walk(fix=False)
         if problems:
             self._walk(fix=True)
+        if problems or count:
             self._state[L.ST_REPAIRS] += 1
         return problems
+
+    def _chain(self, first: int, npages: int) -> list[int] | str:
+        """The pages of the chain from ``first``, or what is wrong with it."""
+        nxt, n = self._next, self.geometry.npages
+        if npages > n:
+            return f"{npages} pages, more than the slab has"
+        p, pages = first, []
+        for k in range(npages):
+            if not 0 <= p < n:
+                return f"page {k} of its chain is {p}, out of range"
+            pages.append(p)
+            p = nxt[p]
+        if len(set(pages)) != len(pages):
+            return "its chain runs into itself"
+        return pages
+
+    def _slot_fault(self, i: int, s: tuple, raw: bytes, home: bool) -> str | None:
+        """What is wrong with slot ``i`` (fields ``s``, address ``raw``) on its own, if
+        anything. ``home``: also check that a lookup of its address finds it."""
+        state, _refbit, alen, refs, length, first, npages, block_id, fp = s
+        what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
+        if state != L.SLOT_READY or not 1 <= alen <= L.ADDRESS_MAX:
+            return f"{what}: bad state {state} or address length {alen}"
+        if fingerprint(raw) != fp:
+            return f"{what}: fingerprint does not match the address"
+        if length < 1 or npages != self._npages(length) or refs < 1:
+            return f"{what}: {npages} pages / {refs} refs for {length} bytes"
+        if not 0 <= first < self.geometry.npages:
+            return f"{what}: first page {first} out of range"
+        if self._tag[first] != block_id:
+            return f"{what}: tag {self._tag[first]} is not its block id {block_id}"
+        if home and self._find(raw, fp)[0] != i:
+            return f"{what}: not reachable from its home slot"
+        return None
 
     def _walk(self, fix: bool) -> list[str]:
         g, st, nxt, tag, mm = self.geometry, self._state, self._next, self._tag, self._mm
@@ -946,44 +1154,28 @@ class Slab:
         totals = dict.fromkeys(L.DERIVED_COUNTERS, 0)
 
         def claim(first: int, npages: int, who: int, what: str) -> bool:
-            p, pages = first, []
-            for k in range(npages):
-                if not 0 <= p < g.npages:
-                    problems.append(f"{what}: page {k} of its chain is {p}, out of range")
-                elif owner[p]:
-                    problems.append(f"{what}: page {p} is in two chains")
-                else:
-                    owner[p] = who
-                    pages.append(p)
-                    p = nxt[p]
-                    continue
-                for q in pages:  # roll back: a damaged chain owns nothing
-                    owner[q] = 0
+            pages = self._chain(first, npages)
+            if isinstance(pages, str):
+                problems.append(f"{what}: {pages}")
                 return False
+            taken = next((p for p in pages if owner[p]), None)
+            if taken is not None:  # a damaged chain owns nothing
+                problems.append(f"{what}: page {taken} is in two chains")
+                return False
+            for p in pages:
+                owner[p] = who
             return True
 
         for i in range(g.nslots):
             s = self._read_slot(i)
             if s[0] == L.SLOT_EMPTY:
                 continue
-            state, refbit, alen, refs, length, first, npages, block_id, fp = s
+            _state, refbit, alen, refs, length, first, npages, block_id, fp = s
             raw = self._slot_address(i, min(alen, L.ADDRESS_MAX))
             what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
-            bad = None
-            if state != L.SLOT_READY or not 1 <= alen <= L.ADDRESS_MAX:
-                bad = f"{what}: bad state {state} or address length {alen}"
-            elif fingerprint(raw) != fp:
-                bad = f"{what}: fingerprint does not match the address"
-            elif raw in seen:
+            bad = self._slot_fault(i, s, raw, home=not fix)
+            if bad is None and raw in seen:
                 bad = f"{what}: address stored twice"
-            elif length < 1 or npages != self._npages(length) or refs < 1:
-                bad = f"{what}: {npages} pages / {refs} refs for {length} bytes"
-            elif not 0 <= first < g.npages:
-                bad = f"{what}: first page {first} out of range"
-            elif tag[first] != block_id:
-                bad = f"{what}: tag {tag[first]} is not its block id {block_id}"
-            elif not fix and self._find(raw, fp)[0] != i:
-                bad = f"{what}: not reachable from its home slot"
             if bad is None and claim(first, npages, 1, what):
                 seen.add(raw)
                 live.append((refbit, raw, refs, length, first, npages, block_id, fp))
@@ -1053,6 +1245,159 @@ class Slab:
             st[idx] = totals[key]
         st[L.ST_CLOCK_HAND] = st[L.ST_CLOCK_HAND] & self._mask
         return problems
+
+
+class _SlicedCheck:
+    """One run of :meth:`Slab.check_live`: the walk's state between holds of the lock.
+
+    Each step (slots, reservations, free list, counters) takes a position and a
+    deadline, works until the deadline, and returns where to go on. ``quiet`` stays true
+    while ``ST_SEQ`` reads the same at every hold: no writer ran in between, so the
+    slices together saw one state and what spans them may be concluded.
+    """
+
+    _START = -2  # the free list walk has not begun
+
+    def __init__(self, slab: Slab, slice_s: float):
+        g = slab.geometry
+        self.slab, self.slice_s = slab, slice_s
+        self.report = CheckReport([], [])
+        self.owner = bytearray(g.npages)  # 0 free, 1 slot, 2 reservation
+        self.on_free = bytearray(g.npages)
+        self.nfree = 0
+        self.seen: set[bytes] = set()
+        self.totals = dict.fromkeys(L.DERIVED_COUNTERS, 0)
+        self.spanning: list[str] = []  # problems that hold only if quiet
+        self.seq: int | None = None
+        self.quiet = True
+
+    def run(self, timeout: float | None) -> CheckReport:
+        g = self.slab.geometry
+        pos = 0
+        while pos < g.nslots:
+            pos = self._hold(timeout, self._slots, pos)
+        pos = 0
+        while pos < g.nresv:
+            pos = self._hold(timeout, self._reservations, pos)
+        pos = self._START
+        while pos != L.NO_PAGE:
+            pos = self._hold(timeout, self._free_list, pos)
+        self._hold(timeout, self._counters, 0)
+        if self.quiet:
+            self.report.problems += self.spanning
+        else:
+            self.report.unchecked.append(
+                "page ownership, duplicate addresses, the free list and the counters: "
+                "writers changed the slab during the walk (run the check again when it is "
+                "quieter, or with the server stopped, to cover them)"
+            )
+        return self.report
+
+    def _hold(self, timeout: float | None, step: Callable[[int, float], int], pos: int) -> int:
+        slab, rep = self.slab, self.report
+        with slab._locked(timeout, write=False):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            seq = slab._state[L.ST_SEQ]
+            self.quiet = self.quiet and self.seq in (None, seq)
+            self.seq = seq
+            pos = step(pos, t0 + self.slice_s)
+            rep.longest_hold_s = max(rep.longest_hold_s, time.perf_counter() - t0)
+            rep.longest_hold_cpu_s = max(rep.longest_hold_cpu_s, time.thread_time() - c0)
+        rep.slices += 1
+        return pos
+
+    def _slots(self, i: int, deadline: float) -> int:
+        slab, start, n = self.slab, i, self.slab.geometry.nslots
+        while i < n:
+            if i - start >= 16 and not i & 15 and time.perf_counter() > deadline:
+                return i
+            s = slab._read_slot(i)
+            if s[0] != L.SLOT_EMPTY:
+                self._slot(i, s)
+            i += 1
+        return i
+
+    def _slot(self, i: int, s: tuple) -> None:
+        slab = self.slab
+        raw = slab._slot_address(i, min(s[2], L.ADDRESS_MAX))
+        what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
+        fault = slab._slot_fault(i, s, raw, home=True)
+        pages = slab._chain(s[5], s[6]) if fault is None else fault
+        if isinstance(pages, str):
+            self.report.problems.append(pages if fault else f"{what}: {pages}")
+            return
+        if raw in self.seen:  # or a block moved by a delete between two slices
+            self.spanning.append(f"{what}: address stored twice")
+        self.seen.add(raw)
+        self._own(pages, 1, what)
+        refs, length = s[3], s[4]
+        for key, val in (
+            ("unique_blocks", 1), ("total_refs", refs), ("resident_bytes", length),
+            ("logical_bytes", length * refs), ("slot_pages", s[6]),
+        ):  # fmt: skip
+            self.totals[key] += val
+
+    def _own(self, pages: list[int], who: int, what: str) -> None:
+        owner = self.owner
+        for p in pages:
+            if owner[p]:
+                self.spanning.append(f"{what}: page {p} is in two chains")
+            owner[p] = who
+
+    def _reservations(self, r: int, deadline: float) -> int:
+        slab, start, n = self.slab, r, self.slab.geometry.nresv
+        while r < n:
+            if r - start >= 16 and not r & 15 and time.perf_counter() > deadline:
+                return r
+            pid, first, npages, _length = L.RESV.unpack_from(slab._mm, slab._resv_off(r))
+            if pid:
+                what = f"reservation {r} (pid {pid})"
+                pages = slab._chain(first, npages)
+                if pid != slab._pid and not pid_alive(pid):
+                    self.report.problems.append(f"{what}: its writer is dead")
+                elif isinstance(pages, str):
+                    self.report.problems.append(f"{what}: {pages}")
+                else:
+                    self._own(pages, 2, what)
+                    self.totals["reserved_pages"] += npages
+            r += 1
+        return r
+
+    def _free_list(self, p: int, deadline: float) -> int:
+        if not self.quiet:  # the list changed since the chains were walked
+            return L.NO_PAGE
+        slab, n, k = self.slab, self.slab.geometry.npages, 0
+        if p == self._START:
+            p = slab._state[L.ST_FREE_HEAD]
+        nxt, owner, on_free = slab._next, self.owner, self.on_free
+        while p != L.NO_PAGE:
+            if k >= 64 and not k & 63 and time.perf_counter() > deadline:
+                return p
+            if not 0 <= p < n or on_free[p]:
+                self.report.problems.append(f"free list: bad or repeated page {p}")
+                self.nfree = -1  # broken: its count means nothing
+                return L.NO_PAGE
+            if owner[p]:
+                self.report.problems.append(f"free list: page {p} is also in a chain")
+            on_free[p] = 1
+            self.nfree += 1
+            p = nxt[p]
+            k += 1
+        return L.NO_PAGE
+
+    def _counters(self, _pos: int, _deadline: float) -> int:
+        if not self.quiet or self.nfree < 0:
+            return 0
+        st, g, problems = self.slab._state, self.slab.geometry, self.report.problems
+        owned = g.npages - self.owner.count(0)
+        if self.nfree != st[L.ST_FREE_COUNT]:
+            problems.append(f"free count {st[L.ST_FREE_COUNT]} but {self.nfree} on the list")
+        if self.nfree + owned != g.npages:
+            problems.append(f"free pages {self.nfree} + used pages {owned} != all pages {g.npages}")
+        for key, idx in L.DERIVED_COUNTERS.items():
+            if st[idx] != self.totals[key]:
+                problems.append(f"counter {key} is {st[idx]} but the slots say {self.totals[key]}")
+        return 0
 
 
 def _conflict_message(address: str, resident: int, wanted: int) -> str:

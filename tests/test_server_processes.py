@@ -21,34 +21,11 @@ import psutil
 import pytest
 from conftest import ROOT, free_port, unique_slab_name, wait_for
 from server_http import request, stats
+from server_procs import eg_kv_check, gone, upload_in_flight, workers_of
 
 from eg_kv.slab import Slab
 
 MiB = 1024 * 1024
-
-
-def _workers(srv) -> set[int]:
-    """Pids of the supervisor's live children (zombies excluded)."""
-    out = set()
-    for p in psutil.Process(srv.pid).children():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if p.status() != psutil.STATUS_ZOMBIE:
-                out.add(p.pid)
-    return out
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def eg_kv_check(slab_name: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "workers", "check", "--slab-name", slab_name],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
 
 
 RETRIES: list[str] = []
@@ -115,13 +92,13 @@ def test_sigkill_workers_under_load(server_factory):
             wait_for(lambda k=k: len(acked) >= (k + 1) * 20 or failures, timeout=60, what="load")
             # Besides the load, an upload is surely in flight on the victim: start one
             # and kill the worker that holds its connection.
-            upload, victim = _upload_in_flight(srv, f"cut-{k}")
+            upload, victim = upload_in_flight(srv, f"cut-{k}")
             cut.append(upload)
             os.kill(victim, signal.SIGKILL)
             t0 = time.monotonic()
             wait_for(
                 lambda v=victim: (
-                    len(w := _workers(srv)) == 2
+                    len(w := workers_of(srv)) == 2
                     and v not in w
                     and (srv.healthz() or {}).get("workers_up") == 2
                 ),
@@ -154,38 +131,37 @@ def test_sigkill_workers_under_load(server_factory):
         assert request(srv, "HEAD", f"/kv/cut-{k}").status == 404
 
 
-def _upload_in_flight(srv, address: str) -> tuple[socket.socket, int]:
-    """Start a PUT that stays in flight; return its socket and the worker serving it."""
-    s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-    s.sendall(b"PUT /kv/%s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n"
-              % (address.encode(), 4 * MiB) + b"u" * MiB)  # fmt: skip
-    port = s.getsockname()[1]
-
-    def server_side() -> int | None:
-        for pid in _workers(srv):
-            with contextlib.suppress(psutil.Error):
-                for c in psutil.Process(pid).net_connections(kind="tcp"):
-                    if c.raddr and c.raddr.port == port:
-                        return pid
-        return None
-
-    return s, wait_for(server_side, timeout=10, what="the worker serving the upload")
+def _run_dirs(port: int) -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"eg-kv-{port}-*")))
 
 
-def test_workers_exit_when_supervisor_dies(server_factory):
+def test_workers_exit_when_supervisor_dies_and_next_start_cleans_up(server_factory):
     srv = server_factory(workers=2)
-    workers = _workers(srv)
+    workers = workers_of(srv)
     assert len(workers) == 2
-    os.kill(srv.pid, signal.SIGKILL)
-    srv.proc.wait(10)
-    wait_for(lambda: all(_gone(p) for p in workers), timeout=10, what="orphaned workers to exit")
-    # The supervisor could not clean up: remove its run directory here.
-    for d in glob.glob(os.path.join(tempfile.gettempdir(), f"eg-kv-{srv.port}-*")):
-        shutil.rmtree(d, ignore_errors=True)
-    # Its slab survives for a warm restart; a new server re-attaches it (owner is dead).
-    again = server_factory(workers=1, slab_name=srv.slab_name)
-    assert "re-attached" in again.log()
-    assert stats(again)["unique_blocks"] == 0
+    left = _run_dirs(srv.port)
+    assert len(left) == 1
+    with open(os.path.join(next(iter(left)), "owner")) as f:
+        assert int(f.read()) == srv.pid
+    # A directory whose owner still runs (this test) is not touched by the next start.
+    alive = tempfile.mkdtemp(prefix=f"eg-kv-{srv.port}-")
+    try:
+        with open(os.path.join(alive, "owner"), "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(srv.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        wait_for(lambda: all(gone(p) for p in workers), timeout=10, what="orphaned workers to exit")
+        assert left <= _run_dirs(srv.port), "SIGKILL leaves the run directory behind"
+        # Its slab survives for a warm restart; a new server re-attaches it (owner is dead)
+        # and removes the run directory the killed one left on this address.
+        again = server_factory(workers=1, slab_name=srv.slab_name, port=srv.port)
+        assert "re-attached" in again.log()
+        assert stats(again)["unique_blocks"] == 0
+        now = _run_dirs(srv.port)
+        assert not left & now, "the dead supervisor's run directory was removed"
+        assert alive in now and len(now) == 2, now
+    finally:
+        shutil.rmtree(alive, ignore_errors=True)
 
 
 def test_port_taken_stops_with_reason(server_factory):
@@ -250,9 +226,9 @@ def test_drain_timeout_cuts_a_stalled_upload(server_factory):
 
 def test_sigint_stops_like_sigterm(server_factory):
     srv = server_factory(workers=2)
-    workers = _workers(srv)
+    workers = workers_of(srv)
     assert srv.stop(signal.SIGINT) == 0
-    assert all(_gone(p) for p in workers)
+    assert all(gone(p) for p in workers)
     assert not Slab.exists_named(srv.slab_name)
 
 
@@ -308,7 +284,7 @@ def test_slab_of_other_sizes_is_refused(server_factory):
 def test_worker_memory_stays_small_under_14mib_traffic(server_factory):
     """4 clients move 14 MiB blocks through one worker: its private memory stays small."""
     srv = server_factory(workers=1, capacity="256MiB")  # room for all 12 blocks: no eviction
-    worker = psutil.Process(next(iter(_workers(srv))))
+    worker = psutil.Process(next(iter(workers_of(srv))))
     failures: list[str] = []
     idle = worker.memory_full_info().uss
     peak = [idle]
@@ -356,7 +332,7 @@ def test_sigterm_during_startup_still_cleans_up(server_factory):
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(30) == 0, srv.log()
     assert not Slab.exists_named(srv.slab_name)
-    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"eg-kv-{srv.port}-*"))
+    assert not _run_dirs(srv.port)
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,16 @@ Modelled on uvicorn's multiprocess supervisor and gunicorn's arbiter:
   handles signals, reads worker notifications, reaps children and refills the pool;
 * worker deaths are classified: a worker that exits with :data:`BOOT_ERROR` could not
   start serving (port taken, bad certificate), so the supervisor stops with that reason
-  and a non-zero status instead of respawning forever; any other death is logged,
-  the slab is repaired (the dead worker may have held the lock or reserved pages) and a
-  replacement is forked at once; workers that keep dying before they serve also stop it;
+  and a non-zero status instead of respawning forever; any other death is logged, what
+  the dead worker left in the slab is released (its uploads in flight, its counters; a
+  full repair only if it died inside the critical section) and a replacement is forked
+  at once; workers that keep dying before they serve also stop it;
+* a watchdog finds the wedged: a worker whose heartbeat (see :mod:`eg_kv.runstate`)
+  stopped for ``--heartbeat-timeout`` is killed with SIGKILL, and so is a worker that has
+  held the slab lock for ``--lock-timeout``. Workers that wait on a lock someone holds
+  stop beating too: they are the victims, not the culprit, and are spared while the lock
+  is stuck and for one heartbeat timeout after. The supervisor itself only ever tries the
+  lock for a bounded time (:data:`LOCK_WAIT_S`) and retries on a later tick;
 * workers are forked, so they start in milliseconds from the supervisor's imports; each
   attaches the slab itself, and they inherit the supervisor's stdout and stderr.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import select
@@ -32,7 +40,7 @@ from eg_kv import layout as L
 from eg_kv import runstate
 from eg_kv.config import Settings, format_size
 from eg_kv.errors import EgKvError, SlabError
-from eg_kv.slab import Slab, pid_alive
+from eg_kv.slab import LockTimeout, Slab, pid_alive
 
 from . import worker as worker_mod
 from .worker import BOOT_ERROR, make_ssl_context
@@ -43,8 +51,18 @@ log = logging.getLogger("eg_kv.supervisor")
 MAX_BOOT_DEATHS = 5
 #: Extra time, after the drain timeout, before workers that did not exit are killed.
 KILL_GRACE_S = 5.0
-#: The main loop wakes at least this often even when nothing happens.
-TICK_S = 0.5
+#: The main loop wakes at least this often even when nothing happens (the watchdog's
+#: sampling period).
+TICK_S = 0.25
+#: The longest the supervisor waits for the slab lock at once; it retries on a later tick.
+LOCK_WAIT_S = 0.2
+#: A worker that has not said it serves after this long (or 6 heartbeat timeouts) is
+#: killed as wedged at start-up.
+BOOT_TIMEOUT_S = 60.0
+#: Seconds of lock hold per page the watchdog allows on top of --lock-timeout: a worker
+#: that finds a dead holder repairs the whole slab inside the lock, and must not be
+#: killed for it (a full repair measured ~0.65 us a page; this leaves a 4x margin).
+REPAIR_S_PER_PAGE = 2.6e-6
 
 _GRACEFUL = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _HANDLED = (*_GRACEFUL, signal.SIGQUIT, signal.SIGCHLD)
@@ -58,7 +76,13 @@ class CannotServe(EgKvError):
 class _Worker:
     pid: int
     started: float
-    ready: bool = False
+    slot: int  # its slot in the heartbeats file
+    ready_at: float = 0.0  # when it said it serves (0: not yet)
+    killed: bool = False  # the watchdog sent SIGKILL
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_at > 0
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -171,6 +195,11 @@ class Supervisor:
         self._wake_r = self._wake_w = -1
         self._notify_r = self._notify_w = -1
         self._buf = b""
+        self.heartbeats: runstate.Heartbeats | None = None
+        self._dead: list[int] = []  # workers whose leftovers are still to be released
+        self._lock_seen = (0, 0, 0.0)  # (holder, lock entries, first seen) of the lock
+        self._lock_stuck_at = -float("inf")  # when the lock was last seen stuck
+        self._lock_warned = (0, 0)
 
     # ------------------------------------------------------------------ top level
 
@@ -199,6 +228,7 @@ class Supervisor:
                 return 1
             log.info("%s", note)
             self.run_dir = runstate.make_run_dir(s.port)
+            self.heartbeats = runstate.Heartbeats.create(self.run_dir, s.workers)
             runstate.write_state(self.run_dir, s.workers, [])
             self._warm_imports()
             log.info(
@@ -246,6 +276,9 @@ class Supervisor:
             if self.fatal and not self.stopping:
                 self.exit_code = BOOT_ERROR
                 self._begin_stop(signal.SIGTERM)
+            self._release_leftovers()
+            if not self.stopping:
+                self._watch()
             if self.stopping:
                 if not self.workers:
                     return
@@ -301,7 +334,7 @@ class Supervisor:
             pid_text, _, reason = rest.partition(" ")
             pid = int(pid_text) if pid_text.isdigit() else -1
             if kind == "R" and pid in self.workers:
-                self.workers[pid].ready = True
+                self.workers[pid].ready_at = time.monotonic()
                 self.boot_deaths = 0
                 changed = True
                 log.info("worker %d serving", pid)
@@ -330,10 +363,12 @@ class Supervisor:
             if w is None:
                 continue
             died = True
+            self._dead.append(pid)
+            self.heartbeats.clear(w.slot)
             self._classify(w, status)
         if died:
             self._write_state()
-            self._repair()
+            self._release_leftovers()
 
     def _classify(self, w: _Worker, status: int) -> None:
         if os.WIFSIGNALED(status):
@@ -356,16 +391,90 @@ class Supervisor:
             if self.boot_deaths >= MAX_BOOT_DEATHS:
                 self.fatal = f"{self.boot_deaths} workers in a row died before serving ({how})"
 
+    def _release_leftovers(self) -> None:
+        """Give back what dead workers left in the slab (bounded waits; retried next tick).
+
+        Only what the dead one owned is touched, without walking the slab; if it died
+        inside the critical section, taking the lock runs the full repair first.
+        """
+        while self._dead:
+            pid = self._dead[0]
+            try:
+                left = self.slab.release_process(pid, timeout=LOCK_WAIT_S)
+            except LockTimeout:
+                return  # the lock is busy or stuck: the watchdog sees to it; retry later
+            except Exception as e:
+                log.error("cannot release what worker %d left in the slab: %s", pid, e)
+            else:
+                if left.full_repair is not None:
+                    found = left.full_repair
+                    log.warning("a process died holding the slab lock: full repair, %d "
+                                "problem(s)%s", len(found), f", first: {found[0]}" if found
+                                else "")  # fmt: skip
+                if left.reservations or left.hits or left.misses:
+                    log.info("released what worker %d left: %d upload(s) in flight (%d "
+                             "pages), %d hit(s) and %d miss(es) counted", pid,
+                             left.reservations, left.pages, left.hits, left.misses)  # fmt: skip
+            self._dead.pop(0)
+
     def _repair(self) -> None:
-        """Repair the slab after a worker died: it may have died holding its lock or pages."""
+        """Full repair (at exit, when no worker is left to stall)."""
         try:
-            problems = self.slab.repair()
+            problems = self.slab.repair(timeout=LOCK_WAIT_S * 10)
         except Exception as e:
             log.error("slab repair failed: %s", e)
             return
         if problems:
-            log.warning("slab repaired after a worker died: %d problem(s), first: %s",
-                        len(problems), problems[0])  # fmt: skip
+            log.warning("slab repaired: %d problem(s), first: %s", len(problems), problems[0])
+
+    # ------------------------------------------------------------------ the watchdog
+
+    def _watch(self) -> None:
+        """Kill the worker that wedges the server: the one that holds the lock too long,
+        or one whose heartbeat stopped while the lock was not stuck."""
+        s, now = self.settings, time.monotonic()
+        holder, entries = self.slab.lock_state()
+        seen_holder, seen_entries, since = self._lock_seen
+        if holder and (holder, entries) == (seen_holder, seen_entries):
+            self._lock_stuck_at = now  # one critical section spans two ticks or more
+            held = now - since
+            if held > self._lock_limit:
+                self._lock_held_too_long(holder, entries, held)
+        else:
+            self._lock_seen = (holder, entries, now)
+        for w in list(self.workers.values()):
+            if w.killed:
+                continue
+            if not w.ready:
+                if now - w.started > max(BOOT_TIMEOUT_S, 6 * s.heartbeat_timeout_s):
+                    self._kill_wedged(w, f"did not start serving in {now - w.started:.0f} s")
+                continue
+            age = self.heartbeats.age(w.slot, w.pid)
+            age = now - w.ready_at if age is None else min(age, now - w.ready_at)
+            if age <= s.heartbeat_timeout_s:
+                continue
+            if w.pid != self._lock_seen[0] and now - self._lock_stuck_at < s.heartbeat_timeout_s:
+                continue  # most likely waiting for the lock: the holder is the culprit
+            self._kill_wedged(w, f"has not beat for {age:.1f} s (stopped or stuck)")
+
+    @property
+    def _lock_limit(self) -> float:
+        return self.settings.lock_timeout_s + REPAIR_S_PER_PAGE * self.slab.geometry.npages
+
+    def _lock_held_too_long(self, holder: int, entries: int, held: float) -> None:
+        w = self.workers.get(holder)
+        if w is not None:
+            if not w.killed:
+                self._kill_wedged(w, f"has held the slab lock for {held:.1f} s")
+        elif self._lock_warned != (holder, entries):
+            self._lock_warned = (holder, entries)
+            log.error("pid %d, not a worker of this server, has held the slab lock for "
+                      "%.1f s: every request waits; stop that process", holder, held)  # fmt: skip
+
+    def _kill_wedged(self, w: _Worker, why: str) -> None:
+        log.error("worker %d %s: killing it (SIGKILL)", w.pid, why)
+        w.killed = True
+        self._kill(w.pid, signal.SIGKILL)
 
     def _refill(self) -> None:
         while len(self.workers) < self.settings.workers and not self.fatal:
@@ -373,6 +482,8 @@ class Supervisor:
 
     def _spawn(self) -> None:
         parent = os.getpid()
+        taken = {w.slot for w in self.workers.values()}
+        slot = next(k for k in range(self.heartbeats.nslots) if k not in taken)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -384,7 +495,9 @@ class Supervisor:
                 for fd in (self._wake_r, self._wake_w, self._notify_r):
                     os.close(fd)
                 self.slab.close()  # the supervisor's handle: a worker attaches its own
-                code = worker_mod.run(self.settings, self.run_dir, self._notify_w, parent)
+                beat = functools.partial(self.heartbeats.beat, slot, os.getpid())
+                code = worker_mod.run(self.settings, self.run_dir, self._notify_w, parent,
+                                      heartbeat=beat)  # fmt: skip
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -392,7 +505,8 @@ class Supervisor:
                     sys.stdout.flush()
                     sys.stderr.flush()
                 os._exit(code)
-        self.workers[pid] = _Worker(pid, time.monotonic())
+        self.heartbeats.beat(slot, pid)
+        self.workers[pid] = _Worker(pid, time.monotonic(), slot)
 
     # ------------------------------------------------------------------ the end
 
@@ -404,6 +518,7 @@ class Supervisor:
         self.workers.clear()
         if self.slab is not None:
             self._repair()
+            self._dead.clear()
             name = self.slab.name
             self.slab.close()
             if self.settings.keep:

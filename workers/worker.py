@@ -20,8 +20,10 @@ import os
 import signal
 import ssl
 import sys
+from collections.abc import Callable
 
 from eg_kv.config import Settings
+from eg_kv.runstate import beat_interval
 
 log = logging.getLogger("eg_kv.worker")
 
@@ -60,8 +62,15 @@ def _notify(fd: int, message: str) -> None:
         os.write(fd, data)
 
 
-def run(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
-    """Serve until SIGTERM. Returns the exit status (0, or BOOT_ERROR)."""
+def run(
+    settings: Settings, run_dir: str, notify_fd: int, parent: int,
+    heartbeat: Callable[[], None] | None = None,
+) -> int:  # fmt: skip
+    """Serve until SIGTERM. Returns the exit status (0, or BOOT_ERROR).
+
+    ``heartbeat`` is called every :func:`eg_kv.runstate.beat_interval` seconds from the
+    event loop, for as long as it runs (the supervisor's watchdog reads the beats).
+    """
     _die_with_parent(parent)
     # Ctrl-C reaches the whole process group; the supervisor alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -71,10 +80,19 @@ def run(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
         uvloop = None
     loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
+    if heartbeat is not None:
+        _beat_every(loop, heartbeat, beat_interval(settings.heartbeat_timeout_s))
     try:
         return loop.run_until_complete(_serve(settings, run_dir, notify_fd, parent))
     finally:
         loop.close()
+
+
+def _beat_every(loop: asyncio.AbstractEventLoop, beat: Callable[[], None], interval: float) -> None:
+    """Beat now and every ``interval`` seconds while the loop runs (a timer, not a task:
+    nothing is left pending when the loop closes)."""
+    beat()
+    loop.call_later(interval, _beat_every, loop, beat, interval)
 
 
 async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
