@@ -17,9 +17,9 @@ import urllib.request
 from eg_kv.config import (
     DEFAULT_CHUNKED_SPOOL,
     DEFAULT_DRAIN_TIMEOUT_S,
-    DEFAULT_UPLOAD_SHARE,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_LOCK_TIMEOUT_S,
+    DEFAULT_UPLOAD_SHARE,
     ENV_TLS_VERIFY,
     ENV_TOKEN,
     ENV_URL,
@@ -34,7 +34,8 @@ from eg_kv.errors import EgKvError
 CHECK_LOCK_WAIT_S = 30.0
 SERVE_FLAGS = ("addr", "workers", "capacity", "page_size", "max_block_size", "keep", "fresh",
                "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log",
-               "upload_share", "chunked_spool", "heartbeat_timeout_s", "lock_timeout_s")  # fmt: skip
+               "upload_share", "chunked_spool", "heartbeat_timeout_s",
+               "lock_timeout_s")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
