@@ -212,7 +212,7 @@ def test_c_remote_storage_plugin_round_trips_through_remote_backend(server_facto
 
         # On the server: LMCache's 28-byte chunk header + the chunk, under the digest.
         with RemoteKVConnector(base_url=srv.url) as kv:
-            stored = kv.get(address_for_key(key.to_string()))
+            stored = kv.get(connector._address(key))
             assert stored is not None and len(stored) == CHUNK + 28
             assert stored[28:] == bytes(obj.byte_array)
         assert backend.remove(key) is True
