@@ -11,13 +11,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -41,6 +39,7 @@ from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (  # 
     NativeConnectorL2Adapter,
     _object_key_to_string,
 )
+from lmcache_helpers import lmcache_loop_fixture  # noqa: E402, F401  (lmcache_loop)
 
 from eg_kv.address import address_for_key  # noqa: E402
 from eg_kv.kvcache import EgKvRemoteConnector, RemoteKVConnector, RemoteKVL2Connector  # noqa: E402
@@ -145,17 +144,6 @@ def KvStats(url: str):
 
 
 # --------------------------------------------------------------------------- (c)
-
-
-@pytest.fixture
-def lmcache_loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="lmcache-loop", daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
 
 
 def test_c_remote_storage_plugin_round_trips_through_remote_backend(server_factory, lmcache_loop):
