@@ -44,7 +44,7 @@ from typing import Any
 from .address import address_for_key
 from .client import KvCacheConfig, RemoteKVConnector, resolve_config
 from .store_warnings import StoreWarnings
-from .write_gate import GateClosed, GateSet, WriteGate, read_through
+from .write_gate import GateSet, WriteGate, read_through
 
 log = logging.getLogger("eg_kv.kvcache")
 
@@ -53,6 +53,10 @@ Completion = tuple[int, bool, str, "list[bool] | None"]
 
 #: Keys remembered as stored under their length-qualified address (for deletes).
 MAX_MOVED = 65536
+
+
+class _OtherLength(Exception):
+    """Internal: the block at an address has another length than the caller's buffer."""
 
 
 def sized_address(key: str, length: int) -> str:
@@ -184,7 +188,7 @@ class RemoteKVL2Connector:
             nonlocal other_length
             if length != len(view):
                 other_length = True
-                raise GateClosed("a block of another length")  # a miss; nothing written
+                raise _OtherLength(f"{length} bytes for a {len(view)}-byte buffer")
             read_through(read_exact, view, gate)
             return True
 

@@ -134,6 +134,13 @@ class EgKvRemoteConnector(RemoteConnector):
         super().__init__(config, metadata)
         if plugin_name is None:
             plugin_name = plugin_name_from_config(config)
+        if plugin_name is None:
+            # One connector, once: LMCache builds it once per backend.
+            log.warning(
+                "eg-kv: cannot tell which remote_storage_plugins entry builds "
+                "EgKvRemoteConnector, so no remote_storage_plugin.<name>.* setting is read "
+                "(only EPISTEMIC_GRAPH_KVCACHE_*): set class_name to EgKvConnectorAdapter"
+            )
         self.plugin_name = plugin_name
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
