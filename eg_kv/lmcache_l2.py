@@ -23,7 +23,7 @@ layout stored it first), the chunk is stored under the address of the key and it
 instead, and a load whose buffer does not match the first address tries that one. So
 differently configured servers keep their own chunks and identical ones share one copy.
 
-A load never writes into LMCache's buffer after the connector closed or after its batch's
+A load never writes into LMCache's buffer after ``close()`` returned or after its batch's
 deadline (:mod:`eg_kv.write_gate`).
 """
 
@@ -152,7 +152,8 @@ class RemoteKVL2Connector:
         A key counts as loaded only when the block filled its buffer exactly (a block of
         another length is a miss: LMCache would read garbage from the rest). No byte is
         written into a buffer after :meth:`close` returned or after the batch's deadline
-        (``timeout_s`` x ceil(keys / num_workers) after submit).
+        (``timeout_s`` x (ceil(keys / num_workers) + 1) after submit): a key starts only
+        if its transfer ends before it.
 
         Returns:
             The future id its completion will carry (per-key: loaded or not).
@@ -194,7 +195,7 @@ class RemoteKVL2Connector:
 
         if self._client.fetch(address_for_key(key), sink):
             return True
-        if other_length and gate.is_open:
+        if other_length and gate.can_start(self.config.timeout_s):
             return bool(self._client.fetch(sized_address(key, len(view)), sink))
         return False
 
@@ -254,10 +255,10 @@ class RemoteKVL2Connector:
         """Stop writing into LMCache's buffers at once, end the transfers, close the
         connections and the eventfd.
 
-        Once the first step returns, no thread writes into a buffer of a submitted batch
-        again; transfers still running end within about ``timeout_s`` (their deadline),
-        and close waits for them. Idempotent. Batches submitted after close complete at
-        once as failures.
+        Loads stop at their next 1 MiB slice; transfers still waiting on the network end
+        within about ``timeout_s`` (their deadline), and close waits for them all, so once
+        it returns no thread writes into a buffer of a submitted batch again. Idempotent.
+        Batches submitted after close complete at once as failures.
         """
         with self._lock:
             if self._closed:
@@ -304,9 +305,11 @@ class RemoteKVL2Connector:
             return fid
         batch = _Batch(fid, n)
         # The batch gets the time its keys would take if each waited the whole timeout,
-        # num_workers at a time; past that LMCache may have moved on from its buffers.
+        # num_workers at a time, plus one timeout of queueing behind other batches; past
+        # that LMCache may have moved on from its buffers.
+        timeout_s = self.config.timeout_s
         waves = math.ceil(n / self.config.num_workers)
-        gate = self._gates.open(time.monotonic() + self.config.timeout_s * waves)
+        gate = self._gates.open(time.monotonic() + timeout_s * (waves + 1))
 
         def finish() -> None:
             self._gates.release(gate)
@@ -318,7 +321,9 @@ class RemoteKVL2Connector:
         def run(i: int, key: str) -> None:
             ok = False
             try:
-                if gate.is_open:  # a key whose batch is over is not started
+                # Started only if it ends before the batch's deadline: LMCache may reuse
+                # the buffers after it.
+                if gate.can_start(timeout_s):
                     ok = bool(op(i, key, gate))
             except Exception:  # the client never raises; this guards LMCache's buffers
                 log.exception("eg-kv L2 operation failed")

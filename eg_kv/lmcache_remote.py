@@ -228,7 +228,7 @@ class EgKvRemoteConnector(RemoteConnector):
                     raise _Miss(f"chunk body is {body} bytes, its header says {len(view)}")
                 if body > len(view) or body == 0:
                     raise _Miss(f"chunk body of {body} bytes does not fit {len(view)}")
-                # Through the gate: once close() returned, nothing lands in LMCache's memory.
+                # In slices, checking the gate: close() stops it at the next one.
                 read_through(read_exact, view[:body], gate)
                 if not self.save_chunk_meta:
                     obj = self.reshape_partial_chunk(obj, body)

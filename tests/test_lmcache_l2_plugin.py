@@ -127,11 +127,11 @@ def test_l2_servers_with_other_chunk_lengths_keep_their_own_chunks(server_factor
 
 
 class TwoFacedServer:
-    """Loopback HTTP: the first connection gets no answer at all; the next ones get a
-    ``200`` with half of a ``length``-byte body at once and the rest on :meth:`release`."""
+    """Loopback HTTP: the first ``stalls`` connections get no answer at all; the next ones
+    get a ``200`` with half of a ``length``-byte body at once, the rest on :meth:`release`."""
 
-    def __init__(self, length: int) -> None:
-        self.length = length
+    def __init__(self, length: int, stalls: int) -> None:
+        self.length, self.stalls = length, stalls
         self._go = threading.Event()
         self._stop = threading.Event()
         self._sock = socket.create_server(("127.0.0.1", 0))
@@ -160,7 +160,7 @@ class TwoFacedServer:
     def _answer(self, conn: socket.socket, n: int) -> None:
         with contextlib.suppress(OSError):
             conn.recv(65536)
-            if n == 0:
+            if n < self.stalls:
                 self._stop.wait(30)
                 return
             half = self.length // 2
@@ -185,20 +185,22 @@ class TwoFacedServer:
 
 
 def test_l2_no_write_into_l1_after_the_batch_deadline():
-    """One worker, a first load that hangs for the whole timeout, then a second batch:
-    the second's deadline passes while it waits, so its buffer is never written after it
-    (before, its load started late and wrote when the body came)."""
+    """One worker, a first batch of two loads that each hang for the whole timeout, then
+    a second batch: its transfer can no longer end before its deadline, so it never
+    starts, and its buffer is never written after that deadline (before, it started late
+    and wrote when the body came)."""
     chunk = 256 * KiB
-    srv = TwoFacedServer(chunk)
-    l2 = L2(srv.url, chunk, 2, timeout_s=1.5, num_workers=1)
+    srv = TwoFacedServer(chunk, stalls=2)
+    l2 = L2(srv.url, chunk, 3, timeout_s=1.5, num_workers=1)
     try:
-        keys = make_object_keys(2, model_name=MODEL)
+        keys = make_object_keys(3, model_name=MODEL)
         adapter = l2.adapter
-        first = adapter.submit_load_task(keys[:1], l2.dst[:1])
+        first = adapter.submit_load_task(keys[:2], l2.dst[:2])
         t0 = time.monotonic()
-        second = adapter.submit_load_task(keys[1:], l2.dst[1:])
-        wait_for(lambda: time.monotonic() > t0 + 2.0, what="the second batch's deadline")
-        l2.dst[1].raw_data.fill_(7)  # LMCache gave the buffer to someone else
+        second = adapter.submit_load_task(keys[2:], l2.dst[2:])
+        # Its deadline: 1.5 s x (1 wave + 1); the worker is busy with the first until then.
+        wait_for(lambda: time.monotonic() > t0 + 3.3, what="the second batch's deadline")
+        l2.dst[2].raw_data.fill_(7)  # LMCache gave the buffer to someone else
         srv.release()
         results: dict = {}
 
@@ -211,7 +213,7 @@ def test_l2_no_write_into_l1_after_the_batch_deadline():
         # A completion is queued after its key's transfer returned: nothing runs after.
         wait_for(both_done, timeout=30, what="both loads to complete")
         assert results[second].popcount() == 0
-        assert bool((l2.dst[1].raw_data == 7).all()), "a load wrote after its deadline"
+        assert bool((l2.dst[2].raw_data == 7).all()), "a load wrote after its deadline"
     finally:
         l2.close()
         srv.stop()
