@@ -24,7 +24,7 @@ LMCache's event loop never blocks on the network.
 Each chunk is stored as LMCache's ``RemoteMetadata`` header (shapes, dtypes, format, so a
 partial last chunk loads with its real shape) followed by the KV bytes, under
 :func:`eg_kv.address.address_for_key` of ``CacheEngineKey.to_string()`` and of what
-changes a chunk's bytes (:meth:`EgKvRemoteConnector.layout_tag`: serde, chunk header on or
+changes a chunk's bytes (:attr:`EgKvRemoteConnector.layout_tag`: serde, chunk header on or
 off, memory format, dtypes, shapes), so differently configured engines never collide on
 an address and identically configured ones share.
 """
@@ -151,7 +151,6 @@ class EgKvRemoteConnector(RemoteConnector):
             max_workers=self.kv_config.num_workers, thread_name_prefix="eg-kv-remote"
         )
         self._gates = GateSet()
-        self._closed = False
         self._warn = StoreWarnings(self.client, f"eg-kv LMCache plugin {plugin_name}")
         log.info("eg-kv remote connector %s on %s", plugin_name, self.kv_config.base_url)
 
@@ -234,8 +233,7 @@ class EgKvRemoteConnector(RemoteConnector):
                     obj = self.reshape_partial_chunk(obj, body)
                 return obj
             except BaseException:
-                if not self._closed:  # after close the allocator may be gone: leave it
-                    obj.ref_count_down()  # give the buffer back: the chunk is a miss
+                obj.ref_count_down()  # give the buffer back: the chunk is a miss
                 raise
 
         try:
@@ -298,7 +296,6 @@ class EgKvRemoteConnector(RemoteConnector):
         still running end within about ``timeout_s`` (their deadline) and are waited for
         off the event loop. Idempotent.
         """
-        self._closed = True
         self._gates.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
