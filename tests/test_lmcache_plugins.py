@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from conftest import wait_for  # noqa: E402
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
-from lmcache.v1.protocol import RemoteMetadata  # noqa: E402
+from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info  # noqa: E402
 from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
@@ -273,6 +273,7 @@ def test_no_write_into_lmcache_memory_after_close(lmcache_loop):
     """A load in flight when ``close()`` is called never writes into the buffer it took
     from LMCache afterwards, even when the rest of the body arrives later."""
     metadata = engine_metadata()
+    init_remote_metadata_info(metadata.get_num_groups())  # what a connector does first
     header = RemoteMetadata(SMALL_CHUNK, metadata.get_shapes(), metadata.get_dtypes(),
                             MemoryFormat.KV_2LTD).serialize()  # fmt: skip
     srv = StallingServer(header, len(header) + SMALL_CHUNK)
@@ -283,7 +284,7 @@ def test_no_write_into_lmcache_memory_after_close(lmcache_loop):
 
     def recording_allocate(*args, **kwargs):  # LMCache's allocator, recorded
         obj = allocate(*args, **kwargs)
-        handed_out.append(obj)
+        handed_out.append(obj.tensor)  # a view of the memory, valid after it is freed
         return obj
 
     cpu.allocate = recording_allocate
@@ -294,14 +295,14 @@ def test_no_write_into_lmcache_memory_after_close(lmcache_loop):
         )
         wait_for(lambda: srv.answered.is_set() and handed_out, what="the load to start")
         backend.close()  # LMCache shuts the engine down; its memory is free from here
-        target = handed_out[0]
-        target.tensor.fill_(7)  # reused by someone else
-        sentinel = target.tensor.clone()
+        target = handed_out[0]  # given back to LMCache's allocator by now
+        target.fill_(7)  # reused by someone else
+        sentinel = target.clone()
         srv.release()
         assert srv.sent_rest.wait(20)
         wait_for(load.done, what="the load to end")
         wait_for(lambda: not _pool_threads(), what="the connector's threads to end")
-        assert torch.equal(target.tensor, sentinel), "a load wrote after close() returned"
+        assert torch.equal(target, sentinel), "a load wrote after close() returned"
     finally:
         srv.stop()
         cpu.memory_allocator.close()
