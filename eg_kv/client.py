@@ -569,6 +569,37 @@ class RemoteKVConnector:
             self._miss("PUT", address, exc)
             return False
 
+    # put_status: interim, replaced by the client-core version at merge
+    def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
+        """``PUT /kv/<addr>`` of the concatenation of ``parts``, each sent without a copy.
+
+        Returns:
+            The final HTTP status (200, 201, 409, 413, 503, 507, 401, ...), or None when
+            no answer came (a transport failure, a timeout, unusable parts).
+        """
+        address = to_address(key)
+        try:
+            views = [memoryview(p).cast("B") for p in parts]
+        except TypeError as exc:
+            self._miss("PUT", address, exc)
+            return None
+
+        def on_response(resp: Response) -> int:
+            resp.read_all(_SMALL_ANSWER)
+            return resp.status
+
+        try:
+            return self._exchange(
+                "PUT",
+                self._path(address),
+                on_response,
+                body=views,
+                headers=b"Content-Type: application/octet-stream\r\n",
+            )
+        except Exception as exc:
+            self._miss("PUT", address, exc)
+            return None
+
     def _status(self, method: str, address: str, path: str) -> int | None:
         def on_response(resp: Response) -> int:
             self._check_auth(resp)

@@ -14,7 +14,8 @@ loaded on first use: :class:`AsyncRemoteKVConnector` (aiohttp) and
        "adapter_params": {"base_url": "http://127.0.0.1:9130"}}
 
 * :class:`EgKvRemoteConnector`: a ``RemoteConnector`` for LMCache's in-engine
-  ``remote_storage_plugins`` path.
+  ``remote_storage_plugins`` path, and :class:`EgKvConnectorAdapter`, the LMCache
+  ``ConnectorAdapter`` that builds it on every path (``class_name: EgKvConnectorAdapter``).
 * :class:`KvCacheConfig`, :class:`KvCacheStats`.
 """
 
@@ -27,10 +28,12 @@ from .lmcache_l2 import RemoteKVL2Connector
 
 if TYPE_CHECKING:
     from .aio import AsyncRemoteKVConnector
+    from .lmcache_adapter import EgKvConnectorAdapter
     from .lmcache_remote import EgKvRemoteConnector
 
 __all__ = [
     "AsyncRemoteKVConnector",
+    "EgKvConnectorAdapter",
     "EgKvRemoteConnector",
     "KvCacheConfig",
     "KvCacheStats",
@@ -50,4 +53,8 @@ def __getattr__(name: str) -> Any:
         from .lmcache_remote import EgKvRemoteConnector
 
         return EgKvRemoteConnector
+    if name == "EgKvConnectorAdapter":
+        from .lmcache_adapter import EgKvConnectorAdapter
+
+        return EgKvConnectorAdapter
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,6 +15,16 @@ I/O runs on a thread pool over one shared :class:`~eg_kv.client.RemoteKVConnecto
 A batch of stores or loads is spread over the pool key by key (one 14 MiB chunk per
 connection at a time, so a batch moves over several connections at once); a batch of
 existence checks is one ``POST /kv/batch/exists``, since LMCache's scheduler waits on it.
+
+Each key is stored under :func:`eg_kv.address.address_for_key` of the key. LMCache hands
+a lookup nothing but the keys, so that address cannot hold the chunk's length; when it is
+already taken by a block of another length (409: another LMCache server with another
+layout stored it first), the chunk is stored under the address of the key and its length
+instead, and a load whose buffer does not match the first address tries that one. So
+differently configured servers keep their own chunks and identical ones share one copy.
+
+A load never writes into LMCache's buffer after ``close()`` returned or after its batch's
+deadline (:mod:`eg_kv.write_gate`).
 """
 
 from __future__ import annotations
@@ -22,20 +32,36 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .address import address_for_key
 from .client import KvCacheConfig, RemoteKVConnector, resolve_config
+from .store_warnings import StoreWarnings
+from .write_gate import GateSet, WriteGate, read_through
 
 log = logging.getLogger("eg_kv.kvcache")
 
 #: ``(future_id, ok, error, per_key_results or None)``, as LMCache's adapter unpacks it.
 Completion = tuple[int, bool, str, "list[bool] | None"]
+
+#: Keys remembered as stored under their length-qualified address (for deletes).
+MAX_MOVED = 65536
+
+
+class _OtherLength(Exception):
+    """Internal: the block at an address has another length than the caller's buffer."""
+
+
+def sized_address(key: str, length: int) -> str:
+    """The address of ``key`` stored with ``length`` bytes, when the plain one is taken."""
+    return address_for_key(f"{key}\x00len={length}")
 
 
 class _Batch:
@@ -94,6 +120,9 @@ class RemoteKVL2Connector:
         self._lock = threading.Lock()
         self._closed = False
         self._efd_open = True
+        self._gates = GateSet()
+        self._warn = StoreWarnings(self._client, "eg-kv LMCache L2 adapter")
+        self._moved: OrderedDict[str, str] = OrderedDict()  # key -> sized address
 
     def __repr__(self) -> str:
         return f"RemoteKVL2Connector({self.config.base_url!r})"
@@ -107,30 +136,68 @@ class RemoteKVL2Connector:
     def submit_batch_set(self, keys: Sequence[str], memoryviews: Sequence[Any]) -> int:
         """Store each ``memoryviews[i]`` under ``keys[i]``; never blocks.
 
+        The key list and the list of views are copied here (LMCache may reuse its lists);
+        the views themselves stay LMCache's and are read on the pool.
+
         Returns:
             The future id its completion will carry (per-key: stored or not).
         """
-        client = self._client
-        return self._submit_per_key(
-            keys, lambda i, addr: client.put(addr, memoryviews[i]), len(memoryviews)
-        )
+        views = list(memoryviews)
+        return self._submit_per_key(keys, lambda i, key, _gate: self._store(key, views[i]),
+                                    len(views))  # fmt: skip
 
     def submit_batch_get(self, keys: Sequence[str], memoryviews: Sequence[Any]) -> int:
         """Load each ``keys[i]`` into ``memoryviews[i]`` in place; never blocks.
 
         A key counts as loaded only when the block filled its buffer exactly (a block of
-        another length is a miss: LMCache would read garbage from the rest).
+        another length is a miss: LMCache would read garbage from the rest). No byte is
+        written into a buffer after :meth:`close` returned or after the batch's deadline
+        (``timeout_s`` x (ceil(keys / num_workers) + 1) after submit): a key starts only
+        if its transfer ends before it.
 
         Returns:
             The future id its completion will carry (per-key: loaded or not).
         """
-        client = self._client
+        views = list(memoryviews)
+        return self._submit_per_key(
+            keys, lambda i, key, gate: self._load(key, views[i], gate), len(views)
+        )
 
-        def load(i: int, addr: str) -> bool:
-            view = memoryview(memoryviews[i]).cast("B")
-            return client.get_into(addr, view) == len(view)
+    def _store(self, key: str, data: Any) -> bool:
+        size = memoryview(data).nbytes
+        status = self._client.put_status(address_for_key(key), (data,))
+        if status == 409:
+            self._warn.conflict(size, "Its chunks go to addresses that also hold their "
+                                      "length, so both keep their own copies.")  # fmt: skip
+            moved = sized_address(key, size)
+            status = self._client.put_status(moved, (data,))
+            if status in (200, 201):
+                with self._lock:
+                    self._moved[key] = moved
+                    self._moved.move_to_end(key)
+                    while len(self._moved) > MAX_MOVED:
+                        self._moved.popitem(last=False)
+        if status == 413:
+            self._warn.too_large(size)
+        return status in (200, 201)
 
-        return self._submit_per_key(keys, load, len(memoryviews))
+    def _load(self, key: str, buffer: Any, gate: WriteGate) -> bool:
+        view = memoryview(buffer).cast("B")
+        other_length = False
+
+        def sink(length: int, read_exact: Callable[[memoryview], None]) -> bool:
+            nonlocal other_length
+            if length != len(view):
+                other_length = True
+                raise _OtherLength(f"{length} bytes for a {len(view)}-byte buffer")
+            read_through(read_exact, view, gate)
+            return True
+
+        if self._client.fetch(address_for_key(key), sink):
+            return True
+        if other_length and gate.can_start(self.config.timeout_s):
+            return bool(self._client.fetch(sized_address(key, len(view)), sink))
+        return False
 
     def submit_batch_delete(self, keys: Sequence[str]) -> int:
         """Release each key's reference on the server; never blocks.
@@ -138,8 +205,12 @@ class RemoteKVL2Connector:
         Returns:
             The future id its completion will carry (per-key: deleted or not).
         """
-        client = self._client
-        return self._submit_per_key(keys, lambda _i, addr: client.delete(addr), len(keys))
+        return self._submit_per_key(keys, lambda _i, key, _gate: self._delete(key), len(keys))
+
+    def _delete(self, key: str) -> bool:
+        with self._lock:
+            moved = self._moved.pop(key, None)
+        return self._client.delete(moved or address_for_key(key))
 
     def submit_batch_exists(self, keys: Sequence[str]) -> int:
         """Ask which keys are resident with one ``POST /kv/batch/exists``; never blocks.
@@ -181,14 +252,19 @@ class RemoteKVL2Connector:
         return out
 
     def close(self) -> None:
-        """Stop the pool (running transfers finish), close connections and the eventfd.
+        """Stop writing into LMCache's buffers at once, end the transfers, close the
+        connections and the eventfd.
 
-        Idempotent. Batches submitted after close complete at once as failures.
+        Loads stop at their next 1 MiB slice; transfers still waiting on the network end
+        within about ``timeout_s`` (their deadline), and close waits for them all, so once
+        it returns no thread writes into a buffer of a submitted batch again. Idempotent.
+        Batches submitted after close complete at once as failures.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        self._gates.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._client.close()
         with self._lock:
@@ -213,9 +289,10 @@ class RemoteKVL2Connector:
             self._complete(fid, False, "eg-kv connector is closed", None)
 
     def _submit_per_key(
-        self, keys: Sequence[str], op: Callable[[int, str], bool], n_views: int
+        self, keys: Sequence[str], op: Callable[[int, str, WriteGate], bool], n_views: int
     ) -> int:
         fid = next(self._ids)
+        keys = list(keys)  # LMCache may reuse its list after submit returns
         n = len(keys)
         if n != n_views:
             self._complete(fid, False, f"{n} keys but {n_views} buffers", [False] * n)
@@ -227,19 +304,29 @@ class RemoteKVL2Connector:
             self._complete(fid, False, "eg-kv connector is closed", [False] * n)
             return fid
         batch = _Batch(fid, n)
+        # The batch gets the time its keys would take if each waited the whole timeout,
+        # num_workers at a time, plus one timeout of queueing behind other batches; past
+        # that LMCache may have moved on from its buffers.
+        timeout_s = self.config.timeout_s
+        waves = math.ceil(n / self.config.num_workers)
+        gate = self._gates.open(time.monotonic() + timeout_s * (waves + 1))
 
         def finish() -> None:
+            self._gates.release(gate)
             results = batch.results
             ok = all(results)
             error = "" if ok else f"{results.count(False)} of {n} keys failed"
             self._complete(fid, ok, error, list(results))
 
         def run(i: int, key: str) -> None:
+            ok = False
             try:
-                ok = bool(op(i, address_for_key(key)))
+                # Started only if it ends before the batch's deadline: LMCache may reuse
+                # the buffers after it.
+                if gate.can_start(timeout_s):
+                    ok = bool(op(i, key, gate))
             except Exception:  # the client never raises; this guards LMCache's buffers
                 log.exception("eg-kv L2 operation failed")
-                ok = False
             if batch.done(i, ok):
                 finish()
 

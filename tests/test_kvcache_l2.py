@@ -144,3 +144,33 @@ def test_l2_connector_reads_the_environment(server_factory, monkeypatch):
     with RemoteKVConnector(base_url=srv.url) as kv:
         assert kv.get(address_for_key(lm_keys(1)[0])) == b"from-env"
     conn.close()
+
+
+def test_l2_copies_the_key_and_view_lists_at_submit(server_factory):
+    """LMCache may reuse its lists once ``submit_batch_*`` returned: the connector must
+    have copied them (the views themselves stay the caller's)."""
+    srv = server_factory(workers=1, capacity="32MiB")
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=10, num_workers=1)
+    keys, decoys = lm_keys(8), lm_keys(8, start=50)
+    size = 256 * 1024
+    blocks = [bytearray(os.urandom(size)) for _ in keys]
+    other = memoryview(bytearray(b"\x01" * size))
+    key_list, view_list = list(keys), [memoryview(b) for b in blocks]
+    f_set = conn.submit_batch_set(key_list, view_list)
+    key_list[:] = decoys  # reused by LMCache for its next batch, right away
+    view_list[:] = [other] * len(view_list)
+    assert wait_completions(conn, {f_set})[f_set][3] == [True] * 8
+    with RemoteKVConnector(base_url=srv.url) as kv:
+        for key, block in zip(keys, blocks, strict=True):
+            assert kv.get(address_for_key(key)) == bytes(block)
+        assert not any(kv.exists_many([address_for_key(k) for k in decoys]))
+
+    outs = [bytearray(size) for _ in keys]
+    spare = [bytearray(size) for _ in keys]
+    key_list, view_list = list(keys), [memoryview(o) for o in outs]
+    f_get = conn.submit_batch_get(key_list, view_list)
+    key_list[:] = decoys
+    view_list[:] = [memoryview(s) for s in spare]
+    assert wait_completions(conn, {f_get})[f_get][3] == [True] * 8
+    assert outs == blocks and not any(any(s) for s in spare)
+    conn.close()

@@ -11,13 +11,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -41,6 +39,7 @@ from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (  # 
     NativeConnectorL2Adapter,
     _object_key_to_string,
 )
+from lmcache_helpers import lmcache_loop_fixture  # noqa: E402, F401  (lmcache_loop)
 
 from eg_kv.address import address_for_key  # noqa: E402
 from eg_kv.kvcache import EgKvRemoteConnector, RemoteKVConnector, RemoteKVL2Connector  # noqa: E402
@@ -147,17 +146,6 @@ def KvStats(url: str):
 # --------------------------------------------------------------------------- (c)
 
 
-@pytest.fixture
-def lmcache_loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="lmcache-loop", daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
-
-
 def test_c_remote_storage_plugin_round_trips_through_remote_backend(server_factory, lmcache_loop):
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
@@ -212,7 +200,7 @@ def test_c_remote_storage_plugin_round_trips_through_remote_backend(server_facto
 
         # On the server: LMCache's 28-byte chunk header + the chunk, under the digest.
         with RemoteKVConnector(base_url=srv.url) as kv:
-            stored = kv.get(address_for_key(key.to_string()))
+            stored = kv.get(connector._address(key))
             assert stored is not None and len(stored) == CHUNK + 28
             assert stored[28:] == bytes(obj.byte_array)
         assert backend.remove(key) is True

@@ -40,6 +40,7 @@ from eg_kv import layout as L
 from eg_kv import runstate
 from eg_kv.config import Settings, format_size
 from eg_kv.errors import EgKvError, SlabError
+from eg_kv.hints import tick as tick_hints
 from eg_kv.slab import LockTimeout, Slab, pid_alive
 
 from . import worker as worker_mod
@@ -289,6 +290,7 @@ class Supervisor:
                     self.stop_deadline = float("inf")
             else:
                 self._refill()
+                tick_hints(self.slab)  # operator hints (page waste), at most every 5 min
             # Sleep until a signal, a child's death (SIGCHLD) or a worker's message.
             with contextlib.suppress(InterruptedError):
                 select.select([self._wake_r, self._notify_r], [], [], TICK_S)
