@@ -35,14 +35,11 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from .address import address_for_key
 from .client import CONFIG_KEYWORDS, KvCacheConfig, RemoteKVConnector
+from .clientcore import Miss as _Miss
 
 log = logging.getLogger("eg_kv.kvcache")
 
 _SETTINGS = CONFIG_KEYWORDS
-
-
-class _Miss(Exception):
-    """Internal: the stored chunk cannot be used."""
 
 
 def _plugin_settings(config: Any, plugin_name: str | None, cls: type) -> dict[str, Any]:
