@@ -237,7 +237,11 @@ class RawServer:
                 if self.mode == "early_hints"
                 else b"HTTP/1.1 100 Continue\r\n\r\n"
             )
-            conn.sendall(interim + self._correct_answer(method, target))
+            # The interim answer alone first, as a real server sends it before it has the
+            # final one: a client that takes it as final reads the 200 as its next answer.
+            conn.sendall(interim)
+            self._stop.wait(0.01)
+            conn.sendall(self._correct_answer(method, target))
             return True
         if self.mode == "dropwrite":
             if method in (b"PUT", b"DELETE"):

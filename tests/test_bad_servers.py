@@ -17,8 +17,11 @@ import time
 import pytest
 from conftest import ROOT, wait_for
 from kvcache_helpers import RawServer, bad_server, open_client
+from test_kvcache_l2 import lm_keys, wait_completions
 
+from eg_kv.address import address_for_key
 from eg_kv.errors import RemoteError
+from eg_kv.kvcache import RemoteKVL2Connector
 
 KINDS = ("sync", "async")
 TIMEOUT = 0.3
@@ -153,6 +156,24 @@ def test_a_final_answer_to_the_head_gets_no_body(kind):
         assert kv.put_status("k", [b"x" * 1000]) == 201
         assert b"expect" not in srv.heads[0].lower()
         assert srv.bodies[0] == b"x" * 1000
+
+
+@pytest.mark.parametrize("mode", ["early_hints", "gzip", "nolength", "redirect", "reset"])
+def test_the_lmcache_l2_adapter_loads_the_right_bytes_or_misses(mode):
+    # One worker, one connection: a client that took the 103 as final loads key 0 as a
+    # miss and key 1 with key 0's bytes (same length: the adapter would accept them).
+    keys = lm_keys(3)
+    with RawServer(mode) as srv:
+        conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=TIMEOUT, num_workers=1)
+        want = [address_for_key(k).encode() for k in keys]  # what /kv/<addr> holds there
+        outs = [bytearray(len(w)) for w in want]
+        fid = conn.submit_batch_get(keys, [memoryview(o) for o in outs])
+        done = wait_completions(conn, {fid}, timeout=10)[fid]
+        conn.close()
+    if mode == "early_hints":
+        assert done[3] == [True] * 3 and outs == want
+    else:
+        assert done[3] == [False] * 3 and outs == [bytearray(len(w)) for w in want]
 
 
 # --------------------------------------------------------------------------- memory
