@@ -10,7 +10,10 @@ caller's buffer with ``recv_into``.
 
 Every socket wait is bounded by the operation's :class:`Deadline`, re-armed before each
 ``recv`` / ``sendall``, so a server that never answers, or drips its answer a byte at a
-time, costs at most about the timeout.
+time, costs at most about the timeout. Interim ``1xx`` answers are read past to the final
+one (``100 Continue`` is what ``Expect: 100-continue`` waits for); a connection whose
+framing is in doubt is marked ``will_close`` and never reused; an idle one is checked with
+a zero-timeout poll before it carries another request (:meth:`Connection.dropped`).
 """
 
 from __future__ import annotations

@@ -253,11 +253,17 @@ def test_sync_client_against_real_server(server_factory):
         assert kv.healthz()["workers_up"] == 2
 
 
-def test_blocks_over_max_block_size_are_misses(server_factory):
-    srv = server_factory(workers=1, capacity="16MiB")
+def test_put_status_and_max_block_size_against_a_real_server(server_factory):
+    srv = server_factory(workers=1, capacity="16MiB", extra=("--max-block-size", "1MiB"))
     block = os.urandom(512 * 1024)
+    too_big = bytes(2 * 1024 * 1024)
     with RemoteKVConnector(base_url=srv.url, timeout_s=10) as kv:
-        assert kv.put("big", block) is True
+        # Over 64 KiB: Expect: 100-continue, then the body; the real server answers both.
+        assert kv.put_status("big", [block[:1000], memoryview(block)[1000:]]) == 201
+        assert kv.put_status("big", [block]) == 200  # deduplicated
+        assert kv.put_status("toobig", [too_big]) == 413  # refused from the head alone
+        assert kv.put("toobig", too_big) is False
+        assert kv.get("big") == block
     with RemoteKVConnector(base_url=srv.url, timeout_s=10, max_block_size=len(block)) as kv:
         assert kv.get("big") == block  # exactly the limit is fine
     with RemoteKVConnector(base_url=srv.url, timeout_s=10, max_block_size=len(block) - 1) as kv:
@@ -268,6 +274,10 @@ def test_blocks_over_max_block_size_are_misses(server_factory):
     async def main() -> None:
         async with AsyncRemoteKVConnector(base_url=srv.url, max_block_size=len(block)) as akv:
             assert await akv.get("big") == block
+            assert await akv.put_status("big2", [block[:10], block[10:]]) == 201
+            assert await akv.put_status("big2", [block]) == 200
+            assert await akv.put_status("toobig", [too_big]) == 413
+            assert await akv.get("big2") == block
         async with AsyncRemoteKVConnector(base_url=srv.url, max_block_size=len(block) - 1) as a:
             assert await a.get("big") is None and await a.contains("big") is True
 
