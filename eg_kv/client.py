@@ -259,10 +259,9 @@ class RemoteKVConnector:
         limit = self.config.max_block_size
 
         def on_response(resp: Response) -> T | None:
-            encoding = resp.headers.get(b"content-encoding")
-            if not block_to_read(
-                resp.status, resp.length, encoding and encoding.decode("latin-1"), limit
-            ):
+            raw = resp.headers.get(b"content-encoding")
+            encoding = None if raw is None else raw.decode("latin-1")
+            if not block_to_read(resp.status, resp.length, encoding, limit):
                 resp.read_all(SMALL_ANSWER_MAX)
                 return None
 

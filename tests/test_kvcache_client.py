@@ -20,6 +20,7 @@ from kvcache_helpers import RawServer
 
 from eg_kv.address import address_for_key, validate
 from eg_kv.client import CONFIG_KEYWORDS
+from eg_kv.clientcore import Miss, block_to_read, may_resend
 from eg_kv.errors import ConfigError, InvalidAddress, RemoteError, Unauthorized
 from eg_kv.kvcache import (
     AsyncRemoteKVConnector,
@@ -120,6 +121,22 @@ def test_base_import_needs_the_standard_library_only():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_the_answer_rules_both_clients_share():
+    assert block_to_read(200, 10, None, 10) is True
+    assert block_to_read(200, 10, "", 10) is True
+    assert block_to_read(200, 10, " Identity ", 10) is True
+    assert block_to_read(404, 10, None, 10) is False  # a plain miss: drain and keep
+    for status, length, encoding in ((200, 11, None), (200, None, None), (200, 5, "gzip"),
+                                     (301, 5, None), (307, 5, None)):  # fmt: skip
+        with pytest.raises(Miss):
+            block_to_read(status, length, encoding, 10)
+    with pytest.raises(Unauthorized):
+        block_to_read(401, 5, None, 10)
+    assert [may_resend(m, t) for m, t in (("GET", "/kv/a"), ("HEAD", "/kv/a"),
+            ("POST", "/kv/batch/exists"), ("PUT", "/kv/a"), ("DELETE", "/kv/a"),
+            ("POST", "/kv/a"))] == [True, True, True, False, False, False]  # fmt: skip
 
 
 #: Keys at the edges of the address grammar: (key, is it an address as it stands).
