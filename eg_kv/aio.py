@@ -21,7 +21,8 @@ import aiohttp
 from aiohttp.payload import Payload
 
 from .clientcore import (
-    EXPECT_CONTINUE_MIN,
+    BLOCK_TYPE,
+    JSON_TYPE,
     SMALL_ANSWER_MAX,
     ClientCore,
     KvCacheConfig,
@@ -37,6 +38,7 @@ from .clientcore import (
     may_resend,
     resolve_config,
     to_address,
+    wants_continue,
 )
 from .errors import EgKvError, RemoteError
 
@@ -67,7 +69,7 @@ class _Parts(Payload):
     """
 
     def __init__(self, parts: list[memoryview]) -> None:
-        super().__init__(parts, content_type="application/octet-stream")
+        super().__init__(parts, content_type=BLOCK_TYPE)
         self._size = sum(len(p) for p in parts)
         self.started = False
 
@@ -210,7 +212,7 @@ class AsyncRemoteKVConnector:
         """
         session = self._get_session()
         resend = may_resend(method, target)
-        expect = isinstance(body, _Parts) and (body.size or 0) > EXPECT_CONTINUE_MIN
+        expect = isinstance(body, _Parts) and wants_continue(method, body.size or 0)
         kw: dict[str, Any] = {
             "headers": {**self._core.headers, **headers} if headers else self._core.headers,
             "timeout": self._timeout,
@@ -320,7 +322,7 @@ class AsyncRemoteKVConnector:
             self._core.path("/kv/batch/exists"),
             _json,
             body=batch_body(addresses),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": JSON_TYPE},
         )
         return batch_answer(doc, len(addresses))
 

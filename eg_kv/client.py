@@ -25,11 +25,12 @@ from typing import Any, TypeVar
 
 from .clientcore import (
     BATCH_EXISTS_MAX,
+    BLOCK_TYPE,
     CONFIG_KEYWORDS,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_NUM_WORKERS,
     DEFAULT_TIMEOUT_S,
-    EXPECT_CONTINUE_MIN,
+    JSON_TYPE,
     SMALL_ANSWER_MAX,
     ClientCore,
     KvCacheConfig,
@@ -45,6 +46,7 @@ from .clientcore import (
     may_resend,
     resolve_config,
     to_address,
+    wants_continue,
 )
 from .config import DEFAULT_HOST
 from .errors import EgKvError, RemoteError
@@ -155,6 +157,8 @@ class RemoteKVConnector:
             b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1"))
             for k, v in self._core.headers.items()
         )
+        self._put_head = b"Content-Type: %s\r\n" % BLOCK_TYPE.encode()
+        self._batch_head = b"Content-Type: %s\r\n" % JSON_TYPE.encode()
         self._closed = False
 
     @classmethod
@@ -210,7 +214,7 @@ class RemoteKVConnector:
         if method in ("PUT", "POST"):
             size = sum(len(p) for p in parts)
             head += b"Content-Length: %d\r\n" % size
-            if method == "PUT" and size > EXPECT_CONTINUE_MIN:
+            if wants_continue(method, size):
                 expect = True
                 head += b"Expect: 100-continue\r\n"
         resend = may_resend(method, target)
@@ -344,7 +348,7 @@ class RemoteKVConnector:
                 self._core.block_path(address),
                 self._drained,
                 body=views,
-                headers=b"Content-Type: application/octet-stream\r\n",
+                headers=self._put_head,
             )
         except Exception as exc:
             self._core.miss("PUT", address, exc)
@@ -391,7 +395,7 @@ class RemoteKVConnector:
             self._core.path("/kv/batch/exists"),
             self._json,
             body=(batch_body(addresses),),
-            headers=b"Content-Type: application/json\r\n",
+            headers=self._batch_head,
         )
         return batch_answer(doc, len(addresses))
 

@@ -65,6 +65,9 @@ CONFIG_KEYWORDS = (
     "base_url", "addr", "token", "timeout_s", "num_workers", "max_connections", "verify_tls",
     "max_block_size",
 )  # fmt: skip
+#: The Content-Type of a block body and of a batch request.
+BLOCK_TYPE = "application/octet-stream"
+JSON_TYPE = "application/json"
 #: Sent with every request: the clients never decompress, so a compressed body (a
 #: "gzip bomb" included) can only be a miss.
 ACCEPT_IDENTITY = ("Accept-Encoding", "identity")
@@ -327,6 +330,11 @@ def may_resend(method: str, target: str) -> bool:
     been applied (a ``DELETE`` sent twice releases two references), so it is a miss.
     """
     return method in ("GET", "HEAD") or (method == "POST" and target.endswith("/kv/batch/exists"))
+
+
+def wants_continue(method: str, size: int) -> bool:
+    """Whether a request asks ``Expect: 100-continue`` (a PUT body over 64 KiB)."""
+    return method == "PUT" and size > EXPECT_CONTINUE_MIN
 
 
 def check_final(status: int) -> None:
