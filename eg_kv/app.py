@@ -44,7 +44,7 @@ from functools import partial
 
 from aiohttp import web, web_protocol, web_server
 
-from . import replies, runstate
+from . import batchwire, replies, runstate
 from .address import validate
 from .config import Settings
 from .errors import BadRequest, Busy, EgKvError, NotFound, TooLarge
@@ -577,28 +577,52 @@ async def batch_exists(request: web.Request) -> web.StreamResponse:
     """``POST /kv/batch/exists`` with ``{"addresses": [...]}`` (at most 1024).
 
     Answers ``{"exists": [bool, ...], "prefix_hits": n}``, ``n`` being the length of the
-    leading run of hits (how much of a token prefix is cached).
+    leading run of hits (how much of a token prefix is cached). A body of type
+    ``application/x-eg-kv-addresses`` gets the compact answer instead
+    (:mod:`eg_kv.batchwire`).
     """
     raw = request.headers.get("Content-Length")
     if raw is None or not raw.isdigit():
-        raise BadRequest("batch exists needs a JSON body with a Content-Length")
+        raise BadRequest("batch exists needs a body with a Content-Length")
     if int(raw) > BATCH_MAX_BYTES:
         raise TooLarge(f"batch body of {raw} bytes is over {BATCH_MAX_BYTES}")
     try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"batch body is not JSON: {_why(e)}") from None
+        body = await request.read()
     except Exception as e:
         raise BadRequest(f"batch body cut short: {_why(e)}") from None
-    addresses = body.get("addresses") if isinstance(body, dict) else None
-    if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-        raise BadRequest('batch body must be {"addresses": ["<hash>", ...]}')
+    content_type = request.headers.get("Content-Type")
+    addresses = batch_addresses(content_type, body)
+    answer, answer_type = batch_answer_body(request.app[SLAB].exists_many(addresses), content_type)
+    return _reply(request, 200, answer, answer_type)
+
+
+def batch_addresses(content_type: str | None, body: bytes) -> list[str]:
+    """The addresses a ``POST /kv/batch/exists`` body asks about (JSON or compact).
+
+    Raises:
+        BadRequest: a body that is neither; TooLarge: over 1024 addresses.
+    """
+    if batchwire.is_compact(content_type):
+        addresses = batchwire.decode_addresses(body)
+    else:
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"batch body is not JSON: {_why(e)}") from None
+        addresses = doc.get("addresses") if isinstance(doc, dict) else None
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            raise BadRequest('batch body must be {"addresses": ["<hash>", ...]}')
     if len(addresses) > BATCH_MAX:
         raise TooLarge(f"{len(addresses)} addresses in one batch; at most {BATCH_MAX}")
-    found = request.app[SLAB].exists_many(addresses)
+    return addresses
+
+
+def batch_answer_body(found: list[bool], content_type: str | None) -> tuple[bytes, str]:
+    """The answer body and its type for ``found``, in the request's format."""
+    if batchwire.is_compact(content_type):
+        return batchwire.encode_flags(found), batchwire.FLAGS_TYPE
     prefix = next((i for i, hit in enumerate(found) if not hit), len(found))
-    body = json.dumps({"exists": found, "prefix_hits": prefix}).encode()
-    return _reply(request, 200, body, JSON)
+    return json.dumps({"exists": found, "prefix_hits": prefix}).encode(), JSON
 
 
 _BLOCK_METHODS = ("DELETE", "GET", "HEAD", "PUT")

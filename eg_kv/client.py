@@ -21,8 +21,10 @@ import ssl
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
+from .batchwire import ADDRESSES_TYPE, encode_addresses
 from .clientcore import (
     BATCH_EXISTS_MAX,
     BLOCK_TYPE,
@@ -33,6 +35,7 @@ from .clientcore import (
     JSON_TYPE,
     SMALL_ANSWER_MAX,
     ClientCore,
+    CompactRefused,
     KvCacheConfig,
     KvCacheStats,
     Miss,
@@ -41,8 +44,10 @@ from .clientcore import (
     batches,
     block_to_read,
     check_final,
+    compact_answer,
     exists_answer,
     json_answer,
+    leading_hits,
     may_resend,
     resolve_config,
     to_address,
@@ -159,6 +164,8 @@ class RemoteKVConnector:
         )
         self._put_head = b"Content-Type: %s\r\n" % BLOCK_TYPE.encode()
         self._batch_head = b"Content-Type: %s\r\n" % JSON_TYPE.encode()
+        self._compact_head = b"Content-Type: %s\r\n" % ADDRESSES_TYPE.encode()
+        self._compact_batches = True
         self._closed = False
 
     @classmethod
@@ -193,6 +200,7 @@ class RemoteKVConnector:
         on_response: Callable[[Response], T],
         body: Sequence[Any] = (),
         headers: bytes = b"",
+        timeout_s: float | None = None,
     ) -> T:
         """Send one request and hand the final response to ``on_response``.
 
@@ -204,10 +212,12 @@ class RemoteKVConnector:
         Raises:
             Any transport error, TimeoutError, ProtocolError, or what ``on_response``
             raises.
+
+        ``timeout_s``: this exchange's deadline, when shorter than the config's.
         """
         if self._closed:
             raise RemoteError("the connector is closed")
-        deadline = Deadline(self.config.timeout_s)
+        deadline = Deadline(timeout_s or self.config.timeout_s)
         parts = [memoryview(b).cast("B") for b in body]
         head = self._head + headers
         expect = False
@@ -388,16 +398,49 @@ class RemoteKVConnector:
             self._core.miss("exists", address, exc)
             return False
 
-    def _batch_exists(self, addresses: list[str]) -> tuple[list[bool], int]:
-        """One ``POST /kv/batch/exists`` for at most 1024 addresses. Raises on error."""
+    def _batch_exists(
+        self, addresses: list[str], timeout_s: float | None = None
+    ) -> tuple[list[bool], int]:
+        """One ``POST /kv/batch/exists`` for at most 1024 addresses. Raises on error.
+
+        Sent in the compact format (:mod:`eg_kv.batchwire`); a server that refuses it
+        (one that predates it) is asked again in JSON, and in JSON from then on.
+        """
+        if self._compact_batches:
+            try:
+                found = self._exchange(
+                    "POST",
+                    self._core.path("/kv/batch/exists"),
+                    partial(self._flags, len(addresses)),
+                    body=(encode_addresses(addresses),),
+                    headers=self._compact_head,
+                    timeout_s=timeout_s,
+                )
+                return found, leading_hits(found)
+            except CompactRefused:
+                answer = self._json_batch(addresses, timeout_s)
+                self._compact_batches = False  # JSON worked where the compact body did not
+                return answer
+        return self._json_batch(addresses, timeout_s)
+
+    def _json_batch(
+        self, addresses: list[str], timeout_s: float | None = None
+    ) -> tuple[list[bool], int]:
         doc = self._exchange(
             "POST",
             self._core.path("/kv/batch/exists"),
             self._json,
             body=(batch_body(addresses),),
             headers=self._batch_head,
+            timeout_s=timeout_s,
         )
         return batch_answer(doc, len(addresses))
+
+    @staticmethod
+    def _flags(n: int, resp: Response) -> list[bool]:
+        check_final(resp.status)
+        body = resp.read_all(SMALL_ANSWER_MAX)
+        return compact_answer(resp.status, resp.headers.get(b"content-type"), body, n)
 
     def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
         """Which keys are resident: one batch request per 1024 keys.
@@ -416,20 +459,26 @@ class RemoteKVConnector:
         can tell "absent" from "could not ask"). Never raises."""
         return self.try_exists_addresses([to_address(k) for k in keys])
 
-    def try_exists_addresses(self, addresses: Sequence[str]) -> list[bool] | None:
+    def try_exists_addresses(
+        self, addresses: Sequence[str], timeout_s: float | None = None
+    ) -> list[bool] | None:
         """:meth:`try_exists_many` for ready-made addresses (no per-key mapping: the L2
-        connector's lookups are latency-bound). Never raises."""
+        connector's lookups are latency-bound). Never raises.
+
+        Args:
+            timeout_s: the deadline of each request, when shorter than the config's.
+        """
         out: list[bool] = []
         for chunk in batches(addresses):
-            found = self._try_batch(chunk)
+            found = self._try_batch(chunk, timeout_s)
             if found is None:
                 return None
             out.extend(found)
         return out
 
-    def _try_batch(self, chunk: list[str]) -> list[bool] | None:
+    def _try_batch(self, chunk: list[str], timeout_s: float | None = None) -> list[bool] | None:
         try:
-            return self._batch_exists(chunk)[0]
+            return self._batch_exists(chunk, timeout_s)[0]
         except Exception as exc:
             self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
             return None

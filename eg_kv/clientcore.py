@@ -28,6 +28,7 @@ import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from . import batchwire
 from .address import address_for_key, validate
 from .config import (
     DEFAULT_HOST,
@@ -305,6 +306,40 @@ def batch_answer(doc: Any, n: int) -> tuple[list[bool], int]:
     if not isinstance(prefix, int) or isinstance(prefix, bool):
         prefix = next((i for i, b in enumerate(found) if not b), len(found))
     return found, prefix
+
+
+class CompactRefused(Miss):
+    """The server answered a compact batch with something else: one that predates it."""
+
+
+def compact_answer(status: int, content_type: bytes | None, body: bytes, n: int) -> list[bool]:
+    """Check a compact ``POST /kv/batch/exists`` answer (:mod:`eg_kv.batchwire`) for ``n``
+    addresses.
+
+    Returns:
+        One boolean per address.
+
+    Raises:
+        CompactRefused: a 4xx answer of another type (a server that only speaks JSON).
+        Miss: any other answer that is not ``n`` flags.
+    """
+    ctype = (content_type or b"").split(b";", 1)[0].strip().lower()
+    if ctype != batchwire.FLAGS_TYPE.encode():
+        if 400 <= status < 500:
+            raise CompactRefused(f"HTTP {status} to a compact batch")
+        raise Miss(f"HTTP {status} to a compact batch")
+    found = batchwire.decode_flags(body, n) if status == 200 else None
+    if found is None:
+        raise Miss(f"compact batch answer is not {n} flags")
+    return found
+
+
+def leading_hits(found: list[bool]) -> int:
+    """How many of ``found``, from the first, are True without a gap."""
+    try:
+        return found.index(False)
+    except ValueError:
+        return len(found)
 
 
 def exists_answer(doc: Any) -> bool:

@@ -54,6 +54,21 @@ Completion = tuple[int, bool, str, "list[bool] | None"]
 #: Keys remembered as stored under their length-qualified address (for deletes).
 MAX_MOVED = 65536
 
+#: Lookups of at most this many keys run on the thread that submits them (LMCache's,
+#: under its adapter lock) instead of the pool: the hand-off to a pool thread and back
+#: was a third of a 16-key lookup (scripts/bench_lookup.py). Bigger batches go to the
+#: pool, so that hashing and the answer never hold LMCache's lock for long.
+INLINE_MAX_KEYS = 64
+#: An inline lookup's deadline: past it the batch goes to the pool (a lookup changes
+#: nothing, so asking again is safe), and LMCache's lock is held no longer than this.
+INLINE_TIMEOUT_S = 0.05
+#: After an inline lookup failed, lookups go to the pool for this long (a slow or dead
+#: server costs the submitting thread one inline deadline per period, not one per batch).
+INLINE_BACKOFF_S = 5.0
+#: Key -> address digests remembered (LMCache asks about the same prefixes again and
+#: again; a BLAKE2b digest is about 0.6 µs a key). Cleared when full: bounded, no LRU cost.
+MAX_DIGESTS = 65536
+
 
 class _OtherLength(Exception):
     """Internal: the block at an address has another length than the caller's buffer."""
@@ -123,6 +138,8 @@ class RemoteKVL2Connector:
         self._gates = GateSet()
         self._warn = StoreWarnings(self._client, "eg-kv LMCache L2 adapter")
         self._moved: OrderedDict[str, str] = OrderedDict()  # key -> sized address
+        self._digests: dict[str, str] = {}  # key -> address_for_key(key), bounded
+        self._inline_after = 0.0  # monotonic time before which lookups use the pool
 
     def __repr__(self) -> str:
         return f"RemoteKVL2Connector({self.config.base_url!r})"
@@ -213,19 +230,34 @@ class RemoteKVL2Connector:
         return self._client.delete(moved or address_for_key(key))
 
     def submit_batch_exists(self, keys: Sequence[str]) -> int:
-        """Ask which keys are resident with one ``POST /kv/batch/exists``; never blocks.
+        """Ask which keys are resident with one ``POST /kv/batch/exists``.
+
+        A batch of at most :data:`INLINE_MAX_KEYS` keys is asked on the calling thread,
+        within :data:`INLINE_TIMEOUT_S`; a bigger one, or one that could not be answered
+        in that time, goes to the pool. So this returns within about ``INLINE_TIMEOUT_S``.
 
         Returns:
             The future id its completion will carry (per-key: resident or not).
         """
         fid = next(self._ids)
-        keys = list(keys)  # LMCache may reuse its list; hashing waits for the pool thread
+        keys = list(keys)  # LMCache may reuse its list after submit returns
         if not keys:
             self._complete(fid, True, "", [])
             return fid
+        if self._closed:
+            self._complete(fid, False, "eg-kv connector is closed", [False] * len(keys))
+            return fid
+        if len(keys) <= INLINE_MAX_KEYS and time.monotonic() >= self._inline_after:
+            found = self._client.try_exists_addresses(
+                self._addresses(keys), min(INLINE_TIMEOUT_S, self.config.timeout_s)
+            )
+            if found is not None:
+                self._complete(fid, True, "", found)
+                return fid
+            self._inline_after = time.monotonic() + INLINE_BACKOFF_S
 
         def run() -> None:
-            found = self._client.try_exists_addresses([address_for_key(k) for k in keys])
+            found = self._client.try_exists_addresses(self._addresses(keys))
             if found is None:  # could not ask: a failed lookup, which LMCache counts as misses
                 self._complete(fid, False, "eg-kv batch exists failed", [False] * len(keys))
             else:
@@ -233,6 +265,19 @@ class RemoteKVL2Connector:
 
         self._spawn(fid, run)
         return fid
+
+    def _addresses(self, keys: list[str]) -> list[str]:
+        """``address_for_key`` of each key, from the bounded digest cache where it can."""
+        digests = self._digests
+        out = []
+        for key in keys:
+            address = digests.get(key)
+            if address is None:
+                if len(digests) >= MAX_DIGESTS:
+                    digests.clear()
+                address = digests[key] = address_for_key(key)
+            out.append(address)
+        return out
 
     def drain_completions(self) -> list[Completion]:
         """Every completion queued so far, oldest first; resets the eventfd.

@@ -129,7 +129,8 @@ def redis_server(logdir: Path):
 
 
 def run_bench(adapter_json: str, args: argparse.Namespace, out_json: Path,
-              lookup_only: bool = False) -> dict:  # fmt: skip
+              lookup_only: bool = False, num_keys: int | None = None,
+              lookup_rounds: int | None = None) -> dict:  # fmt: skip
     """One ``lmcache bench l2`` run; returns {Store/Lookup/Load: section} from its JSON.
 
     ``lookup_only``: ``--only lookup`` with ``--lookup-rounds`` rounds of small chunks: a
@@ -138,13 +139,14 @@ def run_bench(adapter_json: str, args: argparse.Namespace, out_json: Path,
     cmd = [
         sys.executable, "-m", "lmcache.cli.main", "bench", "l2",
         "--l2-adapter", adapter_json,
-        "--num-keys", str(args.num_keys), "--in-flight", str(args.in_flight),
+        "--num-keys", str(num_keys or args.num_keys), "--in-flight", str(args.in_flight),
         "--warmup-rounds", str(args.warmup_rounds),
         "--lookup-max-hit-rate", str(args.lookup_max_hit_rate),
         "--format", "json", "--output", str(out_json), "--quiet",
     ]  # fmt: skip
     if lookup_only:
-        cmd += ["--only", "lookup", "--rounds", str(args.lookup_rounds), "--data-size-kb", "4"]
+        rounds = lookup_rounds or args.lookup_rounds
+        cmd += ["--only", "lookup", "--rounds", str(rounds), "--data-size-kb", "4"]
     else:
         cmd += ["--rounds", str(args.rounds), "--data-size-kb", str(args.data_size_kb)]
         if args.verify:
