@@ -128,6 +128,21 @@ def redis_server(logdir: Path):
         stop(proc)
 
 
+def egkv_spec(url: str, threads: int) -> str:
+    """The ``--l2-adapter`` JSON of eg-kv's native_plugin at ``url``."""
+    return json.dumps({
+        "type": "native_plugin", "module_path": "eg_kv.kvcache",
+        "class_name": "RemoteKVL2Connector",
+        "adapter_params": {"base_url": url, "num_workers": threads, "timeout_s": 60},
+    })  # fmt: skip
+
+
+def redis_spec(port: int, threads: int) -> str:
+    """The ``--l2-adapter`` JSON of LMCache's ``resp`` adapter on a local redis."""
+    return json.dumps({"type": "resp", "host": "127.0.0.1", "port": port,
+                       "num_workers": threads})  # fmt: skip
+
+
 def run_bench(adapter_json: str, args: argparse.Namespace, out_json: Path,
               lookup_only: bool = False, num_keys: int | None = None,
               lookup_rounds: int | None = None) -> dict:  # fmt: skip
@@ -219,21 +234,13 @@ def main() -> int:
     def run_ours(logdir: Path) -> None:
         # A fresh server (and slab) per repetition: every store is a new block.
         with egkv_server(args.workers, capacity, logdir) as url:
-            spec = json.dumps({
-                "type": "native_plugin", "module_path": "eg_kv.kvcache",
-                "class_name": "RemoteKVL2Connector",
-                "adapter_params": {"base_url": url, "num_workers": args.egkv_threads,
-                                   "timeout_s": 60},
-            })  # fmt: skip
+            spec = egkv_spec(url, args.egkv_threads)
             record("eg-kv", run_bench(spec, args, logdir / "o.json"),
                    run_bench(spec, args, logdir / "ol.json", lookup_only=True))  # fmt: skip
 
     def run_redis(logdir: Path) -> None:
         with redis_server(logdir) as port:
-            spec = json.dumps(
-                {"type": "resp", "host": "127.0.0.1", "port": port,
-                 "num_workers": args.redis_threads}
-            )  # fmt: skip
+            spec = redis_spec(port, args.redis_threads)
             record("redis", run_bench(spec, args, logdir / "r.json"),
                    run_bench(spec, args, logdir / "rl.json", lookup_only=True))  # fmt: skip
 

@@ -34,7 +34,6 @@ Run it alone (the box is shared)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import select
 import statistics
@@ -47,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_lmcache import MiB, egkv_server, redis_server, run_bench
+from bench_lmcache import MiB, egkv_server, egkv_spec, redis_server, redis_spec, run_bench
 
 from eg_kv.address import address_for_key
 from eg_kv.clientcore import batch_answer, batch_body, json_answer
@@ -195,12 +194,7 @@ def main() -> int:
 
     def run_ours(logdir: Path) -> None:
         with egkv_server(args.workers, 256 * MiB, logdir) as url:
-            spec = json.dumps({
-                "type": "native_plugin", "module_path": "eg_kv.kvcache",
-                "class_name": "RemoteKVL2Connector",
-                "adapter_params": {"base_url": url, "num_workers": args.egkv_threads,
-                                   "timeout_s": 60},
-            })  # fmt: skip
+            spec = egkv_spec(url, args.egkv_threads)
             measure("eg-kv", spec, logdir)
             slab_name = f"/eg-kv-bench-{os.getpid()}-{url.rsplit(':', 1)[1]}"
             for n in sizes if not args.no_split else ():
@@ -208,8 +202,7 @@ def main() -> int:
 
     def run_redis(logdir: Path) -> None:
         with redis_server(logdir) as port:
-            spec = json.dumps({"type": "resp", "host": "127.0.0.1", "port": port,
-                               "num_workers": args.redis_threads})  # fmt: skip
+            spec = redis_spec(port, args.redis_threads)
             measure("redis", spec, logdir)
 
     with tempfile.TemporaryDirectory(prefix="eg-kv-bench-") as tmp:
