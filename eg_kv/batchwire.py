@@ -6,9 +6,9 @@ with ``Content-Type: application/x-eg-kv-exists``: one byte per address, in orde
 ``\\x01`` resident and ``\\x00`` absent. Any other request keeps the JSON contract
 (``{"addresses": [...]}`` in, ``{"exists": [...], "prefix_hits": n}`` out).
 
-Why: for 1,024 addresses JSON cost the server about 0.5 ms of encoding and parsing and the
-client as much again (scripts/bench_lookup.py); these bodies are a ``split`` and a
-``bytes(list)`` each way.
+Why: for 1,024 addresses, encoding and parsing the request and the answer on both sides
+took 200-290 µs in JSON and 83-89 µs in this format (measured in one process); these
+bodies are a ``join``/``split`` and a ``bytes(list)``.
 """
 
 from __future__ import annotations
