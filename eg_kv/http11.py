@@ -157,8 +157,10 @@ class Connection:
     """One HTTP/1.1 connection (plain or TLS), used by one thread at a time."""
 
     def __init__(self, host: str, port: int, host_header: bytes,
-                 ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
+                 ssl_context: ssl.SSLContext | None = None,
+                 server_name: str | None = None) -> None:  # fmt: skip
         self.host = host
+        self.server_name = server_name or host  # the name TLS checks (and SNI)
         self.port = port
         self.host_header = host_header
         self.ssl_context = ssl_context
@@ -270,7 +272,7 @@ class Connection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
                 sock.settimeout(deadline.left())
-                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.host)
+                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.server_name)
         except BaseException:
             sock.close()
             raise
