@@ -121,10 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_LOCK_TIMEOUT_S:g}, plus the time a full repair of the slab takes)",
     )
 
-    st = sub.add_parser("stats", help="print a running server's /kv/stats")
+    st = sub.add_parser("stats", help="print a running server's (or a server set's) /kv/stats")
     st.add_argument(
         "--url",
-        help=f"server URL (default: ${ENV_URL}, else from --addr / $EPISTEMIC_GRAPH_KVCACHE_ADDR)",
+        help=f"server URL or server set (a,b,c; dnssrv+http://...; dns+http://...:port) "
+        f"(default: ${ENV_URL}, else from --addr / $EPISTEMIC_GRAPH_KVCACHE_ADDR); a set "
+        "prints the sum over its members and one line per member",
     )
     st.add_argument("--addr", help="server address, as for serve")
     st.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -156,6 +158,8 @@ def _stats(args: argparse.Namespace) -> int:
     if not url:
         s = settings_from_env(addr=args.addr)
         url = f"{s.scheme}://{s.bind}"
+    if "," in url or not url.strip().lower().startswith(("http://", "https://")):
+        return _set_stats(url, args)
     req = urllib.request.Request(url.rstrip("/") + "/kv/stats")
     token = os.environ.get(ENV_TOKEN)
     if token:
@@ -182,6 +186,50 @@ def _stats(args: argparse.Namespace) -> int:
         width = max(map(len, stats))
         for key, value in stats.items():
             print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _set_stats(url: str, args: argparse.Namespace) -> int:
+    """``eg-kv stats`` of a server set: the sum, then one line per member."""
+    from eg_kv.client import KvCacheConfig
+    from eg_kv.cluster import ClusterConnector, sum_stats
+
+    verify = None if not args.insecure else False
+    config = KvCacheConfig.from_env(base_url=url, timeout_s=args.timeout, verify_tls=verify)
+    with ClusterConnector(config) as cluster:
+        lines = cluster.member_stats()
+    answered = [line.stats for line in lines if line.stats is not None]
+    total = sum_stats(answered)
+    fields = {**{k: getattr(total, k) for k in total.__dataclass_fields__ if k != "extra"},
+              **total.extra}  # fmt: skip
+    if args.json:
+        members = [
+            {"id": line.member.id, "up": line.up, "error": line.error or None,
+             "stats": None if line.stats is None else
+             {**{k: getattr(line.stats, k) for k in fields if hasattr(line.stats, k)},
+              **line.stats.extra}}
+            for line in lines
+        ]  # fmt: skip
+        print(json.dumps({"sum": fields, "members": members}, indent=2))
+    else:
+        print(f"server set {url}: {len(answered)} of {len(lines)} member(s) up; the sum:")
+        width = max(map(len, fields))
+        for key, value in fields.items():
+            print(f"{key:<{width}}  {value}")
+        idw = max([len("member"), *(len(line.member.id) for line in lines)])
+        print(f"\n{'member':<{idw}}  {'state':<5}  {'blocks':>10}  {'bytes':>14}  hit rate")
+        for line in lines:
+            st = line.stats
+            if st is None:
+                print(f"{line.member.id:<{idw}}  {'down':<5}  {'-':>10}  {'-':>14}  -")
+                continue
+            rate = "-" if line.hit_rate is None else f"{line.hit_rate:.1%}"
+            print(f"{line.member.id:<{idw}}  {'up':<5}  {st.unique_blocks:>10}  "
+                  f"{st.resident_bytes:>14}  {rate}")  # fmt: skip
+    if not answered:
+        why = lines[0].error if lines else "the set has no member"
+        print(f"eg-kv stats: no member of {url} answered: {why}", file=sys.stderr)
+        return 1
     return 0
 
 
