@@ -54,6 +54,13 @@ _LIMIT_FIELDS = ("page_size", "max_block_size")
 Groups = dict[str, list[int]]
 
 
+def connect(config: KvCacheConfig) -> RemoteKVConnector | ClusterConnector:
+    """The sync client of a config: the direct client for one plain URL (today's path, at
+    today's cost), else a :class:`ClusterConnector`. Every sync user (the LMCache plugins
+    included) is built here."""
+    return RemoteKVConnector(config) if config.single else ClusterConnector(config)
+
+
 def member_config(config: KvCacheConfig, member: Member, **changes: Any) -> KvCacheConfig:
     """The single-server config of one member (its URL, its TLS name)."""
     tls_name = member.server_name if member.server_name != member.host else None
