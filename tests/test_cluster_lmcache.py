@@ -11,16 +11,27 @@ import sys
 import pytest
 
 pytest.importorskip("lmcache")
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
-from test_lmcache_integration import (
+from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
+from lmcache_helpers import (  # noqa: E402
+    connector_of,
+    engine_config,
+    engine_key,
+    engine_metadata,
+    filled,
+    lmcache_loop_fixture,  # noqa: F401  (lmcache_loop)
+    plugin_extra,
+)
+from test_lmcache_integration import (  # noqa: E402
     CHUNK,
     HERE,
     LMCACHE_ENV,
     our_json,
 )
 
-from eg_kv.client import RemoteKVConnector
+from eg_kv.client import RemoteKVConnector  # noqa: E402
+from eg_kv.cluster import ClusterConnector  # noqa: E402
 
 pytestmark = pytest.mark.lmcache
 
@@ -85,3 +96,30 @@ def test_two_lmcache_processes_keep_one_copy_per_chunk_in_the_fleet(server_facto
     stats = fleet(servers)
     assert sum(s.unique_blocks for s in stats) == 2  # distinct chunks, one copy each
     assert sum(s.dedup_hits for s in stats) == 1  # the second process's store
+
+
+def test_the_in_engine_plugin_over_a_set_from_extra_config(server_factory, lmcache_loop):
+    """``remote_storage_plugin.egkv.base_url: a,b,c``: LMCache's RemoteBackend stores each
+    chunk at its home, loads it back and counts prefix hits over the merged order."""
+    servers, url = three(server_factory)
+    config = engine_config(plugin_extra("egkv", url), plugins=["egkv"])
+    metadata = engine_metadata()
+    backends = CreateStorageBackends(config, metadata, lmcache_loop, "cpu")
+    try:
+        remote = backends["RemoteBackend-egkv"]
+        assert isinstance(connector_of(remote).client, ClusterConnector)
+        cpu = backends["LocalCPUBackend"]
+        obj = filled(cpu, metadata, 3)
+        keys = [engine_key(0x100 + i) for i in range(9)]
+        for k in keys[:6]:
+            remote.submit_put_task(k, obj).result(30)
+        blocks = [s.unique_blocks for s in fleet(servers)]
+        assert sum(blocks) == 6 and sum(1 for b in blocks if b) >= 2, blocks
+        assert remote.batched_contains(keys) == 6
+        got = remote.get_blocking(keys[4])
+        assert got is not None and torch.equal(got.tensor, obj.tensor)
+        got.ref_count_down()
+        obj.ref_count_down()
+    finally:
+        for backend in backends.values():
+            backend.close()
