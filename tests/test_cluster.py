@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import trustme
 from conftest import ROOT, wait_for
 from server_procs import gone, workers_of
 from test_members import dns_server, pod  # noqa: F401  (dns_server: a fixture)
@@ -225,3 +226,36 @@ def test_stats_of_a_set_print_the_sum_and_each_member(server_factory):
     ]
     members_blocks = [int(line.split()[2]) for line in text.splitlines() if " up " in line]
     assert blocks == [sum(members_blocks)] and 0 < blocks[0] < 30
+
+
+def test_https_members_found_through_dns_verify_their_own_name(
+    server_factory,
+    dns_server,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """A dnssrv+https member is connected at its address (127.0.0.1) and its certificate,
+    which names only the SRV target, is checked against that name."""
+    zone, dns_port = dns_server
+    ca = trustme.CA()
+    cert = ca.issue_cert(pod(0))  # the pod's stable name only, not 127.0.0.1
+    cert_path, key_path, ca_path = (tmp_path / n for n in ("s.pem", "s.key", "ca.pem"))
+    cert.private_key_pem.write_to_path(str(key_path))
+    for i, pem in enumerate(cert.cert_chain_pems):
+        pem.write_to_path(str(cert_path), append=i > 0)
+    ca.cert_pem.write_to_path(str(ca_path))
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_path))  # the client trusts the test CA
+    tls = ("--tls-cert", str(cert_path), "--tls-key", str(key_path))
+    srv = server_factory(workers=1, capacity="32MiB", wait=False, extra=tls)
+    zone.set(srv={SRV_NAME: [(0, 1, srv.port, pod(0))]}, a={pod(0): ["127.0.0.1"]})
+    config = KvCacheConfig(
+        base_url=f"dnssrv+https://{SRV_NAME}", dns_server=f"127.0.0.1:{dns_port}"
+    )
+    with RemoteKVConnector(config) as kv:
+        (member,) = kv.router.view().members.values()
+        assert member.host == "127.0.0.1" and member.server_name == pod(0)
+        wait_for(lambda: kv.put("tls-named", b"t"), timeout=30, what="the TLS member to answer")
+        assert kv.get("tls-named") == b"t"
+    # The same server by its address: the certificate does not name 127.0.0.1.
+    with RemoteKVConnector(base_url=f"https://127.0.0.1:{srv.port},https://127.0.0.1:1") as kv:
+        assert kv.get("tls-named") is None
