@@ -259,3 +259,35 @@ def test_https_members_found_through_dns_verify_their_own_name(
     # The same server by its address: the certificate does not name 127.0.0.1.
     with RemoteKVConnector(base_url=f"https://127.0.0.1:{srv.port},https://127.0.0.1:1") as kv:
         assert kv.get("tls-named") is None
+
+
+_STDLIB_SET_CLIENT = """
+import importlib.abc, sys
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"aiohttp", "dns", "posix_ipc", "prometheus_client"}:
+            raise ImportError(f"{name} is blocked for this test")
+        return None
+
+sys.meta_path.insert(0, Block())
+from eg_kv.kvcache import RemoteKVConnector
+
+with RemoteKVConnector(base_url=sys.argv[1]) as kv:
+    assert type(kv).__name__ == "ClusterConnector"
+    assert all(kv.put(f"std{i}", b"s") for i in range(20))
+    assert kv.exists_many([f"std{i}" for i in range(21)]) == [True] * 20 + [False]
+for name in ("aiohttp", "dns", "posix_ipc", "eg_kv.slab", "eg_kv.app"):
+    assert name not in sys.modules, name
+print("ok")
+"""
+
+
+def test_a_list_of_urls_needs_only_the_standard_library(server_factory):
+    servers = start_set(server_factory, n=2)
+    out = subprocess.run(
+        [sys.executable, "-c", _STDLIB_SET_CLIENT, set_url(servers)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -22,7 +22,7 @@ LAYERS = {
     "base": {"errors", "units", "address", "procs", "config"},
     "store": {"layout", "slab"},
     "server": {"replies", "metrics", "runstate", "app", "hints"},
-    "clients": {"http11", "clientcore", "client", "aio", "placement", "members"},
+    "clients": {"http11", "clientcore", "client", "aio", "placement", "members", "cluster"},
     "integrations": {"kvcache", "lmcache_l2", "lmcache_remote", "lmcache_adapter",
                      "store_warnings", "write_gate"},
 }  # fmt: skip
