@@ -106,17 +106,21 @@ def overhead(servers: list[Server], n: int) -> None:
     for k in keys:
         direct.put(k, block)
     print(f"{'client':<34} {'GET 4 KiB':>30} {'exists_many 16':>30}")
-    rows = {}
-    for name, c in (("direct", direct), ("set of one (plain URL)", one),
-                    ("cluster layer, one member", forced)):  # fmt: skip
-        for _ in range(200):  # warm
+    clients = {"direct": direct, "set of one (plain URL)": one,
+               "cluster layer, one member": forced}  # fmt: skip
+    for c in clients.values():
+        for _ in range(200):  # warm: connections, caches
             c.get(keys[0])
-        g, b = [], []
-        for _ in range(3):  # interleaved rounds even out a loaded machine
-            g += timed(lambda c=c: c.get(keys[0]), n)
-            b += timed(lambda c=c: c.exists_many(keys), n)
-        rows[name] = (statistics.median(g), statistics.median(b))
-        print(f"{name:<34} {us(g):>30} {us(b):>30}")
+    gets: dict[str, list[float]] = {name: [] for name in clients}
+    looks: dict[str, list[float]] = {name: [] for name in clients}
+    for _ in range(10):  # interleaved rounds: a loaded machine slows each client alike
+        for name, c in clients.items():
+            gets[name] += timed(lambda c=c: c.get(keys[0]), n // 10)
+            looks[name] += timed(lambda c=c: c.exists_many(keys), n // 10)
+    rows = {}
+    for name in clients:
+        rows[name] = (statistics.median(gets[name]), statistics.median(looks[name]))
+        print(f"{name:<34} {us(gets[name]):>30} {us(looks[name]):>30}")
     base = rows["direct"]
     for name, (g, b) in rows.items():
         print(f"  {name}: GET {100 * (g / base[0] - 1):+.1f}%, "
