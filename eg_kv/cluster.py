@@ -126,6 +126,8 @@ class Router:
     def __init__(self, config: KvCacheConfig) -> None:
         self.config = config
         self.health = Health()
+        #: Called with each new view after a membership change (from the refresh thread).
+        self.listeners: list[Callable[[View], None]] = []
         nameservers, dns_port = _nameservers(config.dns_server)
         self._stop = threading.Event()
         self.membership = Membership(
@@ -187,6 +189,8 @@ class Router:
 
     def _changed(self, view: View) -> None:
         self.health.forget(view.members)
+        for listener in self.listeners:
+            listener(view)
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(PROBE_TICK_S):
@@ -245,6 +249,16 @@ class _Members:
                 self._conns[key] = conn
             return conn
 
+    def prune(self, view: View) -> None:
+        """Close the connectors of members that left (or moved to another address);
+        a request still running on one finishes, its connection is then closed."""
+        keep = {_member_key(m) for m in view.members.values()}
+        with self._lock:
+            gone = [k for k in self._conns if k not in keep]
+            stale = [self._conns.pop(k) for k in gone]
+        for conn in stale:
+            conn.close()
+
     def take_all(self) -> list[Any]:
         with self._lock:
             conns, self._conns = list(self._conns.values()), {}
@@ -268,6 +282,7 @@ class ClusterConnector:
         self.config = config
         self._router = Router(config)
         self._members = _Members(self._router, RemoteKVConnector)
+        self._router.listeners.append(self._members.prune)
         self._fanout = ThreadPoolExecutor(MAX_FANOUT_THREADS, thread_name_prefix="eg-kv-fanout")
         self._closed = False
 

@@ -161,6 +161,11 @@ def test_after_a_member_is_added_a_miss_asks_the_previous_home_once(server_facto
         # Once the window is over, a miss at the new home stays a miss.
         wait_for(lambda: time.monotonic() - view.changed_at > view.window_s, timeout=20)
         assert sum(kv.exists_many(keys)) / len(keys) == home_only
+        # A member that leaves: its connector is closed, its addresses go back.
+        zone.set(srv={SRV_NAME: [(0, 1, s.port, pod(i)) for i, s in enumerate(servers[:3])]})
+        wait_for(lambda: len(kv.router.view().members) == 3, timeout=20, what="one member less")
+        assert len(kv._members._conns) <= 3
+        assert all(kv.exists_many(keys))
 
 
 def test_a_member_that_never_answers_costs_one_timeout_then_nothing(server_factory):
