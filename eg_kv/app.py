@@ -40,11 +40,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
-from aiohttp import web, web_protocol, web_server
+from aiohttp import http_exceptions, web, web_server
 
 from . import replies, runstate
 from .address import validate
 from .config import Settings
+from .connections import Connection, Connections, Limits, resolve_max_connections
 from .errors import BadRequest, EgKvError, NotFound, TooLarge
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import FLUSH_S, Metrics
@@ -75,6 +76,10 @@ SLAB = web.AppKey("slab", Slab)
 METRICS = web.AppKey("metrics", Metrics)
 HEALTH = web.AppKey("health", Callable[[], tuple[int, int]])
 TOKEN = web.AppKey("token", bytes)
+CONNECTIONS = web.AppKey("connections", Connections)
+#: Seconds a 503 asks the client to wait before retrying (``Retry-After``): the causes
+#: (uploads in flight, a full worker) clear within about that.
+RETRY_AFTER_S = 1
 
 
 class Drain:
@@ -121,7 +126,9 @@ def _line(text: str) -> str:
 
 
 def error_response(status: int, reason: str, headers: dict[str, str] | None = None):
-    """A ``text/plain`` one-line error response."""
+    """A ``text/plain`` one-line error response; a 503 always carries ``Retry-After``."""
+    if status == 503 and not (headers and "Retry-After" in headers):
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
     return web.Response(status=status, text=_line(reason), headers=headers)
 
 
@@ -155,6 +162,13 @@ def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
     GET. The app's drain counter, metrics and token are bound here once, not looked up per
     request. Catch-all routes send every request that matches no route through a wrapped
     handler as well, so nothing bypasses the auth check or the one-line errors.
+
+    Back-pressure: a request is handled only once the answers before it have left the
+    transport's buffer (below its low-water mark), so a client that pipelines requests
+    and never reads pins one answer, not all of them. The block routes write straight to
+    the transport and aiohttp's writer drains only past 64 KiB; waiting here covers both.
+    The check is a flag read; the wait is bounded by the send time limit
+    (:mod:`eg_kv.connections`).
     """
     drain, metrics, token = app[DRAIN], app[METRICS], app[TOKEN]
     if route == "healthz":
@@ -164,6 +178,8 @@ def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
         start = time.perf_counter()
         drain.inflight += 1
         try:
+            if request.protocol.writing_paused:  # earlier answers are still unsent
+                await request.writer.drain()
             why = _check_auth(request, token) if token else None
             resp = _unauthorized(why) if why is not None else await fn(request)
         except EgKvError as e:
@@ -637,6 +653,8 @@ def make_app(
     app[METRICS] = Metrics(metrics_path)
     app[DRAIN] = Drain()
     app[HEALTH] = health or _health_from(run_dir, settings.workers)
+    connections = app[CONNECTIONS] = Connections(limits_from(settings))
+    app[METRICS].watch_connections(lambda: (len(connections), connections.closed_by))
     app.cleanup_ctx.append(_slab_ctx)
     app.on_startup.append(_start_metrics_flush)
     app.on_cleanup.append(_stop_metrics_flush)
@@ -663,40 +681,76 @@ def make_app(
     return app
 
 
-class _OneLineErrorHandler(web_protocol.RequestHandler):
+#: The one-line reason a request aiohttp cannot parse gets, by kind of parse error, most
+#: specific first. Never the parser's own message: it quotes the request's bytes
+#: (headers, the Authorization header included).
+_PARSE_ERRORS = (
+    (http_exceptions.LineTooLong, "a request line or header is too long (at most 8190 bytes)"),
+    (http_exceptions.BadHttpMethod, "invalid method"),
+    (http_exceptions.BadStatusLine, "invalid request line (method, path or HTTP version)"),
+    (http_exceptions.InvalidURLError, "invalid URL"),
+    (http_exceptions.InvalidHeader, "invalid header name or value"),
+    (http_exceptions.ContentLengthError, "invalid Content-Length or body length"),
+    (http_exceptions.TransferEncodingError, "invalid chunked transfer encoding"),
+    (http_exceptions.ContentEncodingError, "invalid Content-Encoding"),
+)
+
+
+def parse_error_reason(exc: BaseException | None) -> str:
+    """A generic one-line reason for a parse error: its kind, none of the request's bytes."""
+    for kind, reason in _PARSE_ERRORS:
+        if isinstance(exc, kind):
+            return reason
+    return "not valid HTTP (too many headers, or bytes out of place)"
+
+
+class _OneLineErrorHandler(Connection):
     """aiohttp's connection handler, answering unparsable requests with one-line reasons.
 
-    aiohttp's own answer to a request it cannot parse is a multi-line body (a caret
-    under the bad byte) and a traceback in the log for each; a fuzzing or confused client
-    would flood the log. Here it is one line in the body and a debug line in the log.
+    aiohttp's own answer to a request it cannot parse is a multi-line body that quotes the
+    offending bytes (a caret under them), and a traceback in the log for each; a fuzzing
+    or confused client would flood the log, and the quote can hold a secret header. Here
+    it is a generic line per kind of error, and a debug line naming only the kind.
     """
+
+    __slots__ = ()
 
     def handle_error(self, request, status=500, exc=None, message=None):
         if isinstance(exc, ConnectionError):  # the client left: nobody to answer
-            log.debug("client went away: %s", _why(exc))
+            log.debug("client went away: %s", type(exc).__name__)
             raise ConnectionResetError("the client went away")
         if status >= 500:
             self.log_exception("error handling request", exc_info=exc)
         else:
-            log.debug("malformed request (%d): %s", status, _why(exc) if exc else message)
+            log.debug("malformed request (%d): %s", status, type(exc).__name__)
         if request.writer.output_size > 0:  # the response had begun: only closing is left
             raise ConnectionError("response already started; cannot send the error")
         if status >= 500:
             reason = f"internal error ({type(exc).__name__ if exc else status}); see the log"
         else:
-            reason = f"malformed request: {message or (_why(exc) if exc else status)}"
-        resp = _label(error_response(status, reason[:300]))
+            reason = f"malformed request: {parse_error_reason(exc)}"
+        resp = _label(error_response(status, reason))
         resp.force_close()
         return resp
 
 
 class _Server(web_server.Server):
-    def __call__(self) -> web_protocol.RequestHandler:
-        return _OneLineErrorHandler(self, loop=self._loop, **self._kwargs)
+    registry: Connections
+
+    def __call__(self) -> Connection:
+        return _OneLineErrorHandler(self, loop=self._loop, registry=self.registry, **self._kwargs)
 
 
 class AppRunner(web.AppRunner):
-    """``aiohttp.web.AppRunner`` whose connections answer unparsable requests in one line."""
+    """``aiohttp.web.AppRunner`` whose connections are :class:`eg_kv.connections.Connection`.
+
+    They answer unparsable requests in one line and are held to the app's connection
+    limits (its :data:`CONNECTIONS`); aiohttp's own keep-alive timer stays as a backstop.
+    """
+
+    def __init__(self, app: web.Application, **kwargs) -> None:
+        kwargs.setdefault("keepalive_timeout", app[CONNECTIONS].limits.aiohttp_keepalive)
+        super().__init__(app, **kwargs)
 
     async def _make_server(self) -> web_server.Server:
         server = await super()._make_server()
@@ -704,10 +758,22 @@ class AppRunner(web.AppRunner):
         # slots, so switching the instance to a subclass that only overrides __call__
         # is safe (tests/test_server_badinput.py checks the bodies).
         server.__class__ = _Server
+        server.registry = self._app[CONNECTIONS]
         return server
 
 
+def limits_from(settings: Settings) -> Limits:
+    """The connection limits of one worker (the cap resolved against its fd limit)."""
+    return Limits(
+        header_timeout=settings.header_timeout_s,
+        body_timeout=settings.body_timeout_s,
+        keepalive_timeout=settings.keepalive_timeout_s,
+        max_connections=resolve_max_connections(settings.max_connections),
+    )
+
+
 FLUSH_TASK = web.AppKey("metrics_flush", asyncio.Task)
+SWEEP_TASK = web.AppKey("connection_sweep", asyncio.Task)
 
 
 def _malloc_trim() -> Callable[[], object] | None:
@@ -737,11 +803,14 @@ async def _start_metrics_flush(app: web.Application) -> None:
                 busy = False
                 trim(0)
 
-    app[FLUSH_TASK] = asyncio.get_running_loop().create_task(flush_forever())
+    loop = asyncio.get_running_loop()
+    app[FLUSH_TASK] = loop.create_task(flush_forever())
+    app[SWEEP_TASK] = loop.create_task(app[CONNECTIONS].run_sweeper())
 
 
 async def _stop_metrics_flush(app: web.Application) -> None:
     app[FLUSH_TASK].cancel()
+    app[SWEEP_TASK].cancel()
     app[METRICS].flush()
 
 

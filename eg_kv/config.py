@@ -33,6 +33,18 @@ DEFAULT_CAPACITY = 1 * GiB
 DEFAULT_PAGE_SIZE = 64 * KiB
 DEFAULT_MAX_BLOCK_SIZE = 64 * MiB
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
+#: A request head (at most ~1 MiB of headers, usually one packet) must be complete this
+#: long after its first byte: any client sends it in one write; only a dripping one (a
+#: slowloris) takes longer. Go's servers commonly use 10 s; Apache starts at 20 s.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: An upload (or an answer being sent) that moves no byte for this long is stalled: it is
+#: cut and its pages freed. Long enough for a congested link or a paused client; nginx's
+#: client_body_timeout is 60 s, but a stalled upload here pins slab pages.
+DEFAULT_BODY_TIMEOUT_S = 30.0
+#: An idle keep-alive connection is closed after this long (nginx's default): longer than
+#: the clients' own pool idle timeouts (aiohttp's is 15 s), so the server rarely closes a
+#: connection a client is about to reuse; aiohttp's own default was over an hour.
+DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
@@ -132,6 +144,11 @@ class Settings:
     tls_key: str | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     access_log: bool = False
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    #: Open connections per worker; 0: derived from the fd limit (eg_kv.connections).
+    max_connections: int = 0
 
     def __post_init__(self) -> None:
         if not self.slab_name:
@@ -140,6 +157,13 @@ class Settings:
             raise ConfigError("--workers must be at least 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
+        for flag, value in (("--header-timeout", self.header_timeout_s),
+                            ("--body-timeout", self.body_timeout_s),
+                            ("--keepalive-timeout", self.keepalive_timeout_s)):  # fmt: skip
+            if not value > 0:
+                raise ConfigError(f"{flag} must be a positive number of seconds, not {value}")
+        if self.max_connections < 0:
+            raise ConfigError("--max-connections must be 0 (derive it from the fd limit) or more")
 
     @property
     def bind(self) -> str:

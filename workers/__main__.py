@@ -15,7 +15,10 @@ import urllib.error
 import urllib.request
 
 from eg_kv.config import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
     ENV_TLS_VERIFY,
     ENV_TOKEN,
     ENV_URL,
@@ -25,7 +28,9 @@ from eg_kv.config import (
 from eg_kv.errors import EgKvError
 
 SERVE_FLAGS = ("addr", "workers", "capacity", "page_size", "max_block_size", "keep", "fresh",
-               "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log")  # fmt: skip
+               "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log",
+               "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
+               "max_connections")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="log every request (off by default: it costs throughput)",
     )
+    s.add_argument(
+        "--header-timeout", dest="header_timeout_s", type=float,
+        help="seconds a request head may take from its first byte "
+        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--body-timeout", dest="body_timeout_s", type=float,
+        help="seconds an upload, or an answer being sent, may move no byte before it is cut "
+        f"(default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--keepalive-timeout", dest="keepalive_timeout_s", type=float,
+        help=f"seconds an idle connection is kept (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-connections", dest="max_connections", type=int,
+        help="open connections per worker; beyond it the oldest idle ones are closed "
+        "(default: from the fd limit, at most 10000)",
+    )  # fmt: skip
 
     st = sub.add_parser("stats", help="print a running server's /kv/stats")
     st.add_argument(
