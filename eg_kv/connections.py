@@ -264,6 +264,8 @@ class Connections:
                 ):
                     self._close(c, BODY)
                 continue
+            if c._waiter is None:  # aiohttp private: not waiting for a request (lingering
+                continue  # over an unread body after an answer, which aiohttp bounds)
             idle_at = idle_since(c)
             if c.rx_at > idle_at:  # a head is arriving
                 if now - max(c.head_at, idle_at) > lim.header_timeout:
