@@ -6,21 +6,22 @@ that drips a request head, stalls a body or never reads its answers holds a conn
 worker's file descriptors. This module adds, at no cost per request:
 
 - each connection (:class:`Connection`, aiohttp's handler subclassed) stamps when bytes
-  last arrived (one clock read per read from the socket) and when its writes paused;
-  aiohttp itself stamps when a connection went idle (its keep-alive deadline);
+  last arrived and when the first bytes of a head arrived (one clock read per read from
+  the socket), and when its writes paused; aiohttp itself stamps when a connection went
+  idle (its keep-alive deadline) and counts the requests it parsed;
 - one sweeper task per worker (:meth:`Connections.run_sweeper`, every
   :func:`sweep_interval`) looks at every open connection and closes those past a limit:
 
   ===============  ====================================================  =================
   phase            how the sweeper tells                                 limit, counted
   ===============  ====================================================  =================
-  reading a head   no handler runs, bytes arrived since the connection   ``header_timeout``
-                   went idle, no request parsed yet                      from its 1st byte
+  reading a head   waiting for a request, and bytes arrived since the    ``header_timeout``
+                   last request was parsed                               from its 1st byte
   reading a body   a handler runs, its body has not all arrived, the     ``body_timeout``
                    server is not the one that paused reading             since the last byte
   sending          the transport paused writing (the client does not     ``body_timeout``
                    read what it asked for)                               since it paused
-  idle             nothing arrived since the last answer                 ``keepalive_timeout``
+  idle             waiting for a request, nothing arrived                ``keepalive_timeout``
   ===============  ====================================================  =================
 
 - a cap on open connections per worker (:class:`Limits` ``max_connections``, kept below
@@ -143,17 +144,21 @@ def sweep_interval(limits: Limits) -> float:
 class Connection(web_protocol.RequestHandler):
     """aiohttp's connection handler, stamping what the sweeper needs to know.
 
-    ``rx_at``: when bytes last arrived; ``head_at``: when the first bytes arrived after the
-    connection last went idle; ``wpaused_at``: when writing last paused; ``resumed_at``:
-    when reading, paused by the server (a handler not consuming its body), resumed.
+    ``rx_at``: when bytes last arrived; ``head_at``: when the first bytes of a head arrived
+    while the connection waited for a request, and ``head_of``: how many requests had been
+    parsed then (a head is still arriving while that count has not moved; a count, not a
+    time, since the loop's clock has millisecond steps); ``wpaused_at``: when writing last
+    paused; ``resumed_at``: when reading, paused by the server (a handler not consuming its
+    body), resumed.
     """
 
-    __slots__ = ("head_at", "registry", "resumed_at", "rx_at", "wpaused_at")
+    __slots__ = ("head_at", "head_of", "registry", "resumed_at", "rx_at", "wpaused_at")
 
     def __init__(self, manager, *, registry: Connections, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self.registry = registry
         self.rx_at = self.head_at = self.wpaused_at = self.resumed_at = -math.inf
+        self.head_of = -1
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -165,9 +170,10 @@ class Connection(web_protocol.RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         now = self._loop.time()
-        if self.rx_at <= idle_since(self):
-            self.head_at = now  # the first bytes since the last answer: a head begins
         self.rx_at = now
+        parsed = self._request_count  # aiohttp private: requests parsed on this connection
+        if self.head_of != parsed and waiting(self):
+            self.head_of, self.head_at = parsed, now  # the first bytes of a head
         super().data_received(data)
 
     def pause_writing(self) -> None:
@@ -188,9 +194,13 @@ def idle_since(c: Connection) -> float:
     return c._next_keepalive_close_time - c._keepalive_timeout
 
 
-def busy(c: Connection) -> bool:
-    """Whether a handler runs or requests wait (aiohttp private: both attributes)."""
-    return c._request_in_progress or bool(c._messages)
+def waiting(c: Connection) -> bool:
+    """Whether the connection waits for its next request (or has not begun).
+
+    aiohttp private: its ``start()`` loop awaits ``_waiter`` between requests only; it
+    is None while a request is queued, handled, or its unread body is drained.
+    """
+    return c._waiter is not None or not c._request_count
 
 
 class Connections:
@@ -224,7 +234,7 @@ class Connections:
         excess = len(self._open) - self.limits.max_connections
         victims = []
         for c in self._open:  # oldest first
-            if c is not newcomer and not busy(c):
+            if c is not newcomer and waiting(c):
                 victims.append(c)
                 if len(victims) == excess:
                     break
@@ -250,7 +260,7 @@ class Connections:
         """Close every connection past one of its time limits."""
         lim = self.limits
         for c in list(self._open):
-            if busy(c):
+            if not waiting(c):
                 if c._paused:  # aiohttp private (BaseProtocol): writing is paused
                     if now - c.wpaused_at > lim.body_timeout:
                         self._close(c, SEND)
@@ -264,14 +274,11 @@ class Connections:
                 ):
                     self._close(c, BODY)
                 continue
-            if c._waiter is None:  # aiohttp private: not waiting for a request (lingering
-                continue  # over an unread body after an answer, which aiohttp bounds)
-            idle_at = idle_since(c)
-            if c.rx_at > idle_at:  # a head is arriving
-                if now - max(c.head_at, idle_at) > lim.header_timeout:
+            if c.head_of == c._request_count:  # a head is arriving
+                if now - c.head_at > lim.header_timeout:
                     text = f"request head not complete within {lim.header_timeout:g} s"
                     self._close(c, HEAD, _one_line_reply(_HEAD_TIMEOUT_REPLY, text))
-            elif now - idle_at > lim.keepalive_timeout:
+            elif now - idle_since(c) > lim.keepalive_timeout:
                 self._close(c, IDLE)
 
     def log_closed(self, now: float) -> None:

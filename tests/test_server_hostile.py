@@ -171,6 +171,36 @@ def test_head_dripping_past_the_header_timeout_gets_408_and_is_closed(server_fac
 
 
 @pytest.mark.timeout(60)
+def test_head_sent_with_the_connection_then_stalled_gets_408(server_factory):
+    """A partial head in the same instant as the connection is a head, not keep-alive idle."""
+    srv = server_factory(workers=1, extra=("--header-timeout", "1", "--keepalive-timeout", "60"))
+    for _ in range(3):
+        s = _connect(srv)
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        assert select.select([s], [], [], 10)[0], "no answer within 10 s"
+        got = s.recv(4096)
+        s.close()
+        assert got.startswith(b"HTTP/1.1 408"), got
+
+
+@pytest.mark.timeout(60)
+def test_answer_refused_before_its_body_gets_no_second_answer(server_factory):
+    """aiohttp lingers over the unread body after the 400: that is no head being sent."""
+    srv = server_factory(workers=1, extra=TIMEOUTS)
+    s = _connect(srv)
+    s.sendall(b"PUT /kv/a/b HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+    got, deadline = b"", time.monotonic() + 3  # three header timeouts
+    while time.monotonic() < deadline:
+        if select.select([s], [], [], deadline - time.monotonic())[0]:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    s.close()
+    assert status_of(got) == 400 and got.count(b"HTTP/1.1 ") == 1, got
+
+
+@pytest.mark.timeout(60)
 def test_idle_keepalive_connection_is_closed_after_the_keepalive_timeout(server_factory):
     srv = server_factory(workers=1, extra=TIMEOUTS)
     s = _connect(srv)
