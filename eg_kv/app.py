@@ -40,9 +40,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
-from aiohttp import http_exceptions, web, web_server
+from aiohttp import http_exceptions, web
 
 from . import replies, runstate
+from ._compat import HandlerRunner, response_started
 from .address import validate
 from .config import Settings
 from .connections import Connection, Connections, Limits, resolve_max_connections
@@ -723,7 +724,7 @@ class _OneLineErrorHandler(Connection):
             self.log_exception("error handling request", exc_info=exc)
         else:
             log.debug("malformed request (%d): %s", status, type(exc).__name__)
-        if request.writer.output_size > 0:  # the response had begun: only closing is left
+        if response_started(request):  # the response had begun: only closing is left
             raise ConnectionError("response already started; cannot send the error")
         if status >= 500:
             reason = f"internal error ({type(exc).__name__ if exc else status}); see the log"
@@ -734,32 +735,22 @@ class _OneLineErrorHandler(Connection):
         return resp
 
 
-class _Server(web_server.Server):
-    registry: Connections
-
-    def __call__(self) -> Connection:
-        return _OneLineErrorHandler(self, loop=self._loop, registry=self.registry, **self._kwargs)
-
-
-class AppRunner(web.AppRunner):
+class AppRunner(HandlerRunner):
     """``aiohttp.web.AppRunner`` whose connections are :class:`eg_kv.connections.Connection`.
 
     They answer unparsable requests in one line and are held to the app's connection
     limits (its :data:`CONNECTIONS`); aiohttp's own keep-alive timer stays as a backstop.
+    tests/test_server_badinput.py checks the bodies.
     """
+
+    handler_class = _OneLineErrorHandler
 
     def __init__(self, app: web.Application, **kwargs) -> None:
         kwargs.setdefault("keepalive_timeout", app[CONNECTIONS].limits.aiohttp_keepalive)
         super().__init__(app, **kwargs)
 
-    async def _make_server(self) -> web_server.Server:
-        server = await super()._make_server()
-        # aiohttp offers no hook for the connection handler class; its Server has no
-        # slots, so switching the instance to a subclass that only overrides __call__
-        # is safe (tests/test_server_badinput.py checks the bodies).
-        server.__class__ = _Server
-        server.registry = self._app[CONNECTIONS]
-        return server
+    def handler_kwargs(self) -> dict:
+        return {"registry": self.app[CONNECTIONS]}
 
 
 def limits_from(settings: Settings) -> Limits:

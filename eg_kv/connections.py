@@ -32,7 +32,7 @@ worker's file descriptors. This module adds, at no cost per request:
 Back-pressure on answers is :func:`eg_kv.app._endpoint`'s: a request is not handled while
 the answers before it still fill the transport's buffer.
 
-Everything here that reads aiohttp's private state is marked ``aiohttp private``.
+What this needs of aiohttp's private state is in :mod:`eg_kv._compat`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import logging
 import math
 import resource
 
-from aiohttp import web_protocol
+from ._compat import StampedHandler
 
 log = logging.getLogger("eg_kv.connections")
 
@@ -141,24 +141,14 @@ def sweep_interval(limits: Limits) -> float:
     return min(0.5, max(0.05, shortest / 4))
 
 
-class Connection(web_protocol.RequestHandler):
-    """aiohttp's connection handler, stamping what the sweeper needs to know.
+class Connection(StampedHandler):
+    """A connection that registers with its worker's :class:`Connections`."""
 
-    ``rx_at``: when bytes last arrived; ``head_at``: when the first bytes of a head arrived
-    while the connection waited for a request, and ``head_of``: how many requests had been
-    parsed then (a head is still arriving while that count has not moved; a count, not a
-    time, since the loop's clock has millisecond steps); ``wpaused_at``: when writing last
-    paused; ``resumed_at``: when reading, paused by the server (a handler not consuming its
-    body), resumed.
-    """
-
-    __slots__ = ("head_at", "head_of", "registry", "resumed_at", "rx_at", "wpaused_at")
+    __slots__ = ("registry",)
 
     def __init__(self, manager, *, registry: Connections, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self.registry = registry
-        self.rx_at = self.head_at = self.wpaused_at = self.resumed_at = -math.inf
-        self.head_of = -1
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -167,40 +157,6 @@ class Connection(web_protocol.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.registry.closed(self)
         super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        now = self._loop.time()
-        self.rx_at = now
-        parsed = self._request_count  # aiohttp private: requests parsed on this connection
-        if self.head_of != parsed and waiting(self):
-            self.head_of, self.head_at = parsed, now  # the first bytes of a head
-        super().data_received(data)
-
-    def pause_writing(self) -> None:
-        self.wpaused_at = self._loop.time()
-        super().pause_writing()
-
-    def resume_reading(self, resume_parser: bool = True) -> None:
-        self.resumed_at = self._loop.time()
-        super().resume_reading(resume_parser)
-
-
-def idle_since(c: Connection) -> float:
-    """When the connection was opened or last finished an answer (loop time).
-
-    aiohttp private: it sets ``_next_keepalive_close_time`` to that moment plus
-    ``_keepalive_timeout`` at ``connection_made`` and after every kept-alive answer.
-    """
-    return c._next_keepalive_close_time - c._keepalive_timeout
-
-
-def waiting(c: Connection) -> bool:
-    """Whether the connection waits for its next request (or has not begun).
-
-    aiohttp private: its ``start()`` loop awaits ``_waiter`` between requests only; it
-    is None while a request is queued, handled, or its unread body is drained.
-    """
-    return c._waiter is not None or not c._request_count
 
 
 class Connections:
@@ -234,7 +190,7 @@ class Connections:
         excess = len(self._open) - self.limits.max_connections
         victims = []
         for c in self._open:  # oldest first
-            if c is not newcomer and waiting(c):
+            if c is not newcomer and c.waiting():
                 victims.append(c)
                 if len(victims) == excess:
                     break
@@ -260,25 +216,20 @@ class Connections:
         """Close every connection past one of its time limits."""
         lim = self.limits
         for c in list(self._open):
-            if not waiting(c):
-                if c._paused:  # aiohttp private (BaseProtocol): writing is paused
+            if not c.waiting():  # a request is queued or handled
+                if c.writing_paused:
                     if now - c.wpaused_at > lim.body_timeout:
                         self._close(c, SEND)
                     continue
-                req = c._current_request  # aiohttp private: the request being handled
-                if (
-                    req is not None
-                    and not c._reading_paused  # aiohttp private: the server paused it
-                    and not req.content.is_eof()
-                    and now - max(c.rx_at, c.resumed_at) > lim.body_timeout
-                ):
+                stalled = c.body_stalled_since()
+                if stalled is not None and now - stalled > lim.body_timeout:
                     self._close(c, BODY)
                 continue
-            if c.head_of == c._request_count:  # a head is arriving
+            if c.head_arriving():
                 if now - c.head_at > lim.header_timeout:
                     text = f"request head not complete within {lim.header_timeout:g} s"
                     self._close(c, HEAD, _one_line_reply(_HEAD_TIMEOUT_REPLY, text))
-            elif now - idle_since(c) > lim.keepalive_timeout:
+            elif now - c.idle_since() > lim.keepalive_timeout:
                 self._close(c, IDLE)
 
     def log_closed(self, now: float) -> None:

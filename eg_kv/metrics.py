@@ -24,6 +24,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from ._compat import histogram_parts
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Seconds between flushes of a worker's request counts into the shared files.
 FLUSH_S = 1.0
@@ -121,8 +123,8 @@ class Metrics:
             self.requests.labels(route, method, str(status)).inc(n)
         for route, h in hists.items():
             child = self.latency.labels(route)
-            buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
-            if buckets is None or total is None or len(buckets) != self._nbuckets:
+            buckets, total = histogram_parts(child) or (None, None)
+            if buckets is None or len(buckets) != self._nbuckets:
                 # prometheus_client changed its internals: replay the observations.
                 for i, n in enumerate(h[:-1]):
                     bound = (*_BUCKETS, float("inf"))[i]
