@@ -657,8 +657,8 @@ def make_app(
     connections = app[CONNECTIONS] = Connections(limits_from(settings))
     app[METRICS].watch_connections(lambda: (len(connections), connections.closed_by))
     app.cleanup_ctx.append(_slab_ctx)
-    app.on_startup.append(_start_metrics_flush)
-    app.on_cleanup.append(_stop_metrics_flush)
+    app.on_startup.append(_start_background)
+    app.on_cleanup.append(_stop_background)
 
     r, E = app.router, partial(_endpoint, app)
     # Fixed paths win over /kv/{hash} (aiohttp tries the longest fixed prefix first), and
@@ -775,7 +775,7 @@ def _malloc_trim() -> Callable[[], object] | None:
         return None
 
 
-async def _start_metrics_flush(app: web.Application) -> None:
+async def _start_background(app: web.Application) -> None:
     trim = _malloc_trim()
 
     async def flush_forever() -> None:
@@ -799,7 +799,7 @@ async def _start_metrics_flush(app: web.Application) -> None:
     app[SWEEP_TASK] = loop.create_task(app[CONNECTIONS].run_sweeper())
 
 
-async def _stop_metrics_flush(app: web.Application) -> None:
+async def _stop_background(app: web.Application) -> None:
     app[FLUSH_TASK].cancel()
     app[SWEEP_TASK].cancel()
     app[METRICS].flush()
