@@ -25,7 +25,13 @@ import pytest
 from conftest import ROOT, wait_for
 from server_http import raw_exchange, request, stats, status_of
 
-from eg_kv.connections import LOG_EVERY_S
+from eg_kv.connections import (
+    DEFAULT_MAX_CONNECTIONS,
+    FD_RESERVE,
+    LOG_EVERY_S,
+    fd_connection_ceiling,
+    resolve_max_connections,
+)
 
 MiB = 1024 * 1024
 
@@ -380,3 +386,22 @@ def test_every_503_carries_retry_after():
     assert error_response(503, "busy").headers["Retry-After"] == "1"
     assert error_response(503, "busy", {"Retry-After": "5"}).headers["Retry-After"] == "5"
     assert "Retry-After" not in error_response(507, "full").headers
+
+
+def test_worker_raises_its_soft_fd_limit_to_the_hard_one(server_factory):
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard <= 1024:
+        pytest.skip("the hard fd limit leaves nothing to raise")
+    with _soft_fd_limit(1024):
+        srv = server_factory(workers=1)
+    assert _worker(srv).rlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    assert psutil.Process(srv.pid).rlimit(resource.RLIMIT_NOFILE)[0] == 1024  # only workers
+
+
+def test_connection_cap_stays_below_the_fd_limit():
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    ceiling = fd_connection_ceiling(soft)
+    assert 2 * ceiling + FD_RESERVE <= soft  # two fds per connection, and the reserve
+    assert resolve_max_connections(0) == min(DEFAULT_MAX_CONNECTIONS, ceiling)
+    assert resolve_max_connections(10) == 10
+    assert resolve_max_connections(10**9) == ceiling  # lowered, with a warning
