@@ -222,7 +222,7 @@ class Connections:
                     if now - c.wpaused_at > lim.body_timeout:
                         self._close(c, SEND)
                     continue
-                stalled = c.body_stalled_since()
+                stalled = c.body_stalled_since(now)
                 if stalled is not None and now - stalled > lim.body_timeout:
                     self._close(c, BODY)
                 continue

@@ -91,9 +91,15 @@ async def _exercise_a_connection() -> None:
         body_started.set()
         return web.Response(text=str(len(await request.read())))
 
-    app = web.Application()
+    async def held(request: web.Request) -> web.Response:
+        body_started.set()
+        await gate.wait()  # not consuming the body: aiohttp holds reading past its buffer
+        return web.Response(text=str(len(await request.read())))
+
+    app = web.Application(handler_args={"read_bufsize": 4096})
     app.router.add_get("/slow", slow)
     app.router.add_put("/up", upload)
+    app.router.add_put("/held", held)
     runner = _Runner(app, keepalive_timeout=100)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -121,7 +127,7 @@ async def _exercise_a_connection() -> None:
         writer.write(b"\r\n")  # the head completes; the handler waits on the gate
         await body_started.wait()
         assert not h.waiting(), "_waiter is set while a request is handled"
-        assert h.body_stalled_since() is None  # a GET: its (empty) body is complete
+        assert h.body_stalled_since(loop.time()) is None  # a GET: its (empty) body is complete
         before_answer = loop.time()
         gate.set()
         assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
@@ -131,11 +137,22 @@ async def _exercise_a_connection() -> None:
         body_started.clear()
         writer.write(b"PUT /up HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345")
         await body_started.wait()
-        await _until(lambda: h.body_stalled_since() is not None)
-        assert h.body_stalled_since() == h.rx_at, "_current_request/_reading_paused moved"
+        await _until(lambda: h.body_stalled_since(loop.time()) is not None)
+        assert h.body_stalled_since(loop.time()) == h.rx_at, "_current_request moved"
         writer.write(b"67890")
         assert (await reader.readuntil(b"10")).startswith(b"HTTP/1.1 200")
-        await _until(lambda: h.waiting() and h.body_stalled_since() is None)
+        await _until(lambda: h.waiting() and h.body_stalled_since(loop.time()) is None)
+
+        body_started.clear()
+        gate.clear()
+        writer.write(b"PUT /held HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n")
+        writer.write(b"x" * 65536)
+        await body_started.wait()
+        await _until(lambda: h._reading_paused)  # the server holds reading, not the client
+        now = loop.time()
+        assert h.body_stalled_since(now) is None and h.held_at == now
+        gate.set()
+        assert (await reader.readuntil(b"65536")).startswith(b"HTTP/1.1 200")
     finally:
         writer.close()
         await runner.cleanup()
