@@ -84,6 +84,9 @@ def response_started(request: web.BaseRequest) -> bool:
 # ---------------------------------------------------------------------------- connections
 
 
+_data_received = web_protocol.RequestHandler.data_received
+
+
 class StampedHandler(web_protocol.RequestHandler):
     """aiohttp's connection handler, stamping what a sweeper needs to judge it.
 
@@ -111,9 +114,10 @@ class StampedHandler(web_protocol.RequestHandler):
             now = self._loop.time()
             self.rx_at = now
             parsed = self._request_count  # requests parsed on this connection so far
-            if self.head_of != parsed and self.waiting():
+            # waiting(), inlined: this runs for every read from the socket
+            if self.head_of != parsed and (self._waiter is not None or not parsed):
                 self.head_of, self.head_at = parsed, now  # the first bytes of a head
-        web_protocol.RequestHandler.data_received(self, data)
+        _data_received(self, data)
 
     def pause_writing(self) -> None:
         self.wpaused_at = self._loop.time()
