@@ -46,7 +46,13 @@ from . import replies, runstate
 from ._compat import HandlerRunner, response_started
 from .address import validate
 from .config import Settings
-from .connections import Connection, Connections, Limits, resolve_max_connections
+from .connections import (
+    RETRY_AFTER_S,
+    Connection,
+    Connections,
+    Limits,
+    resolve_max_connections,
+)
 from .errors import BadRequest, EgKvError, NotFound, TooLarge
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import FLUSH_S, Metrics
@@ -78,9 +84,6 @@ METRICS = web.AppKey("metrics", Metrics)
 HEALTH = web.AppKey("health", Callable[[], tuple[int, int]])
 TOKEN = web.AppKey("token", bytes)
 CONNECTIONS = web.AppKey("connections", Connections)
-#: Seconds a 503 asks the client to wait before retrying (``Retry-After``): the causes
-#: (uploads in flight, a full worker) clear within about that.
-RETRY_AFTER_S = 1
 
 
 class Drain:
@@ -697,12 +700,23 @@ _PARSE_ERRORS = (
 )
 
 
+#: aiohttp's messages that are fixed text (they quote nothing of the request): passed on.
+_FIXED_PARSE_MESSAGES = frozenset({
+    "Missing 'Host' header in request.", "Too many headers received",
+    "Data after `Connection: close`", "Bad line ending, expected CRLF",
+    "Request has invalid `Transfer-Encoding`", "Too many trailers received",
+})  # fmt: skip
+
+
 def parse_error_reason(exc: BaseException | None) -> str:
     """A generic one-line reason for a parse error: its kind, none of the request's bytes."""
     for kind, reason in _PARSE_ERRORS:
         if isinstance(exc, kind):
             return reason
-    return "not valid HTTP (too many headers, or bytes out of place)"
+    message = getattr(exc, "message", None)
+    if message in _FIXED_PARSE_MESSAGES:
+        return message
+    return "not valid HTTP (bytes out of place)"
 
 
 class _OneLineErrorHandler(Connection):

@@ -61,6 +61,10 @@ LOG_EVERY_S = 10.0
 #: aiohttp's own keep-alive timer stays armed as a backstop this far past ours.
 KEEPALIVE_BACKSTOP_S = 5.0
 
+#: Seconds a 503 asks the client to wait before retrying (``Retry-After``): the causes
+#: (uploads in flight, a worker whose connections are all busy) clear within about that.
+RETRY_AFTER_S = 1
+
 #: Why a connection was closed, as the metrics label it.
 SHED, HEAD, BODY, SEND, IDLE = "shed", "header", "body", "send", "keepalive"
 
@@ -70,8 +74,8 @@ _HEAD_TIMEOUT_REPLY = (
 )
 _FULL_REPLY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-    b"Server: eg-kv\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-)
+    b"Server: eg-kv\r\nRetry-After: %d\r\nConnection: close\r\nContent-Length: %%d\r\n\r\n%%s"
+) % RETRY_AFTER_S
 
 
 def _one_line_reply(template: bytes, text: str) -> bytes:

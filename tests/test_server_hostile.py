@@ -359,6 +359,28 @@ def test_connections_over_the_cap_shed_the_oldest_idle_ones(server_factory):
             s.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_whose_connections_are_all_busy_answers_503_with_retry_after(server_factory):
+    srv = server_factory(workers=1, extra=("--max-connections", "2"))
+    busy = []
+    for i in range(2):  # two uploads in flight: their handlers wait for the rest
+        s = _connect(srv)
+        busy.append(s)
+        s.sendall(f"PUT /kv/busy-{i} HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n"
+                  "Expect: 100-continue\r\n\r\n".encode())  # fmt: skip
+        got = s.recv(1000)
+        assert got.startswith(b"HTTP/1.1 100"), (i, got)  # its handler runs
+        s.sendall(b"x" * 1000)
+    try:
+        answer = raw_exchange(srv.port, b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert status_of(answer) == 503, answer
+        assert b"Retry-After: 1\r\n" in answer and b"--max-connections" in answer
+        assert not any(_closed_by_peer(s) for s in busy)  # busy ones are never shed
+    finally:
+        for s in busy:
+            s.close()
+
+
 # ---------------------------------------------------------------------------- small things
 
 
@@ -370,6 +392,8 @@ def test_malformed_request_answer_and_log_never_echo_the_request(server_factory)
         f"GET /kv/x HTTP/1.1\r\nAuthorization : Bearer {secret}\r\n\r\n",
         f"GET /kv/x HTTP/1.1\r\nX-{secret}\x7f: 1\r\nAuthorization: Bearer {secret}\r\n\r\n",
     ]
+    missing_host = raw_exchange(srv.port, b"PUT /kv/x HTTP/1.1\r\nExpect: 100-continue\r\n\r\n")
+    assert b"malformed request: Missing 'Host' header in request." in missing_host
     for raw in bad_requests:
         answer = raw_exchange(srv.port, raw.encode())
         assert status_of(answer) == 400, answer
