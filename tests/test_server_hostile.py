@@ -432,3 +432,32 @@ def test_connection_cap_stays_below_the_fd_limit():
     assert resolve_max_connections(0) == min(DEFAULT_MAX_CONNECTIONS, ceiling)
     assert resolve_max_connections(10) == 10
     assert resolve_max_connections(10**9) == ceiling  # lowered, with a warning
+
+
+def test_connection_flags_reach_the_settings_and_bad_values_are_refused():
+    from eg_kv.config import settings_from_env
+    from eg_kv.errors import ConfigError
+    from workers.__main__ import SERVE_FLAGS, build_parser
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--header-timeout",
+            "3",
+            "--body-timeout",
+            "4",
+            "--keepalive-timeout",
+            "5",
+            "--max-connections",
+            "6",
+        ]
+    )
+    s = settings_from_env({}, **{k: getattr(args, k) for k in SERVE_FLAGS})
+    assert (s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s) == (3, 4, 5)
+    assert s.max_connections == 6
+    defaults = settings_from_env({})
+    assert (defaults.header_timeout_s, defaults.body_timeout_s) == (10, 30)
+    assert (defaults.keepalive_timeout_s, defaults.max_connections) == (75, 0)
+    for bad in ({"body_timeout_s": 0}, {"header_timeout_s": -1}, {"max_connections": -1}):
+        with pytest.raises(ConfigError, match="--"):
+            settings_from_env({}, **bad)

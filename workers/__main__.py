@@ -90,21 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="log every request (off by default: it costs throughput)",
     )
     s.add_argument(
-        "--header-timeout", dest="header_timeout_s", type=float,
+        "--header-timeout", dest="header_timeout_s", metavar="S", type=float,
         help="seconds a request head may take from its first byte "
         f"(default {DEFAULT_HEADER_TIMEOUT_S:g})",
     )  # fmt: skip
     s.add_argument(
-        "--body-timeout", dest="body_timeout_s", type=float,
+        "--body-timeout", dest="body_timeout_s", metavar="S", type=float,
         help="seconds an upload, or an answer being sent, may move no byte before it is cut "
         f"(default {DEFAULT_BODY_TIMEOUT_S:g})",
     )  # fmt: skip
     s.add_argument(
-        "--keepalive-timeout", dest="keepalive_timeout_s", type=float,
+        "--keepalive-timeout", dest="keepalive_timeout_s", metavar="S", type=float,
         help=f"seconds an idle connection is kept (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})",
     )  # fmt: skip
     s.add_argument(
-        "--max-connections", dest="max_connections", type=int,
+        "--max-connections", dest="max_connections", metavar="N", type=int,
         help="open connections per worker; beyond it the oldest idle ones are closed "
         "(default: from the fd limit, at most 10000)",
     )  # fmt: skip
