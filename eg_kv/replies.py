@@ -31,6 +31,8 @@ import time
 
 from aiohttp import web
 
+from ._compat import SentResponse, count_sent
+
 WORKER_HEADER = "X-EgKv-Worker"
 SERVER = "eg-kv"
 OCTETS = "application/octet-stream"
@@ -53,7 +55,7 @@ def worker_pid() -> str:
     return _PID[0]
 
 
-class Written(web.StreamResponse):
+class Written(SentResponse):
     """A response that is already on its way: aiohttp's ``prepare`` and ``write_eof``,
     which it calls to finish every response, have nothing left to do.
 
@@ -62,16 +64,6 @@ class Written(web.StreamResponse):
         keep_alive: whether the connection stays open (False: aiohttp closes it).
         body_length: body bytes that went out.
     """
-
-    def __init__(self, status: int, keep_alive: bool, body_length: int):
-        super().__init__(status=status)
-        self._keep_alive, self._body_length, self._eof_sent = keep_alive, body_length, True
-
-    async def prepare(self, request: web.BaseRequest) -> None:
-        return None
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        return None
 
 
 def _head(version: tuple[int, int], status: int, content_type: str, keep: bool) -> bytes:
@@ -155,11 +147,5 @@ def reply(
     return Written(status, keep, len(body))
 
 
-def sent(request: web.BaseRequest, nbytes: int) -> None:
-    """Count bytes written past aiohttp's writer in its ``output_size``.
-
-    aiohttp takes ``output_size > 0`` to mean the response has begun: an error raised
-    after that closes the connection instead of appending an error response to bytes
-    already sent.
-    """
-    request.writer.output_size += nbytes
+#: Count bytes written past aiohttp's writer, so that aiohttp knows the response began.
+sent = count_sent

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "eg_kv"
 LAYERS = {
     "base": {"errors", "units", "address", "procs", "config"},
     "store": {"layout", "slab"},
-    "server": {"replies", "metrics", "runstate", "app", "hints"},
+    "server": {"_compat", "connections", "replies", "metrics", "runstate", "app", "hints"},
     "clients": {"http11", "clientcore", "client", "aio", "placement", "members", "cluster"},
     "integrations": {"kvcache", "lmcache_l2", "lmcache_remote", "lmcache_adapter",
                      "store_warnings", "write_gate"},

@@ -15,9 +15,12 @@ import urllib.error
 import urllib.request
 
 from eg_kv.config import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_CHUNKED_SPOOL,
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
     DEFAULT_LOCK_TIMEOUT_S,
     DEFAULT_UPLOAD_SHARE,
     ENV_TLS_VERIFY,
@@ -34,8 +37,9 @@ from eg_kv.errors import EgKvError
 CHECK_LOCK_WAIT_S = 30.0
 SERVE_FLAGS = ("addr", "workers", "capacity", "page_size", "max_block_size", "keep", "fresh",
                "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log",
-               "upload_share", "chunked_spool", "heartbeat_timeout_s",
-               "lock_timeout_s")  # fmt: skip
+               "upload_share", "chunked_spool", "heartbeat_timeout_s", "lock_timeout_s",
+               "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
+               "max_connections")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +109,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="log every request (off by default: it costs throughput)",
     )
+    s.add_argument(
+        "--header-timeout", dest="header_timeout_s", metavar="S", type=float,
+        help="seconds a request head may take from its first byte "
+        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--body-timeout", dest="body_timeout_s", metavar="S", type=float,
+        help="seconds an upload, or an answer being sent, may move no byte before it is cut "
+        f"(default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--keepalive-timeout", dest="keepalive_timeout_s", metavar="S", type=float,
+        help=f"seconds an idle connection is kept (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-connections", dest="max_connections", metavar="N", type=int,
+        help="open connections per worker; beyond it the oldest idle ones are closed "
+        "(default: from the fd limit, at most 10000)",
+    )  # fmt: skip
 
     s.add_argument(
         "--heartbeat-timeout",

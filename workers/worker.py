@@ -99,7 +99,9 @@ async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) 
     from aiohttp import web
 
     from eg_kv.app import DRAIN, AppRunner, make_app
+    from eg_kv.connections import raise_fd_limit
 
+    raise_fd_limit()  # before make_app, which derives the connection cap from it
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
