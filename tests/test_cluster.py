@@ -89,6 +89,10 @@ def test_batches_split_by_member_merged_in_order_one_request_each(server_factory
         assert total.extra["capacity_bytes"] == sum(
             line.stats.extra["capacity_bytes"] for line in lines
         )
+        # Each member's weight is its capacity, read from its /kv/stats.
+        assert kv.router.view().placement.weights == {
+            line.member.id: line.stats.extra["capacity_bytes"] for line in lines
+        }
 
 
 @pytest.mark.timeout(120)
