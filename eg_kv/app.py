@@ -45,7 +45,7 @@ from functools import partial
 from aiohttp import http_exceptions, web
 
 from . import replies, runstate
-from ._compat import HandlerRunner, response_started
+from ._compat import HandlerRunner, forget_interim, response_started
 from .address import validate
 from .config import Settings
 from .connections import (
@@ -437,7 +437,7 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
     except EgKvError as e:
         return await _final_answer(request, error_response(e.status, str(e)), start)
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the interim response is not part of the final one
+    forget_interim(request)  # the interim response is not part of the final one
     return None
 
 
