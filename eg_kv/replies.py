@@ -1,8 +1,8 @@
 """Whole HTTP responses written straight to the connection, for the hot routes.
 
 Building, preparing and finishing an aiohttp ``Response`` costs about as much Python as
-everything else a small GET does together: answering a 4 KiB GET this way took a worker
-35 µs instead of 50 (scripts/bench_server.py). The block routes therefore compose the
+everything else a small GET does together (docs/design.md, "Serving", has the
+figures). The block routes therefore compose the
 response head themselves from a cached prefix, hand head and body to the transport in
 one ``writelines`` call, and return a :class:`Written` so that aiohttp, which still
 parses requests, routes them and keeps the connection, sees a finished response.
