@@ -180,7 +180,7 @@ class HandlerRunner(web.AppRunner):
     async def _make_server(self) -> web_server.Server:
         server = await super()._make_server()
         server.__class__ = _server_class(self.handler_class)
-        server.handler_extra = self.handler_kwargs()
+        server.handler_extra = self.handler_kwargs()  # type: ignore[attr-defined]
         return server
 
 
