@@ -97,8 +97,8 @@ class StampedHandler(web_protocol.RequestHandler):
     writing last paused; ``held_at``: when the sweeper last saw the server itself holding
     reading (a handler not consuming its body). Times are the event loop's.
 
-    A stamp costs one clock read per read from the socket (with the override itself,
-    0.3-0.5 µs of CPU per 4 KiB GET, scripts/bench_cpu.py), not per request. Nothing is
+    A stamp costs one clock read per read from the socket, not per request (its cost is
+    in docs/design.md, "Serving"). Nothing is
     stamped in ``resume_reading``: aiohttp calls it (and ``data_received(b"")``) after
     every read of a body, and stamping there cost a 4 KiB PUT 5% more CPU.
     """
@@ -180,7 +180,7 @@ class HandlerRunner(web.AppRunner):
     async def _make_server(self) -> web_server.Server:
         server = await super()._make_server()
         server.__class__ = _server_class(self.handler_class)
-        server.handler_extra = self.handler_kwargs()
+        server.handler_extra = self.handler_kwargs()  # type: ignore[attr-defined]
         return server
 
 

@@ -1,4 +1,4 @@
-"""The HTTP application every worker runs: the seed's contract over the shared slab.
+"""The HTTP application every worker runs: the HTTP contract over the shared slab.
 
 Routes (reserved words under ``/kv/`` never name a block, see :data:`eg_kv.address.RESERVED`):
 
@@ -9,7 +9,7 @@ Routes (reserved words under ``/kv/`` never name a block, see :data:`eg_kv.addre
 ``DELETE /kv/<hash>``        204 one reference released, 404 if absent
 ``GET /kv/<hash>/exists``    200 ``{"hash": ..., "exists": bool}``
 ``POST /kv/batch/exists``    200 ``{"exists": [...], "prefix_hits": n}`` for <= 1024 addresses
-``GET /kv/stats``            200 the slab's counters (the seed's eight first)
+``GET /kv/stats``            200 the slab's counters (the contract's eight first)
 ``GET /metrics``             Prometheus text, summed over every worker
 ``GET /healthz``             200 ``{"status": "ok", "workers_up": n, "workers": N}``, no auth
 ===========================  =============================================================
@@ -45,7 +45,7 @@ from functools import partial
 from aiohttp import http_exceptions, web
 
 from . import replies, runstate
-from ._compat import HandlerRunner, response_started
+from ._compat import HandlerRunner, forget_interim, response_started
 from .address import validate
 from .config import Settings
 from .connections import (
@@ -437,7 +437,7 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
     except EgKvError as e:
         return await _final_answer(request, error_response(e.status, str(e)), start)
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the interim response is not part of the final one
+    forget_interim(request)  # the interim response is not part of the final one
     return None
 
 
@@ -654,19 +654,19 @@ async def no_route(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    """``GET /kv/stats``: the slab's counters, the seed's eight fields first."""
+    """``GET /kv/stats``: the slab's counters, the contract's eight fields first."""
     return web.json_response(ordered_stats(request.app[SLAB].stats()))
 
 
-SEED_FIELDS = (
+CONTRACT_FIELDS = (
     "unique_blocks", "total_refs", "resident_bytes", "logical_bytes",
     "dedup_savings_bytes", "dedup_hits", "get_hits", "get_misses",
 )  # fmt: skip
 
 
 def ordered_stats(raw: dict[str, int]) -> dict[str, int]:
-    """The stats dict with the seed's eight fields first, then the rest as the slab gave them."""
-    out = {k: raw[k] for k in SEED_FIELDS}
+    """The stats with the contract's eight fields first, then the rest as the slab gave them."""
+    out = {k: raw[k] for k in CONTRACT_FIELDS}
     out.update((k, v) for k, v in raw.items() if k not in out)
     return out
 

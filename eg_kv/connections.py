@@ -3,9 +3,8 @@
 aiohttp bounds none of this itself: its only timer is an hour of keep-alive, so a client
 that drips a request head, stalls a body or never reads its answers holds a connection
 (and the pages of its upload) for as long as it likes, and 2,000 such clients exhaust a
-worker's file descriptors. This module adds, for 0.8 µs of a worker's CPU per request
-(a 4 KiB GET: 24.9 µs before, 25.7 after; medians of 6 runs of scripts/bench_cpu.py, of
-which 0.3-0.5 µs are the stamps of each read and 0.1 µs the back-pressure check):
+worker's file descriptors. This module adds, for under a microsecond of a worker's CPU
+per request (docs/design.md, "Serving"):
 
 - each connection (:class:`Connection`, aiohttp's handler subclassed) stamps when bytes
   last arrived and when the first bytes of a head arrived (one clock read per read from

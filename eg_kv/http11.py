@@ -2,11 +2,10 @@
 
 Why not ``http.client``: it parses every response's headers with ``email.parser`` and
 reads through layers of buffered I/O, which cost more than the server's whole answer to
-an existence probe (measured here: ~300 µs per request through ``http.client`` against
-~185 µs for the same request on a raw socket). This module sends a request with one
-``sendall`` (head and a small body together; a large body follows without a copy), parses
-the status line and the few headers the client needs, and reads a block straight into the
-caller's buffer with ``recv_into``.
+an existence probe (the figures are in docs/design.md, "Clients"). This module sends a
+request with one ``sendall`` (head and a small body together; a large body follows
+without a copy), parses the status line and the few headers the client needs, and reads
+a block straight into the caller's buffer with ``recv_into``.
 
 Every socket wait is bounded by the operation's :class:`Deadline`, re-armed before each
 ``recv`` / ``sendall``, so a server that never answers, or drips its answer a byte at a

@@ -22,7 +22,7 @@ from prometheus_client import (
     values,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from ._compat import histogram_parts
 
@@ -157,6 +157,15 @@ class Metrics:
                 registry.register(metric)
         registry.register(_Snapshot(lambda: _slab_families(slab_stats, workers_up, workers)))
         return generate_latest(registry)
+
+
+def forget_process(multiproc_dir: str, pid: int) -> None:
+    """Drop a dead worker's live gauges (open connections) from the shared files.
+
+    Its counters stay (they never go back); a gauge summed over live processes would
+    otherwise keep the dead worker's last value forever.
+    """
+    mark_process_dead(pid, multiproc_dir)
 
 
 class _Snapshot:

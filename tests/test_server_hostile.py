@@ -13,6 +13,7 @@ import os
 import re
 import resource
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -461,3 +462,36 @@ def test_connection_flags_reach_the_settings_and_bad_values_are_refused():
     for bad in ({"body_timeout_s": 0}, {"header_timeout_s": -1}, {"max_connections": -1}):
         with pytest.raises(ConfigError, match="--"):
             settings_from_env({}, **bad)
+
+
+def test_a_killed_workers_open_connections_leave_the_gauge(server_factory):
+    """eg_kv_connections_open sums live workers only: a SIGKILLed worker's last value goes
+    when the supervisor reaps it (prometheus_client keeps a dead process's gauge file)."""
+    srv = server_factory(workers=2)
+    socks: dict[int, list[socket.socket]] = {}
+    try:
+        for _ in range(24):  # keep-alive connections, each asked which worker holds it
+            s = _connect(srv)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += s.recv(4096)
+            pid = int(re.search(rb"X-EgKv-Worker: (\d+)", head).group(1))
+            socks.setdefault(pid, []).append(s)
+        victim = max(socks, key=lambda p: len(socks[p]))
+        held = len(socks[victim])
+        # The victim has flushed its count (once a second) before it dies.
+        wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) >= 24, timeout=10,
+                 what="the open connections to be counted")  # fmt: skip
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=20,
+                 what="the replacement worker")  # fmt: skip
+        for s in (s for group in socks.values() for s in group):
+            s.close()
+        socks.clear()
+        # Left: at most the scrape's own connection and a few not yet noticed closed.
+        wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) < held, timeout=10,
+                 what=f"the gauge to drop below the dead worker's {held}")  # fmt: skip
+    finally:
+        for s in (s for group in socks.values() for s in group):
+            s.close()
