@@ -6,7 +6,9 @@ import hashlib
 import re
 
 from .errors import InvalidAddress
-from .layout import ADDRESS_MAX
+
+#: The longest address, in ASCII characters (a slot holds it whole: eg_kv/layout.py).
+ADDRESS_MAX = 256
 
 #: The characters an address may hold: letters, digits and ``. _ : @ + = -``.
 SAFE_CHARS = "A-Za-z0-9._:@+=-"

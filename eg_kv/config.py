@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 
 from .errors import ConfigError
+from .units import (  # re-exported: sizes are part of the settings' grammar
+    DEFAULT_MAX_BLOCK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    GiB,
+    MiB,
+    format_size,
+    parse_size,
+)
 
 ENV_ADDR = "EPISTEMIC_GRAPH_KVCACHE_ADDR"
 ENV_TOKEN = "EPISTEMIC_GRAPH_KVCACHE_TOKEN"
@@ -24,14 +31,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9130
 ENABLE_TOKENS = frozenset({"1", "true", "yes", "on"})
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
-TiB = 1024 * GiB
-
 DEFAULT_CAPACITY = 1 * GiB
-DEFAULT_PAGE_SIZE = 64 * KiB
-DEFAULT_MAX_BLOCK_SIZE = 64 * MiB
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
 #: Fraction of the slab that uploads in flight may reserve together. Half keeps the other
 #: half for resident blocks (hits and small PUTs go on whatever stalls), while 512 MiB of a
@@ -48,33 +48,18 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 #: A worker that holds the slab lock this long is killed. The longest honest critical
 #: section is a full repair: 0.34 s at 2 GiB of 4 KiB pages (measured).
 DEFAULT_LOCK_TIMEOUT_S = 2.0
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
-
-
-def parse_size(text: str | int) -> int:
-    """Parse a size such as ``8GiB``, ``64KiB``, ``512M`` or ``4096`` into bytes.
-
-    Units are binary (``K`` = 1024) with or without the ``i`` and the ``B``.
-
-    Raises:
-        ConfigError: the text is not a size.
-    """
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ConfigError(f"not a size: {text!r} (write it like 4096, 64KiB, 512MiB or 8GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def format_size(n: int) -> str:
-    """The inverse of :func:`parse_size` for display: the largest exact binary unit."""
-    for unit in ("T", "G", "M", "K"):
-        if n and n % _UNITS[unit] == 0:
-            return f"{n // _UNITS[unit]}{unit}iB"
-    return f"{n}B"
+#: A request head (at most ~1 MiB of headers, usually one packet) must be complete this
+#: long after its first byte: any client sends it in one write; only a dripping one (a
+#: slowloris) takes longer. Go's servers commonly use 10 s; Apache starts at 20 s.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: An upload (or an answer being sent) that moves no byte for this long is stalled: it is
+#: cut and its pages freed. Long enough for a congested link or a paused client; nginx's
+#: client_body_timeout is 60 s, but a stalled upload here pins slab pages.
+DEFAULT_BODY_TIMEOUT_S = 30.0
+#: An idle keep-alive connection is closed after this long (nginx's default): longer than
+#: the clients' own pool idle timeouts (aiohttp's is 15 s), so the server rarely closes a
+#: connection a client is about to reuse; aiohttp's own default was over an hour.
+DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
 
 
 def parse_addr(value: str) -> tuple[str, int]:
@@ -152,6 +137,11 @@ class Settings:
     chunked_spool: int = DEFAULT_CHUNKED_SPOOL
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    #: Open connections per worker; 0: derived from the fd limit (eg_kv.connections).
+    max_connections: int = 0
 
     def __post_init__(self) -> None:
         if not self.slab_name:
@@ -179,6 +169,13 @@ class Settings:
             raise ConfigError("--heartbeat-timeout must be more than 0.2 seconds")
         if not self.lock_timeout_s > 0.1:
             raise ConfigError("--lock-timeout must be more than 0.1 seconds")
+        for flag, value in (("--header-timeout", self.header_timeout_s),
+                            ("--body-timeout", self.body_timeout_s),
+                            ("--keepalive-timeout", self.keepalive_timeout_s)):  # fmt: skip
+            if not value > 0:
+                raise ConfigError(f"{flag} must be a positive number of seconds, not {value}")
+        if self.max_connections < 0:
+            raise ConfigError("--max-connections must be 0 (derive it from the fd limit) or more")
 
     @property
     def bind(self) -> str:

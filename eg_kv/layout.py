@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import struct
 
+from .address import ADDRESS_MAX
+
 MAGIC = b"EGKVSLB1"
 VERSION = 3  # 3: one reservation entry per page; the lock-entries word
 HEADER_SIZE = 4096
@@ -99,7 +101,6 @@ NPROCS = (HEADER_SIZE - PROCS_OFFSET) // (8 * PROC_WORDS)  # 96
 # Slot: state, clock reference bit, address length, refcount, block length, first page,
 # page count, block id, address fingerprint; the address itself follows (ASCII, padded).
 SLOT = struct.Struct("<BBHIQqQQQ")
-ADDRESS_MAX = 256
 SLOT_SIZE = SLOT.size + ADDRESS_MAX  # 304
 SLOT_EMPTY = 0
 SLOT_READY = 1

@@ -41,7 +41,9 @@ from eg_kv import runstate
 from eg_kv.config import Settings, format_size
 from eg_kv.errors import EgKvError, SlabError
 from eg_kv.hints import tick as tick_hints
-from eg_kv.slab import LockTimeout, Slab, pid_alive
+from eg_kv.metrics import forget_process
+from eg_kv.procs import pid_alive
+from eg_kv.slab import LockTimeout, Slab
 
 from . import worker as worker_mod
 from .worker import BOOT_ERROR, make_ssl_context
@@ -366,6 +368,8 @@ class Supervisor:
                 continue
             died = True
             self._dead.append(pid)
+            with contextlib.suppress(OSError):
+                forget_process(runstate.metrics_dir(self.run_dir), pid)
             self.heartbeats.clear(w.slot)
             self._classify(w, status)
         if died:
