@@ -619,9 +619,10 @@ def batch_addresses(content_type: str | None, body: bytes) -> list[str]:
             doc = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"batch body is not JSON: {_why(e)}") from None
-        addresses = doc.get("addresses") if isinstance(doc, dict) else None
-        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+        listed = doc.get("addresses") if isinstance(doc, dict) else None
+        if not isinstance(listed, list) or not all(isinstance(a, str) for a in listed):
             raise BadRequest('batch body must be {"addresses": ["<hash>", ...]}')
+        addresses = listed
     if len(addresses) > BATCH_MAX:
         raise TooLarge(f"{len(addresses)} addresses in one batch; at most {BATCH_MAX}")
     return addresses

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .address import address_for_key
-from .client import KvCacheConfig, resolve_config
+from .client import KvCacheConfig, RemoteKVConnector, resolve_config
 from .cluster import connect
 from .store_warnings import StoreWarnings
 from .write_gate import GateSet, WriteGate, read_through
@@ -233,7 +233,8 @@ class RemoteKVL2Connector:
     def submit_batch_exists(self, keys: Sequence[str]) -> int:
         """Ask which keys are resident with one ``POST /kv/batch/exists``.
 
-        A batch of at most :data:`INLINE_MAX_KEYS` keys is asked on the calling thread,
+        A batch of at most :data:`INLINE_MAX_KEYS` keys to one server (not a set of
+        them) is asked on the calling thread,
         within :data:`INLINE_TIMEOUT_S`; a bigger one, or one that could not be answered
         in that time, goes to the pool. So this returns within about ``INLINE_TIMEOUT_S``.
 
@@ -248,8 +249,14 @@ class RemoteKVL2Connector:
         if self._closed:
             self._complete(fid, False, "eg-kv connector is closed", [False] * len(keys))
             return fid
-        if len(keys) <= INLINE_MAX_KEYS and time.monotonic() >= self._inline_after:
-            found = self._client.try_exists_addresses(
+        client = self._client
+        # Inline only against one server: a set's lookup fans out over several members.
+        if (
+            isinstance(client, RemoteKVConnector)
+            and len(keys) <= INLINE_MAX_KEYS
+            and time.monotonic() >= self._inline_after
+        ):
+            found = client.try_exists_addresses(
                 self._addresses(keys), min(INLINE_TIMEOUT_S, self.config.timeout_s)
             )
             if found is not None:
