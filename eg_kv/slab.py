@@ -27,9 +27,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import posix_ipc
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    #: What a put takes: anything with a length that a memoryview can cast to bytes.
+    Bytes: TypeAlias = bytes | bytearray | memoryview
 
 from . import layout as L
 from .address import fingerprint, validate
@@ -42,6 +48,19 @@ from .errors import (
     NotFound,
     SlabError,
     TooLarge,
+)
+
+# The slot's field indexes, as module globals: read in every probe of every lookup.
+from .layout import (
+    F_ALEN,
+    F_BLOCK_ID,
+    F_FIRST,
+    F_FP,
+    F_LENGTH,
+    F_NPAGES,
+    F_REFBIT,
+    F_REFS,
+    F_STATE,
 )
 
 # struct flock for F_OFD_SETLKW: l_type, l_whence, l_start, l_len, l_pid (must be 0).
@@ -131,7 +150,7 @@ class Slab:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def __init__(self, name: str, shm: posix_ipc.SharedMemory, geometry: L.Geometry):
+    def __init__(self, name: str, shm: posix_ipc.SharedMemory, geometry: L.Geometry) -> None:
         self.name = name
         self.geometry = g = geometry
         self._fd = shm.fd
@@ -322,7 +341,7 @@ class Slab:
     def __enter__(self) -> Slab:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -467,29 +486,32 @@ class Slab:
     def _slot_off(self, i: int) -> int:
         return self.geometry.slots_off + i * L.SLOT_SIZE
 
-    def _read_slot(self, i: int) -> tuple:
+    def _read_slot(self, i: int) -> L.SlotFields:
         return L.SLOT.unpack_from(self._mm, self._slot_off(i))
 
     def _slot_address(self, i: int, alen: int) -> bytes:
         off = self._slot_off(i) + L.SLOT.size
         return self._mm[off : off + alen]
 
-    def _find(self, raw: bytes, fp: int) -> tuple[int, tuple | None]:
+    def _find(self, raw: bytes, fp: int) -> tuple[int, L.SlotFields | None]:
         """Probe for ``raw``: (slot index, slot fields) if resident, else (first empty, None)."""
         mask, mm, unpack = self._mask, self._mm, L.SLOT.unpack_from
         i, base = fp & mask, self.geometry.slots_off
         for _ in range(self.geometry.nslots):
             off = base + i * L.SLOT_SIZE
             s = unpack(mm, off)
-            if s[0] == L.SLOT_EMPTY:
+            if s[F_STATE] == L.SLOT_EMPTY:
                 return i, None
             key = off + L.SLOT.size
-            if s[8] == fp and s[2] == len(raw) and mm[key : key + s[2]] == raw:
+            if s[F_FP] == fp and s[F_ALEN] == len(raw) and mm[key : key + s[F_ALEN]] == raw:
                 return i, s
             i = (i + 1) & mask
         raise SlabError(f"slot table of {self.name} is full or damaged: run eg-kv check")
 
-    def _write_slot(self, i, refbit, raw, refs, length, first, npages, block_id, fp) -> None:
+    def _write_slot(
+        self, i: int, refbit: int, raw: bytes, refs: int, length: int, first: int,
+        npages: int, block_id: int, fp: int,
+    ) -> None:  # fmt: skip
         off = self._slot_off(i)
         # Fields and address first, the READY state byte last: a reader never sees half.
         L.SLOT.pack_into(self._mm, off, L.SLOT_EMPTY, refbit, len(raw), refs, length, first,
@@ -505,10 +527,10 @@ class Slab:
             while True:
                 j = (j + 1) & mask
                 s = self._read_slot(j)
-                if s[0] == L.SLOT_EMPTY:
+                if s[F_STATE] == L.SLOT_EMPTY:
                     self._mm[self._slot_off(i)] = L.SLOT_EMPTY
                     return
-                home = s[8] & mask
+                home = s[F_FP] & mask
                 # Entry j may move into the hole at i unless its home lies in (i, j].
                 if (i < home <= j) if i <= j else (home > i or home <= j):
                     continue
@@ -556,16 +578,16 @@ class Slab:
     def _npages(self, length: int) -> int:
         return -(-length // self.page_size)
 
-    def _drop_block(self, i: int, s: tuple) -> None:
+    def _drop_block(self, i: int, s: L.SlotFields) -> None:
         """Release slot ``i``'s block entirely (last delete or eviction)."""
         st = self._state
-        self._free_pages(s[5], s[6])
+        self._free_pages(s[F_FIRST], s[F_NPAGES])
         self._remove_slot(i)
         st[L.ST_UNIQUE_BLOCKS] -= 1
-        st[L.ST_TOTAL_REFS] -= s[3]
-        st[L.ST_RESIDENT_BYTES] -= s[4]
-        st[L.ST_LOGICAL_BYTES] -= s[4] * s[3]
-        st[L.ST_SLOT_PAGES] -= s[6]
+        st[L.ST_TOTAL_REFS] -= s[F_REFS]
+        st[L.ST_RESIDENT_BYTES] -= s[F_LENGTH]
+        st[L.ST_LOGICAL_BYTES] -= s[F_LENGTH] * s[F_REFS]
+        st[L.ST_SLOT_PAGES] -= s[F_NPAGES]
 
     def _make_room(self, n: int) -> None:
         """Free pages until ``n`` are free, evicting by CLOCK (second chance).
@@ -597,7 +619,7 @@ class Slab:
                     s = self._read_slot(i)
                     self._drop_block(i, s)
                     st[L.ST_EVICTIONS] += 1
-                    st[L.ST_EVICTED_BYTES] += s[4]
+                    st[L.ST_EVICTED_BYTES] += s[F_LENGTH]
                     continue  # backward shift may have moved another block into slot i
             hand = (hand + 1) & mask
         st[L.ST_CLOCK_HAND] = hand
@@ -642,7 +664,8 @@ class Slab:
         others are read in C. At 262,144 entries (1 GiB of 4 KiB pages) that took 0.3 ms
         with none in use and 6 ms with half, against 50 ms for a loop over every entry.
         """
-        pids, raw, nr, used = self._resv_pids, self._resv_raw, self.geometry.nresv, []
+        pids, raw, nr = self._resv_pids, self._resv_raw, self.geometry.nresv
+        used: list[int] = []
         size = L.RESV_SIZE
         for lo in range(0, nr, _RESV_SCAN):
             end = min(nr, lo + _RESV_SCAN)
@@ -696,7 +719,7 @@ class Slab:
             i, s = self._find(raw, fp)
             if s is not None:
                 self._add_ref(i, s, address, length)
-                return PutHandle(self, address, raw, fp, length, -1, L.NO_PAGE, 0, s[7])
+                return PutHandle(self, address, raw, fp, length, -1, L.NO_PAGE, 0, s[F_BLOCK_ID])
             held, cap = st[L.ST_RESV_PAGES], int(upload_share * self.geometry.npages)
             # Over the share but within the slab: 503, retry. Beyond the slab: 507 below
             # (after _make_room has released any dead writer's pages).
@@ -731,7 +754,7 @@ class Slab:
             self._add_ref(i, s, address, length)
             return True
 
-    def put(self, address: str, data) -> bool:
+    def put(self, address: str, data: Bytes) -> bool:
         """Store ``data`` under ``address`` in one call; True if created, False if dedup.
 
         Up to :data:`SMALL_PUT` bytes are looked up, copied in and published in one
@@ -779,15 +802,19 @@ class Slab:
             )
         return self._npages(length)
 
-    def _add_ref(self, i: int, s: tuple, address: str, length: int) -> bool:
+    def _add_ref(self, i: int, s: L.SlotFields, address: str, length: int) -> bool:
         """A dedup hit on slot ``i`` (fields ``s``): one more reference. Returns False.
 
         Raises:
             Conflict: the resident block has another length.
         """
-        if s[4] != length:
-            raise Conflict(_conflict_message(address, s[4], length))
-        L.SLOT.pack_into(self._mm, self._slot_off(i), L.SLOT_READY, 1, *s[2:3], s[3] + 1, *s[4:])
+        if s[F_LENGTH] != length:
+            raise Conflict(_conflict_message(address, s[F_LENGTH], length))
+        # One more reference, and the reference bit set (a dedup hit is a use).
+        fields = list(s)
+        fields[F_STATE], fields[F_REFBIT] = L.SLOT_READY, 1
+        fields[F_REFS] += 1
+        L.SLOT.pack_into(self._mm, self._slot_off(i), *fields)
         st = self._state
         st[L.ST_TOTAL_REFS] += 1
         st[L.ST_LOGICAL_BYTES] += length
@@ -842,7 +869,7 @@ class Slab:
         with self._locked():
             st[L.ST_DEDUP_HITS] -= 1
             i, s = self._find(h.raw, h.fp)
-            if s is not None and s[7] == h.block_id:
+            if s is not None and s[F_BLOCK_ID] == h.block_id:
                 self._drop_ref(i, s)  # the last one if every other was deleted meanwhile
 
     # ------------------------------------------------------------------ get / exists / delete
@@ -929,7 +956,7 @@ class Slab:
         # this slot meanwhile gets a second chance it did not earn.
         self._mm[self._slot_off(i) + L.SLOT_REF_OFFSET] = 1
         self._count_read(1, 0)
-        return BlockReader(self, s[4], s[5], s[6], s[7])
+        return BlockReader(self, s[F_LENGTH], s[F_FIRST], s[F_NPAGES], s[F_BLOCK_ID])
 
     def get(self, address: str) -> bytes | None:
         """The block's bytes, or None if absent (or evicted while it was read)."""
@@ -945,7 +972,7 @@ class Slab:
         """The block's length if resident, else None. Counts nothing, reads no data."""
         raw, fp = self._key(address)
         s = self._read(lambda: self._find(raw, fp))[1]
-        return None if s is None else s[4]
+        return None if s is None else s[F_LENGTH]
 
     def exists(self, address: str) -> bool:
         """Whether a block is resident under ``address`` (no data touched)."""
@@ -968,14 +995,16 @@ class Slab:
             self._drop_ref(i, s)
             return True
 
-    def _drop_ref(self, i: int, s: tuple) -> None:
+    def _drop_ref(self, i: int, s: L.SlotFields) -> None:
         """Release one reference of slot ``i`` (fields ``s``); the last frees the block."""
-        if s[3] <= 1:
+        if s[F_REFS] <= 1:
             self._drop_block(i, s)
             return
-        L.SLOT.pack_into(self._mm, self._slot_off(i), *s[:3], s[3] - 1, *s[4:])
+        fields = list(s)
+        fields[F_REFS] -= 1
+        L.SLOT.pack_into(self._mm, self._slot_off(i), *fields)
         self._state[L.ST_TOTAL_REFS] -= 1
-        self._state[L.ST_LOGICAL_BYTES] -= s[4]
+        self._state[L.ST_LOGICAL_BYTES] -= s[F_LENGTH]
 
     def _count_aborted_read(self) -> None:
         self._count_read(-1, 1)
@@ -1023,7 +1052,9 @@ class Slab:
         with self._locked(write=False):
             return self._walk(fix=False)
 
-    def check_live(self, slice_s: float = CHECK_SLICE_S, timeout: float | None = None):
+    def check_live(
+        self, slice_s: float = CHECK_SLICE_S, timeout: float | None = None
+    ) -> CheckReport:
         """Check the slab in slices of at most about ``slice_s`` each under the lock.
 
         What each slice sees is consistent, so what concerns one slot or one reservation
@@ -1137,7 +1168,7 @@ class Slab:
             return "its chain runs into itself"
         return pages
 
-    def _slot_fault(self, i: int, s: tuple, raw: bytes, home: bool) -> str | None:
+    def _slot_fault(self, i: int, s: L.SlotFields, raw: bytes, home: bool) -> str | None:
         """What is wrong with slot ``i`` (fields ``s``, address ``raw``) on its own, if
         anything. ``home``: also check that a lookup of its address finds it."""
         state, _refbit, alen, refs, length, first, npages, block_id, fp = s
@@ -1160,7 +1191,7 @@ class Slab:
         g, st, nxt, tag, mm = self.geometry, self._state, self._next, self._tag, self._mm
         problems: list[str] = []
         owner = bytearray(g.npages)  # 0 free, 1 slot, 2 reservation
-        live: list[tuple] = []
+        live: list[tuple[int, bytes, int, int, int, int, int, int]] = []
         seen: set[bytes] = set()
         totals = dict.fromkeys(L.DERIVED_COUNTERS, 0)
 
@@ -1179,7 +1210,7 @@ class Slab:
 
         for i in range(g.nslots):
             s = self._read_slot(i)
-            if s[0] == L.SLOT_EMPTY:
+            if s[F_STATE] == L.SLOT_EMPTY:
                 continue
             _state, refbit, alen, refs, length, first, npages, block_id, fp = s
             raw = self._slot_address(i, min(alen, L.ADDRESS_MAX))
@@ -1269,7 +1300,7 @@ class _SlicedCheck:
 
     _START = -2  # the free list walk has not begun
 
-    def __init__(self, slab: Slab, slice_s: float):
+    def __init__(self, slab: Slab, slice_s: float) -> None:
         g = slab.geometry
         self.slab, self.slice_s = slab, slice_s
         self.report = CheckReport([], [])
@@ -1323,17 +1354,17 @@ class _SlicedCheck:
             if i - start >= 16 and not i & 15 and time.perf_counter() > deadline:
                 return i
             s = slab._read_slot(i)
-            if s[0] != L.SLOT_EMPTY:
+            if s[F_STATE] != L.SLOT_EMPTY:
                 self._slot(i, s)
             i += 1
         return i
 
-    def _slot(self, i: int, s: tuple) -> None:
+    def _slot(self, i: int, s: L.SlotFields) -> None:
         slab = self.slab
-        raw = slab._slot_address(i, min(s[2], L.ADDRESS_MAX))
+        raw = slab._slot_address(i, min(s[F_ALEN], L.ADDRESS_MAX))
         what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
         fault = slab._slot_fault(i, s, raw, home=True)
-        pages = slab._chain(s[5], s[6]) if fault is None else fault
+        pages = slab._chain(s[F_FIRST], s[F_NPAGES]) if fault is None else fault
         if isinstance(pages, str):
             self.report.problems.append(pages if fault else f"{what}: {pages}")
             return
@@ -1341,10 +1372,10 @@ class _SlicedCheck:
             self.spanning.append(f"{what}: address stored twice")
         self.seen.add(raw)
         self._own(pages, 1, what)
-        refs, length = s[3], s[4]
+        refs, length = s[F_REFS], s[F_LENGTH]
         for key, val in (
             ("unique_blocks", 1), ("total_refs", refs), ("resident_bytes", length),
-            ("logical_bytes", length * refs), ("slot_pages", s[6]),
+            ("logical_bytes", length * refs), ("slot_pages", s[F_NPAGES]),
         ):  # fmt: skip
             self.totals[key] += val
 
@@ -1427,7 +1458,10 @@ class PutHandle:
     __slots__ = ("_run", "_runs", "_slab", "address", "block_id", "done", "first", "fp",
                  "length", "npages", "pos", "raw", "resv")  # fmt: skip
 
-    def __init__(self, slab, address, raw, fp, length, resv, first, npages, block_id=0):
+    def __init__(
+        self, slab: Slab, address: str, raw: bytes, fp: int, length: int, resv: int,
+        first: int, npages: int, block_id: int = 0,
+    ) -> None:  # fmt: skip
         self._slab, self.address, self.raw, self.fp = slab, address, raw, fp
         self.length, self.resv, self.first, self.npages = length, resv, first, npages
         self.block_id = block_id  # of the resident block, for a dedup hit (resv < 0)
@@ -1435,7 +1469,7 @@ class PutHandle:
         self.done = False
         self._runs = None if resv < 0 else _runs(slab, first, npages, length)
 
-    def write(self, chunk) -> None:
+    def write(self, chunk: Bytes) -> None:
         """Copy ``chunk`` into the block's pages at the current position.
 
         Raises:
@@ -1500,7 +1534,7 @@ def _runs(slab: Slab, first: int, npages: int, length: int) -> list[tuple[int, i
             runs.append([pos, base + p * ps, size])
         pos += size
         p = nxt[p]
-    return [tuple(r) for r in runs]
+    return [(pos, off, size) for pos, off, size in runs]
 
 
 class BlockReader:
@@ -1509,7 +1543,7 @@ class BlockReader:
 
     __slots__ = ("_slab", "block_id", "first", "length", "npages")
 
-    def __init__(self, slab: Slab, length: int, first: int, npages: int, block_id: int):
+    def __init__(self, slab: Slab, length: int, first: int, npages: int, block_id: int) -> None:
         self._slab, self.length, self.first = slab, length, first
         self.npages, self.block_id = npages, block_id
 
