@@ -14,6 +14,7 @@ from .errors import ConfigError
 
 ENV_ADDR = "EPISTEMIC_GRAPH_KVCACHE_ADDR"
 ENV_TOKEN = "EPISTEMIC_GRAPH_KVCACHE_TOKEN"
+ENV_TOKENS_FILE = "EPISTEMIC_GRAPH_KVCACHE_TOKENS_FILE"
 ENV_URL = "EPISTEMIC_GRAPH_KVCACHE_URL"
 ENV_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_TIMEOUT_S"
 ENV_TLS_VERIFY = "EPISTEMIC_GRAPH_KVCACHE_TLS_VERIFY"
@@ -144,6 +145,8 @@ class Settings:
     keep: bool = False
     fresh: bool = False
     token: str | None = dataclasses.field(default=None, repr=False)
+    #: a TOML file of tenants (eg_kv.tenants); replaces ``token`` when given
+    tokens_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
@@ -204,6 +207,8 @@ def settings_from_env(env: Mapping[str, str] | None = None, **overrides) -> Sett
     token = env.get(ENV_TOKEN)
     if token:
         values["token"] = token
+    if env.get(ENV_TOKENS_FILE):
+        values["tokens_file"] = env[ENV_TOKENS_FILE]
     for key, var in (("tls_cert", ENV_TLS_CERT), ("tls_key", ENV_TLS_KEY)):
         if env.get(var):
             values[key] = env[var]

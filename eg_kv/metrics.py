@@ -100,8 +100,16 @@ class Metrics:
                     buckets[i].inc(n)
             total.inc(h[-1])
 
-    def render(self, slab_stats: dict[str, int], workers_up: int, workers: int) -> bytes:
-        """The Prometheus text exposition: every worker's requests plus the slab's stats."""
+    def render(
+        self,
+        slab_stats: dict[str, int],
+        workers_up: int,
+        workers: int,
+        namespaces: dict[str, dict[str, int | str]] | None = None,
+    ) -> bytes:
+        """The Prometheus text exposition: every worker's requests plus the slab's stats,
+        and with ``namespaces`` (name -> counters) each namespace's, labelled ``namespace``
+        (the default namespace is ``default``)."""
         registry = CollectorRegistry(auto_describe=False)
         if self.multiproc_dir:
             MultiProcessCollector(registry, self.multiproc_dir)
@@ -109,6 +117,8 @@ class Metrics:
             registry.register(self.requests)
             registry.register(self.latency)
         registry.register(_Snapshot(lambda: _slab_families(slab_stats, workers_up, workers)))
+        if namespaces:
+            registry.register(_Snapshot(lambda: _namespace_families(namespaces)))
         return generate_latest(registry)
 
 
@@ -136,3 +146,23 @@ def _slab_families(stats: dict[str, int], workers_up: int, workers: int) -> list
     conf = GaugeMetricFamily("eg_kv_workers", "worker processes configured")
     conf.add_metric([], workers)
     return [*out, up, conf]
+
+
+#: The per-namespace series: what quotas and fairness are judged by.
+_NS_SERIES = ("resident_bytes", "unique_blocks", "evictions", "evicted_bytes", "quota_bytes",
+              "get_hits", "get_misses", "dedup_hits")  # fmt: skip
+
+
+def _namespace_families(namespaces: dict[str, dict[str, int | str]]) -> list:
+    out = []
+    for key in _NS_SERIES:
+        name, doc = f"eg_kv_namespace_{key}", f"namespace {key}"
+        fam = (
+            CounterMetricFamily(name, doc, labels=["namespace"])
+            if key in _SLAB_COUNTERS
+            else GaugeMetricFamily(name, doc, labels=["namespace"])
+        )
+        for ns_name, one in namespaces.items():
+            fam.add_metric([ns_name or "default"], int(one[key]))
+        out.append(fam)
+    return out

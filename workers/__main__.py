@@ -35,7 +35,7 @@ CHECK_LOCK_WAIT_S = 30.0
 SERVE_FLAGS = ("addr", "workers", "capacity", "page_size", "max_block_size", "keep", "fresh",
                "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log",
                "upload_share", "chunked_spool", "heartbeat_timeout_s",
-               "lock_timeout_s")  # fmt: skip
+               "lock_timeout_s", "tokens_file")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--slab-name", dest="slab_name", help="POSIX shared-memory name (default /eg-kv-<port>)"
+    )
+    s.add_argument(
+        "--tokens",
+        dest="tokens_file",
+        help="TOML file of tenants (tokens' sha256, roles, namespaces, quotas); SIGHUP "
+        "reloads it (env EPISTEMIC_GRAPH_KVCACHE_TOKENS_FILE)",
     )
     s.add_argument("--tls-cert", dest="tls_cert", help="PEM certificate: serve HTTPS")
     s.add_argument("--tls-key", dest="tls_key", help="PEM private key of --tls-cert")

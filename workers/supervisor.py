@@ -37,9 +37,9 @@ import time
 import traceback
 
 from eg_kv import layout as L
-from eg_kv import runstate
+from eg_kv import runstate, tenants
 from eg_kv.config import Settings, format_size
-from eg_kv.errors import EgKvError, SlabError
+from eg_kv.errors import ConfigError, EgKvError, SlabError
 from eg_kv.hints import tick as tick_hints
 from eg_kv.slab import LockTimeout, Slab, pid_alive
 
@@ -65,8 +65,9 @@ BOOT_TIMEOUT_S = 60.0
 #: killed for it (a full repair measured ~0.65 us a page; this leaves a 4x margin).
 REPAIR_S_PER_PAGE = 2.6e-6
 
-_GRACEFUL = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_HANDLED = (*_GRACEFUL, signal.SIGQUIT, signal.SIGCHLD)
+_GRACEFUL = (signal.SIGTERM, signal.SIGINT)
+#: SIGHUP reloads the tokens file (nginx, gunicorn); it no longer stops the server.
+_HANDLED = (*_GRACEFUL, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD)
 
 
 class CannotServe(EgKvError):
@@ -201,6 +202,7 @@ class Supervisor:
         self._lock_seen = (0, 0, 0.0)  # (holder, lock entries, first seen) of the lock
         self._lock_stuck_at = -float("inf")  # when the lock was last seen stuck
         self._lock_warned = (0, 0)
+        self._tokens_text: str | None = None  # the tokens file in force (validated)
 
     # ------------------------------------------------------------------ top level
 
@@ -212,6 +214,7 @@ class Supervisor:
         self._install_signals()
         try:
             try:
+                self._tokens_text = self._read_tokens() if s.tokens_file else None
                 check_port_free(s.host, s.port)
                 try:
                     make_ssl_context(s)
@@ -229,12 +232,15 @@ class Supervisor:
                 return 1
             log.info("%s", note)
             self.run_dir = runstate.make_run_dir(s.port)
+            if self._tokens_text is not None:
+                self._install_tokens(self._tokens_text)
             self.heartbeats = runstate.Heartbeats.create(self.run_dir, s.workers)
             runstate.write_state(self.run_dir, s.workers, [])
             self._warm_imports()
             log.info(
                 "eg-kv supervisor %d serving %s://%s with %d workers (auth %s)",
-                os.getpid(), s.scheme, s.bind, s.workers, "on" if s.token else "off",
+                os.getpid(), s.scheme, s.bind, s.workers,
+                "tokens file" if s.tokens_file else "on" if s.token else "off",
             )  # fmt: skip
             self._loop()
         finally:
@@ -303,6 +309,10 @@ class Supervisor:
             sig = self._signals.pop(0)
             if sig == signal.SIGCHLD:
                 continue  # the reap below does the work
+            if sig == signal.SIGHUP:
+                if not self.stopping:
+                    self._reload_tokens()
+                continue
             if sig == signal.SIGQUIT or (self.stopping and sig in _GRACEFUL):
                 log.warning("eg-kv: %s: stopping now, without draining",
                             signal.Signals(sig).name)  # fmt: skip
@@ -311,6 +321,50 @@ class Supervisor:
                 log.info("eg-kv: %s: draining (up to %.0f s)",
                          signal.Signals(sig).name, self.settings.drain_timeout_s)  # fmt: skip
                 self._begin_stop(signal.SIGTERM)
+
+    # ------------------------------------------------------------------ tenants
+
+    def _read_tokens(self) -> str:
+        """Read and validate the tokens file; return its text.
+
+        Raises:
+            ConfigError: unreadable or invalid (the message names the line).
+        """
+        path = self.settings.tokens_file
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read tokens file {path}: {e}") from None
+        tenants.parse(text, self.settings.capacity, f"tokens file {path}")
+        return text
+
+    def _install_tokens(self, text: str) -> None:
+        """Bind the namespaces in the slab (ids, quotas) and hand the workers the file.
+
+        Raises:
+            ConfigError, SlabError, LockTimeout.
+        """
+        table = tenants.parse(text, self.settings.capacity)
+        self.slab.bind_namespaces(table.quotas, timeout=LOCK_WAIT_S)
+        runstate.write_tokens_copy(self.run_dir, text)
+        log.info("tokens file %s: %d tenants in %d namespaces", self.settings.tokens_file,
+                 len(table.by_digest), len(table.quotas))  # fmt: skip
+
+    def _reload_tokens(self) -> None:
+        """SIGHUP: reload the tokens file; a bad one keeps the tenants in force."""
+        if not self.settings.tokens_file:
+            log.info("eg-kv: SIGHUP: no tokens file to reload (--tokens); nothing to do")
+            return
+        try:
+            text = self._read_tokens()
+            self._install_tokens(text)
+        except EgKvError as e:
+            log.error("eg-kv: SIGHUP: tokens file not reloaded, the old tenants stay: %s", e)
+            return
+        self._tokens_text = text
+        for pid in list(self.workers):  # each worker reads the validated copy
+            self._kill(pid, signal.SIGHUP)
 
     def _begin_stop(self, sig: int) -> None:
         self.stopping = True
@@ -494,6 +548,8 @@ class Supervisor:
             try:
                 for sig in _HANDLED:
                     signal.signal(sig, signal.SIG_DFL)
+                # A reload signal before the worker's loop handles it must not kill it.
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 for fd in (self._wake_r, self._wake_w, self._notify_r):
                     os.close(fd)
                 self.slab.close()  # the supervisor's handle: a worker attaches its own
