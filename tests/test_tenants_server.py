@@ -125,13 +125,18 @@ def test_reload_on_sighup_keeps_slab_and_workers(tenanted, tmp_path):
     assert _req(srv, "team-a", "PUT", "/kv/kept", b"kept").status == 201
     pids = workers_of(srv)
     assert _req(srv, "new", "GET", "/kv/kept").status == 401
-    write_tokens(srv.tokens_path, [*TENANTS, {"name": "new", "role": "readonly",
-                                              "namespace": "team-a"}])  # fmt: skip
+    assert _req(srv, "team-b", "PUT", "/kv/b-kept", b"b").status == 201
+    kept = [t for t in TENANTS if t["name"] != "team-b"]  # team-b's token is withdrawn
+    write_tokens(srv.tokens_path, [*kept, {"name": "new", "role": "readonly",
+                                           "namespace": "team-a"}])  # fmt: skip
     os.kill(srv.pid, signal.SIGHUP)
     wait_for(lambda: _req(srv, "new", "GET", "/kv/kept").status == 200, timeout=20,
              what="the new tenant on every worker")  # fmt: skip
     for _ in range(6):  # fresh connections spread over both workers
         assert _req(srv, "new", "GET", "/kv/kept").body == b"kept"
+        assert _req(srv, "team-b", "GET", "/kv/b-kept").status == 401
+    # team-b's namespace and block stay in the slab (an admin sees them).
+    assert _req(srv, "ops", "GET", "/kv/stats").json()["namespaces"]["team-b"]["unique_blocks"] == 1
     assert workers_of(srv) == pids and srv.proc.poll() is None
     # A bad file keeps the tenants in force, and the log says why.
     srv.tokens_path.write_text('[[tenant]]\nname = "x"\nrole = "god"\n')
