@@ -3,17 +3,21 @@
 One POSIX shared-memory segment holds everything; every offset is fixed at creation and
 recorded in the header, so a process that attaches needs nothing but the name::
 
-    0        4096                resv_off+R*32      slots_off+S*304   tag_off+P*8
-    ┌────────┬───────────────────┬──────────────────┬────────┬────────┬─────────────────┐
-    │ header │ reservations      │ slot table       │ next   │ tag    │ pages           │
-    │        │ R × RESV (32 B)   │ S × SLOT (304 B) │ P × q  │ P × Q  │ P × page_size   │
-    └────────┴───────────────────┴──────────────────┴────────┴────────┴─────────────────┘
+    0        4096           +768 KiB            resv_off+R*32      slots_off+S*312
+    ┌────────┬──────────────┬───────────────────┬──────────────────┬────────┬────────┬───────┐
+    │ header │ namespaces   │ reservations      │ slot table       │ next   │ tag    │ pages │
+    │        │ 4096 × 192 B │ R × RESV (32 B)   │ S × SLOT (312 B) │ P × q  │ P × Q  │ P × ps│
+    └────────┴──────────────┴───────────────────┴──────────────────┴────────┴────────┴───────┘
     header:  [0, 256)      GEOMETRY, written once at creation
              [256, ..)     STATE: one native int64 per field (lock holder, free list, clock
                            hand, block ids, counters), changed only under the slab lock
              [1024, 4096)  PROCS: 96 x (pid, get hits, get misses, spare) int64: each
                            process counts its lock-free reads in its own entry
 
+* **namespaces**: one entry per namespace (NS_* words: in use, quota, its own CLOCK hand,
+  its counters, then its name). Entry 0 is the default namespace. Every slot carries its
+  namespace id, mixed into its fingerprint, so the same address in two namespaces is two
+  blocks on two homes.
 * **slot table**: open addressing with linear probing (home = fingerprint & (S - 1)) and
   backward-shift deletion, so there are no tombstones. It is the one source of truth for
   which pages hold published blocks.
