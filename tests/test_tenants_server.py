@@ -193,6 +193,7 @@ def test_sigkill_during_multi_tenant_traffic_then_check(tenanted):
     assert not errors, errors[:3]
     check = eg_kv_check(srv.slab_name)
     assert check.returncode == 0, check.stdout + check.stderr
+    assert "in 2 namespace(s)" in check.stdout, check.stdout
     # Every block stayed in its namespace: a's addresses hold a's bytes, b's hold b's.
     for who in ("team-a", "team-b"):
         for k in range(50):

@@ -201,6 +201,7 @@ def _check(args: argparse.Namespace) -> int:
         # A lock stuck for longer than CHECK_LOCK_WAIT_S ends the check with its holder's pid.
         report = slab.check_live(timeout=CHECK_LOCK_WAIT_S)
         stats = slab.stats()
+        spaces = slab.namespace_stats(timeout=CHECK_LOCK_WAIT_S)
     for problem in report.problems:
         print(f"eg-kv check: {problem}")
     for note in report.unchecked:
@@ -210,8 +211,9 @@ def _check(args: argparse.Namespace) -> int:
         print(f"eg-kv check: slab {name}: {len(report.problems)} problem(s) ({held})")
         return 1
     what = "clean as far as checked" if report.unchecked else "clean"
-    print(f"eg-kv check: slab {name} is {what}: {stats['unique_blocks']} blocks, "
-          f"{stats['resident_bytes']} bytes resident ({held})")  # fmt: skip
+    used = sum(1 for one in spaces.values() if one["unique_blocks"])
+    print(f"eg-kv check: slab {name} is {what}: {stats['unique_blocks']} blocks in {used} "
+          f"namespace(s), {stats['resident_bytes']} bytes resident ({held})")  # fmt: skip
     return 0
 
 
