@@ -6,7 +6,9 @@ import hashlib
 import re
 
 from .errors import InvalidAddress
-from .layout import ADDRESS_MAX
+
+#: The longest address, in ASCII characters (a slot holds it whole: eg_kv/layout.py).
+ADDRESS_MAX = 256
 
 #: The characters an address may hold: letters, digits and ``. _ : @ + = -``.
 SAFE_CHARS = "A-Za-z0-9._:@+=-"
@@ -14,6 +16,9 @@ _ADDRESS_RE = re.compile(rf"[{SAFE_CHARS}]{{1,{ADDRESS_MAX}}}")
 
 #: Words the HTTP routes use under ``/kv/``; they can never be block addresses.
 RESERVED = frozenset({"stats", "batch", "exists", "metrics", "healthz"})
+#: URL dot segments: clients and proxies rewrite ``/kv/..`` to ``/`` (RFC 3986 5.2.4),
+#: so such an address would mean one block to one client and another route to the next.
+DOT_SEGMENTS = frozenset({".", ".."})
 
 
 def validate(address: str) -> bytes:
@@ -21,7 +26,7 @@ def validate(address: str) -> bytes:
 
     Raises:
         InvalidAddress: empty, longer than 256 characters, a character outside
-            ``[A-Za-z0-9._:@+=-]``, or one of the reserved words.
+            ``[A-Za-z0-9._:@+=-]``, one of the reserved words, or ``.`` / ``..``.
     """
     if not isinstance(address, str) or not _ADDRESS_RE.fullmatch(address):
         shown = address[:40] + "..." if isinstance(address, str) and len(address) > 40 else address
@@ -30,6 +35,8 @@ def validate(address: str) -> bytes:
         )
     if address in RESERVED:
         raise InvalidAddress(f"address {address!r} is reserved for a route; pick another")
+    if address in DOT_SEGMENTS:
+        raise InvalidAddress(f"address {address!r} is a URL dot segment; pick another")
     return address.encode("ascii")
 
 

@@ -1,32 +1,126 @@
 """The asyncio eg-kv client: :class:`AsyncRemoteKVConnector` on an ``aiohttp`` session.
 
 The same methods as :class:`eg_kv.client.RemoteKVConnector`, as coroutines, with the same
-rule: the hot path (``get``, ``put``, ``contains``, ``exists``, ``delete``,
-``contains_prefix``, ``exists_many``) turns every transport or protocol error into a miss
-and never waits past the timeout; ``stats()`` raises a clear error.
+rules (:mod:`eg_kv.clientcore`): the hot path (``get``, ``put``, ``contains``, ``exists``,
+``delete``, ``contains_prefix``, ``exists_many``) turns every transport or protocol error
+into a miss and never waits past the timeout; ``stats()`` raises a clear error.
+
+What aiohttp would do on its own and a client that trusts nothing must not: follow
+redirects (``allow_redirects=False``), decompress (``auto_decompress=False``), resend a
+``PUT`` or ``DELETE`` after a dropped connection (a per-request middleware stops its
+retry), and send a body after the server answered its head (the connection is closed).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import Sequence
-from typing import Any
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
+from aiohttp.payload import Payload
 
-from .client import (
-    BATCH_EXISTS_MAX,
+from .clientcore import (
+    BLOCK_TYPE,
+    JSON_TYPE,
+    SMALL_ANSWER_MAX,
+    ClientCore,
     KvCacheConfig,
     KvCacheStats,
-    _Miss,
+    Miss,
     batch_answer,
+    batch_body,
+    batches,
+    block_to_read,
+    check_final,
+    exists_answer,
+    json_answer,
+    may_resend,
     resolve_config,
     to_address,
+    wants_continue,
 )
-from .errors import EgKvError, RemoteError, Unauthorized
+from .errors import EgKvError, RemoteError
 
-log = logging.getLogger("eg_kv.kvcache")
+T = TypeVar("T")
+
+
+class _NotResent(aiohttp.ClientError):
+    """A request that changes state lost its connection after it went out."""
+
+
+async def _never_resend(
+    request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
+) -> aiohttp.ClientResponse:
+    # aiohttp resends PUT and DELETE once when the connection drops (it counts them
+    # idempotent); a DELETE the server applied before dropping would release two
+    # references. Its retry catches only these two errors, so renaming them stops it.
+    try:
+        return await handler(request)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        raise _NotResent(f"{type(exc).__name__}: {exc}") from None
+
+
+class _Parts(Payload):
+    """A PUT body made of several buffers, written in order without a copy.
+
+    ``started`` tells whether aiohttp began writing it: with ``Expect: 100-continue`` a
+    final answer may come first, and then the body was never sent.
+    """
+
+    def __init__(self, parts: list[memoryview]) -> None:
+        super().__init__(parts, content_type=BLOCK_TYPE)
+        self._size = sum(len(p) for p in parts)
+        self.started = False
+
+    async def write(self, writer: Any) -> None:
+        self.started = True
+        for part in self._value:
+            await writer.write(part)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        await self.write(writer)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._value).decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return b"".join(self._value)
+
+
+async def _read_small(resp: aiohttp.ClientResponse) -> bytes:
+    """A non-block body, at most :data:`SMALL_ANSWER_MAX` bytes however it is framed.
+
+    Raises:
+        Miss: it is longer.
+    """
+    if resp.method == "HEAD":
+        return b""  # its Content-Length is the block's, and no body follows
+    if resp.content_length is not None:
+        if resp.content_length > SMALL_ANSWER_MAX:
+            raise Miss(f"answer of {resp.content_length} bytes is over {SMALL_ANSWER_MAX}")
+        return await resp.read()
+    out = bytearray()
+    async for chunk in resp.content.iter_any():
+        out += chunk
+        if len(out) > SMALL_ANSWER_MAX:
+            raise Miss(f"answer is over {SMALL_ANSWER_MAX} bytes")
+    return bytes(out)
+
+
+async def _drained(resp: aiohttp.ClientResponse) -> int:
+    await _read_small(resp)
+    return resp.status
+
+
+async def _checked_status(resp: aiohttp.ClientResponse) -> int:
+    check_final(resp.status)
+    return await _drained(resp)
+
+
+async def _json(resp: aiohttp.ClientResponse) -> Any:
+    check_final(resp.status)
+    return json_answer(resp.status, await _read_small(resp))
 
 
 class AsyncRemoteKVConnector:
@@ -34,7 +128,9 @@ class AsyncRemoteKVConnector:
 
     Pass ``session=`` to share a caller-owned ``aiohttp.ClientSession`` (the caller keeps
     owning it: :meth:`close` leaves it open); otherwise the connector opens its own on
-    first use, in the running loop, and closes it in :meth:`close`.
+    first use, in the running loop, and closes it in :meth:`close`. Requests set their own
+    redirect, decompression and (for PUT and DELETE) middleware options, whatever the
+    session's defaults.
     """
 
     def __init__(
@@ -48,22 +144,21 @@ class AsyncRemoteKVConnector:
             config: a ready config, or leave it out and pass ``settings``.
             session: a caller-owned session to send requests on.
             **settings: ``base_url``, ``addr``, ``token``, ``timeout_s``,
-                ``max_connections``, ``verify_tls`` (others are accepted and unused);
-                what is left out comes from the environment.
+                ``max_connections``, ``verify_tls``, ``max_block_size`` (others are
+                accepted and unused); what is left out comes from the environment.
 
         Raises:
             ConfigError: a setting cannot be used.
         """
         self.config = resolve_config(config, settings)
+        self._core = ClientCore(self.config)
         self._session = session
         self._owns_session = session is None
-        self._headers: dict[str, str] = {}
-        if self.config.token:
-            self._headers["Authorization"] = f"Bearer {self.config.token}"
         self._timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         self._base = self.config.base_url
+        # Request targets carry the base URL's path prefix; this is what goes before them.
+        self._origin = urllib.parse.urlsplit(self._base)._replace(path="").geturl()
         self._closed = False
-        self._warned_401 = False
 
     @classmethod
     def from_env(
@@ -98,85 +193,108 @@ class AsyncRemoteKVConnector:
         if self._session is None:
             ssl_arg: Any = None if self.config.verify_tls else False
             connector = aiohttp.TCPConnector(limit=self.config.max_connections, ssl=ssl_arg)
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         return self._session
 
-    def _miss(self, what: str, address: str, exc: BaseException) -> None:
-        if isinstance(exc, Unauthorized) and not self._warned_401:
-            self._warned_401 = True
-            log.warning("eg-kv at %s refused the bearer token (401)", self._base)
-        log.debug("eg-kv %s %s: miss (%s: %s)", what, address, type(exc).__name__, exc)
+    async def _exchange(
+        self,
+        method: str,
+        target: str,
+        on_response: Callable[[aiohttp.ClientResponse], Awaitable[T]],
+        *,
+        body: _Parts | bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> T:
+        """One request; ``on_response`` reads and checks the final answer. Raises on error.
 
-    def _url(self, address: str, suffix: str = "") -> str:
-        return f"{self._base}/kv/{address}{suffix}"
-
-    async def _request(self, method: str, url: str, **kw: Any) -> tuple[int, bytes, int | None]:
-        """One request; returns (status, body, declared length). Raises on any error."""
+        A request that changes nothing (:func:`~eg_kv.clientcore.may_resend`) is sent once
+        more when a pooled connection turns out closed; a PUT or DELETE never is.
+        """
         session = self._get_session()
-        headers = dict(self._headers)
-        headers.update(kw.pop("headers", {}))
+        resend = may_resend(method, target)
+        expect = isinstance(body, _Parts) and wants_continue(method, body.size or 0)
+        kw: dict[str, Any] = {
+            "headers": {**self._core.headers, **headers} if headers else self._core.headers,
+            "timeout": self._timeout,
+            "allow_redirects": False,
+            "auto_decompress": False,
+            "expect100": expect,
+        }
+        if not resend:
+            kw["middlewares"] = (_never_resend,)
         for attempt in (0, 1):
             try:
-                async with session.request(
-                    method, url, headers=headers, timeout=self._timeout, **kw
-                ) as resp:
-                    if resp.status == 401:
-                        raise Unauthorized("the server wants a valid bearer token")
-                    body = await resp.read()
-                    return resp.status, body, resp.content_length
+                async with session.request(method, self._origin + target, data=body, **kw) as resp:
+                    try:
+                        result = await on_response(resp)
+                    except BaseException:
+                        resp.close()  # an answer left unread or unusable: framing in doubt
+                        raise
+                    if isinstance(body, _Parts) and not body.started:
+                        # A final answer came before 100 Continue: the body was never sent
+                        # and whether the server waits for it is unknown.
+                        resp.close()
+                    return result
             except aiohttp.ServerDisconnectedError:
-                # A pooled connection the server closed while idle: every request here is
-                # idempotent, so one retry on a fresh connection is safe.
-                if attempt:
+                if attempt or not resend:
                     raise
         raise RemoteError("unreachable")  # pragma: no cover
-
-    async def _json(self, method: str, url: str, **kw: Any) -> Any:
-        status, body, _ = await self._request(method, url, **kw)
-        if status != 200:
-            raise _Miss(f"HTTP {status}")
-        try:
-            return json.loads(body)
-        except ValueError:
-            raise _Miss("the answer is not JSON") from None
 
     async def get(self, key: str | bytes) -> bytes | None:
         """``GET /kv/<addr>``: the block's bytes, or None on a miss or any error.
 
-        A body shorter than its ``Content-Length`` (block evicted mid-stream) is a miss.
+        A body shorter than its ``Content-Length`` (block evicted mid-stream), longer than
+        ``max_block_size``, unframed or encoded is a miss.
         """
         address = to_address(key)
+        limit = self.config.max_block_size
+
+        async def on_response(resp: aiohttp.ClientResponse) -> bytes | None:
+            length = resp.content_length
+            encoding = resp.headers.get("Content-Encoding")
+            if not block_to_read(resp.status, length, encoding, limit):
+                await _read_small(resp)
+                return None
+            body = await resp.read()
+            if len(body) != length:
+                raise Miss(f"body of {len(body)} bytes, {length} announced")
+            return body
+
         try:
-            status, body, length = await self._request("GET", self._url(address))
+            return await self._exchange("GET", self._core.block_path(address), on_response)
         except Exception as exc:  # asyncio.TimeoutError included
-            self._miss("GET", address, exc)
+            self._core.miss("GET", address, exc)
             return None
-        if status != 200 or length is None or len(body) != length:
-            return None
-        return body
 
     async def put(self, key: str | bytes, data: Any) -> bool:
         """``PUT /kv/<addr>``. True when stored (201) or deduplicated (200); else False."""
+        return await self.put_status(key, (data,)) in (200, 201)
+
+    async def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
+        """``PUT /kv/<addr>`` of the concatenation of ``parts`` (bytes-like, no copy).
+
+        Returns:
+            The final HTTP status, or None when no usable answer came. See
+            :meth:`eg_kv.client.RemoteKVConnector.put_status`.
+        """
         address = to_address(key)
         try:
-            payload = memoryview(data).cast("B")
-            status, _, _ = await self._request(
-                "PUT",
-                self._url(address),
-                data=payload,
-                headers={"Content-Type": "application/octet-stream"},
+            payload = _Parts([memoryview(p).cast("B") for p in parts])
+            status = await self._exchange(
+                "PUT", self._core.block_path(address), _drained, body=payload
             )
         except Exception as exc:  # asyncio.TimeoutError included
-            self._miss("PUT", address, exc)
-            return False
-        return status in (200, 201)
+            self._core.miss("PUT", address, exc)
+            return None
+        if status == 401:
+            self._core.warn_unauthorized()
+        return status
 
     async def _status(self, method: str, address: str) -> int | None:
         try:
-            status, _, _ = await self._request(method, self._url(address))
-            return status
+            return await self._exchange(method, self._core.block_path(address), _checked_status)
         except Exception as exc:  # asyncio.TimeoutError included
-            self._miss(method, address, exc)
+            self._core.miss(method, address, exc)
             return None
 
     async def contains(self, key: str | bytes) -> bool:
@@ -184,51 +302,49 @@ class AsyncRemoteKVConnector:
         return await self._status("HEAD", to_address(key)) == 200
 
     async def delete(self, key: str | bytes) -> bool:
-        """``DELETE /kv/<addr>``: True on 204; False otherwise."""
+        """``DELETE /kv/<addr>``: True on 204; False otherwise. Never sent twice."""
         return await self._status("DELETE", to_address(key)) == 204
 
     async def exists(self, key: str | bytes) -> bool:
         """``GET /kv/<addr>/exists``: True when resident; False on a miss or any error."""
         address = to_address(key)
         try:
-            doc = await self._json("GET", self._url(address, "/exists"))
-            found = doc.get("exists") if isinstance(doc, dict) else None
-            if not isinstance(found, bool):
-                raise _Miss("no boolean 'exists' in the answer")
-            return found
+            return exists_answer(
+                await self._exchange("GET", self._core.block_path(address, "/exists"), _json)
+            )
         except Exception as exc:  # asyncio.TimeoutError included
-            self._miss("exists", address, exc)
+            self._core.miss("exists", address, exc)
             return False
 
     async def _batch(self, addresses: list[str]) -> tuple[list[bool], int]:
-        doc = await self._json(
-            "POST", f"{self._base}/kv/batch/exists", json={"addresses": addresses}
+        doc = await self._exchange(
+            "POST",
+            self._core.path("/kv/batch/exists"),
+            _json,
+            body=batch_body(addresses),
+            headers={"Content-Type": JSON_TYPE},
         )
         return batch_answer(doc, len(addresses))
 
     async def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
         """One bool per key (one batch request per 1024 keys); False where a batch failed."""
-        addresses = [to_address(k) for k in keys]
         out: list[bool] = []
-        for i in range(0, len(addresses), BATCH_EXISTS_MAX):
-            chunk = addresses[i : i + BATCH_EXISTS_MAX]
+        for chunk in batches([to_address(k) for k in keys]):
             try:
                 out.extend((await self._batch(chunk))[0])
             except Exception as exc:  # asyncio.TimeoutError included
-                self._miss("batch/exists", f"[{len(chunk)} addresses]", exc)
+                self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
                 out.extend([False] * len(chunk))
         return out
 
     async def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
         """How many keys, from the first, are resident without a gap; 0 on any error."""
-        addresses = [to_address(k) for k in keys]
         total = 0
-        for i in range(0, len(addresses), BATCH_EXISTS_MAX):
-            chunk = addresses[i : i + BATCH_EXISTS_MAX]
+        for chunk in batches([to_address(k) for k in keys]):
             try:
                 prefix = (await self._batch(chunk))[1]
             except Exception as exc:  # asyncio.TimeoutError included
-                self._miss("batch/exists", f"[{len(chunk)} addresses]", exc)
+                self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
                 return total
             total += prefix
             if prefix < len(chunk):
@@ -243,11 +359,9 @@ class AsyncRemoteKVConnector:
             RemoteError: the server is unreachable or answered something unusable.
         """
         try:
-            doc = await self._json("GET", f"{self._base}/kv/stats")
+            doc = await self._exchange("GET", self._core.path("/kv/stats"), _json)
         except EgKvError:
             raise
         except Exception as exc:  # asyncio.TimeoutError included
-            raise RemoteError(
-                f"cannot read /kv/stats from {self._base}: {type(exc).__name__}: {exc}"
-            ) from None
+            raise self._core.unreachable("/kv/stats", exc) from None
         return KvCacheStats.from_json(doc)

@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 
 from .errors import ConfigError
+from .units import (  # re-exported: sizes are part of the settings' grammar
+    DEFAULT_MAX_BLOCK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    GiB,
+    MiB,
+    format_size,
+    parse_size,
+)
 
 ENV_ADDR = "EPISTEMIC_GRAPH_KVCACHE_ADDR"
 ENV_TOKEN = "EPISTEMIC_GRAPH_KVCACHE_TOKEN"
@@ -25,14 +32,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9130
 ENABLE_TOKENS = frozenset({"1", "true", "yes", "on"})
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
-TiB = 1024 * GiB
-
 DEFAULT_CAPACITY = 1 * GiB
-DEFAULT_PAGE_SIZE = 64 * KiB
-DEFAULT_MAX_BLOCK_SIZE = 64 * MiB
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
 #: Fraction of the slab that uploads in flight may reserve together. Half keeps the other
 #: half for resident blocks (hits and small PUTs go on whatever stalls), while 512 MiB of a
@@ -49,33 +49,6 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 #: A worker that holds the slab lock this long is killed. The longest honest critical
 #: section is a full repair: 0.34 s at 2 GiB of 4 KiB pages (measured).
 DEFAULT_LOCK_TIMEOUT_S = 2.0
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
-
-
-def parse_size(text: str | int) -> int:
-    """Parse a size such as ``8GiB``, ``64KiB``, ``512M`` or ``4096`` into bytes.
-
-    Units are binary (``K`` = 1024) with or without the ``i`` and the ``B``.
-
-    Raises:
-        ConfigError: the text is not a size.
-    """
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ConfigError(f"not a size: {text!r} (write it like 4096, 64KiB, 512MiB or 8GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def format_size(n: int) -> str:
-    """The inverse of :func:`parse_size` for display: the largest exact binary unit."""
-    for unit in ("T", "G", "M", "K"):
-        if n and n % _UNITS[unit] == 0:
-            return f"{n // _UNITS[unit]}{unit}iB"
-    return f"{n}B"
 
 
 def parse_addr(value: str) -> tuple[str, int]:

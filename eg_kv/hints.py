@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .config import format_size
+from .units import format_size
 
 log = logging.getLogger("eg_kv.supervisor")
 

@@ -10,17 +10,23 @@ caller's buffer with ``recv_into``.
 
 Every socket wait is bounded by the operation's :class:`Deadline`, re-armed before each
 ``recv`` / ``sendall``, so a server that never answers, or drips its answer a byte at a
-time, costs at most about the timeout.
+time, costs at most about the timeout. Interim ``1xx`` answers are read past to the final
+one (``100 Continue`` is what ``Expect: 100-continue`` waits for); a connection whose
+framing is in doubt is marked ``will_close`` and never reused; an idle one is checked with
+a zero-timeout poll before it carries another request (:meth:`Connection.dropped`).
 """
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import time
 
 #: Largest response head accepted (status line + headers).
 MAX_HEAD = 64 * 1024
+#: Most interim (1xx) answers skipped before one request's final answer.
+MAX_INTERIM = 16
 #: Bodies up to this size are sent in the same ``sendall`` as the head.
 COALESCE = 64 * 1024
 _RECV = 256 * 1024
@@ -182,21 +188,30 @@ class Connection:
     # ------------------------------------------------------------------ request
 
     def request(self, method: str, target: str, head: bytes, parts: list[memoryview],
-                deadline: Deadline) -> Response:  # fmt: skip
-        """Send one request and read its response head.
+                deadline: Deadline, *, may_resend: bool = True,
+                expect_continue: bool = False) -> Response:  # fmt: skip
+        """Send one request and read its final response head (interim 1xx are skipped).
 
         Args:
             method, target: the request line.
             head: the extra header lines, each ending in CRLF (Content-Length included
-                when there is a body).
+                when there is a body; ``Expect: 100-continue`` with ``expect_continue``).
             parts: the body, sent in order without a copy (small bodies are coalesced).
             deadline: bounds every socket wait.
+            may_resend: the request changes nothing, so a reused connection found closed
+                before any answer raises :class:`StaleConnection` (the caller resends).
+                Otherwise that is a plain error: the request may have been applied.
+            expect_continue: send the head alone and the body only after ``100
+                Continue``. A final answer that comes first (a dedup hit, a refusal) is
+                returned without sending the body, and the connection will close: whether
+                the server still waits for the body is unknown.
 
         Raises:
-            StaleConnection: a reused connection was closed by the server before answering.
+            StaleConnection: a reused connection was closed by the server before
+                answering (only with ``may_resend``).
             ProtocolError, TimeoutError, OSError: the exchange failed.
         """
-        reused = self.used
+        stale_ok = self.used and may_resend
         if self.sock is None:
             self._connect(deadline)
         sock = self.sock
@@ -205,9 +220,10 @@ class Connection:
             method.encode(), target.encode(), self.host_header))  # fmt: skip
         msg += head
         msg += b"\r\n"
-        total = sum(len(p) for p in parts)
         big: list[memoryview] = []
-        if total <= COALESCE:
+        if expect_continue:
+            big = parts
+        elif sum(len(p) for p in parts) <= COALESCE:
             for p in parts:
                 msg += p
         else:
@@ -215,15 +231,36 @@ class Connection:
         try:
             sock.settimeout(deadline.left())
             sock.sendall(msg)
+            self.used = True
+            if expect_continue:
+                resp = self._read_head(False, deadline, stale_ok, interim_100=True)
+                if resp.status != 100:
+                    self.will_close = True  # the body was never sent: framing in doubt
+                    return resp
             for p in big:
                 sock.settimeout(deadline.left())
                 sock.sendall(p)
         except (BrokenPipeError, ConnectionResetError) as e:
-            if reused:
+            if stale_ok:
                 raise StaleConnection(str(e)) from None
             raise
-        self.used = True
-        return self._read_head(method == "HEAD", deadline, reused)
+        return self._read_head(method == "HEAD", deadline, stale_ok)
+
+    def dropped(self) -> bool:
+        """True when an idle connection cannot carry another request.
+
+        urllib3's check: a zero-timeout poll. An idle kept-alive connection has nothing
+        to read, so readable means the server closed it (or sent bytes no request asked
+        for); either way it is thrown away before a request goes out on it.
+        """
+        sock = self.sock
+        if sock is None or self.will_close:
+            return True
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def _connect(self, deadline: Deadline) -> None:
         sock = socket.create_connection((self.host, self.port), timeout=deadline.left())
@@ -257,7 +294,35 @@ class Connection:
             self._buf += memoryview(self._scratch)[:n]
         return n
 
-    def _read_head(self, is_head: bool, deadline: Deadline, reused: bool) -> Response:
+    def _read_head(self, is_head: bool, deadline: Deadline, stale_ok: bool,
+                   interim_100: bool = False) -> Response:  # fmt: skip
+        """Read response heads up to the final one (or ``100`` with ``interim_100``).
+
+        Interim answers (``103 Early Hints``, an unasked ``100 Continue``) have no body
+        and are skipped; taking one as final would leave the real answer to be read as
+        the next request's (the previous key's bytes returned for the next key).
+        """
+        for _ in range(MAX_INTERIM + 1):
+            status, headers, version = self._read_one_head(deadline, stale_ok)
+            stale_ok = False  # something came back: the server has the request
+            if status == 101 or not 100 <= status < 200:
+                break
+            if status == 100 and interim_100:
+                return Response(self, 100, headers, True, deadline)
+        else:
+            raise ProtocolError(f"more than {MAX_INTERIM} interim (1xx) answers")
+        if status == 101:
+            raise ProtocolError("101 Switching Protocols: no upgrade was asked for")
+        conn_hdr = headers.get(b"connection", b"").lower()
+        if version == b"HTTP/1.0":
+            self.will_close = b"keep-alive" not in conn_hdr
+        else:
+            self.will_close = b"close" in conn_hdr
+        no_body = is_head or status in (204, 304)
+        return Response(self, status, headers, no_body, deadline)
+
+    def _read_one_head(self, deadline: Deadline,
+                       stale_ok: bool) -> tuple[int, dict[bytes, bytes], bytes]:  # fmt: skip
         while True:
             end = self._buf.find(b"\r\n\r\n", self._pos)
             if end >= 0:
@@ -267,11 +332,12 @@ class Connection:
             try:
                 n = self._fill(deadline)
             except ConnectionResetError as e:
-                if reused and self._pos == len(self._buf):
+                if stale_ok and self._pos == len(self._buf):
                     raise StaleConnection(str(e)) from None
                 raise
             if not n:
-                if reused and self._pos == len(self._buf):
+                self.will_close = True
+                if stale_ok and self._pos == len(self._buf):
                     raise StaleConnection("server closed the kept-alive connection")
                 raise ProtocolError("connection closed before a complete response head")
         head = bytes(self._buf[self._pos : end])
@@ -280,20 +346,13 @@ class Connection:
         parts = lines[0].split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:40]!r}")
-        status = int(parts[1])
         headers: dict[bytes, bytes] = {}
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
             if not sep:
                 raise ProtocolError("malformed header line")
             headers[name.strip().lower()] = value.strip()
-        conn_hdr = headers.get(b"connection", b"").lower()
-        if parts[0] == b"HTTP/1.0":
-            self.will_close = b"keep-alive" not in conn_hdr
-        else:
-            self.will_close = b"close" in conn_hdr
-        no_body = is_head or status in (204, 304) or 100 <= status < 200
-        return Response(self, status, headers, no_body, deadline)
+        return int(parts[1]), headers, parts[0]
 
     def _read_into(self, view: memoryview, deadline: Deadline) -> None:
         """Fill ``view``: buffered bytes first, then ``recv_into`` straight into it."""

@@ -36,6 +36,8 @@ from __future__ import annotations
 import dataclasses
 import struct
 
+from .address import ADDRESS_MAX
+
 MAGIC = b"EGKVSLB1"
 VERSION = 4  # 4: namespaces (a namespace id per slot, the namespace table)
 HEADER_SIZE = 4096
@@ -122,7 +124,6 @@ SLOT = struct.Struct("<BBHIQqQQQI4x")
 ) = range(11)
 #: A slot's fields as SLOT unpacks them (index with the F_* constants).
 SlotFields = tuple[int, ...]
-ADDRESS_MAX = 256
 SLOT_SIZE = SLOT.size + ADDRESS_MAX  # 312
 SLOT_EMPTY = 0
 SLOT_READY = 1

@@ -45,6 +45,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from .address import address_for_key
 from .client import CONFIG_KEYWORDS, KvCacheConfig, RemoteKVConnector
+from .clientcore import Miss as _Miss
 from .errors import ConfigError
 from .store_warnings import StoreWarnings
 from .write_gate import GateClosed, GateSet, read_through
@@ -54,10 +55,6 @@ log = logging.getLogger("eg_kv.kvcache")
 _SETTINGS = CONFIG_KEYWORDS
 #: ``class_name`` values that build this connector.
 _OUR_CLASSES = ("EgKvRemoteConnector", "EgKvConnectorAdapter")
-
-
-class _Miss(Exception):
-    """Internal: the stored chunk cannot be used."""
 
 
 def plugin_name_from_config(config: Any) -> str | None:

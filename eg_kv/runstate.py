@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import time
 
-from .slab import pid_alive
+from .procs import pid_alive
 
 STATE_FILE = "workers.json"
 METRICS_DIR = "metrics"

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 from . import layout as L
 from .address import fingerprint, validate
-from .config import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, format_size
 from .errors import (
     BadRequest,
     Busy,
@@ -64,6 +63,8 @@ from .layout import (
     F_REFS,
     F_STATE,
 )
+from .procs import pid_alive
+from .units import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, format_size
 
 # struct flock for F_OFD_SETLKW: l_type, l_whence, l_start, l_len, l_pid (must be 0).
 _FLOCK = struct.Struct("hhqqi4x")
@@ -122,18 +123,6 @@ class CheckReport:
     slices: int = 0  #: holds of the lock
     longest_hold_s: float = 0.0  #: the longest hold, wall clock
     longest_hold_cpu_s: float = 0.0  #: the longest hold's CPU time (without preemption)
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs and is not a zombie (``kill(pid, 0)`` says zombies live)."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
 
 
 def _check_page_size(page_size: int) -> None:

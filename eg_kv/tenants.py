@@ -23,8 +23,8 @@ import re
 import sys
 from collections.abc import Mapping
 
-from .config import format_size, parse_size
 from .errors import ConfigError
+from .units import format_size, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib

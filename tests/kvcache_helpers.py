@@ -1,19 +1,41 @@
 """Helpers for the client tests: misbehaving HTTP servers on real loopback sockets.
 
 :class:`RawServer` listens on 127.0.0.1 and answers every request in one chosen broken way
-(never, with garbage, with a short body, dripping, with bad JSON, or correctly but closing
-the connection after each answer). Everything it starts is stopped by :meth:`stop`.
+(never, with garbage, with a short body, dripping, with bad JSON, unframed, compressed,
+with interim answers, redirected, reset, or correctly but closing the connection after
+each answer). Everything it starts is stopped by :meth:`stop`; every loop it runs is
+bounded in bytes and time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import gzip
+import json
 import re
 import socket
+import struct
 import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 HEAD_END = b"\r\n\r\n"
 _CL_RE = re.compile(rb"\r\ncontent-length:\s*(\d+)", re.IGNORECASE)
+_EXPECT_RE = re.compile(rb"\r\nexpect:\s*100-continue", re.IGNORECASE)
+#: What the unframed and endless modes send at most, and for how long.
+FLOOD_BYTES = 512 * 1024 * 1024
+FLOOD_SECONDS = 20.0
+#: What the gzip mode's body inflates to.
+BOMB_BYTES = 256 * 1024 * 1024
+
+
+@functools.cache
+def gzip_bomb() -> bytes:
+    """A small gzip body that inflates to :data:`BOMB_BYTES` zero bytes."""
+    return gzip.compress(bytes(BOMB_BYTES), compresslevel=9)
 
 
 class RawServer:
@@ -30,16 +52,41 @@ class RawServer:
         close10: an HTTP/1.0 ``200`` whose body ``hello`` ends with the connection.
         oneshot: a correct ``200`` with body ``hello`` (no ``Connection: close``), then
             close the socket, as a server that drops idle kept-alive connections does.
+        early_hints / continue100: a ``103 Early Hints`` (or an unasked ``100 Continue``)
+            before each correct answer: a GET of ``/kv/<addr>`` answers ``<addr>``, PUT
+            201, DELETE 204, HEAD 200, the JSON routes "everything exists" (keep-alive).
+        dropwrite: GET and HEAD answer 404 (keep-alive); a PUT or DELETE is counted in
+            ``applied`` and the connection dropped without an answer.
+        redirect: ``307`` to ``redirect_to`` + the request target.
+        final_first: answer ``200`` to a request's head without reading its body (no
+            ``100 Continue``), then count in ``after_head`` every byte that still comes
+            until the client closes (``client_closed`` is set then).
+        huge: promise a 1.5 GiB body and send nothing more.
+        nolength: a ``200`` without Content-Length, up to 512 MiB, then close.
+        endless_chunked: a ``200`` whose chunked body never ends (1 MiB chunks).
+        gzip: a ``200`` (GET, POST) or ``503`` (others) whose small gzip body inflates to
+            256 MiB.
+        reset: read the request, then reset the connection (RST, no answer).
 
     Attributes:
         accepted: connections accepted so far.
         requests: requests read so far (request lines).
+        heads: the whole head of each request read.
+        applied: PUT and DELETE requests the ``dropwrite`` mode took.
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, redirect_to: str = "") -> None:
+        if mode == "gzip":
+            gzip_bomb()  # built before the first answer is due, not while a client waits
         self.mode = mode
+        self.redirect_to = redirect_to
         self.accepted = 0
         self.requests: list[bytes] = []
+        self.heads: list[bytes] = []
+        self.bodies: list[bytes] = []
+        self.applied = 0
+        self.after_head = 0
+        self.client_closed = threading.Event()
         self._stop = threading.Event()
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -92,15 +139,28 @@ class RawServer:
                 self._threads.append(t)
 
     def _read_request(self, conn: socket.socket, buf: bytearray) -> bool:
-        """Read one request (headers and body) off ``conn``; False when it closed."""
+        """Read one request (headers and body) off ``conn``; False when it closed.
+
+        ``Expect: 100-continue`` is answered ``100 Continue`` (except in ``final_first``
+        mode, which reads the head only).
+        """
         while HEAD_END not in buf:
             data = conn.recv(65536)
             if not data:
                 return False
             buf += data
         head, _, rest = bytes(buf).partition(HEAD_END)
+        with self._lock:
+            self.requests.append(head.split(b"\r\n", 1)[0])
+            self.heads.append(head)
+        if self.mode == "final_first":
+            del buf[:]
+            buf += rest
+            return True
         m = _CL_RE.search(head)
         need = int(m.group(1)) if m else 0
+        if need > len(rest) and _EXPECT_RE.search(head):
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
         while len(rest) < need:
             data = conn.recv(min(1 << 20, need - len(rest)))
             if not data:
@@ -109,7 +169,7 @@ class RawServer:
         del buf[:]
         buf += rest[need:]
         with self._lock:
-            self.requests.append(head.split(b"\r\n", 1)[0])
+            self.bodies.append(rest[:need])
         return True
 
     def _serve(self, conn: socket.socket) -> None:
@@ -160,8 +220,155 @@ class RawServer:
                 if self.mode == "oneshot":
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
                     return
-                raise ValueError(f"unknown mode {self.mode}")
+                if not self._serve_more(conn, buf):
+                    return
         except OSError:
             return
         finally:
             conn.close()
+
+    def _serve_more(self, conn: socket.socket, buf: bytearray) -> bool:
+        """The modes added for the bad-server matrix; False when the connection is done."""
+        line = self.requests[-1]
+        method, target = [*line.split(b" "), b"", b""][:2]
+        if self.mode in ("early_hints", "continue100"):
+            interim = (
+                b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+                if self.mode == "early_hints"
+                else b"HTTP/1.1 100 Continue\r\n\r\n"
+            )
+            # The interim answer alone first, as a real server sends it before it has the
+            # final one: a client that takes it as final reads the 200 as its next answer.
+            conn.sendall(interim)
+            self._stop.wait(0.01)
+            conn.sendall(self._correct_answer(method, target))
+            return True
+        if self.mode == "dropwrite":
+            if method in (b"PUT", b"DELETE"):
+                with self._lock:
+                    self.applied += 1
+                return False
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+            return True
+        if self.mode == "redirect":
+            location = self.redirect_to.encode() + target
+            conn.sendall(
+                b"HTTP/1.1 307 Temporary Redirect\r\nLocation: %s\r\nContent-Length: 0\r\n\r\n"
+                % location
+            )
+            return True
+        if self.mode == "final_first":
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            got = len(buf)
+            deadline = time.monotonic() + 10
+            conn.settimeout(0.1)
+            while time.monotonic() < deadline and not self._stop.is_set():
+                try:
+                    data = conn.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    self.client_closed.set()
+                    break
+                got += len(data)
+            with self._lock:
+                self.after_head += got
+            return False
+        if self.mode == "huge":
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1610612736\r\n\r\n")
+            self._stop.wait(FLOOD_SECONDS)
+            return False
+        if self.mode == "nolength":
+            conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+            self._flood(conn, b"")
+            return False
+        if self.mode == "endless_chunked":
+            conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            self._flood(conn, b"100000\r\n", b"\r\n")
+            return False
+        if self.mode == "gzip":
+            # Reads get a 200, writes a 503: the bomb is in every answer, read or drained.
+            status = b"200 OK" if method in (b"GET", b"POST") else b"503 Busy"
+            bomb = gzip_bomb()
+            conn.sendall(
+                b"HTTP/1.1 %s\r\nContent-Encoding: gzip\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % (status, len(bomb)) + bomb
+            )
+            return True
+        if self.mode == "reset":
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return False
+        raise ValueError(f"unknown mode {self.mode}")
+
+    def _flood(self, conn: socket.socket, prefix: bytes, suffix: bytes = b"") -> None:
+        """Send 1 MiB pieces until the client leaves, or FLOOD_BYTES / FLOOD_SECONDS."""
+        piece = prefix + bytes(1024 * 1024) + suffix
+        sent, deadline = 0, time.monotonic() + FLOOD_SECONDS
+        while sent < FLOOD_BYTES and time.monotonic() < deadline and not self._stop.is_set():
+            conn.sendall(piece)
+            sent += len(piece)
+
+    def _correct_answer(self, method: bytes, target: bytes) -> bytes:
+        """What a correct server answers (the block at ``/kv/<addr>`` holds ``<addr>``)."""
+        if target.endswith(b"/kv/batch/exists"):
+            n = len(json.loads(self.bodies[-1])["addresses"])
+            body = json.dumps({"exists": [True] * n, "prefix_hits": n}).encode()
+        elif target.endswith(b"/exists"):
+            body = b'{"exists": true}'
+        elif method == b"PUT":
+            return b"HTTP/1.1 201 Created\r\nContent-Length: 8\r\n\r\ncreated\n"
+        elif method == b"DELETE":
+            return b"HTTP/1.1 204 No Content\r\n\r\n"
+        elif method == b"HEAD":
+            return b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"
+        else:
+            body = target.rsplit(b"/", 1)[-1]
+        return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+class AsyncAsSync:
+    """An :class:`~eg_kv.aio.AsyncRemoteKVConnector` driven from synchronous test code.
+
+    Each method call runs the coroutine to completion on one private event loop, so one
+    test body can drive the sync and the async client alike.
+    """
+
+    def __init__(self, **settings: Any) -> None:
+        from eg_kv.aio import AsyncRemoteKVConnector
+
+        self._loop = asyncio.new_event_loop()
+        self._kv = AsyncRemoteKVConnector(**settings)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._kv, name)
+        return lambda *args: self._loop.run_until_complete(method(*args))
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._kv.close())
+        self._loop.close()
+
+
+@contextlib.contextmanager
+def open_client(kind: str, **settings: Any) -> Iterator[Any]:
+    """A ``"sync"`` :class:`RemoteKVConnector` or an ``"async"`` one behind
+    :class:`AsyncAsSync`, closed on exit."""
+    from eg_kv.client import RemoteKVConnector
+
+    kv = RemoteKVConnector(**settings) if kind == "sync" else AsyncAsSync(**settings)
+    try:
+        yield kv
+    finally:
+        kv.close()
+
+
+@contextlib.contextmanager
+def bad_server(mode: str) -> Iterator[str]:
+    """The URL of a server broken in ``mode`` (a RawServer mode, or ``refused``: a port
+    bound but not listening)."""
+    if mode == "refused":
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            yield f"http://127.0.0.1:{held.getsockname()[1]}"
+    else:
+        with RawServer(mode) as srv:
+            yield srv.url

@@ -21,7 +21,8 @@ from eg_kv.errors import (
     SlabError,
     TooLarge,
 )
-from eg_kv.slab import BlockGone, Slab, pid_alive
+from eg_kv.procs import pid_alive
+from eg_kv.slab import BlockGone, Slab
 
 KiB, MiB = 1024, 1024 * 1024
 PAGE = 64 * KiB

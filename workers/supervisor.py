@@ -41,7 +41,8 @@ from eg_kv import runstate, tenants
 from eg_kv.config import Settings, format_size
 from eg_kv.errors import ConfigError, EgKvError, SlabError
 from eg_kv.hints import tick as tick_hints
-from eg_kv.slab import LockTimeout, Slab, pid_alive
+from eg_kv.procs import pid_alive
+from eg_kv.slab import LockTimeout, Slab
 
 from . import worker as worker_mod
 from .worker import BOOT_ERROR, make_ssl_context

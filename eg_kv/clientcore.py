@@ -1,0 +1,443 @@
+"""What the sync and the async client share: everything that does no I/O.
+
+:mod:`eg_kv.client` (standard library, :mod:`eg_kv.http11`) and :mod:`eg_kv.aio`
+(aiohttp) differ only in how bytes move. Settings, addresses, request heads, the rules
+that turn an answer into a hit or a miss, batch splitting and the shared exceptions live
+here, written once (the way httpx's clients share ``BaseClient``).
+
+The rules against a far end that cannot be trusted (a broken server, a proxy, an attacker
+on the path) are here too, so both clients keep them alike:
+
+* only a final answer counts (interim ``1xx`` answers are skipped by the transports);
+* a block answer is read only when it is ``200``, unencoded, and framed by a
+  ``Content-Length`` no larger than ``max_block_size``; anything else is a miss before a
+  byte is allocated. Other answers (JSON, error lines) are read up to
+  :data:`SMALL_ANSWER_MAX`;
+* redirects are never followed: a ``3xx`` is a miss;
+* a request that changes state (``PUT``, ``DELETE``) is never sent twice
+  (:func:`may_resend`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import urllib.parse
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from .address import address_for_key, validate
+from .config import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_BLOCK_SIZE,
+    DEFAULT_PORT,
+    ENV_ADDR,
+    ENV_TIMEOUT,
+    ENV_TLS_VERIFY,
+    ENV_TOKEN,
+    ENV_URL,
+    format_hostport,
+    parse_addr,
+    parse_bool,
+    parse_size,
+)
+from .errors import ConfigError, InvalidAddress, RemoteError, Unauthorized
+
+log = logging.getLogger("eg_kv.kvcache")
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_NUM_WORKERS = 8
+DEFAULT_MAX_CONNECTIONS = 16
+#: The largest block a client reads (default: the server's default ``--max-block-size``).
+ENV_MAX_BLOCK_SIZE = "EPISTEMIC_GRAPH_KVCACHE_MAX_BLOCK_SIZE"
+#: The server's limit on addresses per ``POST /kv/batch/exists``.
+BATCH_EXISTS_MAX = 1024
+#: Largest non-block answer read (JSON, error lines). The largest real one, a batch answer
+#: for 1024 addresses, is about 7 KiB.
+SMALL_ANSWER_MAX = 1024 * 1024
+#: PUT bodies larger than this ask ``Expect: 100-continue`` first, so a server that
+#: answers from the head alone (a dedup hit, a refusal) is not sent the body.
+EXPECT_CONTINUE_MIN = 64 * 1024
+#: The keywords every connector takes (and LMCache's ``adapter_params`` / ``extra_config``).
+CONFIG_KEYWORDS = (
+    "base_url", "addr", "token", "timeout_s", "num_workers", "max_connections", "verify_tls",
+    "max_block_size",
+)  # fmt: skip
+#: The Content-Type of a block body and of a batch request.
+BLOCK_TYPE = "application/octet-stream"
+JSON_TYPE = "application/json"
+#: Sent with every request: the clients never decompress, so a compressed body (a
+#: "gzip bomb" included) can only be a miss.
+ACCEPT_IDENTITY = ("Accept-Encoding", "identity")
+
+
+class Miss(Exception):
+    """Internal to the clients: the answer cannot be used (a miss, never raised to users)."""
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCacheConfig:
+    """Where and how a client reaches an eg-kv server. Frozen; the token stays out of repr.
+
+    Attributes:
+        base_url: ``http://host:port`` or ``https://host:port`` (an optional path prefix
+            is kept, for a server behind a reverse proxy).
+        token: bearer token sent as ``Authorization: Bearer <token>``, or None.
+        timeout_s: the most one operation waits on the network (connect, send, answer).
+        num_workers: threads of the LMCache L2 adapter's pool.
+        max_connections: most connections open at once to the server (and kept idle).
+        verify_tls: check the server's certificate on ``https``.
+        max_block_size: the largest block answer read; a longer (or unframed) one is a
+            miss before anything is allocated, which bounds a client's memory.
+    """
+
+    base_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+    token: str | None = dataclasses.field(default=None, repr=False)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    num_workers: int = DEFAULT_NUM_WORKERS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    verify_tls: bool = True
+    max_block_size: int = DEFAULT_MAX_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        parts = urllib.parse.urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"base_url {self.base_url!r} must look like http://host:port or https://host:port"
+            )
+        if parts.username or parts.password or parts.query or parts.fragment:
+            # A token in the URL would end up in logs; it belongs in the token field.
+            raise ConfigError("base_url must hold no user, password, query or fragment")
+        object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
+        if not self.timeout_s > 0:
+            raise ConfigError("timeout_s must be a positive number of seconds")
+        if self.num_workers < 1:
+            raise ConfigError("num_workers must be at least 1")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be at least 1")
+        if self.max_block_size < 1:
+            raise ConfigError("max_block_size must be at least 1 byte (e.g. 64MiB)")
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        base_url: str | None = None,
+        addr: str | None = None,
+        token: str | None = None,
+        timeout_s: float | str | None = None,
+        num_workers: int | None = None,
+        max_connections: int | None = None,
+        verify_tls: bool | str | None = None,
+        max_block_size: int | str | None = None,
+    ) -> KvCacheConfig:
+        """Build a config: explicit keywords first, then the environment, then defaults.
+
+        The server is found from ``base_url``, else ``addr`` (the server's address grammar:
+        ``1``/``true``/``yes``/``on``, a port, ``host:port`` or ``[v6]:port``), else
+        ``EPISTEMIC_GRAPH_KVCACHE_URL``, else ``EPISTEMIC_GRAPH_KVCACHE_ADDR``, else
+        ``http://127.0.0.1:9130``. ``EPISTEMIC_GRAPH_KVCACHE_TOKEN``, ``_TIMEOUT_S``,
+        ``_TLS_VERIFY`` and ``_MAX_BLOCK_SIZE`` fill the token, timeout, TLS check and
+        largest block.
+
+        Args:
+            env: the environment to read (default ``os.environ``).
+            base_url, addr, token, timeout_s, num_workers, max_connections, verify_tls,
+            max_block_size: explicit settings; None means "not given". A size may be
+                written like ``64MiB``.
+
+        Returns:
+            The frozen config.
+
+        Raises:
+            ConfigError: a value (given or from the environment) cannot be used.
+        """
+        env = os.environ if env is None else env
+        if not base_url:
+            if addr:
+                base_url = _url_from_addr(str(addr))
+            elif env.get(ENV_URL):
+                base_url = env[ENV_URL].strip()
+            elif env.get(ENV_ADDR):
+                base_url = _url_from_addr(env[ENV_ADDR])
+            else:
+                base_url = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+        if token is None:
+            token = env.get(ENV_TOKEN) or None
+        if timeout_s is None:
+            timeout_s = env.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S
+        try:
+            timeout = float(timeout_s)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{ENV_TIMEOUT} / timeout_s must be a number of seconds") from None
+        if verify_tls is None:
+            verify_tls = env.get(ENV_TLS_VERIFY) or True
+        if isinstance(verify_tls, str):
+            verify_tls = parse_bool(verify_tls, ENV_TLS_VERIFY)
+        if max_block_size is None:
+            max_block_size = env.get(ENV_MAX_BLOCK_SIZE) or DEFAULT_MAX_BLOCK_SIZE
+        return cls(
+            base_url=base_url,
+            token=token or None,
+            timeout_s=timeout,
+            num_workers=int(num_workers) if num_workers is not None else DEFAULT_NUM_WORKERS,
+            max_connections=(
+                int(max_connections) if max_connections is not None else DEFAULT_MAX_CONNECTIONS
+            ),
+            verify_tls=bool(verify_tls),
+            max_block_size=parse_size(max_block_size),
+        )
+
+
+def _url_from_addr(value: str) -> str:
+    host, port = parse_addr(value)
+    return f"http://{format_hostport(host, port)}"
+
+
+def resolve_config(config: KvCacheConfig | None, overrides: dict[str, Any]) -> KvCacheConfig:
+    """The config a connector uses: the one given, else ``from_env`` with the keywords.
+
+    Raises:
+        ConfigError: both a config and keywords were given, or a keyword is unknown.
+    """
+    if config is not None:
+        if overrides:
+            raise ConfigError("pass either a KvCacheConfig or keyword settings, not both")
+        return config
+    allowed = set(CONFIG_KEYWORDS)
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {unknown}; known: {sorted(allowed)}")
+    return KvCacheConfig.from_env(**overrides)
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCacheStats:
+    """``GET /kv/stats``: occupancy and dedup counters; ``extra`` holds any other field."""
+
+    unique_blocks: int = 0
+    total_refs: int = 0
+    resident_bytes: int = 0
+    logical_bytes: int = 0
+    dedup_savings_bytes: int = 0
+    dedup_hits: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> KvCacheStats:
+        """Build from the decoded JSON body.
+
+        Raises:
+            RemoteError: the body is not an object or a known counter is not an integer.
+        """
+        if not isinstance(doc, dict):
+            raise RemoteError("/kv/stats did not answer a JSON object")
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        values: dict[str, Any] = {}
+        for name in names:
+            v = doc.get(name, 0)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise RemoteError(f"/kv/stats field {name!r} is not an integer")
+            values[name] = v
+        extra = {k: v for k, v in doc.items() if k not in values}
+        return cls(**values, extra=extra)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def to_address(key: str | bytes) -> str:
+    """The server address for a key.
+
+    A string that is already a valid address (a token hash such as ``abc123``) is used
+    verbatim, as the contract's ``PUT /kv/<hash>`` says; anything else (LMCache keys hold
+    ``/``, bytes, over-long keys, ``.`` and ``..``) becomes the stable digest of
+    :func:`eg_kv.address.address_for_key`, the same in every process and host.
+    """
+    if isinstance(key, str):
+        try:
+            validate(key)
+            return key
+        except InvalidAddress:
+            pass
+    return address_for_key(key)
+
+
+def batches(addresses: Sequence[str]) -> Iterator[list[str]]:
+    """Split addresses into ``POST /kv/batch/exists`` requests the server accepts."""
+    for i in range(0, len(addresses), BATCH_EXISTS_MAX):
+        yield list(addresses[i : i + BATCH_EXISTS_MAX])
+
+
+def batch_body(addresses: list[str]) -> bytes:
+    """The JSON body of one ``POST /kv/batch/exists``."""
+    return json.dumps({"addresses": addresses}, separators=(",", ":")).encode()
+
+
+def batch_answer(doc: Any, n: int) -> tuple[list[bool], int]:
+    """Check a ``POST /kv/batch/exists`` answer for ``n`` addresses.
+
+    Returns:
+        (one boolean per address, the length of the leading run of hits).
+
+    Raises:
+        Miss: the answer does not hold one boolean per address.
+    """
+    found = doc.get("exists") if isinstance(doc, dict) else None
+    if (
+        not isinstance(found, list)
+        or len(found) != n
+        or not all(isinstance(b, bool) for b in found)
+    ):
+        raise Miss("batch answer does not hold one boolean per address")
+    prefix = doc.get("prefix_hits")
+    if not isinstance(prefix, int) or isinstance(prefix, bool):
+        prefix = next((i for i, b in enumerate(found) if not b), len(found))
+    return found, prefix
+
+
+def exists_answer(doc: Any) -> bool:
+    """The ``exists`` boolean of a ``GET /kv/<addr>/exists`` answer.
+
+    Raises:
+        Miss: the answer holds no boolean ``exists``.
+    """
+    found = doc.get("exists") if isinstance(doc, dict) else None
+    if not isinstance(found, bool):
+        raise Miss("no boolean 'exists' in the answer")
+    return found
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def may_resend(method: str, target: str) -> bool:
+    """Whether a request may go out again after its connection failed mid-exchange.
+
+    Only requests that change nothing: ``GET``, ``HEAD`` and the batch existence probe
+    (a ``POST`` that only reads). A ``PUT`` or ``DELETE`` whose head went out may have
+    been applied (a ``DELETE`` sent twice releases two references), so it is a miss.
+    """
+    return method in ("GET", "HEAD") or (method == "POST" and target.endswith("/kv/batch/exists"))
+
+
+def wants_continue(method: str, size: int) -> bool:
+    """Whether a request asks ``Expect: 100-continue`` (a PUT body over 64 KiB)."""
+    return method == "PUT" and size > EXPECT_CONTINUE_MIN
+
+
+def check_final(status: int) -> None:
+    """The rules every final answer passes before its body is looked at.
+
+    Raises:
+        Unauthorized: 401, the server wants a (valid) bearer token.
+        Miss: a redirect (3xx): never followed, so a proxy cannot send the request (or
+            the token) elsewhere.
+    """
+    if status == 401:
+        raise Unauthorized("the server wants a valid bearer token")
+    if 300 <= status < 400:
+        raise Miss(f"HTTP {status}: redirects are not followed")
+
+
+def block_to_read(status: int, length: int | None, encoding: str | None, limit: int) -> bool:
+    """Whether a ``GET /kv/<addr>`` answer carries a block worth reading.
+
+    Args:
+        status: the final status.
+        length: its Content-Length, None when unframed (chunked or read-to-close).
+        encoding: its Content-Encoding, None when absent.
+        limit: the config's ``max_block_size``.
+
+    Returns:
+        True for a block to read (``length`` bytes, at most ``limit``); False for a plain
+        miss (404 and other refusals) whose small body may be drained.
+
+    Raises:
+        Unauthorized, Miss: see :func:`check_final`; and a block that is encoded,
+            unframed or over ``limit`` (a miss before anything is allocated).
+    """
+    check_final(status)
+    if status != 200:
+        return False
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise Miss(f"block sent with Content-Encoding {encoding[:20]!r}; asked for identity")
+    if length is None:
+        raise Miss("block answer without a Content-Length")
+    if length > limit:
+        raise Miss(f"block of {length} bytes is over max_block_size {limit}")
+    return True
+
+
+def json_answer(status: int, body: bytes) -> Any:
+    """The decoded body of a JSON answer (``/exists``, batch, stats, healthz).
+
+    Raises:
+        Miss: not a 200, or not JSON.
+    """
+    if status != 200:
+        raise Miss(f"HTTP {status}")
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise Miss("the answer is not JSON") from None
+
+
+class ClientCore:
+    """The part of a connector that does no I/O: its config, request heads and misses.
+
+    Both :class:`~eg_kv.client.RemoteKVConnector` and
+    :class:`~eg_kv.aio.AsyncRemoteKVConnector` hold one.
+
+    Attributes:
+        config: the resolved settings.
+        prefix: the base URL's path prefix (``""`` unless behind a reverse proxy).
+        headers: the header fields every request carries (token, identity encoding).
+    """
+
+    def __init__(self, config: KvCacheConfig) -> None:
+        self.config = config
+        self.prefix = urllib.parse.urlsplit(config.base_url).path.rstrip("/")
+        self.headers: dict[str, str] = dict((ACCEPT_IDENTITY,))
+        if config.token:
+            # The one place the token lives besides the config: a header value.
+            self.headers["Authorization"] = f"Bearer {config.token}"
+        self._warned_401 = False
+
+    def block_path(self, address: str, suffix: str = "") -> str:
+        """The request target of a block route."""
+        return f"{self.prefix}/kv/{address}{suffix}"
+
+    def path(self, route: str) -> str:
+        """The request target of a fixed route (``/kv/stats``, ``/healthz``, ...)."""
+        return f"{self.prefix}{route}"
+
+    def miss(self, what: str, address: str, exc: BaseException) -> None:
+        """Log a miss. A refused token is a warning once; the rest is debug, so a dead
+        server cannot flood the engine's logs."""
+        if isinstance(exc, Unauthorized):
+            self.warn_unauthorized()
+        log.debug("eg-kv %s %s: miss (%s: %s)", what, address, type(exc).__name__, exc)
+
+    def warn_unauthorized(self) -> None:
+        """Warn, once per connector, that the server refused the token."""
+        if not self._warned_401:
+            self._warned_401 = True
+            log.warning("eg-kv at %s refused the bearer token (401)", self.config.base_url)
+
+    def unreachable(self, what: str, exc: BaseException) -> RemoteError:
+        """The one-line error of a call that raises (``stats()``)."""
+        return RemoteError(
+            f"cannot read {what} from {self.config.base_url}: {type(exc).__name__}: {exc}"
+        )

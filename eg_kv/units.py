@@ -1,0 +1,48 @@
+"""Sizes: binary units, parsing and display, and the block-size defaults every layer shares.
+
+A base module (it imports only :mod:`eg_kv.errors`): the slab, the server's settings and the
+clients all use it, so none of them has to import another layer for a number.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+TiB = 1024 * GiB
+
+#: The slab's page: a block takes whole pages (see docs/design.md).
+DEFAULT_PAGE_SIZE = 64 * KiB
+#: The largest block the server accepts and a client reads, unless told otherwise.
+DEFAULT_MAX_BLOCK_SIZE = 64 * MiB
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a size such as ``8GiB``, ``64KiB``, ``512M`` or ``4096`` into bytes.
+
+    Units are binary (``K`` = 1024) with or without the ``i`` and the ``B``.
+
+    Raises:
+        ConfigError: the text is not a size.
+    """
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ConfigError(f"not a size: {text!r} (write it like 4096, 64KiB, 512MiB or 8GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_size(n: int) -> str:
+    """The inverse of :func:`parse_size` for display: the largest exact binary unit."""
+    for unit in ("T", "G", "M", "K"):
+        if n and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}iB"
+    return f"{n}B"

@@ -1,0 +1,252 @@
+"""Clients that trust nothing: every bad server, for the sync and the async client.
+
+Each bad server is a real loopback socket (``kvcache_helpers.RawServer``). Whatever it
+does, a call costs at most a miss, within about ``timeout_s``: never wrong bytes, never
+memory beyond the largest block (measured in a subprocess through its peak RSS), never a
+request that changes state sent twice, never a redirect followed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, wait_for
+from kvcache_helpers import RawServer, bad_server, open_client
+from test_kvcache_l2 import lm_keys, wait_completions
+
+from eg_kv.address import address_for_key
+from eg_kv.errors import RemoteError
+from eg_kv.kvcache import RemoteKVL2Connector
+
+KINDS = ("sync", "async")
+TIMEOUT = 0.3
+# A bad server may cost one timeout per phase (connect, send, answer); twice the timeout
+# plus scheduling slack on a loaded 2-core box is the bound "no hang" is held to.
+BOUND = 2 * TIMEOUT + 1.0
+MAX_BLOCK = 8 * 1024 * 1024
+#: Servers that answer every request correctly after an interim 1xx answer.
+INTERIM_MODES = ("early_hints", "continue100")
+#: Every way the far end can be bad, and the interim modes (which must give hits).
+MODES = (
+    "refused", "silent", "drip", "garbage", "short", "badjson", "nolength", "huge",
+    "endless_chunked", "gzip", "redirect", "reset", *INTERIM_MODES,
+)  # fmt: skip
+BIG = 100 * 1024  # a PUT body large enough to ask Expect: 100-continue
+
+
+def _calls(kind: str, kv, hit: bool) -> list[tuple[str, object, object]]:
+    """(name, call, what it must return) for every hot-path call."""
+    calls = [
+        ("get a", lambda: kv.get("a"), b"a" if hit else None),
+        ("get b", lambda: kv.get("b"), b"b" if hit else None),
+        ("put", lambda: kv.put("a", b"v" * 1000), hit),
+        ("put big", lambda: kv.put("a", bytes(BIG)), hit),
+        ("exists", lambda: kv.exists("a"), hit),
+        ("delete", lambda: kv.delete("a"), hit),
+        ("exists_many", lambda: kv.exists_many(["a", "b"]), [hit, hit]),
+        ("contains_prefix", lambda: kv.contains_prefix(["a", "b"]), 2 if hit else 0),
+    ]
+    if kind == "sync":
+        buf = bytearray(64)
+        calls.append(("get_into", lambda: kv.get_into("a", buf), 1 if hit else None))
+    return calls
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bad_server_costs_a_miss_within_the_timeout(kind, mode, monkeypatch):
+    hit = mode in INTERIM_MODES
+    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_MAX_BLOCK_SIZE", str(MAX_BLOCK))
+    with bad_server(mode) as url, open_client(kind, base_url=url, timeout_s=TIMEOUT) as kv:
+        for name, call, want in _calls(kind, kv, hit):
+            t0 = time.monotonic()
+            got = call()
+            took = time.monotonic() - t0
+            assert got == want, (name, got)
+            assert took < BOUND, (name, took)
+        # A HEAD answered 200 is a well-formed "present" whatever the body rules say.
+        t0 = time.monotonic()
+        assert kv.contains("a") in ((True,) if hit else (True, False))
+        assert time.monotonic() - t0 < BOUND
+        if not hit:
+            t0 = time.monotonic()
+            with pytest.raises(RemoteError):
+                kv.stats()
+            assert time.monotonic() - t0 < BOUND
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_interim_answers_never_shift_answers_onto_the_next_request(kind):
+    # Today's bug: a 103 taken as final left the 200 to be read as the next answer, so
+    # get("b") returned a's bytes. Every answer here names its key.
+    with RawServer("early_hints") as srv, open_client(kind, base_url=srv.url, timeout_s=5) as kv:
+        for key in ("k1", "k2", "k3", "k1"):
+            assert kv.get(key) == key.encode()
+        assert kv.put("k4", bytes(BIG)) is True
+        assert kv.get("k5") == b"k5"
+    assert srv.accepted == 1  # the connection stayed in step, so it was kept
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_put_and_delete_are_never_sent_twice(kind):
+    # The server applies each PUT and DELETE, then drops the connection unanswered. A
+    # client that resends would release two references for one delete().
+    with RawServer("dropwrite") as srv, open_client(kind, base_url=srv.url, timeout_s=5) as kv:
+        for _ in range(2):
+            assert kv.get("warm") is None  # a kept-alive connection for the next call
+            assert kv.delete("k") is False
+        assert srv.applied == 2
+        assert kv.get("warm") is None
+        assert kv.put("k", b"small") is False
+        assert kv.get("warm") is None
+        assert kv.put("k", bytes(BIG)) is False
+        assert srv.applied == 4
+        assert sum(line.startswith(b"DELETE") for line in srv.requests) == 2
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_used():
+    # A PUT is never resent, so it must not go out on a connection the server closed
+    # while it sat in the pool: the zero-timeout poll finds it closed first.
+    with RawServer("oneshot") as srv, open_client("sync", base_url=srv.url, timeout_s=5) as kv:
+        assert kv.get("a") == b"hello"
+        # The server closed that connection right after its answer: wait for its FIN.
+        wait_for(lambda: kv._pool._idle[0].dropped(), timeout=5, what="the FIN")
+        assert kv.put("a", b"value") is True
+        assert srv.accepted == 2 and len(srv.requests) == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_redirect_is_never_followed(kind):
+    token = "never-leaves-the-first-server"
+    with RawServer("oneshot") as elsewhere, RawServer("redirect", elsewhere.url) as srv:
+        with open_client(kind, base_url=srv.url, timeout_s=2, token=token) as kv:
+            assert kv.get("a") is None
+            assert kv.put("a", b"v") is False
+            assert kv.put("a", bytes(BIG)) is False
+            assert kv.exists("a") is False
+            assert kv.delete("a") is False
+            assert kv.contains("a") is False
+            assert kv.exists_many(["a"]) == [False]
+            assert kv.put_status("a", [b"v"]) == 307
+        assert len(srv.requests) == 8
+        assert all(token.encode() in head for head in srv.heads)
+        assert elsewhere.accepted == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_final_answer_to_the_head_gets_no_body(kind):
+    # A server that answers a large PUT from its head alone (a dedup hit found from the
+    # headers, or a refusal) is not sent the body, and the connection is closed: whether
+    # the server still waits for the body is unknown.
+    with RawServer("final_first") as srv, open_client(kind, base_url=srv.url, timeout_s=5) as kv:
+        t0 = time.monotonic()
+        assert kv.put_status("k", [bytes(BIG), bytes(BIG)]) == 200
+        assert time.monotonic() - t0 < 4
+        assert srv.client_closed.wait(5)
+        head = srv.heads[0].lower()
+        assert b"expect: 100-continue" in head and b"content-length: %d" % (2 * BIG) in head
+        assert srv.after_head == 0
+    # A small body goes with its head, without asking.
+    with RawServer("early_hints") as srv, open_client(kind, base_url=srv.url, timeout_s=5) as kv:
+        assert kv.put_status("k", [b"x" * 1000]) == 201
+        assert b"expect" not in srv.heads[0].lower()
+        assert srv.bodies[0] == b"x" * 1000
+
+
+@pytest.mark.parametrize("mode", ["early_hints", "gzip", "nolength", "redirect", "reset"])
+def test_the_lmcache_l2_adapter_loads_the_right_bytes_or_misses(mode):
+    # One worker, one connection: a client that took the 103 as final loads key 0 as a
+    # miss and key 1 with key 0's bytes (same length: the adapter would accept them).
+    keys = lm_keys(3)
+    with RawServer(mode) as srv:
+        conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=TIMEOUT, num_workers=1)
+        want = [address_for_key(k).encode() for k in keys]  # what /kv/<addr> holds there
+        outs = [bytearray(len(w)) for w in want]
+        fid = conn.submit_batch_get(keys, [memoryview(o) for o in outs])
+        done = wait_completions(conn, {fid}, timeout=10)[fid]
+        conn.close()
+    if mode == "early_hints":
+        assert done[3] == [True] * 3 and outs == want
+    else:
+        assert done[3] == [False] * 3 and outs == [bytearray(len(w)) for w in want]
+
+
+# --------------------------------------------------------------------------- memory
+
+#: Run in a fresh interpreter: each mode's peak RSS growth (VmHWM, reset per mode
+#: through /proc/self/clear_refs where the kernel allows it).
+_MEASURE = r"""
+import json, sys, time
+sys.path.insert(0, "tests")
+from kvcache_helpers import open_client
+
+kind, urls, timeout = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+
+def hwm():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+
+def reset_hwm():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+settings = dict(timeout_s=timeout)  # max_block_size from the environment
+with open_client(kind, base_url=urls["early_hints"], **settings) as kv:  # warm up
+    assert kv.get("warm") == b"warm" and kv.exists("warm") and kv.put("warm", bytes(100000))
+out = {}
+for mode, url in urls.items():
+    with open_client(kind, base_url=url, **settings) as kv:
+        reset_hwm()
+        base = hwm()
+        t0 = time.monotonic()
+        got = [kv.get("k"), kv.exists("k"), kv.contains("k")]
+        took = time.monotonic() - t0
+        out[mode] = {"growth": hwm() - base, "took": took, "got": repr(got[0])[:40]}
+print(json.dumps(out))
+"""
+MEMORY_MODES = (
+    "early_hints", "huge", "nolength", "endless_chunked", "gzip", "drip", "short",
+    "garbage", "reset", "redirect",
+)  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bad_server_costs_no_more_memory_than_the_largest_block(kind):
+    servers = [RawServer(mode) for mode in MEMORY_MODES]
+    try:
+        urls = {s.mode: s.url for s in servers}
+        proc = subprocess.run(
+            [sys.executable, "-c", _MEASURE, kind, json.dumps(urls), "0.5"],
+            capture_output=True,
+            text=True,
+            timeout=150,
+            cwd=ROOT,
+            env={
+                **os.environ,
+                "LMCACHE_TRACK_USAGE": "false",
+                "EPISTEMIC_GRAPH_KVCACHE_MAX_BLOCK_SIZE": str(MAX_BLOCK),
+            },
+        )
+    finally:
+        for s in servers:
+            s.stop()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    print(kind, json.dumps(out, indent=1))
+    assert out["early_hints"]["got"] == "b'k'"  # the one good server still gives hits
+    for mode, seen in out.items():
+        assert seen["growth"] < 2 * MAX_BLOCK, (mode, seen)
+        if mode != "early_hints":
+            assert seen["got"] == "None", (mode, seen)
+        assert seen["took"] < 3 * (2 * 0.5 + 1.0), (mode, seen)
