@@ -93,8 +93,12 @@ def test_namespaces_isolate_addresses_and_keep_their_ids(small, slab_name):
     assert small.put("x", b"A" * 100, a) is False  # dedup within a: one more reference
     assert small.delete("x", b) is True and small.get("x", a) == b"A" * 100
     assert small.delete("x", b) is False
+    small.put("x", b"D" * 300)  # the default namespace: a third block
     st = small.namespace_stats()
     assert st["a"]["unique_blocks"] == 1 and st["a"]["total_refs"] == 2
+    assert (st[""]["unique_blocks"], st[""]["resident_bytes"], st[""]["puts_created"]) == (
+        1, 300, 1,
+    )  # fmt: skip
     assert st["b"]["unique_blocks"] == 0 and st["b"]["deletes"] == 1
     assert small.check() == []
     # Another process (and a restart of the same slab) gets the same ids.
