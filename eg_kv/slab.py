@@ -960,7 +960,12 @@ class Slab:
                 return self._add_ref(i, s, h.address, h.length)
             if h.ns and self._nsw[h.ns * L.NS_WORDS + L.NS_QUOTA]:
                 # Blocks of the namespace published meanwhile may have taken it over.
-                self._room(0, h.ns, h.length)
+                try:
+                    self._room(0, h.ns, h.length)
+                except InsufficientStorage:  # the quota was lowered below the block
+                    first, npages = self._unreserve(h.resv)
+                    self._free_pages(first, npages)
+                    raise
                 i = self._find(h.raw, h.fp, h.ns)[0]
             # Publish the slot before giving up the reservation: a crash in between leaves
             # both claiming the pages, and repair lets the published slot win.

@@ -142,3 +142,15 @@ def test_a_full_slab_still_evicts_as_before(small):
     st = small.namespace_stats()["a"]
     assert st["evictions"] >= 16 and st["resident_bytes"] <= 4 * MiB
     assert small.check() == []
+
+
+def test_a_quota_lowered_under_an_upload_refuses_it_and_frees_its_pages(small):
+    ids = small.bind_namespaces({"a": MiB})
+    handle = small.begin_put("big", 512 * KiB, ns=ids["a"])
+    handle.write(bytes(512 * KiB))
+    small.bind_namespaces({"a": 256 * KiB})  # a reload lowered the quota meanwhile
+    with pytest.raises(InsufficientStorage, match="quota"):
+        handle.commit()
+    st = small.stats()
+    assert st["reserved_pages"] == 0 and st["free_bytes"] == st["capacity_bytes"]
+    assert small.check() == []
