@@ -178,13 +178,13 @@ NS_ENTRY_SIZE = 8 * NS_WORDS  # 192
 NS_OFFSET = HEADER_SIZE
 NS_TABLE_SIZE = NS_COUNT * NS_ENTRY_SIZE  # 768 KiB
 SLOT_NS_OFFSET = 48  # byte offset of the namespace id inside a slot (a uint32)
-_NS_MIX = 0x9E3779B97F4A7C15
+NS_MIX = 0x9E3779B97F4A7C15
 
 
 def ns_fingerprint(fp: int, ns: int) -> int:
     """The slot fingerprint of an address whose own fingerprint is ``fp``, in namespace
     ``ns``: the same address in two namespaces lands on two homes and never matches."""
-    return fp ^ ((ns * _NS_MIX) & 0xFFFFFFFFFFFFFFFF) if ns else fp
+    return fp ^ ((ns * NS_MIX) & 0xFFFFFFFFFFFFFFFF) if ns else fp
 
 
 # Reservation: writer pid (0 = entry free), first page, page count, block length.

@@ -209,12 +209,17 @@ class EgKv(Server):
 
     def start(self) -> None:
         self.slab = f"/eg-kv-bench-{os.getpid()}-{self.port}"
-        extra = ["--tokens", AUTH["file"]] if AUTH else []
+        extra = ["--tokens", AUTH["file"]] if AUTH.get("file") else []
+        env = (
+            {**os.environ, "EPISTEMIC_GRAPH_KVCACHE_TOKEN": AUTH["token"]}
+            if AUTH.get("token")
+            else None
+        )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{self.port}",
              "--workers", str(self.workers), "--capacity", "512MiB", "--slab-name", self.slab,
              "--fresh", *extra],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -719,8 +724,17 @@ def main() -> int:
         default=0,
         help="serve eg-kv with a tokens file of this many tenants; clients send one's token",
     )
+    ap.add_argument(
+        "--single-token",
+        action="store_true",
+        help="serve eg-kv with one EPISTEMIC_GRAPH_KVCACHE_TOKEN; clients send it (the "
+        "baseline of --tenants)",
+    )
     ap.add_argument("--bare-server", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.single_token:
+        header = "Authorization: Bearer bench-single-token"
+        AUTH.update(token="bench-single-token", line=header + "\r\n", args=["-H", header])
     if args.tenants:
         tmp = tempfile.mkdtemp(prefix="eg-kv-bench-tokens-")
         atexit.register(shutil.rmtree, tmp, True)

@@ -93,8 +93,12 @@ def test_namespaces_isolate_addresses_and_keep_their_ids(small, slab_name):
     assert small.put("x", b"A" * 100, a) is False  # dedup within a: one more reference
     assert small.delete("x", b) is True and small.get("x", a) == b"A" * 100
     assert small.delete("x", b) is False
+    small.put("x", b"D" * 300)  # the default namespace: a third block
     st = small.namespace_stats()
     assert st["a"]["unique_blocks"] == 1 and st["a"]["total_refs"] == 2
+    assert (st[""]["unique_blocks"], st[""]["resident_bytes"], st[""]["puts_created"]) == (
+        1, 300, 1,
+    )  # fmt: skip
     assert st["b"]["unique_blocks"] == 0 and st["b"]["deletes"] == 1
     assert small.check() == []
     # Another process (and a restart of the same slab) gets the same ids.
@@ -137,4 +141,16 @@ def test_a_full_slab_still_evicts_as_before(small):
         small.put(f"a{k}", bytes(64 * KiB), ids["a"])
     st = small.namespace_stats()["a"]
     assert st["evictions"] >= 16 and st["resident_bytes"] <= 4 * MiB
+    assert small.check() == []
+
+
+def test_a_quota_lowered_under_an_upload_refuses_it_and_frees_its_pages(small):
+    ids = small.bind_namespaces({"a": MiB})
+    handle = small.begin_put("big", 512 * KiB, ns=ids["a"])
+    handle.write(bytes(512 * KiB))
+    small.bind_namespaces({"a": 256 * KiB})  # a reload lowered the quota meanwhile
+    with pytest.raises(InsufficientStorage, match="quota"):
+        handle.commit()
+    st = small.stats()
+    assert st["reserved_pages"] == 0 and st["free_bytes"] == st["capacity_bytes"]
     assert small.check() == []
