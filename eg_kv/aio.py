@@ -131,7 +131,24 @@ class AsyncRemoteKVConnector:
     first use, in the running loop, and closes it in :meth:`close`. Requests set their own
     redirect, decompression and (for PUT and DELETE) middleware options, whatever the
     session's defaults.
+
+    A ``base_url`` that names a server set builds an
+    :class:`eg_kv.cluster.AsyncClusterConnector` instead, with the same coroutines.
     """
+
+    def __new__(
+        cls,
+        config: KvCacheConfig | None = None,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        **settings: Any,
+    ) -> Any:
+        resolved = resolve_config(config, settings)
+        if cls is AsyncRemoteKVConnector and not resolved.single:
+            from .cluster import AsyncClusterConnector
+
+            return AsyncClusterConnector(resolved, session=session)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -158,6 +175,9 @@ class AsyncRemoteKVConnector:
         self._base = self.config.base_url
         # Request targets carry the base URL's path prefix; this is what goes before them.
         self._origin = urllib.parse.urlsplit(self._base)._replace(path="").geturl()
+        # A member found through DNS: connected at its address, TLS checks its name.
+        self._tls_name = {"server_hostname": self.config.server_name} if (
+            self.config.server_name and self._base.startswith("https")) else {}  # fmt: skip
         self._closed = False
 
     @classmethod
@@ -219,6 +239,7 @@ class AsyncRemoteKVConnector:
             "allow_redirects": False,
             "auto_decompress": False,
             "expect100": expect,
+            **self._tls_name,
         }
         if not resend:
             kw["middlewares"] = (_never_resend,)

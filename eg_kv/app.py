@@ -1,4 +1,4 @@
-"""The HTTP application every worker runs: the seed's contract over the shared slab.
+"""The HTTP application every worker runs: the HTTP contract over the shared slab.
 
 Routes (reserved words under ``/kv/`` never name a block, see :data:`eg_kv.address.RESERVED`):
 
@@ -9,7 +9,7 @@ Routes (reserved words under ``/kv/`` never name a block, see :data:`eg_kv.addre
 ``DELETE /kv/<hash>``        204 one reference released, 404 if absent
 ``GET /kv/<hash>/exists``    200 ``{"hash": ..., "exists": bool}``
 ``POST /kv/batch/exists``    200 ``{"exists": [...], "prefix_hits": n}`` for <= 1024 addresses
-``GET /kv/stats``            200 the slab's counters (the seed's eight first)
+``GET /kv/stats``            200 the slab's counters (the contract's eight first)
 ``GET /metrics``             Prometheus text, summed over every worker
 ``GET /healthz``             200 ``{"status": "ok", "workers_up": n, "workers": N}``, no auth
 ===========================  =============================================================
@@ -42,11 +42,19 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 from typing import TypeVar
 
-from aiohttp import web, web_protocol, web_server
+from aiohttp import http_exceptions, web
 
 from . import replies, runstate
+from ._compat import HandlerRunner, forget_interim, response_started
 from .address import validate
 from .config import Settings
+from .connections import (
+    RETRY_AFTER_S,
+    Connection,
+    Connections,
+    Limits,
+    resolve_max_connections,
+)
 from .errors import BadRequest, Busy, ConfigError, EgKvError, Forbidden, NotFound, TooLarge
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import FLUSH_S, Metrics
@@ -74,10 +82,6 @@ READ_BUFSIZE = 1024 * 1024
 ZERO_COPY_TAIL = 64 * 1024
 #: Slice size for copying a spooled chunked upload into the slab.
 SPOOL_SLICE = 1024 * 1024
-#: Seconds a 503 tells the client to wait (``Retry-After``): uploads in flight finish in
-#: milliseconds, stalled ones are cut by the body timeout.
-RETRY_AFTER_S = 1
-
 SETTINGS = web.AppKey("settings", Settings)
 SLAB = web.AppKey("slab", Slab)
 METRICS = web.AppKey("metrics", Metrics)
@@ -127,6 +131,7 @@ class Auth:
 
 
 AUTH = web.AppKey("auth", Auth)
+CONNECTIONS = web.AppKey("connections", Connections)
 
 
 class Drain:
@@ -206,7 +211,9 @@ def _line(text: str) -> str:
 
 
 def error_response(status: int, reason: str, headers: dict[str, str] | None = None):
-    """A ``text/plain`` one-line error response."""
+    """A ``text/plain`` one-line error response; a 503 always carries ``Retry-After``."""
+    if status == 503 and not (headers and "Retry-After" in headers):
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
     return web.Response(status=status, text=_line(reason), headers=headers)
 
 
@@ -253,6 +260,13 @@ def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
     GET. The app's drain counter, metrics and token are bound here once, not looked up per
     request. Catch-all routes send every request that matches no route through a wrapped
     handler as well, so nothing bypasses the auth check or the one-line errors.
+
+    Back-pressure: a request is handled only once the answers before it have left the
+    transport's buffer (below its low-water mark), so a client that pipelines requests
+    and never reads pins one answer, not all of them. The block routes write straight to
+    the transport and aiohttp's writer drains only past 64 KiB; waiting here covers both.
+    The check is a flag read; the wait is bounded by the send time limit
+    (:mod:`eg_kv.connections`).
     """
     drain, metrics, auth = app[DRAIN], app[METRICS], app[AUTH]
     open_route = route == "healthz"  # liveness needs no auth
@@ -261,6 +275,8 @@ def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
         start = time.perf_counter()
         drain.inflight += 1
         try:
+            if request.protocol.writing_paused:  # earlier answers are still unsent
+                await request.writer.drain()
             tenant = ANONYMOUS if open_route else _authenticate(request, auth.table)
             if isinstance(tenant, str):
                 resp = _unauthorized(tenant)
@@ -488,7 +504,7 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
     except EgKvError as e:
         return await _final_answer(request, error_response(e.status, str(e)), start)
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the interim response is not part of the final one
+    forget_interim(request)  # the interim response is not part of the final one
     return None
 
 
@@ -506,11 +522,6 @@ async def _final_answer(request: web.Request, resp: web.Response, start: float) 
     return resp
 
 
-def _retry_later(e: Busy) -> web.Response:
-    """503 with ``Retry-After``: the same request may succeed shortly."""
-    return _label(error_response(503, str(e), {"Retry-After": str(RETRY_AFTER_S)}))
-
-
 async def put_block(request: web.Request) -> web.StreamResponse:
     """``PUT /kv/<hash>``: stream the body into the slab; 201 new block, 200 dedup hit.
 
@@ -525,27 +536,26 @@ async def put_block(request: web.Request) -> web.StreamResponse:
     length = _announced_length(request, slab.max_block_size)
     if length == 0:  # refused before reading: there is nothing to store
         raise BadRequest("empty block (0 bytes): nothing to store")
-    try:
-        if length is None:
-            created = await _put_chunked(request, slab, address, ns)
-        elif length <= SMALL_PUT:
-            # Gather a small body, then store it in one critical section (Slab.put): the
-            # second lock round trip of a streamed put cost more than holding these bytes.
-            chunks: list[bytes] = []
-            await _receive(request, chunks.append)
-            body = b"".join(chunks)
-            if len(body) != length:
-                raise BadRequest(f"body cut short: {len(body)} of {length} bytes arrived")
-            created = slab.put(address, body, ns)
-        else:
-            handle = slab.begin_put(address, length, request.app[SETTINGS].upload_share, ns)
-            try:
-                await _receive(request, handle.write)
-                created = handle.commit()
-            finally:
-                handle.abort()  # no-op after commit; frees the pages (or the dedup reference)
-    except Busy as e:
-        return _retry_later(e)
+    # A Busy (503: upload share or spool full) gets its Retry-After where errors become
+    # answers (error_response).
+    if length is None:
+        created = await _put_chunked(request, slab, address, ns)
+    elif length <= SMALL_PUT:
+        # Gather a small body, then store it in one critical section (Slab.put): the
+        # second lock round trip of a streamed put cost more than holding these bytes.
+        chunks: list[bytes] = []
+        await _receive(request, chunks.append)
+        body = b"".join(chunks)
+        if len(body) != length:
+            raise BadRequest(f"body cut short: {len(body)} of {length} bytes arrived")
+        created = slab.put(address, body, ns)
+    else:
+        handle = slab.begin_put(address, length, request.app[SETTINGS].upload_share, ns)
+        try:
+            await _receive(request, handle.write)
+            created = handle.commit()
+        finally:
+            handle.abort()  # no-op after commit; frees the pages (or the dedup reference)
     if created:
         return _reply(request, 201, b"created\n")
     return _reply(request, 200, b"dedup\n")
@@ -730,15 +740,15 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(out)
 
 
-SEED_FIELDS = (
+CONTRACT_FIELDS = (
     "unique_blocks", "total_refs", "resident_bytes", "logical_bytes",
     "dedup_savings_bytes", "dedup_hits", "get_hits", "get_misses",
 )  # fmt: skip
 
 
 def ordered_stats(raw: Mapping[str, _V]) -> dict[str, _V]:
-    """The stats dict with the seed's eight fields first, then the rest as the slab gave them."""
-    out = {k: raw[k] for k in SEED_FIELDS}
+    """The stats with the contract's eight fields first, then the rest as the slab gave them."""
+    out = {k: raw[k] for k in CONTRACT_FIELDS}
     out.update((k, v) for k, v in raw.items() if k not in out)
     return out
 
@@ -846,9 +856,11 @@ def make_app(
     app[HEALTH] = health or _health_from(
         run_dir, settings.workers, runstate.health_window(settings.heartbeat_timeout_s)
     )
+    connections = app[CONNECTIONS] = Connections(limits_from(settings))
+    app[METRICS].watch_connections(lambda: (len(connections), connections.closed_by))
     app.cleanup_ctx.append(_slab_ctx)
-    app.on_startup.append(_start_metrics_flush)
-    app.on_cleanup.append(_stop_metrics_flush)
+    app.on_startup.append(_start_background)
+    app.on_cleanup.append(_stop_background)
 
     r, E = app.router, partial(_endpoint, app)
     # Fixed paths win over /kv/{hash} (aiohttp tries the longest fixed prefix first), and
@@ -872,51 +884,100 @@ def make_app(
     return app
 
 
-class _OneLineErrorHandler(web_protocol.RequestHandler):
+#: The one-line reason a request aiohttp cannot parse gets, by kind of parse error, most
+#: specific first. Never the parser's own message: it quotes the request's bytes
+#: (headers, the Authorization header included).
+_PARSE_ERRORS = (
+    (http_exceptions.LineTooLong, "a request line or header is too long (at most 8190 bytes)"),
+    (http_exceptions.BadHttpMethod, "invalid method"),
+    (http_exceptions.BadStatusLine, "invalid request line (method, path or HTTP version)"),
+    (http_exceptions.InvalidURLError, "invalid URL"),
+    (http_exceptions.InvalidHeader, "invalid header name or value"),
+    (http_exceptions.ContentLengthError, "invalid Content-Length or body length"),
+    (http_exceptions.TransferEncodingError, "invalid chunked transfer encoding"),
+    (http_exceptions.ContentEncodingError, "invalid Content-Encoding"),
+)
+
+
+#: aiohttp's messages that are fixed text (they quote nothing of the request): passed on.
+_FIXED_PARSE_MESSAGES = frozenset({
+    "Missing 'Host' header in request.", "Too many headers received",
+    "Data after `Connection: close`", "Bad line ending, expected CRLF",
+    "Request has invalid `Transfer-Encoding`", "Too many trailers received",
+})  # fmt: skip
+
+
+def parse_error_reason(exc: BaseException | None) -> str:
+    """A generic one-line reason for a parse error: its kind, none of the request's bytes."""
+    for kind, reason in _PARSE_ERRORS:
+        if isinstance(exc, kind):
+            return reason
+    message = getattr(exc, "message", None)
+    if message in _FIXED_PARSE_MESSAGES:
+        return message
+    return "not valid HTTP (bytes out of place)"
+
+
+class _OneLineErrorHandler(Connection):
     """aiohttp's connection handler, answering unparsable requests with one-line reasons.
 
-    aiohttp's own answer to a request it cannot parse is a multi-line body (a caret
-    under the bad byte) and a traceback in the log for each; a fuzzing or confused client
-    would flood the log. Here it is one line in the body and a debug line in the log.
+    aiohttp's own answer to a request it cannot parse is a multi-line body that quotes the
+    offending bytes (a caret under them), and a traceback in the log for each; a fuzzing
+    or confused client would flood the log, and the quote can hold a secret header. Here
+    it is a generic line per kind of error, and a debug line naming only the kind.
     """
+
+    __slots__ = ()
 
     def handle_error(self, request, status=500, exc=None, message=None):
         if isinstance(exc, ConnectionError):  # the client left: nobody to answer
-            log.debug("client went away: %s", _why(exc))
+            log.debug("client went away: %s", type(exc).__name__)
             raise ConnectionResetError("the client went away")
         if status >= 500:
             self.log_exception("error handling request", exc_info=exc)
         else:
-            log.debug("malformed request (%d): %s", status, _why(exc) if exc else message)
-        if request.writer.output_size > 0:  # the response had begun: only closing is left
+            log.debug("malformed request (%d): %s", status, type(exc).__name__)
+        if response_started(request):  # the response had begun: only closing is left
             raise ConnectionError("response already started; cannot send the error")
         if status >= 500:
             reason = f"internal error ({type(exc).__name__ if exc else status}); see the log"
         else:
-            reason = f"malformed request: {message or (_why(exc) if exc else status)}"
-        resp = _label(error_response(status, reason[:300]))
+            reason = f"malformed request: {parse_error_reason(exc)}"
+        resp = _label(error_response(status, reason))
         resp.force_close()
         return resp
 
 
-class _Server(web_server.Server):
-    def __call__(self) -> web_protocol.RequestHandler:
-        return _OneLineErrorHandler(self, loop=self._loop, **self._kwargs)
+class AppRunner(HandlerRunner):
+    """``aiohttp.web.AppRunner`` whose connections are :class:`eg_kv.connections.Connection`.
+
+    They answer unparsable requests in one line and are held to the app's connection
+    limits (its :data:`CONNECTIONS`); aiohttp's own keep-alive timer stays as a backstop.
+    tests/test_server_badinput.py checks the bodies.
+    """
+
+    handler_class = _OneLineErrorHandler
+
+    def __init__(self, app: web.Application, **kwargs) -> None:
+        kwargs.setdefault("keepalive_timeout", app[CONNECTIONS].limits.aiohttp_keepalive)
+        super().__init__(app, **kwargs)
+
+    def handler_kwargs(self) -> dict:
+        return {"registry": self.app[CONNECTIONS]}
 
 
-class AppRunner(web.AppRunner):
-    """``aiohttp.web.AppRunner`` whose connections answer unparsable requests in one line."""
-
-    async def _make_server(self) -> web_server.Server:
-        server = await super()._make_server()
-        # aiohttp offers no hook for the connection handler class; its Server has no
-        # slots, so switching the instance to a subclass that only overrides __call__
-        # is safe (tests/test_server_badinput.py checks the bodies).
-        server.__class__ = _Server
-        return server
+def limits_from(settings: Settings) -> Limits:
+    """The connection limits of one worker (the cap resolved against its fd limit)."""
+    return Limits(
+        header_timeout=settings.header_timeout_s,
+        body_timeout=settings.body_timeout_s,
+        keepalive_timeout=settings.keepalive_timeout_s,
+        max_connections=resolve_max_connections(settings.max_connections),
+    )
 
 
 FLUSH_TASK = web.AppKey("metrics_flush", asyncio.Task)
+SWEEP_TASK = web.AppKey("connection_sweep", asyncio.Task)
 
 
 def _malloc_trim() -> Callable[[], object] | None:
@@ -927,7 +988,7 @@ def _malloc_trim() -> Callable[[], object] | None:
         return None
 
 
-async def _start_metrics_flush(app: web.Application) -> None:
+async def _start_background(app: web.Application) -> None:
     trim = _malloc_trim()
 
     async def flush_forever() -> None:
@@ -946,11 +1007,14 @@ async def _start_metrics_flush(app: web.Application) -> None:
                 busy = False
                 trim(0)
 
-    app[FLUSH_TASK] = asyncio.get_running_loop().create_task(flush_forever())
+    loop = asyncio.get_running_loop()
+    app[FLUSH_TASK] = loop.create_task(flush_forever())
+    app[SWEEP_TASK] = loop.create_task(app[CONNECTIONS].run_sweeper())
 
 
-async def _stop_metrics_flush(app: web.Application) -> None:
+async def _stop_background(app: web.Application) -> None:
     app[FLUSH_TASK].cancel()
+    app[SWEEP_TASK].cancel()
     app[METRICS].flush()
 
 

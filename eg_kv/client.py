@@ -86,7 +86,10 @@ class _Pool:
         self.host = parts.hostname or DEFAULT_HOST
         self.https = parts.scheme == "https"
         self.port = parts.port or (443 if self.https else 80)
-        self.host_header = host_header(self.host, self.port, self.https)
+        # A member found through DNS is connected at its address but named (Host, TLS
+        # name and SNI) by its server_name.
+        self.server_name = config.server_name or self.host
+        self.host_header = host_header(self.server_name, self.port, self.https)
         self.ssl_context: ssl.SSLContext | None = None
         if self.https:
             self.ssl_context = ssl.create_default_context()
@@ -105,7 +108,9 @@ class _Pool:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                return Connection(self.host, self.port, self.host_header, self.ssl_context)
+                return Connection(
+                    self.host, self.port, self.host_header, self.ssl_context, self.server_name
+                )
             if not conn.dropped():
                 return conn
             conn.close()
@@ -137,7 +142,18 @@ class RemoteKVConnector:
 
     Keys: a string that is a valid address (a token hash) is used verbatim; any other key
     (an LMCache key with ``/``, bytes) is mapped to a stable digest (:func:`to_address`).
+
+    A ``base_url`` that names a server set (a list, a ``dns+`` or ``dnssrv+`` URL) builds
+    an :class:`eg_kv.cluster.ClusterConnector` instead, with the same methods.
     """
+
+    def __new__(cls, config: KvCacheConfig | None = None, **settings: Any) -> Any:
+        resolved = resolve_config(config, settings)
+        if cls is RemoteKVConnector and not resolved.single:
+            from .cluster import ClusterConnector
+
+            return ClusterConnector(resolved)
+        return super().__new__(cls)
 
     def __init__(self, config: KvCacheConfig | None = None, **settings: Any) -> None:
         """Args:
@@ -163,7 +179,8 @@ class RemoteKVConnector:
 
     @classmethod
     def from_env(cls, **settings: Any) -> RemoteKVConnector:
-        """A connector configured from ``EPISTEMIC_GRAPH_KVCACHE_*`` (keywords override).
+        """A connector configured from ``EPISTEMIC_GRAPH_KVCACHE_*`` (keywords override);
+        a :class:`~eg_kv.cluster.ClusterConnector` when they name a server set.
 
         Raises:
             ConfigError: a setting cannot be used.

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .address import address_for_key, validate
@@ -63,8 +63,14 @@ EXPECT_CONTINUE_MIN = 64 * 1024
 #: The keywords every connector takes (and LMCache's ``adapter_params`` / ``extra_config``).
 CONFIG_KEYWORDS = (
     "base_url", "addr", "token", "timeout_s", "num_workers", "max_connections", "verify_tls",
-    "max_block_size",
+    "max_block_size", "refresh_s", "dns_server",
 )  # fmt: skip
+#: Seconds between re-resolutions of a server set's DNS entries (and the window in which a
+#: miss at an address's new home asks its previous home).
+ENV_REFRESH = "EPISTEMIC_GRAPH_KVCACHE_REFRESH_S"
+#: The DNS server a ``dns+`` / ``dnssrv+`` set asks (``host[:port]``; default the system's).
+ENV_DNS_SERVER = "EPISTEMIC_GRAPH_KVCACHE_DNS_SERVER"
+DEFAULT_REFRESH_S = 15.0
 #: The Content-Type of a block body and of a batch request.
 BLOCK_TYPE = "application/octet-stream"
 JSON_TYPE = "application/json"
@@ -86,7 +92,10 @@ class KvCacheConfig:
 
     Attributes:
         base_url: ``http://host:port`` or ``https://host:port`` (an optional path prefix
-            is kept, for a server behind a reverse proxy).
+            is kept, for a server behind a reverse proxy); or a server set: a
+            comma-separated list of such URLs, ``dnssrv+http(s)://NAME`` or
+            ``dns+http(s)://NAME:port`` entries (:mod:`eg_kv.members`), served by
+            :mod:`eg_kv.cluster`.
         token: bearer token sent as ``Authorization: Bearer <token>``, or None.
         timeout_s: the most one operation waits on the network (connect, send, answer).
         num_workers: threads of the LMCache L2 adapter's pool.
@@ -94,6 +103,10 @@ class KvCacheConfig:
         verify_tls: check the server's certificate on ``https``.
         max_block_size: the largest block answer read; a longer (or unframed) one is a
             miss before anything is allocated, which bounds a client's memory.
+        refresh_s: a server set's DNS refresh period (and previous-home window).
+        dns_server: ``host[:port]`` of the DNS server a DNS set asks; None: the system's.
+        server_name: the name TLS verifies and sends as SNI when it is not the URL's
+            host (a member found through DNS, connected at its address); None: the host.
     """
 
     base_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
@@ -103,8 +116,19 @@ class KvCacheConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     verify_tls: bool = True
     max_block_size: int = DEFAULT_MAX_BLOCK_SIZE
+    refresh_s: float = DEFAULT_REFRESH_S
+    dns_server: str | None = None
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        if not _is_plain_url(self.base_url):
+            # A server set: eg_kv.members parses it (and says what is wrong with it).
+            from .members import parse_server_set
+
+            object.__setattr__(self, "base_url", self.base_url.strip())
+            parse_server_set(self.base_url)
+            return
         parts = urllib.parse.urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(
@@ -114,6 +138,10 @@ class KvCacheConfig:
             # A token in the URL would end up in logs; it belongs in the token field.
             raise ConfigError("base_url must hold no user, password, query or fragment")
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
+
+    def _check_numbers(self) -> None:
+        if not self.refresh_s > 0:
+            raise ConfigError(f"{ENV_REFRESH} / refresh_s must be a positive number of seconds")
         if not self.timeout_s > 0:
             raise ConfigError("timeout_s must be a positive number of seconds")
         if self.num_workers < 1:
@@ -136,6 +164,8 @@ class KvCacheConfig:
         max_connections: int | None = None,
         verify_tls: bool | str | None = None,
         max_block_size: int | str | None = None,
+        refresh_s: float | str | None = None,
+        dns_server: str | None = None,
     ) -> KvCacheConfig:
         """Build a config: explicit keywords first, then the environment, then defaults.
 
@@ -182,6 +212,12 @@ class KvCacheConfig:
             verify_tls = parse_bool(verify_tls, ENV_TLS_VERIFY)
         if max_block_size is None:
             max_block_size = env.get(ENV_MAX_BLOCK_SIZE) or DEFAULT_MAX_BLOCK_SIZE
+        if refresh_s is None:
+            refresh_s = env.get(ENV_REFRESH) or DEFAULT_REFRESH_S
+        try:
+            refresh = float(refresh_s)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{ENV_REFRESH} / refresh_s must be a number of seconds") from None
         return cls(
             base_url=base_url,
             token=token or None,
@@ -192,7 +228,19 @@ class KvCacheConfig:
             ),
             verify_tls=bool(verify_tls),
             max_block_size=parse_size(max_block_size),
+            refresh_s=refresh,
+            dns_server=dns_server or env.get(ENV_DNS_SERVER) or None,
         )
+
+    @property
+    def single(self) -> bool:
+        """True when ``base_url`` names one plain server (today's direct client)."""
+        return _is_plain_url(self.base_url)
+
+
+def _is_plain_url(text: str) -> bool:
+    """One ``http(s)://`` URL, no list, no DNS scheme: served without placement."""
+    return "," not in text and text.strip().lower().startswith(("http://", "https://"))
 
 
 def _url_from_addr(value: str) -> str:
@@ -414,6 +462,13 @@ class ClientCore:
             # The one place the token lives besides the config: a header value.
             self.headers["Authorization"] = f"Bearer {config.token}"
         self._warned_401 = False
+        #: Called with each transport error (refused, reset, timed out) of this
+        #: connector: a server set marks the member down (:mod:`eg_kv.cluster`).
+        self.on_unreachable: Callable[[BaseException], None] | None = None
+
+    def _unreachable_hook(self, exc: BaseException) -> None:
+        if self.on_unreachable is not None and isinstance(exc, OSError):
+            self.on_unreachable(exc)  # TimeoutError and ConnectionError are OSErrors
 
     def block_path(self, address: str, suffix: str = "") -> str:
         """The request target of a block route."""
@@ -428,6 +483,7 @@ class ClientCore:
         server cannot flood the engine's logs."""
         if isinstance(exc, Unauthorized):
             self.warn_unauthorized()
+        self._unreachable_hook(exc)
         log.debug("eg-kv %s %s: miss (%s: %s)", what, address, type(exc).__name__, exc)
 
     def warn_unauthorized(self) -> None:
@@ -438,6 +494,7 @@ class ClientCore:
 
     def unreachable(self, what: str, exc: BaseException) -> RemoteError:
         """The one-line error of a call that raises (``stats()``)."""
+        self._unreachable_hook(exc)
         return RemoteError(
             f"cannot read {what} from {self.config.base_url}: {type(exc).__name__}: {exc}"
         )

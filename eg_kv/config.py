@@ -49,6 +49,18 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 #: A worker that holds the slab lock this long is killed. The longest honest critical
 #: section is a full repair: 0.34 s at 2 GiB of 4 KiB pages (measured).
 DEFAULT_LOCK_TIMEOUT_S = 2.0
+#: A request head (at most ~1 MiB of headers, usually one packet) must be complete this
+#: long after its first byte: any client sends it in one write; only a dripping one (a
+#: slowloris) takes longer. Go's servers commonly use 10 s; Apache starts at 20 s.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: An upload (or an answer being sent) that moves no byte for this long is stalled: it is
+#: cut and its pages freed. Long enough for a congested link or a paused client; nginx's
+#: client_body_timeout is 60 s, but a stalled upload here pins slab pages.
+DEFAULT_BODY_TIMEOUT_S = 30.0
+#: An idle keep-alive connection is closed after this long (nginx's default): longer than
+#: the clients' own pool idle timeouts (aiohttp's is 15 s), so the server rarely closes a
+#: connection a client is about to reuse; aiohttp's own default was over an hour.
+DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
 
 
 def parse_addr(value: str) -> tuple[str, int]:
@@ -128,6 +140,11 @@ class Settings:
     chunked_spool: int = DEFAULT_CHUNKED_SPOOL
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    #: Open connections per worker; 0: derived from the fd limit (eg_kv.connections).
+    max_connections: int = 0
 
     def __post_init__(self) -> None:
         if not self.slab_name:
@@ -155,6 +172,13 @@ class Settings:
             raise ConfigError("--heartbeat-timeout must be more than 0.2 seconds")
         if not self.lock_timeout_s > 0.1:
             raise ConfigError("--lock-timeout must be more than 0.1 seconds")
+        for flag, value in (("--header-timeout", self.header_timeout_s),
+                            ("--body-timeout", self.body_timeout_s),
+                            ("--keepalive-timeout", self.keepalive_timeout_s)):  # fmt: skip
+            if not value > 0:
+                raise ConfigError(f"{flag} must be a positive number of seconds, not {value}")
+        if self.max_connections < 0:
+            raise ConfigError("--max-connections must be 0 (derive it from the fd limit) or more")
 
     @property
     def bind(self) -> str:

@@ -2,11 +2,10 @@
 
 Why not ``http.client``: it parses every response's headers with ``email.parser`` and
 reads through layers of buffered I/O, which cost more than the server's whole answer to
-an existence probe (measured here: ~300 µs per request through ``http.client`` against
-~185 µs for the same request on a raw socket). This module sends a request with one
-``sendall`` (head and a small body together; a large body follows without a copy), parses
-the status line and the few headers the client needs, and reads a block straight into the
-caller's buffer with ``recv_into``.
+an existence probe (the figures are in docs/design.md, "Clients"). This module sends a
+request with one ``sendall`` (head and a small body together; a large body follows
+without a copy), parses the status line and the few headers the client needs, and reads
+a block straight into the caller's buffer with ``recv_into``.
 
 Every socket wait is bounded by the operation's :class:`Deadline`, re-armed before each
 ``recv`` / ``sendall``, so a server that never answers, or drips its answer a byte at a
@@ -157,8 +156,10 @@ class Connection:
     """One HTTP/1.1 connection (plain or TLS), used by one thread at a time."""
 
     def __init__(self, host: str, port: int, host_header: bytes,
-                 ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
+                 ssl_context: ssl.SSLContext | None = None,
+                 server_name: str | None = None) -> None:  # fmt: skip
         self.host = host
+        self.server_name = server_name or host  # the name TLS checks (and SNI)
         self.port = port
         self.host_header = host_header
         self.ssl_context = ssl_context
@@ -270,7 +271,7 @@ class Connection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
                 sock.settimeout(deadline.left())
-                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.host)
+                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.server_name)
         except BaseException:
             sock.close()
             raise

@@ -42,7 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .address import address_for_key
-from .client import KvCacheConfig, RemoteKVConnector, resolve_config
+from .client import KvCacheConfig, resolve_config
+from .cluster import connect
 from .store_warnings import StoreWarnings
 from .write_gate import GateSet, WriteGate, read_through
 
@@ -108,7 +109,7 @@ class RemoteKVL2Connector:
                 "set EPISTEMIC_GRAPH_KVCACHE_TOKEN in the environment instead"
             )
         self.config = resolve_config(config, adapter_params)
-        self._client = RemoteKVConnector(self.config)
+        self._client = connect(self.config)  # one server, or a set (eg_kv.cluster)
         # Non-blocking so drain_completions() can reset it without waiting; the counter
         # semantics let several completions share one wake-up.
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

@@ -44,8 +44,9 @@ from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from .address import address_for_key
-from .client import CONFIG_KEYWORDS, KvCacheConfig, RemoteKVConnector
+from .client import CONFIG_KEYWORDS, KvCacheConfig
 from .clientcore import Miss as _Miss
+from .cluster import connect
 from .errors import ConfigError
 from .store_warnings import StoreWarnings
 from .write_gate import GateClosed, GateSet, read_through
@@ -142,7 +143,7 @@ class EgKvRemoteConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.kv_config = KvCacheConfig.from_env(**plugin_settings(config, plugin_name))
-        self.client = RemoteKVConnector(self.kv_config)
+        self.client = connect(self.kv_config)  # one server, or a set (eg_kv.cluster)
         self.layout_tag = self._layout_tag(config)
         self._pool = ThreadPoolExecutor(
             max_workers=self.kv_config.num_workers, thread_name_prefix="eg-kv-remote"

@@ -168,7 +168,7 @@ def parse_server_set(text: str) -> ServerSet:
             if any(m.id == member.id for m in static):
                 raise ConfigError(f"server {member.id} is listed twice in {_shown(text)}")
             static.append(member)
-        else:
+        elif query is not None:
             if query in queries:
                 raise ConfigError(f"{query} is listed twice in {_shown(text)}")
             queries.append(query)

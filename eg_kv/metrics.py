@@ -13,9 +13,18 @@ import bisect
 import os
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    values,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from ._compat import histogram_parts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Seconds between flushes of a worker's request counts into the shared files.
@@ -63,6 +72,31 @@ class Metrics:
         self._counts: dict[tuple[str, str, int | str], int] = {}
         self._hist: dict[str, list[float]] = {}
         self._nbuckets = len(_BUCKETS) + 1  # the last one is +Inf
+        # Connections (eg_kv.connections): set from the worker's counters at each flush.
+        self.connections_open = Gauge(
+            "eg_kv_connections_open", "Client connections open now",
+            registry=None, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.connections_shed = Counter(
+            "eg_kv_connections_shed",
+            "Idle connections closed because their worker was at --max-connections",
+            registry=None,
+        )  # fmt: skip
+        self.connection_timeouts = Counter(
+            "eg_kv_connection_timeouts",
+            "Connections closed by a time limit: header, body, send (answers not read), "
+            "keepalive", ["limit"], registry=None,
+        )  # fmt: skip
+        self._connections: Callable[[], tuple[int, dict[str, int]]] | None = None
+        self._closed_flushed: dict[str, int] = {}
+
+    def watch_connections(self, source: Callable[[], tuple[int, dict[str, int]]]) -> None:
+        """Report connections at each flush: ``source()`` gives (open now, closed by reason).
+
+        The reason ``"shed"`` feeds ``eg_kv_connections_shed_total``; every other reason is a
+        time limit of ``eg_kv_connection_timeouts_total``.
+        """
+        self._connections = source
 
     def observe(self, route: str, method: str, status: int | str, seconds: float) -> None:
         """Count one answered request and record how long it took (until the next flush)."""
@@ -81,14 +115,16 @@ class Metrics:
 
     def flush(self) -> None:
         """Add the pending counts to the prometheus metrics (the shared files)."""
+        if self._connections is not None:
+            self._flush_connections(*self._connections())
         counts, self._counts = self._counts, {}
         hists, self._hist = self._hist, {}
         for (route, method, status), n in counts.items():
             self.requests.labels(route, method, str(status)).inc(n)
         for route, h in hists.items():
             child = self.latency.labels(route)
-            buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
-            if buckets is None or total is None or len(buckets) != self._nbuckets:
+            buckets, total = histogram_parts(child) or (None, None)
+            if buckets is None or len(buckets) != self._nbuckets:
                 # prometheus_client changed its internals: replay the observations.
                 for i, n in enumerate(h[:-1]):
                     bound = (*_BUCKETS, float("inf"))[i]
@@ -99,6 +135,15 @@ class Metrics:
                 if n:
                     buckets[i].inc(n)
             total.inc(h[-1])
+
+    def _flush_connections(self, open_now: int, closed_by: dict[str, int]) -> None:
+        self.connections_open.set(open_now)
+        for reason, total in closed_by.items():
+            n = total - self._closed_flushed.get(reason, 0)
+            if n:
+                counter = self.connections_shed if reason == "shed" else None
+                (counter or self.connection_timeouts.labels(reason)).inc(n)
+        self._closed_flushed = dict(closed_by)
 
     def render(
         self,
@@ -116,10 +161,21 @@ class Metrics:
         else:
             registry.register(self.requests)
             registry.register(self.latency)
+            for metric in (self.connections_open, self.connections_shed, self.connection_timeouts):
+                registry.register(metric)
         registry.register(_Snapshot(lambda: _slab_families(slab_stats, workers_up, workers)))
         if namespaces:
             registry.register(_Snapshot(lambda: _namespace_families(namespaces)))
         return generate_latest(registry)
+
+
+def forget_process(multiproc_dir: str, pid: int) -> None:
+    """Drop a dead worker's live gauges (open connections) from the shared files.
+
+    Its counters stay (they never go back); a gauge summed over live processes would
+    otherwise keep the dead worker's last value forever.
+    """
+    mark_process_dead(pid, multiproc_dir)
 
 
 class _Snapshot:

@@ -1,8 +1,8 @@
 """Whole HTTP responses written straight to the connection, for the hot routes.
 
 Building, preparing and finishing an aiohttp ``Response`` costs about as much Python as
-everything else a small GET does together: answering a 4 KiB GET this way took a worker
-35 µs instead of 50 (scripts/bench_server.py). The block routes therefore compose the
+everything else a small GET does together (docs/design.md, "Serving", has the
+figures). The block routes therefore compose the
 response head themselves from a cached prefix, hand head and body to the transport in
 one ``writelines`` call, and return a :class:`Written` so that aiohttp, which still
 parses requests, routes them and keeps the connection, sees a finished response.
@@ -31,15 +31,19 @@ import time
 
 from aiohttp import web
 
+from ._compat import SentResponse, count_sent
+
 WORKER_HEADER = "X-EgKv-Worker"
 SERVER = "eg-kv"
 OCTETS = "application/octet-stream"
 TEXT = "text/plain; charset=utf-8"
 JSON = "application/json; charset=utf-8"
 
-_HEADS: dict[tuple, bytes] = {}
+_HEADS: dict[tuple[tuple[int, int], int, str, bool], bytes] = {}
 _PID = [str(os.getpid())]
-_DATE = [-1, b""]
+#: The Date line and the second it was made for, cached per second.
+_DATE_LINE = [b""]
+_DATE_AT = [-1]
 
 
 def set_worker_pid() -> None:
@@ -53,7 +57,7 @@ def worker_pid() -> str:
     return _PID[0]
 
 
-class Written(web.StreamResponse):
+class Written(SentResponse):
     """A response that is already on its way: aiohttp's ``prepare`` and ``write_eof``,
     which it calls to finish every response, have nothing left to do.
 
@@ -62,16 +66,6 @@ class Written(web.StreamResponse):
         keep_alive: whether the connection stays open (False: aiohttp closes it).
         body_length: body bytes that went out.
     """
-
-    def __init__(self, status: int, keep_alive: bool, body_length: int):
-        super().__init__(status=status)
-        self._keep_alive, self._body_length, self._eof_sent = keep_alive, body_length, True
-
-    async def prepare(self, request: web.BaseRequest) -> None:
-        return None
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        return None
 
 
 def _head(version: tuple[int, int], status: int, content_type: str, keep: bool) -> bytes:
@@ -92,10 +86,10 @@ def _head(version: tuple[int, int], status: int, content_type: str, keep: bool) 
 
 def _date() -> bytes:
     now = int(time.time())
-    if _DATE[0] != now:
-        _DATE[1] = b"Date: %s\r\n\r\n" % email.utils.formatdate(now, usegmt=True).encode()
-        _DATE[0] = now
-    return _DATE[1]
+    if _DATE_AT[0] != now:
+        _DATE_LINE[0] = b"Date: %s\r\n\r\n" % email.utils.formatdate(now, usegmt=True).encode()
+        _DATE_AT[0] = now
+    return _DATE_LINE[0]
 
 
 def head(
@@ -155,11 +149,5 @@ def reply(
     return Written(status, keep, len(body))
 
 
-def sent(request: web.BaseRequest, nbytes: int) -> None:
-    """Count bytes written past aiohttp's writer in its ``output_size``.
-
-    aiohttp takes ``output_size > 0`` to mean the response has begun: an error raised
-    after that closes the connection instead of appending an error response to bytes
-    already sent.
-    """
-    request.writer.output_size += nbytes
+#: Count bytes written past aiohttp's writer, so that aiohttp knows the response began.
+sent = count_sent

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     Bytes: TypeAlias = bytes | bytearray | memoryview
 
 from . import layout as L
-from .address import fingerprint, validate
+from .address import ADDRESS_MAX, fingerprint, validate
 from .errors import (
     BadRequest,
     Busy,
@@ -1401,7 +1401,7 @@ class Slab:
         anything. ``home``: also check that a lookup of its address finds it."""
         state, _refbit, alen, refs, length, first, npages, block_id, fp, ns = s
         what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
-        if state != L.SLOT_READY or not 1 <= alen <= L.ADDRESS_MAX:
+        if state != L.SLOT_READY or not 1 <= alen <= ADDRESS_MAX:
             return f"{what}: bad state {state} or address length {alen}"
         if not 0 <= ns < L.NS_COUNT or not self._nsw[ns * _NS_WORDS + L.NS_USED]:
             return f"{what}: namespace {ns} is not in the namespace table"
@@ -1457,7 +1457,7 @@ class Slab:
             if s[F_STATE] == L.SLOT_EMPTY:
                 continue
             _state, refbit, alen, refs, length, first, npages, block_id, fp, ns = s
-            raw = self._slot_address(i, min(alen, L.ADDRESS_MAX))
+            raw = self._slot_address(i, min(alen, ADDRESS_MAX))
             what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
             bad = self._slot_fault(i, s, raw, home=not fix)
             if bad is None and (ns, raw) in seen:
@@ -1615,7 +1615,7 @@ class _SlicedCheck:
 
     def _slot(self, i: int, s: L.SlotFields) -> None:
         slab = self.slab
-        raw = slab._slot_address(i, min(s[F_ALEN], L.ADDRESS_MAX))
+        raw = slab._slot_address(i, min(s[F_ALEN], ADDRESS_MAX))
         what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
         fault = slab._slot_fault(i, s, raw, home=True)
         pages = slab._chain(s[F_FIRST], s[F_NPAGES]) if fault is None else fault

@@ -13,8 +13,8 @@ keep every write inside the time the buffer is ours:
   (:meth:`WriteGate.can_start`), so no transfer outlives its batch.
 
 Why not a private buffer and a copy under a lock: it is strict too, but the extra copy of
-every chunk cost about 10% of the L2 adapter's load throughput on 14 MiB chunks (A/B on
-this 2-core box, median of 5: 3,151 against 3,502 MB/s); these rules cost nothing.
+every chunk cost about 10% of the L2 adapter's load throughput on 14 MiB chunks
+(docs/design.md, "Clients"); these rules cost nothing measurable.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ PACKAGE = ROOT / "eg_kv"
 LAYERS = {
     "base": {"errors", "units", "address", "procs", "config", "tenants"},
     "store": {"layout", "slab"},
-    "server": {"replies", "metrics", "runstate", "app", "hints"},
-    "clients": {"http11", "clientcore", "client", "aio", "placement", "members"},
+    "server": {"_compat", "connections", "replies", "metrics", "runstate", "app", "hints"},
+    "clients": {"http11", "clientcore", "client", "aio", "placement", "members", "cluster"},
     "integrations": {"kvcache", "lmcache_l2", "lmcache_remote", "lmcache_adapter",
                      "store_warnings", "write_gate"},
 }  # fmt: skip

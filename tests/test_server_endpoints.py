@@ -16,7 +16,7 @@ from server_http import WORKER_HEADER, request, stats
 
 from eg_kv.address import RESERVED
 
-SEED_FIELDS = [
+CONTRACT_FIELDS = [
     "unique_blocks", "total_refs", "resident_bytes", "logical_bytes",
     "dedup_savings_bytes", "dedup_hits", "get_hits", "get_misses",
 ]  # fmt: skip
@@ -86,13 +86,13 @@ def test_misses_are_404_and_counted(srv):
     assert s["get_misses"] == 1 and s["get_hits"] == 0
 
 
-def test_stats_has_seed_fields_first(srv):
+def test_stats_has_the_contract_fields_first(srv):
     request(srv, "PUT", "/kv/a", b"x" * 100)
     request(srv, "GET", "/kv/a")
     r = request(srv, "GET", "/kv/stats")
     assert r.status == 200 and r.headers["Content-Type"].startswith("application/json")
     body = r.json()
-    assert list(body)[:8] == SEED_FIELDS
+    assert list(body)[:8] == CONTRACT_FIELDS
     assert body["unique_blocks"] == 1 and body["get_hits"] == 1
     for extra in ("capacity_bytes", "free_bytes", "evictions", "evicted_bytes"):
         assert extra in body

@@ -15,9 +15,12 @@ import urllib.error
 import urllib.request
 
 from eg_kv.config import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_CHUNKED_SPOOL,
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
     DEFAULT_LOCK_TIMEOUT_S,
     DEFAULT_UPLOAD_SHARE,
     ENV_TLS_VERIFY,
@@ -34,8 +37,9 @@ from eg_kv.errors import EgKvError
 CHECK_LOCK_WAIT_S = 30.0
 SERVE_FLAGS = ("addr", "workers", "capacity", "page_size", "max_block_size", "keep", "fresh",
                "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log",
-               "upload_share", "chunked_spool", "heartbeat_timeout_s",
-               "lock_timeout_s", "tokens_file")  # fmt: skip
+               "upload_share", "chunked_spool", "heartbeat_timeout_s", "lock_timeout_s",
+               "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
+               "max_connections", "tokens_file")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +115,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="log every request (off by default: it costs throughput)",
     )
+    s.add_argument(
+        "--header-timeout", dest="header_timeout_s", metavar="S", type=float,
+        help="seconds a request head may take from its first byte "
+        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--body-timeout", dest="body_timeout_s", metavar="S", type=float,
+        help="seconds an upload, or an answer being sent, may move no byte before it is cut "
+        f"(default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--keepalive-timeout", dest="keepalive_timeout_s", metavar="S", type=float,
+        help=f"seconds an idle connection is kept (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-connections", dest="max_connections", metavar="N", type=int,
+        help="open connections per worker; beyond it the oldest idle ones are closed "
+        "(default: from the fd limit, at most 10000)",
+    )  # fmt: skip
 
     s.add_argument(
         "--heartbeat-timeout",
@@ -127,10 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_LOCK_TIMEOUT_S:g}, plus the time a full repair of the slab takes)",
     )
 
-    st = sub.add_parser("stats", help="print a running server's /kv/stats")
+    st = sub.add_parser("stats", help="print a running server's (or a server set's) /kv/stats")
     st.add_argument(
         "--url",
-        help=f"server URL (default: ${ENV_URL}, else from --addr / $EPISTEMIC_GRAPH_KVCACHE_ADDR)",
+        help=f"server URL or server set (a,b,c; dnssrv+http://...; dns+http://...:port) "
+        f"(default: ${ENV_URL}, else from --addr / $EPISTEMIC_GRAPH_KVCACHE_ADDR); a set "
+        "prints the sum over its members and one line per member",
     )
     st.add_argument("--addr", help="server address, as for serve")
     st.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -162,6 +187,8 @@ def _stats(args: argparse.Namespace) -> int:
     if not url:
         s = settings_from_env(addr=args.addr)
         url = f"{s.scheme}://{s.bind}"
+    if "," in url or not url.strip().lower().startswith(("http://", "https://")):
+        return _set_stats(url, args)
     req = urllib.request.Request(url.rstrip("/") + "/kv/stats")
     token = os.environ.get(ENV_TOKEN)
     if token:
@@ -188,6 +215,50 @@ def _stats(args: argparse.Namespace) -> int:
         width = max(map(len, stats))
         for key, value in stats.items():
             print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _set_stats(url: str, args: argparse.Namespace) -> int:
+    """``eg-kv stats`` of a server set: the sum, then one line per member."""
+    from eg_kv.client import KvCacheConfig
+    from eg_kv.cluster import ClusterConnector, sum_stats
+
+    verify = None if not args.insecure else False
+    config = KvCacheConfig.from_env(base_url=url, timeout_s=args.timeout, verify_tls=verify)
+    with ClusterConnector(config) as cluster:
+        lines = cluster.member_stats()
+    answered = [line.stats for line in lines if line.stats is not None]
+    total = sum_stats(answered)
+    fields = {**{k: getattr(total, k) for k in total.__dataclass_fields__ if k != "extra"},
+              **total.extra}  # fmt: skip
+    if args.json:
+        members = [
+            {"id": line.member.id, "up": line.up, "error": line.error or None,
+             "stats": None if line.stats is None else
+             {**{k: getattr(line.stats, k) for k in fields if hasattr(line.stats, k)},
+              **line.stats.extra}}
+            for line in lines
+        ]  # fmt: skip
+        print(json.dumps({"sum": fields, "members": members}, indent=2))
+    else:
+        print(f"server set {url}: {len(answered)} of {len(lines)} member(s) up; the sum:")
+        width = max(map(len, fields))
+        for key, value in fields.items():
+            print(f"{key:<{width}}  {value}")
+        idw = max([len("member"), *(len(line.member.id) for line in lines)])
+        print(f"\n{'member':<{idw}}  {'state':<5}  {'blocks':>10}  {'bytes':>14}  hit rate")
+        for line in lines:
+            st = line.stats
+            if st is None:
+                print(f"{line.member.id:<{idw}}  {'down':<5}  {'-':>10}  {'-':>14}  -")
+                continue
+            rate = "-" if line.hit_rate is None else f"{line.hit_rate:.1%}"
+            print(f"{line.member.id:<{idw}}  {'up':<5}  {st.unique_blocks:>10}  "
+                  f"{st.resident_bytes:>14}  {rate}")  # fmt: skip
+    if not answered:
+        why = lines[0].error if lines else "the set has no member"
+        print(f"eg-kv stats: no member of {url} answered: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -41,6 +41,7 @@ from eg_kv import runstate, tenants
 from eg_kv.config import Settings, format_size
 from eg_kv.errors import ConfigError, EgKvError, SlabError
 from eg_kv.hints import tick as tick_hints
+from eg_kv.metrics import forget_process
 from eg_kv.procs import pid_alive
 from eg_kv.slab import LockTimeout, Slab
 
@@ -332,6 +333,8 @@ class Supervisor:
             ConfigError: unreadable or invalid (the message names the line).
         """
         path = self.settings.tokens_file
+        if path is None:
+            raise ConfigError("no tokens file configured (--tokens)")
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
@@ -346,6 +349,7 @@ class Supervisor:
         Raises:
             ConfigError, SlabError, LockTimeout.
         """
+        assert self.slab is not None and self.run_dir is not None  # set up before
         table = tenants.parse(text, self.settings.capacity)
         self.slab.bind_namespaces(table.quotas, timeout=LOCK_WAIT_S)
         runstate.write_tokens_copy(self.run_dir, text)
@@ -421,6 +425,8 @@ class Supervisor:
                 continue
             died = True
             self._dead.append(pid)
+            with contextlib.suppress(OSError):
+                forget_process(runstate.metrics_dir(self.run_dir), pid)
             self.heartbeats.clear(w.slot)
             self._classify(w, status)
         if died:

@@ -74,11 +74,13 @@ def run(
     _die_with_parent(parent)
     # Ctrl-C reaches the whole process group; the supervisor alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    loop: asyncio.AbstractEventLoop
     try:
         import uvloop
+
+        loop = uvloop.new_event_loop()
     except ImportError:  # uvloop is optional: the server runs on asyncio's own loop
-        uvloop = None
-    loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+        loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     if heartbeat is not None:
         _beat_every(loop, heartbeat, beat_interval(settings.heartbeat_timeout_s))
@@ -99,7 +101,9 @@ async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) 
     from aiohttp import web
 
     from eg_kv.app import AUTH, DRAIN, SLAB, AppRunner, make_app, tokens_path
+    from eg_kv.connections import raise_fd_limit
 
+    raise_fd_limit()  # before make_app, which derives the connection cap from it
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

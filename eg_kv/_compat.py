@@ -1,0 +1,216 @@
+"""Every use eg-kv makes of aiohttp's and prometheus_client's private parts, in one module.
+
+aiohttp offers no hook for what the server needs: its own connection handler class, a
+response written past aiohttp's writer, the state a connection is in between requests.
+prometheus_client offers no bulk update of a histogram. Each such touch is here, with a
+comment on what it assumes. ``pyproject.toml`` declares the versions this was tested
+with (:data:`AIOHTTP_TESTED`); ``tests/test_compat.py`` checks every assumption against
+the installed versions, so an upgrade that breaks one fails there, loudly, rather than
+in production.
+"""
+
+from __future__ import annotations
+
+import math
+
+from aiohttp import web, web_protocol, web_server
+
+#: The aiohttp versions the assumptions below were checked against (pyproject.toml).
+AIOHTTP_TESTED = ">=3.14.5,<3.15"
+
+#: aiohttp bounds the parsed requests it queues per connection (32; aiohttp PR #12830,
+#: in 3.14.5): a client that pipelines without reading cannot queue more. eg-kv relies
+#: on it instead of pausing reads itself; None (unbounded) on older versions.
+PIPELINE_QUEUE_MAX: int | None = getattr(web_protocol, "MAX_MSG_QUEUE_SIZE", None)
+
+#: The private attributes of a ``RequestHandler`` read here (checked by the tests).
+HANDLER_PRIVATE = (
+    "_loop", "_request_count", "_waiter", "_next_keepalive_close_time",
+    "_keepalive_timeout", "_current_request", "_reading_paused",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class SentResponse(web.StreamResponse):
+    """A response already written to the transport: aiohttp has nothing left to send.
+
+    aiohttp finishes every response with ``prepare`` and ``write_eof`` (no-ops here),
+    reads ``keep_alive`` to decide whether the connection stays open, and ``body_length``
+    for the access log; this sets the private fields behind them (``_keep_alive``,
+    ``_body_length``) and ``_eof_sent``, which makes ``prepared`` true.
+
+    Args:
+        status: the status that went out.
+        keep_alive: whether the connection stays open (False: aiohttp closes it).
+        body_length: body bytes that went out.
+    """
+
+    def __init__(self, status: int, keep_alive: bool, body_length: int):
+        super().__init__(status=status)
+        self._keep_alive, self._body_length, self._eof_sent = keep_alive, body_length, True
+
+    async def prepare(self, request: web.BaseRequest) -> None:
+        return None
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        return None
+
+
+def count_sent(request: web.BaseRequest, nbytes: int) -> None:
+    """Count bytes written past aiohttp's writer in its ``output_size``.
+
+    aiohttp takes ``output_size > 0`` to mean the response has begun: an error raised
+    after that closes the connection instead of appending an error response to bytes
+    already sent (see :func:`response_started`).
+    """
+    request.writer.output_size += nbytes
+
+
+def forget_interim(request: web.BaseRequest) -> None:
+    """Zero ``output_size`` after an interim response (``100 Continue``) went out.
+
+    The final response has not begun (see :func:`response_started`).
+    """
+    request.writer.output_size = 0
+
+
+def response_started(request: web.BaseRequest) -> bool:
+    """Whether bytes of a response to ``request`` went out (``output_size``, above)."""
+    return request.writer.output_size > 0
+
+
+# ---------------------------------------------------------------------------- connections
+
+
+_data_received = web_protocol.RequestHandler.data_received
+
+
+class StampedHandler(web_protocol.RequestHandler):
+    """aiohttp's connection handler, stamping what a sweeper needs to judge it.
+
+    ``rx_at``: when bytes last arrived; ``head_at``: when the first bytes of a head
+    arrived while the connection waited for a request, and ``head_of``: how many requests
+    had been parsed then (a head is still arriving while that count has not moved; a
+    count, not a time, since the loop's clock has millisecond steps); ``wpaused_at``: when
+    writing last paused; ``held_at``: when the sweeper last saw the server itself holding
+    reading (a handler not consuming its body). Times are the event loop's.
+
+    A stamp costs one clock read per read from the socket, not per request (its cost is
+    in docs/design.md, "Serving"). Nothing is
+    stamped in ``resume_reading``: aiohttp calls it (and ``data_received(b"")``) after
+    every read of a body, and stamping there cost a 4 KiB PUT 5% more CPU.
+    """
+
+    __slots__ = ("head_at", "head_of", "held_at", "rx_at", "wpaused_at")
+
+    def __init__(self, manager: web_server.Server, **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self.rx_at = self.head_at = self.wpaused_at = self.held_at = -math.inf
+        self.head_of = -1
+
+    def data_received(self, data: bytes) -> None:
+        if data:  # b"" is aiohttp re-parsing what it buffered, on resume_reading
+            now = self._loop.time()
+            self.rx_at = now
+            parsed = self._request_count  # requests parsed on this connection so far
+            # waiting(), inlined: this runs for every read from the socket
+            if self.head_of != parsed and (self._waiter is not None or not parsed):
+                self.head_of, self.head_at = parsed, now  # the first bytes of a head
+        _data_received(self, data)
+
+    def pause_writing(self) -> None:
+        self.wpaused_at = self._loop.time()
+        super().pause_writing()
+
+    def waiting(self) -> bool:
+        """Whether the connection waits for its next request (or has not begun).
+
+        aiohttp's ``start()`` loop awaits ``_waiter`` between requests only; it is None
+        while a request is queued, handled, or its unread body drained (lingering).
+        """
+        return self._waiter is not None or not self._request_count
+
+    def head_arriving(self) -> bool:
+        """Whether a head has begun and not been parsed yet (while :meth:`waiting`)."""
+        return self.head_of == self._request_count
+
+    def idle_since(self) -> float:
+        """When the connection was opened or last finished an answer.
+
+        aiohttp sets ``_next_keepalive_close_time`` to that moment plus
+        ``_keepalive_timeout`` at ``connection_made`` and after every kept-alive answer.
+        """
+        return self._next_keepalive_close_time - self._keepalive_timeout
+
+    def body_stalled_since(self, now: float) -> float | None:
+        """Since when the body of the request being handled is waited for; None if not.
+
+        None when no handler runs (``_current_request``) or the whole body arrived. While
+        the server itself holds reading (``_reading_paused``: a handler not consuming its
+        body) the client is not to blame: that is noted as of ``now``, and the wait counts
+        from the later of the last byte and the last time the hold was seen (so at most
+        one sweep early after a hold ends).
+        """
+        req = self._current_request
+        if req is None or req.content.is_eof():
+            return None
+        if self._reading_paused:
+            self.held_at = now
+            return None
+        return max(self.rx_at, self.held_at)
+
+
+class HandlerRunner(web.AppRunner):
+    """``aiohttp.web.AppRunner`` whose connections are ``handler_class(**handler_kwargs)``.
+
+    aiohttp offers no hook for the handler class. Its ``Server`` builds handlers in
+    ``__call__`` from its ``_loop`` and ``_kwargs`` and has no ``__slots__``; the server
+    made by ``AppRunner._make_server`` is switched to a subclass that only overrides
+    ``__call__``.
+    """
+
+    handler_class: type[web_protocol.RequestHandler] = web_protocol.RequestHandler
+
+    def handler_kwargs(self) -> dict:
+        """Extra keyword arguments for each handler (override)."""
+        return {}
+
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        server.__class__ = _server_class(self.handler_class)
+        server.handler_extra = self.handler_kwargs()  # type: ignore[attr-defined]
+        return server
+
+
+_SERVER_CLASSES: dict[type, type] = {}
+
+
+def _server_class(handler_class: type) -> type[web_server.Server]:
+    cls = _SERVER_CLASSES.get(handler_class)
+    if cls is None:
+
+        class _Server(web_server.Server):
+            handler_extra: dict
+
+            def __call__(self) -> web_protocol.RequestHandler:
+                return handler_class(self, loop=self._loop, **self.handler_extra, **self._kwargs)
+
+        cls = _SERVER_CLASSES[handler_class] = _Server
+    return cls
+
+
+# ---------------------------------------------------------------------------- prometheus
+
+
+def histogram_parts(child) -> tuple[list, object] | None:
+    """A histogram child's bucket counters and sum counter, to add observations in bulk.
+
+    prometheus_client keeps them in ``_buckets`` (one per bound, +Inf last) and ``_sum``;
+    None if that is no longer so (the caller then replays observations one by one).
+    """
+    buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+    if buckets is None or total is None:
+        return None
+    return buckets, total
