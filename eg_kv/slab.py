@@ -78,6 +78,7 @@ _FREE_RESV_SLICE = bytes(_RESV_SCAN * L.RESV_SIZE)  # a free entry is all zeros
 _OS_PAGE = mmap.PAGESIZE
 DEFAULT_READ_SLICE = 1024 * 1024
 _NS_TABLE_WORDS = L.NS_COUNT * L.NS_WORDS
+_NS_SCAN = 16384  # the most namespace ids one step of a namespace's own sweep reads
 # The namespace words the hot paths touch, as module globals (one lookup, not two).
 _NS_BLOCKS = L.NS_BLOCKS
 _NS_REFS = L.NS_REFS
@@ -655,14 +656,17 @@ class Slab:
                 "bytes: raise the quota in the tokens file"
             )
         col, n = self._slot_ns, self.geometry.nslots
-        i, scanned = nsw[e + L.NS_HAND] % n, 0
+        i, scanned, step = nsw[e + L.NS_HAND] % n, 0, 256
         while nsw[e + _NS_RESIDENT_BYTES] > target and scanned < 2 * n:
-            end = min(n, i + _RESV_SCAN)
+            end = min(n, i + step)
             try:
                 j = i + col[i:end].tolist().index(ns)
             except ValueError:
                 scanned += end - i
                 i = end % n
+                # Slices grow while they miss: a dense namespace finds its next block in
+                # a short one, a sparse one is not searched 256 slots at a time.
+                step = min(step * 4, _NS_SCAN)
                 continue
             scanned += j - i + 1
             if self._clock_visit(j):
