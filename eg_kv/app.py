@@ -85,7 +85,9 @@ SPOOL_SLICE = 1024 * 1024
 SETTINGS = web.AppKey("settings", Settings)
 SLAB = web.AppKey("slab", Slab)
 METRICS = web.AppKey("metrics", Metrics)
-HEALTH = web.AppKey("health", Callable[[], tuple[int, int]])
+#: How /healthz counts workers: () -> (up, configured).
+HealthProbe = Callable[[], tuple[int, int]]
+HEALTH: web.AppKey[HealthProbe] = web.AppKey("health")
 #: Where a handler finds the request's tenant (set by the endpoint wrapper after auth).
 TENANT = "eg_kv.tenant"
 
@@ -321,12 +323,12 @@ def _label(resp: web.StreamResponse) -> web.StreamResponse:
     return resp
 
 
-def _closing(request: web.BaseRequest) -> bool:
+def _closing(request: web.Request) -> bool:
     """Whether this worker is draining: answers then close their connections."""
     return request.app[DRAIN].draining
 
 
-def _reply(request: web.BaseRequest, status: int, body: bytes = b"", *args, **kwargs) -> Written:
+def _reply(request: web.Request, status: int, body: bytes = b"", *args, **kwargs) -> Written:
     """:func:`eg_kv.replies.reply`, closing the connection while this worker drains."""
     return reply(request, status, body, *args, close=_closing(request), **kwargs)
 
@@ -980,7 +982,7 @@ FLUSH_TASK = web.AppKey("metrics_flush", asyncio.Task)
 SWEEP_TASK = web.AppKey("connection_sweep", asyncio.Task)
 
 
-def _malloc_trim() -> Callable[[], object] | None:
+def _malloc_trim() -> Callable[[int], object] | None:
     """glibc's ``malloc_trim(0)``, or None where there is none (musl, macOS)."""
     try:
         return ctypes.CDLL(None).malloc_trim

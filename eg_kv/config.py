@@ -124,8 +124,8 @@ class Settings:
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     capacity: int = DEFAULT_CAPACITY
     page_size: int = DEFAULT_PAGE_SIZE
-    #: None: the default, 64 MiB or the capacity if that is smaller.
-    max_block_size: int | None = None
+    #: 0: the default, 64 MiB or the capacity if that is smaller.
+    max_block_size: int = 0
     slab_name: str = ""
     keep: bool = False
     fresh: bool = False
@@ -152,7 +152,7 @@ class Settings:
         if self.workers < 1:
             raise ConfigError("--workers must be at least 1")
         room = self.capacity // self.page_size * self.page_size if self.page_size > 0 else 0
-        if self.max_block_size is None:
+        if not self.max_block_size:
             object.__setattr__(self, "max_block_size", min(DEFAULT_MAX_BLOCK_SIZE, room) or 1)
         elif self.max_block_size > room:
             raise ConfigError(

@@ -105,7 +105,7 @@ class Metrics:
         counts[key] = counts.get(key, 0) + 1
         h = self._hist.get(route)
         if h is None:
-            h = self._hist[route] = [0] * (self._nbuckets + 1)
+            h = self._hist[route] = [0.0] * (self._nbuckets + 1)
         h[bisect.bisect_left(_BUCKETS, seconds)] += 1  # prometheus: value <= upper bound
         h[-1] += seconds
 
@@ -123,17 +123,18 @@ class Metrics:
             self.requests.labels(route, method, str(status)).inc(n)
         for route, h in hists.items():
             child = self.latency.labels(route)
-            buckets, total = histogram_parts(child) or (None, None)
-            if buckets is None or len(buckets) != self._nbuckets:
+            parts = histogram_parts(child)
+            if parts is None or len(parts[0]) != self._nbuckets:
                 # prometheus_client changed its internals: replay the observations.
-                for i, n in enumerate(h[:-1]):
+                for i, seen in enumerate(h[:-1]):
                     bound = (*_BUCKETS, float("inf"))[i]
-                    for _ in range(int(n)):
+                    for _ in range(int(seen)):
                         child.observe(bound if bound != float("inf") else _BUCKETS[-1] * 2)
                 continue
-            for i, n in enumerate(h[:-1]):
-                if n:
-                    buckets[i].inc(n)
+            buckets, total = parts
+            for i, seen in enumerate(h[:-1]):
+                if seen:
+                    buckets[i].inc(seen)
             total.inc(h[-1])
 
     def _flush_connections(self, open_now: int, closed_by: dict[str, int]) -> None:
@@ -191,6 +192,7 @@ class _Snapshot:
 def _slab_families(stats: dict[str, int], workers_up: int, workers: int) -> list:
     out = []
     for key, value in stats.items():
+        fam: CounterMetricFamily | GaugeMetricFamily
         if key in _SLAB_COUNTERS:
             fam = CounterMetricFamily(f"eg_kv_{key}", f"slab counter {key}")
         else:

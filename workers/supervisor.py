@@ -221,7 +221,8 @@ class Supervisor:
                 try:
                     make_ssl_context(s)
                 except (OSError, ValueError) as e:
-                    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+                    filename = getattr(e, "filename", None)
+                    where = f" ({filename})" if filename else ""
                     raise CannotServe(
                         f"cannot use the TLS certificate and key{where}: {e}"
                     ) from None
@@ -276,6 +277,22 @@ class Supervisor:
             os.write(self._wake_w, b"\0")
 
     # ------------------------------------------------------------------ the loop
+
+    # What run() opens before the loop starts: the loop's code may rely on it.
+    @property
+    def _slab(self) -> Slab:
+        assert self.slab is not None, "the slab is opened before the loop runs"
+        return self.slab
+
+    @property
+    def _run_dir(self) -> str:
+        assert self.run_dir is not None, "the run directory is made before the loop runs"
+        return self.run_dir
+
+    @property
+    def _heartbeats(self) -> runstate.Heartbeats:
+        assert self.heartbeats is not None, "heartbeats are made before the loop runs"
+        return self.heartbeats
 
     def _loop(self) -> None:
         while True:
@@ -407,7 +424,7 @@ class Supervisor:
     def _write_state(self) -> None:
         ready = [w.pid for w in self.workers.values() if w.ready]
         with contextlib.suppress(OSError):
-            runstate.write_state(self.run_dir, self.settings.workers, ready)
+            runstate.write_state(self._run_dir, self.settings.workers, ready)
 
     # ------------------------------------------------------------------ children
 
@@ -426,8 +443,8 @@ class Supervisor:
             died = True
             self._dead.append(pid)
             with contextlib.suppress(OSError):
-                forget_process(runstate.metrics_dir(self.run_dir), pid)
-            self.heartbeats.clear(w.slot)
+                forget_process(runstate.metrics_dir(self._run_dir), pid)
+            self._heartbeats.clear(w.slot)
             self._classify(w, status)
         if died:
             self._write_state()
@@ -463,7 +480,7 @@ class Supervisor:
         while self._dead:
             pid = self._dead[0]
             try:
-                left = self.slab.release_process(pid, timeout=LOCK_WAIT_S)
+                left = self._slab.release_process(pid, timeout=LOCK_WAIT_S)
             except LockTimeout:
                 return  # the lock is busy or stuck: the watchdog sees to it; retry later
             except Exception as e:
@@ -483,7 +500,7 @@ class Supervisor:
     def _repair(self) -> None:
         """Full repair (at exit, when no worker is left to stall)."""
         try:
-            problems = self.slab.repair(timeout=LOCK_WAIT_S * 10)
+            problems = self._slab.repair(timeout=LOCK_WAIT_S * 10)
         except Exception as e:
             log.error("slab repair failed: %s", e)
             return
@@ -496,7 +513,7 @@ class Supervisor:
         """Kill the worker that wedges the server: the one that holds the lock too long,
         or one whose heartbeat stopped while the lock was not stuck."""
         s, now = self.settings, time.monotonic()
-        holder, entries = self.slab.lock_state()
+        holder, entries = self._slab.lock_state()
         seen_holder, seen_entries, since = self._lock_seen
         if holder and (holder, entries) == (seen_holder, seen_entries):
             self._lock_stuck_at = now  # one critical section spans two ticks or more
@@ -512,7 +529,7 @@ class Supervisor:
                 if now - w.started > max(BOOT_TIMEOUT_S, 6 * s.heartbeat_timeout_s):
                     self._kill_wedged(w, f"did not start serving in {now - w.started:.0f} s")
                 continue
-            age = self.heartbeats.age(w.slot, w.pid)
+            age = self._heartbeats.age(w.slot, w.pid)
             age = now - w.ready_at if age is None else min(age, now - w.ready_at)
             if age <= s.heartbeat_timeout_s:
                 continue
@@ -522,7 +539,7 @@ class Supervisor:
 
     @property
     def _lock_limit(self) -> float:
-        return self.settings.lock_timeout_s + REPAIR_S_PER_PAGE * self.slab.geometry.npages
+        return self.settings.lock_timeout_s + REPAIR_S_PER_PAGE * self._slab.geometry.npages
 
     def _lock_held_too_long(self, holder: int, entries: int, held: float) -> None:
         w = self.workers.get(holder)
@@ -546,7 +563,7 @@ class Supervisor:
     def _spawn(self) -> None:
         parent = os.getpid()
         taken = {w.slot for w in self.workers.values()}
-        slot = next(k for k in range(self.heartbeats.nslots) if k not in taken)
+        slot = next(k for k in range(self._heartbeats.nslots) if k not in taken)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -559,9 +576,9 @@ class Supervisor:
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 for fd in (self._wake_r, self._wake_w, self._notify_r):
                     os.close(fd)
-                self.slab.close()  # the supervisor's handle: a worker attaches its own
-                beat = functools.partial(self.heartbeats.beat, slot, os.getpid())
-                code = worker_mod.run(self.settings, self.run_dir, self._notify_w, parent,
+                self._slab.close()  # the supervisor's handle: a worker attaches its own
+                beat = functools.partial(self._heartbeats.beat, slot, os.getpid())
+                code = worker_mod.run(self.settings, self._run_dir, self._notify_w, parent,
                                       heartbeat=beat)  # fmt: skip
             except BaseException:
                 traceback.print_exc()
@@ -570,7 +587,7 @@ class Supervisor:
                     sys.stdout.flush()
                     sys.stderr.flush()
                 os._exit(code)
-        self.heartbeats.beat(slot, pid)
+        self._heartbeats.beat(slot, pid)
         self.workers[pid] = _Worker(pid, time.monotonic(), slot)
 
     # ------------------------------------------------------------------ the end
