@@ -103,12 +103,13 @@ class StampedHandler(web_protocol.RequestHandler):
     every read of a body, and stamping there cost a 4 KiB PUT 5% more CPU.
     """
 
-    __slots__ = ("head_at", "head_of", "held_at", "rx_at", "wpaused_at")
+    __slots__ = ("head_at", "head_of", "held_at", "rx_at", "wpaused_at", "wpaused_size")
 
     def __init__(self, manager: web_server.Server, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self.rx_at = self.head_at = self.wpaused_at = self.held_at = -math.inf
         self.head_of = -1
+        self.wpaused_size = 0
 
     def data_received(self, data: bytes) -> None:
         if data:  # b"" is aiohttp re-parsing what it buffered, on resume_reading
@@ -121,7 +122,11 @@ class StampedHandler(web_protocol.RequestHandler):
         _data_received(self, data)
 
     def pause_writing(self) -> None:
+        # The sweeper restarts this clock whenever the write buffer shrank since its last
+        # look (``wpaused_size``): a slow reader that drains is making progress.
         self.wpaused_at = self._loop.time()
+        transport = self.transport
+        self.wpaused_size = transport.get_write_buffer_size() if transport else 0
         super().pause_writing()
 
     def waiting(self) -> bool:
