@@ -273,6 +273,25 @@ class Slab:
             shm.close_fd()
 
     @staticmethod
+    def segment_owner_pid(name: str) -> int:
+        """The owner pid recorded in eg-kv segment ``name``, of any layout version.
+
+        Returns:
+            The pid at ``layout.OWNER_PID_OFFSET``, or 0 if it cannot be read.
+        """
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            return 0
+        try:
+            word = os.pread(shm.fd, 8, L.OWNER_PID_OFFSET)
+        except OSError:
+            return 0
+        finally:
+            shm.close_fd()
+        return struct.unpack("=q", word)[0] if len(word) == 8 else 0  # native, as written
+
+    @staticmethod
     def exists_named(name: str) -> bool:
         try:
             posix_ipc.SharedMemory(name).close_fd()

@@ -372,3 +372,26 @@ def test_fresh_leaves_a_foreign_segment_alone(server_factory):
     finally:
         shm.close_fd()
         Slab.unlink_named(name)
+
+
+def test_fresh_leaves_a_live_eg_kv_slab_of_another_version_alone(server_factory):
+    """A segment with eg-kv's magic but another layout version, owned by a live process."""
+    from eg_kv import layout as L
+
+    name = unique_slab_name("otherver")
+    header = bytearray(L.HEADER_SIZE)
+    header[: len(L.MAGIC)] = L.MAGIC
+    header[len(L.MAGIC) : len(L.MAGIC) + 4] = (L.VERSION + 97).to_bytes(4, "little")
+    header[L.OWNER_PID_OFFSET : L.OWNER_PID_OFFSET + 8] = os.getpid().to_bytes(8, sys.byteorder)
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=len(header))
+    try:
+        os.pwrite(shm.fd, bytes(header), 0)
+        srv = server_factory(workers=1, slab_name=name, extra=("--fresh",), wait=False)
+        assert srv.proc.wait(30) == 1, srv.log()
+        log = srv.log()
+        assert f"slab {name}" in log and f"running eg-kv (pid {os.getpid()})" in log, log
+        assert Slab.exists_named(name), "the live slab was unlinked"
+        assert os.pread(shm.fd, len(header), 0) == header
+    finally:
+        shm.close_fd()
+        Slab.unlink_named(name)
