@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from aiohttp import web, web_protocol, web_server
+from aiohttp import web, web_protocol, web_server, web_urldispatcher
 
 #: The aiohttp versions the assumptions below were checked against (pyproject.toml).
 AIOHTTP_TESTED = ">=3.14.5,<3.15"
@@ -74,6 +74,15 @@ def forget_interim(request: web.BaseRequest) -> None:
     The final response has not begun (see :func:`response_started`).
     """
     request.writer.output_size = 0
+
+
+def replace_default_expect_handler(router: web.UrlDispatcher, handler) -> None:
+    """Give every route of ``router`` still on aiohttp's default ``Expect`` handler
+    ``handler`` instead (aiohttp takes it only per route, at ``add_route``).
+    """
+    for route in router.routes():
+        if route._expect_handler is web_urldispatcher._default_expect_handler:
+            route._expect_handler = handler
 
 
 def response_started(request: web.BaseRequest) -> bool:
