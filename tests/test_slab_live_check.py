@@ -144,3 +144,25 @@ def test_release_process_frees_its_leftovers_without_a_walk(slab):
     assert slab.check() == []
     again = slab.release_process(p.pid, timeout=5)  # nothing left: a no-op
     assert (again.reservations, again.hits) == (0, 0)
+
+
+def test_live_check_notes_a_dead_writers_reservation_the_offline_check_reports_it(slab):
+    """Between a writer's death and the supervisor's release, a live check is not failed."""
+    slab.put("kept", b"k" * 1000)
+    ready = FORK.Event()
+    p = FORK.Process(target=_die_with_an_upload_and_reads, args=(slab.name, ready))
+    p.start()
+    assert ready.wait(30)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    report = slab.check_live()
+    assert report.problems == [], report
+    assert report.notes == [f"reservation 0 (pid {p.pid}): writer dead, to be released by "
+                            "the supervisor"], report  # fmt: skip
+    cmd = [sys.executable, "-m", "workers", "check", "--slab-name", slab.name]
+    live = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert live.returncode == 0, live.stdout + live.stderr
+    assert "note: reservation 0" in live.stdout and "writer dead" in live.stdout
+    # The offline check (and repair) still call it damage.
+    assert any("dead" in problem for problem in slab.check()), slab.check()
+    assert slab.repair() and slab.check() == []
