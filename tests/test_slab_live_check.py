@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -83,6 +84,31 @@ def test_live_check_holds_the_lock_briefly_and_finds_no_false_problems(big_slab)
 
     quiet = big_slab.check_live()
     assert (quiet.problems, quiet.unchecked) == ([], [])
+
+
+@pytest.mark.timeout(120)
+def test_eg_kv_check_of_a_large_slab_under_write_load_slices_its_walk(big_slab):
+    """The command itself walks in slices and says how many and how long the longest was."""
+    stop = FORK.Event()
+    writers = [
+        FORK.Process(target=_writer, args=(big_slab.name, s, stop, 60), daemon=True) for s in (1, 2)
+    ]
+    for p in writers:
+        p.start()
+    try:
+        cmd = [sys.executable, "-m", "workers", "check", "--slab-name", big_slab.name]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        stop.set()
+        for p in writers:
+            p.join(30)
+    assert out.returncode == 0, out.stdout + out.stderr
+    m = re.search(r"\((\d+) slices; lock held at most ([\d.]+) ms at a time, ([\d.]+) ms CPU\)",
+                  out.stdout)  # fmt: skip
+    print(out.stdout)
+    assert m, out.stdout
+    slices, cpu_ms = int(m.group(1)), float(m.group(3))
+    assert slices > 1 and cpu_ms < MAX_HOLD_S * 1000, out.stdout
 
 
 def test_live_check_finds_real_damage(big_slab):

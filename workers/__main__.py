@@ -272,7 +272,10 @@ def _check(args: argparse.Namespace) -> int:
         print(f"eg-kv check: not checked: {note}")
     for note in report.notes:
         print(f"eg-kv check: note: {note}")
-    held = f"lock held at most {report.longest_hold_s * 1000:.1f} ms at a time"
+    held = (
+        f"{report.slices} slices; lock held at most {report.longest_hold_s * 1000:.1f} ms "
+        f"at a time, {report.longest_hold_cpu_s * 1000:.1f} ms CPU"
+    )
     if report.problems:
         print(f"eg-kv check: slab {name}: {len(report.problems)} problem(s) ({held})")
         return 1
