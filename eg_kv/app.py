@@ -443,7 +443,8 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
                 raise
     except EgKvError as e:
         return await _final_answer(request, error_response(e.status, str(e)), start)
-    return await _continue(request)
+    await _continue(request)
+    return None
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
@@ -457,7 +458,8 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         return None
     if request.headers.get("Expect", "").lower() != "100-continue":
         return await _final_answer(request, _expect_refused(), time.perf_counter())
-    return await _continue(request)
+    await _continue(request)
+    return None
 
 
 def _expect_refused() -> web.Response:
@@ -467,7 +469,6 @@ def _expect_refused() -> web.Response:
 async def _continue(request: web.Request) -> None:
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     forget_interim(request)  # the interim response is not part of the final one
-    return None
 
 
 async def _final_answer(request: web.Request, resp: web.Response, start: float) -> web.Response:
