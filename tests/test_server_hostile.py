@@ -528,16 +528,16 @@ def test_a_killed_workers_open_connections_leave_the_gauge(server_factory):
         victim = max(socks, key=lambda p: len(socks[p]))
         held = len(socks[victim])
         # The victim has flushed its count (once a second) before it dies.
-        wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) >= 24, timeout=10,
+        wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) >= 24, timeout=30,
                  what="the open connections to be counted")  # fmt: skip
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=20,
+        wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=30,
                  what="the replacement worker")  # fmt: skip
         for s in (s for group in socks.values() for s in group):
             s.close()
         socks.clear()
         # Left: at most the scrape's own connection and a few not yet noticed closed.
-        wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) < held, timeout=10,
+        wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) < held, timeout=30,
                  what=f"the gauge to drop below the dead worker's {held}")  # fmt: skip
     finally:
         for s in (s for group in socks.values() for s in group):

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, wait_for
 
 from eg_kv import layout as L
 from eg_kv.errors import SlabError
@@ -64,6 +64,11 @@ def test_live_check_holds_the_lock_briefly_and_finds_no_false_problems(big_slab)
     for p in writers:
         p.start()
     try:
+        # Writers attach and start writing before the check begins (on a loaded machine a
+        # forked writer can take a while): the check must run while they write.
+        start = big_slab._state[L.ST_SEQ]
+        wait_for(lambda: big_slab._state[L.ST_SEQ] - start > 100, timeout=60,
+                 what="the writers to be writing")  # fmt: skip
         before = big_slab._state[L.ST_SEQ]
         report = big_slab.check_live()
         assert big_slab._state[L.ST_SEQ] != before, "the writers ran during the check"
