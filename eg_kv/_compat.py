@@ -12,6 +12,7 @@ in production.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from aiohttp import web, web_protocol, web_server
 
@@ -204,7 +205,7 @@ def _server_class(handler_class: type) -> type[web_server.Server]:
 # ---------------------------------------------------------------------------- prometheus
 
 
-def histogram_parts(child) -> tuple[list, object] | None:
+def histogram_parts(child: Any) -> tuple[list[Any], Any] | None:
     """A histogram child's bucket counters and sum counter, to add observations in bulk.
 
     prometheus_client keeps them in ``_buckets`` (one per bound, +Inf last) and ``_sum``;

@@ -34,13 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import hmac
 import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
+from typing import TypeVar
 
 from aiohttp import http_exceptions, web
 
@@ -55,13 +55,16 @@ from .connections import (
     Limits,
     resolve_max_connections,
 )
-from .errors import BadRequest, Busy, EgKvError, NotFound, TooLarge
+from .errors import BadRequest, Busy, ConfigError, EgKvError, Forbidden, NotFound, TooLarge
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import FLUSH_S, Metrics
 from .replies import JSON, OCTETS, WORKER_HEADER, Written, reply
 from .slab import SMALL_PUT, BlockGone, Slab
+from .tenants import ANONYMOUS, Tenant, TenantTable, single_token
+from .tenants import load as load_tenants
 
 log = logging.getLogger("eg_kv.app")
+_V = TypeVar("_V")
 
 #: Largest number of addresses one batch existence request may carry.
 BATCH_MAX = 1024
@@ -82,8 +85,54 @@ SPOOL_SLICE = 1024 * 1024
 SETTINGS = web.AppKey("settings", Settings)
 SLAB = web.AppKey("slab", Slab)
 METRICS = web.AppKey("metrics", Metrics)
-HEALTH = web.AppKey("health", Callable[[], tuple[int, int]])
-TOKEN = web.AppKey("token", bytes)
+#: How /healthz counts workers: () -> (up, configured).
+HealthProbe = Callable[[], tuple[int, int]]
+HEALTH: web.AppKey[HealthProbe] = web.AppKey("health")
+#: Where a handler finds the request's tenant (set by the endpoint wrapper after auth).
+TENANT = "eg_kv.tenant"
+
+
+class Auth:
+    """Who may do what. ``table`` None: no token configured, anyone is an admin of the
+    default namespace (as before tenants). Swapped whole on a reload (SIGHUP).
+
+    Args:
+        table: the tenants (namespace ids not yet bound to the slab).
+        tokens_file: where the table came from; None for the single token or none.
+    """
+
+    def __init__(self, table: TenantTable | None, tokens_file: str | None = None) -> None:
+        self.table = table
+        self.tokens_file = tokens_file
+
+    @property
+    def tenants_mode(self) -> bool:
+        """Whether a tokens file is in use (per-namespace stats, admin-only metrics)."""
+        return self.tokens_file is not None
+
+    def bind(self, slab: Slab, table: TenantTable) -> TenantTable:
+        """``table`` with its namespaces' ids from the slab (quotas set there too)."""
+        return table.with_ids(slab.bind_namespaces(table.quotas))
+
+    def reload(self, slab: Slab, path: str, capacity: int) -> bool:
+        """Load the tokens file at ``path`` again; keep the old tenants if it is bad.
+
+        Returns:
+            Whether the new tenants are in force. Logs tenant counts and reasons, never
+            a token (the file holds none).
+        """
+        try:
+            table = self.bind(slab, load_tenants(path, capacity))
+        except (ConfigError, EgKvError) as e:
+            log.error("tokens file not reloaded, the old tenants stay: %s", e)
+            return False
+        self.table = table
+        log.info("tokens file %s reloaded: %d tenants in %d namespaces", path,
+                 len(table.by_digest), len(table.quotas))  # fmt: skip
+        return True
+
+
+AUTH = web.AppKey("auth", Auth)
 CONNECTIONS = web.AppKey("connections", Connections)
 
 
@@ -174,19 +223,32 @@ def _unauthorized(message: str) -> web.Response:
     return error_response(401, message, {"WWW-Authenticate": 'Bearer realm="eg-kv"'})
 
 
-def _check_auth(request: web.BaseRequest, token: bytes) -> str | None:
-    """None if the request carries the bearer token, else why not (never the token)."""
+def _authenticate(request: web.BaseRequest, table: TenantTable | None) -> Tenant | str:
+    """The request's tenant, or why there is none (never the token).
+
+    The token is looked up by its sha256 digest: what the lookup compares are digests,
+    so how long it takes tells nothing about any token.
+    """
+    if table is None:
+        return ANONYMOUS
     header = request.headers.get("Authorization")
     if header is None:
         return "authorization required: send Authorization: Bearer <token>"
     scheme, _, cred = header.strip().partition(" ")
     if scheme.lower() != "bearer":
         return "authorization required: use the Bearer scheme"
-    given = cred.strip().encode("utf-8", "surrogateescape")
-    # Constant time: the comparison must not tell how much of a guess was right.
-    if not hmac.compare_digest(given, token):
+    tenant = table.find(cred.strip().encode("utf-8", "surrogateescape"))
+    if tenant is None:
         return "wrong bearer token"
-    return None
+    return tenant
+
+
+def _allowed(route: str, method: str, tenant: Tenant, tenants_mode: bool) -> None:
+    """Raise :class:`Forbidden` unless ``tenant``'s role allows ``method`` on ``route``."""
+    if route == "block" and method in ("PUT", "DELETE") and not tenant.can_write:
+        raise Forbidden(f"tenant {tenant.name} is readonly: {method} needs role readwrite")
+    if route == "metrics" and tenants_mode and not tenant.is_admin:
+        raise Forbidden(f"tenant {tenant.name} may not read /metrics: it needs role admin")
 
 
 # ---------------------------------------------------------------------------- middleware
@@ -208,9 +270,8 @@ def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
     The check is a flag read; the wait is bounded by the send time limit
     (:mod:`eg_kv.connections`).
     """
-    drain, metrics, token = app[DRAIN], app[METRICS], app[TOKEN]
-    if route == "healthz":
-        token = b""  # liveness needs no auth
+    drain, metrics, auth = app[DRAIN], app[METRICS], app[AUTH]
+    open_route = route == "healthz"  # liveness needs no auth
 
     async def endpoint(request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
@@ -218,8 +279,14 @@ def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
         try:
             if request.protocol.writing_paused:  # earlier answers are still unsent
                 await request.writer.drain()
-            why = _check_auth(request, token) if token else None
-            resp = _unauthorized(why) if why is not None else await fn(request)
+            tenant = ANONYMOUS if open_route else _authenticate(request, auth.table)
+            if isinstance(tenant, str):
+                resp = _unauthorized(tenant)
+            else:
+                if tenant is not ANONYMOUS:
+                    _allowed(route, request.method, tenant, auth.tenants_mode)
+                request[TENANT] = tenant
+                resp = await fn(request)
         except EgKvError as e:
             resp = error_response(e.status, str(e))
         except web.HTTPMethodNotAllowed as e:
@@ -256,12 +323,12 @@ def _label(resp: web.StreamResponse) -> web.StreamResponse:
     return resp
 
 
-def _closing(request: web.BaseRequest) -> bool:
+def _closing(request: web.Request) -> bool:
     """Whether this worker is draining: answers then close their connections."""
     return request.app[DRAIN].draining
 
 
-def _reply(request: web.BaseRequest, status: int, body: bytes = b"", *args, **kwargs) -> Written:
+def _reply(request: web.Request, status: int, body: bytes = b"", *args, **kwargs) -> Written:
     """:func:`eg_kv.replies.reply`, closing the connection while this worker drains."""
     return reply(request, status, body, *args, close=_closing(request), **kwargs)
 
@@ -272,7 +339,7 @@ def _reply(request: web.BaseRequest, status: int, body: bytes = b"", *args, **kw
 async def get_block(request: web.Request) -> web.StreamResponse:
     """``GET /kv/<hash>``: the block's bytes; 404 if absent."""
     address = request.match_info["hash"]
-    reader = request.app[SLAB].open_block(address)
+    reader = request.app[SLAB].open_block(address, request[TENANT].ns)
     if reader is None:
         raise NotFound(f"no block {address}")
     n = reader.length
@@ -385,7 +452,7 @@ async def _flushed(transport, writer) -> None:
 async def head_block(request: web.Request) -> web.StreamResponse:
     """``HEAD /kv/<hash>``: 200 with the block's Content-Length, 404 if absent."""
     address = request.match_info["hash"]
-    n = request.app[SLAB].length(address)
+    n = request.app[SLAB].length(address, request[TENANT].ns)
     if n is None:
         raise NotFound(f"no block {address}")
     return _reply(request, 200, b"", OCTETS, length=n)
@@ -422,8 +489,10 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
     """
     app, start = request.app, time.perf_counter()
     try:
-        if app[TOKEN] and (why := _check_auth(request, app[TOKEN])) is not None:
-            return await _final_answer(request, _unauthorized(why), start)
+        tenant = _authenticate(request, app[AUTH].table)
+        if isinstance(tenant, str):
+            return await _final_answer(request, _unauthorized(tenant), start)
+        _allowed("block", "PUT", tenant, app[AUTH].tenants_mode)
         address = request.match_info["hash"]
         validate(address)
         slab = app[SLAB]
@@ -432,7 +501,7 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
             return await _final_answer(
                 request, error_response(417, "only Expect: 100-continue is understood"), start
             )
-        if length and slab.add_ref(address, length):
+        if length and slab.add_ref(address, length, tenant.ns):
             return await _final_answer(request, web.Response(status=200, text="dedup\n"), start)
     except EgKvError as e:
         return await _final_answer(request, error_response(e.status, str(e)), start)
@@ -464,7 +533,7 @@ async def put_block(request: web.Request) -> web.StreamResponse:
     one is gathered and stored (or deduplicated) in one critical section.
     """
     address = request.match_info["hash"]
-    slab = request.app[SLAB]
+    slab, ns = request.app[SLAB], request[TENANT].ns
     validate(address)
     length = _announced_length(request, slab.max_block_size)
     if length == 0:  # refused before reading: there is nothing to store
@@ -472,7 +541,7 @@ async def put_block(request: web.Request) -> web.StreamResponse:
     # A Busy (503: upload share or spool full) gets its Retry-After where errors become
     # answers (error_response).
     if length is None:
-        created = await _put_chunked(request, slab, address)
+        created = await _put_chunked(request, slab, address, ns)
     elif length <= SMALL_PUT:
         # Gather a small body, then store it in one critical section (Slab.put): the
         # second lock round trip of a streamed put cost more than holding these bytes.
@@ -481,9 +550,9 @@ async def put_block(request: web.Request) -> web.StreamResponse:
         body = b"".join(chunks)
         if len(body) != length:
             raise BadRequest(f"body cut short: {len(body)} of {length} bytes arrived")
-        created = slab.put(address, body)
+        created = slab.put(address, body, ns)
     else:
-        handle = slab.begin_put(address, length, request.app[SETTINGS].upload_share)
+        handle = slab.begin_put(address, length, request.app[SETTINGS].upload_share, ns)
         try:
             await _receive(request, handle.write)
             created = handle.commit()
@@ -524,7 +593,7 @@ async def _receive(
         raise BadRequest(f"body cut short or malformed: {_why(e)}") from None
 
 
-async def _put_chunked(request: web.Request, slab: Slab, address: str) -> bool:
+async def _put_chunked(request: web.Request, slab: Slab, address: str, ns: int) -> bool:
     """Spool a chunked body into a memfd, then copy it into the slab.
 
     The body may be at most the maximum block size (413 beyond), and the worker's chunked
@@ -546,7 +615,7 @@ async def _put_chunked(request: web.Request, slab: Slab, address: str) -> bool:
                 view = view[os.write(fd, view) :]
 
         await _receive(request, spool, chunked=True)
-        handle = slab.begin_put(address, total, request.app[SETTINGS].upload_share)
+        handle = slab.begin_put(address, total, request.app[SETTINGS].upload_share, ns)
         try:
             pos = 0
             while pos < total:
@@ -569,7 +638,7 @@ def _why(e: BaseException) -> str:
 async def delete_block(request: web.Request) -> web.StreamResponse:
     """``DELETE /kv/<hash>``: release one reference; 204, or 404 if absent."""
     address = request.match_info["hash"]
-    if not request.app[SLAB].delete(address):
+    if not request.app[SLAB].delete(address, request[TENANT].ns):
         raise NotFound(f"no block {address}")
     return _reply(request, 204)
 
@@ -579,7 +648,8 @@ async def block_exists(request: web.Request) -> web.StreamResponse:
     address = request.match_info["hash"]
     if address == "batch":  # /kv/batch/exists exists, for POST only
         raise web.HTTPMethodNotAllowed(request.method, ("POST",))
-    body = json.dumps({"hash": address, "exists": request.app[SLAB].exists(address)})
+    found = request.app[SLAB].exists(address, request[TENANT].ns)
+    body = json.dumps({"hash": address, "exists": found})
     return _reply(request, 200, body.encode(), JSON)
 
 
@@ -605,7 +675,7 @@ async def batch_exists(request: web.Request) -> web.StreamResponse:
         raise BadRequest('batch body must be {"addresses": ["<hash>", ...]}')
     if len(addresses) > BATCH_MAX:
         raise TooLarge(f"{len(addresses)} addresses in one batch; at most {BATCH_MAX}")
-    found = request.app[SLAB].exists_many(addresses)
+    found = request.app[SLAB].exists_many(addresses, request[TENANT].ns)
     prefix = next((i for i, hit in enumerate(found) if not hit), len(found))
     body = json.dumps({"exists": found, "prefix_hits": prefix}).encode()
     return _reply(request, 200, body, JSON)
@@ -654,8 +724,22 @@ async def no_route(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    """``GET /kv/stats``: the slab's counters, the contract's eight fields first."""
-    return web.json_response(ordered_stats(request.app[SLAB].stats()))
+    """``GET /kv/stats``: the contract's eight fields first, then the rest.
+
+    With a tokens file, a tenant gets its own namespace's counters; an admin gets the
+    whole slab's plus ``namespaces``, one entry per namespace (by name).
+    """
+    slab, tenant = request.app[SLAB], request[TENANT]
+    if not request.app[AUTH].tenants_mode:
+        return web.json_response(ordered_stats(slab.stats()))
+    if not tenant.is_admin:
+        (own,) = slab.namespace_stats(tenant.ns).values()
+        return web.json_response(ordered_stats(own))
+    out: dict[str, object] = dict(ordered_stats(slab.stats()))
+    out["namespaces"] = {
+        name or "default": ordered_stats(one) for name, one in slab.namespace_stats().items()
+    }
+    return web.json_response(out)
 
 
 CONTRACT_FIELDS = (
@@ -664,7 +748,7 @@ CONTRACT_FIELDS = (
 )  # fmt: skip
 
 
-def ordered_stats(raw: dict[str, int]) -> dict[str, int]:
+def ordered_stats(raw: Mapping[str, _V]) -> dict[str, _V]:
     """The stats with the contract's eight fields first, then the rest as the slab gave them."""
     out = {k: raw[k] for k in CONTRACT_FIELDS}
     out.update((k, v) for k, v in raw.items() if k not in out)
@@ -685,7 +769,9 @@ async def metrics(request: web.Request) -> web.Response:
     """
     request.app[METRICS].flush()
     up, configured = request.app[HEALTH]()
-    body = request.app[METRICS].render(request.app[SLAB].stats(), up, configured)
+    slab = request.app[SLAB]
+    namespaces = slab.namespace_stats() if request.app[AUTH].tenants_mode else None
+    body = request.app[METRICS].render(slab.stats(), up, configured, namespaces)
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
     return resp
@@ -719,6 +805,32 @@ def _health_from(
     return health
 
 
+def tokens_path(settings: Settings, run_dir: str | None) -> str | None:
+    """The tokens file a worker reads: the supervisor's validated copy in the run
+    directory if there is one, else the configured file (None without one)."""
+    if not settings.tokens_file:
+        return None
+    if run_dir is not None:
+        copy = runstate.tokens_copy(run_dir)
+        if os.path.exists(copy):
+            return copy
+    return settings.tokens_file
+
+
+def _auth_from(settings: Settings, run_dir: str | None) -> Auth:
+    """The tenants at start-up: a tokens file, the single token, or nobody (anonymous).
+
+    Raises:
+        ConfigError: the tokens file is bad (the message names the line).
+    """
+    path = tokens_path(settings, run_dir)
+    if path is not None:
+        return Auth(load_tenants(path, settings.capacity), path)
+    if settings.token:
+        return Auth(single_token(settings.token))
+    return Auth(None)
+
+
 def make_app(
     settings: Settings,
     *,
@@ -738,7 +850,7 @@ def make_app(
     """
     app = web.Application(handler_args={"auto_decompress": False, "read_bufsize": READ_BUFSIZE})
     app[SETTINGS] = settings
-    app[TOKEN] = settings.token.encode("utf-8", "surrogateescape") if settings.token else b""
+    app[AUTH] = _auth_from(settings, run_dir)
     metrics_path = runstate.metrics_dir(run_dir) if run_dir else None
     app[METRICS] = Metrics(metrics_path)
     app[DRAIN] = Drain()
@@ -870,7 +982,7 @@ FLUSH_TASK = web.AppKey("metrics_flush", asyncio.Task)
 SWEEP_TASK = web.AppKey("connection_sweep", asyncio.Task)
 
 
-def _malloc_trim() -> Callable[[], object] | None:
+def _malloc_trim() -> Callable[[int], object] | None:
     """glibc's ``malloc_trim(0)``, or None where there is none (musl, macOS)."""
     try:
         return ctypes.CDLL(None).malloc_trim
@@ -913,6 +1025,9 @@ async def _slab_ctx(app: web.Application) -> AsyncIterator[None]:
     replies.set_worker_pid()
     slab = Slab.attach(app[SETTINGS].slab_name)
     app[SLAB] = slab
+    auth = app[AUTH]
+    if auth.table is not None and auth.tenants_mode:
+        auth.table = auth.bind(slab, auth.table)
     try:
         yield
     finally:

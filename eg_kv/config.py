@@ -21,6 +21,7 @@ from .units import (  # re-exported: sizes are part of the settings' grammar
 
 ENV_ADDR = "EPISTEMIC_GRAPH_KVCACHE_ADDR"
 ENV_TOKEN = "EPISTEMIC_GRAPH_KVCACHE_TOKEN"
+ENV_TOKENS_FILE = "EPISTEMIC_GRAPH_KVCACHE_TOKENS_FILE"
 ENV_URL = "EPISTEMIC_GRAPH_KVCACHE_URL"
 ENV_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_TIMEOUT_S"
 ENV_TLS_VERIFY = "EPISTEMIC_GRAPH_KVCACHE_TLS_VERIFY"
@@ -123,12 +124,14 @@ class Settings:
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     capacity: int = DEFAULT_CAPACITY
     page_size: int = DEFAULT_PAGE_SIZE
-    #: None: the default, 64 MiB or the capacity if that is smaller.
-    max_block_size: int | None = None
+    #: 0: the default, 64 MiB or the capacity if that is smaller.
+    max_block_size: int = 0
     slab_name: str = ""
     keep: bool = False
     fresh: bool = False
     token: str | None = dataclasses.field(default=None, repr=False)
+    #: a TOML file of tenants (eg_kv.tenants); replaces ``token`` when given
+    tokens_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
@@ -149,7 +152,7 @@ class Settings:
         if self.workers < 1:
             raise ConfigError("--workers must be at least 1")
         room = self.capacity // self.page_size * self.page_size if self.page_size > 0 else 0
-        if self.max_block_size is None:
+        if not self.max_block_size:
             object.__setattr__(self, "max_block_size", min(DEFAULT_MAX_BLOCK_SIZE, room) or 1)
         elif self.max_block_size > room:
             raise ConfigError(
@@ -201,6 +204,8 @@ def settings_from_env(env: Mapping[str, str] | None = None, **overrides) -> Sett
     token = env.get(ENV_TOKEN)
     if token:
         values["token"] = token
+    if env.get(ENV_TOKENS_FILE):
+        values["tokens_file"] = env[ENV_TOKENS_FILE]
     for key, var in (("tls_cert", ENV_TLS_CERT), ("tls_key", ENV_TLS_KEY)):
         if env.get(var):
             values[key] = env[var]

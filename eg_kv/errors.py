@@ -30,6 +30,12 @@ class Unauthorized(EgKvError):
     status = 401
 
 
+class Forbidden(EgKvError):
+    """The token is valid but its role does not allow this (e.g. a readonly PUT)."""
+
+    status = 403
+
+
 class NotFound(EgKvError):
     """No block is resident under that address."""
 

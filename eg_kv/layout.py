@@ -3,17 +3,21 @@
 One POSIX shared-memory segment holds everything; every offset is fixed at creation and
 recorded in the header, so a process that attaches needs nothing but the name::
 
-    0        4096                resv_off+R*32      slots_off+S*304   tag_off+P*8
-    ┌────────┬───────────────────┬──────────────────┬────────┬────────┬─────────────────┐
-    │ header │ reservations      │ slot table       │ next   │ tag    │ pages           │
-    │        │ R × RESV (32 B)   │ S × SLOT (304 B) │ P × q  │ P × Q  │ P × page_size   │
-    └────────┴───────────────────┴──────────────────┴────────┴────────┴─────────────────┘
+    0        4096           +768 KiB            resv_off+R*32      slots_off+S*312
+    ┌────────┬──────────────┬───────────────────┬──────────────────┬────────┬────────┬───────┐
+    │ header │ namespaces   │ reservations      │ slot table       │ next   │ tag    │ pages │
+    │        │ 4096 × 192 B │ R × RESV (32 B)   │ S × SLOT (312 B) │ P × q  │ P × Q  │ P × ps│
+    └────────┴──────────────┴───────────────────┴──────────────────┴────────┴────────┴───────┘
     header:  [0, 256)      GEOMETRY, written once at creation
              [256, ..)     STATE: one native int64 per field (lock holder, free list, clock
                            hand, block ids, counters), changed only under the slab lock
              [1024, 4096)  PROCS: 96 x (pid, get hits, get misses, spare) int64: each
                            process counts its lock-free reads in its own entry
 
+* **namespaces**: one entry per namespace (NS_* words: in use, quota, its own CLOCK hand,
+  its counters, then its name). Entry 0 is the default namespace. Every slot carries its
+  namespace id, mixed into its fingerprint, so the same address in two namespaces is two
+  blocks on two homes.
 * **slot table**: open addressing with linear probing (home = fingerprint & (S - 1)) and
   backward-shift deletion, so there are no tombstones. It is the one source of truth for
   which pages hold published blocks.
@@ -35,7 +39,7 @@ import struct
 from .address import ADDRESS_MAX
 
 MAGIC = b"EGKVSLB1"
-VERSION = 3  # 3: one reservation entry per page; the lock-entries word
+VERSION = 4  # 4: namespaces (a namespace id per slot, the namespace table)
 HEADER_SIZE = 4096
 STATE_OFFSET = 256
 ALIGN = 4096
@@ -99,12 +103,89 @@ PROC_WORDS = 4  # pid, get hits, get misses, spare
 NPROCS = (HEADER_SIZE - PROCS_OFFSET) // (8 * PROC_WORDS)  # 96
 
 # Slot: state, clock reference bit, address length, refcount, block length, first page,
-# page count, block id, address fingerprint; the address itself follows (ASCII, padded).
-SLOT = struct.Struct("<BBHIQqQQQ")
-SLOT_SIZE = SLOT.size + ADDRESS_MAX  # 304
+# page count, block id, fingerprint (of the address, mixed with the namespace id), namespace
+# id; the address itself follows (ASCII, padded).
+SLOT = struct.Struct("<BBHIQqQQQI4x")
+# Where each field lies in a tuple unpacked with SLOT. Plain ints, imported by slab.py as
+# module globals: scripts/bench_slab.py (one process) read the same with them as with
+# literal indexes (4 KiB put/dedup/get within 1%, exists within 4%: run-to-run noise).
+(
+    F_STATE,  # SLOT_EMPTY or SLOT_READY
+    F_REFBIT,  # CLOCK reference bit
+    F_ALEN,  # address length in bytes
+    F_REFS,  # refcount
+    F_LENGTH,  # block length in bytes
+    F_FIRST,  # first page
+    F_NPAGES,  # page count
+    F_BLOCK_ID,
+    F_FP,  # the address's 64-bit fingerprint, mixed with the namespace id (ns_fingerprint)
+    F_NS,  # namespace id (0: the default namespace)
+    SLOT_FIELDS,
+) = range(11)
+#: A slot's fields as SLOT unpacks them (index with the F_* constants).
+SlotFields = tuple[int, ...]
+SLOT_SIZE = SLOT.size + ADDRESS_MAX  # 312
 SLOT_EMPTY = 0
 SLOT_READY = 1
 SLOT_REF_OFFSET = 1  # byte offset of the reference bit inside a slot
+
+# The namespace table, right after the header: NS_COUNT entries of NS_WORDS int64 words.
+# Entry 0 is the default namespace. An entry is in use while its NS_USED word is 1; its
+# id never changes while it is (names are bound to ids under the slab lock, so every
+# process and every restart agrees). The counters are kept under the lock like the state
+# words; check() recomputes the derived ones from the slots.
+NS_COUNT = 4096
+(
+    NS_USED,
+    NS_QUOTA,  # bytes; 0 = none
+    NS_HAND,  # where this namespace's own CLOCK sweep resumes (a slot index)
+    NS_NAME_LEN,
+    # derived from the slots (check() recomputes them)
+    NS_BLOCKS,
+    NS_REFS,
+    NS_RESIDENT_BYTES,
+    NS_LOGICAL_BYTES,
+    NS_PAGES,
+    # events
+    NS_DEDUP_HITS,
+    NS_EVICTIONS,
+    NS_EVICTED_BYTES,
+    NS_GET_HITS,  # counted without the lock: may lose a count under concurrent readers
+    NS_GET_MISSES,
+    NS_PUTS_CREATED,
+    NS_DELETES,
+) = range(16)
+NS_DERIVED = {
+    "unique_blocks": NS_BLOCKS,
+    "total_refs": NS_REFS,
+    "resident_bytes": NS_RESIDENT_BYTES,
+    "logical_bytes": NS_LOGICAL_BYTES,
+    "slot_pages": NS_PAGES,
+}
+NS_EVENTS = {
+    "dedup_hits": NS_DEDUP_HITS,
+    "get_hits": NS_GET_HITS,
+    "get_misses": NS_GET_MISSES,
+    "evictions": NS_EVICTIONS,
+    "evicted_bytes": NS_EVICTED_BYTES,
+    "puts_created": NS_PUTS_CREATED,
+    "deletes": NS_DELETES,
+}
+NS_NAME_MAX = 64
+NS_NAME_WORD = 16  # the name's bytes start at this word
+NS_WORDS = NS_NAME_WORD + NS_NAME_MAX // 8  # 24
+NS_ENTRY_SIZE = 8 * NS_WORDS  # 192
+NS_OFFSET = HEADER_SIZE
+NS_TABLE_SIZE = NS_COUNT * NS_ENTRY_SIZE  # 768 KiB
+SLOT_NS_OFFSET = 48  # byte offset of the namespace id inside a slot (a uint32)
+NS_MIX = 0x9E3779B97F4A7C15
+
+
+def ns_fingerprint(fp: int, ns: int) -> int:
+    """The slot fingerprint of an address whose own fingerprint is ``fp``, in namespace
+    ``ns``: the same address in two namespaces lands on two homes and never matches."""
+    return fp ^ ((ns * NS_MIX) & 0xFFFFFFFFFFFFFFFF) if ns else fp
+
 
 # Reservation: writer pid (0 = entry free), first page, page count, block length.
 RESV = struct.Struct("<QqQQ")
@@ -147,7 +228,7 @@ class Geometry:
         npages = capacity // page_size
         nresv = max(1, npages)
         nslots = 1 << max(4, (2 * npages - 1).bit_length())
-        resv_off = HEADER_SIZE
+        resv_off = NS_OFFSET + NS_TABLE_SIZE
         slots_off = _align(resv_off + nresv * RESV_SIZE)
         next_off = _align(slots_off + nslots * SLOT_SIZE)
         tag_off = _align(next_off + npages * 8)

@@ -105,7 +105,7 @@ class Metrics:
         counts[key] = counts.get(key, 0) + 1
         h = self._hist.get(route)
         if h is None:
-            h = self._hist[route] = [0] * (self._nbuckets + 1)
+            h = self._hist[route] = [0.0] * (self._nbuckets + 1)
         h[bisect.bisect_left(_BUCKETS, seconds)] += 1  # prometheus: value <= upper bound
         h[-1] += seconds
 
@@ -123,17 +123,18 @@ class Metrics:
             self.requests.labels(route, method, str(status)).inc(n)
         for route, h in hists.items():
             child = self.latency.labels(route)
-            buckets, total = histogram_parts(child) or (None, None)
-            if buckets is None or len(buckets) != self._nbuckets:
+            parts = histogram_parts(child)
+            if parts is None or len(parts[0]) != self._nbuckets:
                 # prometheus_client changed its internals: replay the observations.
-                for i, n in enumerate(h[:-1]):
+                for i, seen in enumerate(h[:-1]):
                     bound = (*_BUCKETS, float("inf"))[i]
-                    for _ in range(int(n)):
+                    for _ in range(int(seen)):
                         child.observe(bound if bound != float("inf") else _BUCKETS[-1] * 2)
                 continue
-            for i, n in enumerate(h[:-1]):
-                if n:
-                    buckets[i].inc(n)
+            buckets, total = parts
+            for i, seen in enumerate(h[:-1]):
+                if seen:
+                    buckets[i].inc(seen)
             total.inc(h[-1])
 
     def _flush_connections(self, open_now: int, closed_by: dict[str, int]) -> None:
@@ -145,8 +146,16 @@ class Metrics:
                 (counter or self.connection_timeouts.labels(reason)).inc(n)
         self._closed_flushed = dict(closed_by)
 
-    def render(self, slab_stats: dict[str, int], workers_up: int, workers: int) -> bytes:
-        """The Prometheus text exposition: every worker's requests plus the slab's stats."""
+    def render(
+        self,
+        slab_stats: dict[str, int],
+        workers_up: int,
+        workers: int,
+        namespaces: dict[str, dict[str, int | str]] | None = None,
+    ) -> bytes:
+        """The Prometheus text exposition: every worker's requests plus the slab's stats,
+        and with ``namespaces`` (name -> counters) each namespace's, labelled ``namespace``
+        (the default namespace is ``default``)."""
         registry = CollectorRegistry(auto_describe=False)
         if self.multiproc_dir:
             MultiProcessCollector(registry, self.multiproc_dir)
@@ -156,6 +165,8 @@ class Metrics:
             for metric in (self.connections_open, self.connections_shed, self.connection_timeouts):
                 registry.register(metric)
         registry.register(_Snapshot(lambda: _slab_families(slab_stats, workers_up, workers)))
+        if namespaces:
+            registry.register(_Snapshot(lambda: _namespace_families(namespaces)))
         return generate_latest(registry)
 
 
@@ -181,6 +192,7 @@ class _Snapshot:
 def _slab_families(stats: dict[str, int], workers_up: int, workers: int) -> list:
     out = []
     for key, value in stats.items():
+        fam: CounterMetricFamily | GaugeMetricFamily
         if key in _SLAB_COUNTERS:
             fam = CounterMetricFamily(f"eg_kv_{key}", f"slab counter {key}")
         else:
@@ -192,3 +204,23 @@ def _slab_families(stats: dict[str, int], workers_up: int, workers: int) -> list
     conf = GaugeMetricFamily("eg_kv_workers", "worker processes configured")
     conf.add_metric([], workers)
     return [*out, up, conf]
+
+
+#: The per-namespace series: what quotas and fairness are judged by.
+_NS_SERIES = ("resident_bytes", "unique_blocks", "evictions", "evicted_bytes", "quota_bytes",
+              "get_hits", "get_misses", "dedup_hits")  # fmt: skip
+
+
+def _namespace_families(namespaces: dict[str, dict[str, int | str]]) -> list:
+    out = []
+    for key in _NS_SERIES:
+        name, doc = f"eg_kv_namespace_{key}", f"namespace {key}"
+        fam = (
+            CounterMetricFamily(name, doc, labels=["namespace"])
+            if key in _SLAB_COUNTERS
+            else GaugeMetricFamily(name, doc, labels=["namespace"])
+        )
+        for ns_name, one in namespaces.items():
+            fam.add_metric([ns_name or "default"], int(one[key]))
+        out.append(fam)
+    return out

@@ -172,3 +172,21 @@ def read_state(run_dir: str) -> tuple[int, list[int]]:
     with open(os.path.join(run_dir, STATE_FILE)) as f:
         state = json.load(f)
     return int(state["workers"]), [p for p in state["pids"] if pid_alive(int(p))]
+
+
+TOKENS_COPY = "tenants.toml"
+
+
+def tokens_copy(run_dir: str) -> str:
+    """Where the supervisor keeps the tokens file it validated last (workers read it)."""
+    return os.path.join(run_dir, TOKENS_COPY)
+
+
+def write_tokens_copy(run_dir: str, text: str) -> None:
+    """Replace the validated tokens file copy atomically (mode 0600: hashes only, but
+    the tenants' names and quotas are nobody else's business)."""
+    tmp = os.path.join(run_dir, f".{TOKENS_COPY}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, tokens_copy(run_dir))

@@ -14,6 +14,7 @@ a put fills pages it reserved, a get copies slices out and then checks the block
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import errno
@@ -25,14 +26,20 @@ import platform
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import posix_ipc
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    #: What a put takes: anything with a length that a memoryview can cast to bytes.
+    Bytes: TypeAlias = bytes | bytearray | memoryview
+
 from . import layout as L
-from .address import fingerprint, validate
+from .address import ADDRESS_MAX, fingerprint, validate
 from .errors import (
     BadRequest,
     Busy,
@@ -41,6 +48,20 @@ from .errors import (
     NotFound,
     SlabError,
     TooLarge,
+)
+
+# The slot's field indexes, as module globals: read in every probe of every lookup.
+from .layout import (
+    F_ALEN,
+    F_BLOCK_ID,
+    F_FIRST,
+    F_FP,
+    F_LENGTH,
+    F_NPAGES,
+    F_NS,
+    F_REFBIT,
+    F_REFS,
+    F_STATE,
 )
 from .procs import pid_alive
 from .units import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, format_size
@@ -56,6 +77,21 @@ _RESV_SCAN = 4096
 _FREE_RESV_SLICE = bytes(_RESV_SCAN * L.RESV_SIZE)  # a free entry is all zeros
 _OS_PAGE = mmap.PAGESIZE
 DEFAULT_READ_SLICE = 1024 * 1024
+_NS_TABLE_WORDS = L.NS_COUNT * L.NS_WORDS
+_NS_SCAN = 16384  # the most namespace ids one step of a namespace's own sweep reads
+# The namespace words the hot paths touch, as module globals (one lookup, not two).
+_NS_BLOCKS = L.NS_BLOCKS
+_NS_REFS = L.NS_REFS
+_NS_RESIDENT_BYTES = L.NS_RESIDENT_BYTES
+_NS_LOGICAL_BYTES = L.NS_LOGICAL_BYTES
+_NS_PAGES = L.NS_PAGES
+_NS_PUTS_CREATED = L.NS_PUTS_CREATED
+_NS_EVICTIONS = L.NS_EVICTIONS
+_NS_EVICTED_BYTES = L.NS_EVICTED_BYTES
+_NS_DEDUP_HITS = L.NS_DEDUP_HITS
+_NS_QUOTA = L.NS_QUOTA
+_NS_WORDS = L.NS_WORDS
+_NS_MIX = L.NS_MIX
 _CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once per sweep
 _T = TypeVar("_T")
 #: Blocks up to this size are stored by :meth:`Slab.put` in one critical section, copy
@@ -120,7 +156,7 @@ class Slab:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def __init__(self, name: str, shm: posix_ipc.SharedMemory, geometry: L.Geometry):
+    def __init__(self, name: str, shm: posix_ipc.SharedMemory, geometry: L.Geometry) -> None:
         self.name = name
         self.geometry = g = geometry
         self._fd = shm.fd
@@ -130,6 +166,11 @@ class Slab:
         self._next = self._mv[g.next_off : g.next_off + 8 * g.npages].cast("q")
         self._tag = self._mv[g.tag_off : g.tag_off + 8 * g.npages].cast("Q")
         self._procs = self._mv[L.PROCS_OFFSET : L.HEADER_SIZE].cast("q")
+        self._nsw = self._mv[L.NS_OFFSET : L.NS_OFFSET + L.NS_TABLE_SIZE].cast("q")
+        # The namespace id of every slot, as one strided column (searched in C).
+        slots = self._mv[g.slots_off : g.slots_off + g.nslots * L.SLOT_SIZE].cast("I")
+        self._slot_ns = slots[L.SLOT_NS_OFFSET // 4 :: L.SLOT_SIZE // 4]
+        self._slots_u32 = slots
         # The reservation table as int64 words, and its pid column (0 = entry free).
         self._resv = self._mv[g.resv_off : g.resv_off + g.nresv * L.RESV_SIZE].cast("q")
         self._resv_pids = self._resv[:: L.RESV_SIZE // 8]
@@ -296,8 +337,9 @@ class Slab:
         with contextlib.suppress(SlabError, OSError):
             self._release_proc_entry()
         self.closed = True
-        views = (self._state, self._procs, self._resv_pids, self._resv, self._resv_raw,
-                 self._next, self._tag, self._mv)  # fmt: skip
+        views = (self._state, self._procs, self._nsw, self._slot_ns, self._slots_u32,
+                 self._resv_pids, self._resv, self._resv_raw, self._next, self._tag,
+                 self._mv)  # fmt: skip
         for view in views:
             view.release()
         with contextlib.suppress(BufferError):  # a reader holds a view; the GC unmaps it
@@ -311,7 +353,7 @@ class Slab:
     def __enter__(self) -> Slab:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -353,10 +395,11 @@ class Slab:
         st[L.ST_OWNER_PID] = self._pid
         st[L.ST_NEXT_BLOCK_ID] = 1
         self._mv[L.PROCS_OFFSET : L.HEADER_SIZE] = bytes(L.HEADER_SIZE - L.PROCS_OFFSET)
-        self._mv[g.resv_off : g.next_off] = bytes(g.next_off - g.resv_off)
+        self._mv[L.NS_OFFSET : g.next_off] = bytes(g.next_off - L.NS_OFFSET)
+        self._nsw[L.NS_USED] = 1  # namespace 0, the default one (named "")
         self._rebuild_free_list(bytearray(g.npages))
 
-    def _key(self, address: str) -> tuple[bytes, int]:
+    def _key(self, address: str, ns: int = 0) -> tuple[bytes, int]:
         """The address's ASCII bytes and fingerprint, validated once and then remembered
         (a regex and a BLAKE2b per request were a tenth of a small GET's slab time).
 
@@ -370,6 +413,8 @@ class Slab:
             if len(self._keys) >= _KEY_CACHE:
                 self._keys.clear()
             self._keys[address] = key
+        if ns:  # layout.ns_fingerprint, inline
+            return key[0], key[1] ^ ((ns * _NS_MIX) & 0xFFFFFFFFFFFFFFFF)
         return key
 
     # ------------------------------------------------------------------ the lock
@@ -456,33 +501,42 @@ class Slab:
     def _slot_off(self, i: int) -> int:
         return self.geometry.slots_off + i * L.SLOT_SIZE
 
-    def _read_slot(self, i: int) -> tuple:
+    def _read_slot(self, i: int) -> L.SlotFields:
         return L.SLOT.unpack_from(self._mm, self._slot_off(i))
 
     def _slot_address(self, i: int, alen: int) -> bytes:
         off = self._slot_off(i) + L.SLOT.size
         return self._mm[off : off + alen]
 
-    def _find(self, raw: bytes, fp: int) -> tuple[int, tuple | None]:
-        """Probe for ``raw``: (slot index, slot fields) if resident, else (first empty, None)."""
+    def _find(self, raw: bytes, fp: int, ns: int = 0) -> tuple[int, L.SlotFields | None]:
+        """Probe for ``raw`` in namespace ``ns`` (``fp`` is its :func:`layout.ns_fingerprint`):
+        (slot index, slot fields) if resident, else (first empty, None)."""
         mask, mm, unpack = self._mask, self._mm, L.SLOT.unpack_from
         i, base = fp & mask, self.geometry.slots_off
         for _ in range(self.geometry.nslots):
             off = base + i * L.SLOT_SIZE
             s = unpack(mm, off)
-            if s[0] == L.SLOT_EMPTY:
+            if s[F_STATE] == L.SLOT_EMPTY:
                 return i, None
             key = off + L.SLOT.size
-            if s[8] == fp and s[2] == len(raw) and mm[key : key + s[2]] == raw:
+            if (
+                s[F_FP] == fp
+                and s[F_ALEN] == len(raw)
+                and s[F_NS] == ns
+                and mm[key : key + s[F_ALEN]] == raw
+            ):
                 return i, s
             i = (i + 1) & mask
         raise SlabError(f"slot table of {self.name} is full or damaged: run eg-kv check")
 
-    def _write_slot(self, i, refbit, raw, refs, length, first, npages, block_id, fp) -> None:
+    def _write_slot(
+        self, i: int, refbit: int, raw: bytes, refs: int, length: int, first: int,
+        npages: int, block_id: int, fp: int, ns: int,
+    ) -> None:  # fmt: skip
         off = self._slot_off(i)
         # Fields and address first, the READY state byte last: a reader never sees half.
         L.SLOT.pack_into(self._mm, off, L.SLOT_EMPTY, refbit, len(raw), refs, length, first,
-                         npages, block_id, fp)  # fmt: skip
+                         npages, block_id, fp, ns)  # fmt: skip
         self._mm[off + L.SLOT.size : off + L.SLOT.size + len(raw)] = raw
         self._mm[off] = L.SLOT_READY
 
@@ -494,10 +548,10 @@ class Slab:
             while True:
                 j = (j + 1) & mask
                 s = self._read_slot(j)
-                if s[0] == L.SLOT_EMPTY:
+                if s[F_STATE] == L.SLOT_EMPTY:
                     self._mm[self._slot_off(i)] = L.SLOT_EMPTY
                     return
-                home = s[8] & mask
+                home = s[F_FP] & mask
                 # Entry j may move into the hole at i unless its home lies in (i, j].
                 if (i < home <= j) if i <= j else (home > i or home <= j):
                     continue
@@ -545,16 +599,96 @@ class Slab:
     def _npages(self, length: int) -> int:
         return -(-length // self.page_size)
 
-    def _drop_block(self, i: int, s: tuple) -> None:
+    def _drop_block(self, i: int, s: L.SlotFields) -> None:
         """Release slot ``i``'s block entirely (last delete or eviction)."""
         st = self._state
-        self._free_pages(s[5], s[6])
+        self._free_pages(s[F_FIRST], s[F_NPAGES])
         self._remove_slot(i)
         st[L.ST_UNIQUE_BLOCKS] -= 1
-        st[L.ST_TOTAL_REFS] -= s[3]
-        st[L.ST_RESIDENT_BYTES] -= s[4]
-        st[L.ST_LOGICAL_BYTES] -= s[4] * s[3]
-        st[L.ST_SLOT_PAGES] -= s[6]
+        st[L.ST_TOTAL_REFS] -= s[F_REFS]
+        st[L.ST_RESIDENT_BYTES] -= s[F_LENGTH]
+        st[L.ST_LOGICAL_BYTES] -= s[F_LENGTH] * s[F_REFS]
+        st[L.ST_SLOT_PAGES] -= s[F_NPAGES]
+        e = s[F_NS] * _NS_WORDS
+        if 0 < e < _NS_TABLE_WORDS:  # 0: derived; a damaged id may lie beyond the table
+            nsw = self._nsw
+            nsw[e + _NS_BLOCKS] -= 1
+            nsw[e + _NS_REFS] -= s[F_REFS]
+            nsw[e + _NS_RESIDENT_BYTES] -= s[F_LENGTH]
+            nsw[e + _NS_LOGICAL_BYTES] -= s[F_LENGTH] * s[F_REFS]
+            nsw[e + _NS_PAGES] -= s[F_NPAGES]
+
+    def _evicted(self, s: L.SlotFields) -> None:
+        """Count the eviction of the block whose fields were ``s``."""
+        st = self._state
+        st[L.ST_EVICTIONS] += 1
+        st[L.ST_EVICTED_BYTES] += s[F_LENGTH]
+        e = s[F_NS] * _NS_WORDS
+        if 0 < e < _NS_TABLE_WORDS:
+            self._nsw[e + _NS_EVICTIONS] += 1
+            self._nsw[e + _NS_EVICTED_BYTES] += s[F_LENGTH]
+
+    def _room(self, n: int, ns: int, length: int) -> None:
+        """Make room for a block of ``length`` bytes on ``n`` pages in namespace ``ns``:
+        first within the namespace's quota (its own blocks only), then in the slab."""
+        if ns:
+            quota = self._nsw[ns * _NS_WORDS + _NS_QUOTA]
+            if quota and self._nsw[ns * _NS_WORDS + _NS_RESIDENT_BYTES] + length > quota:
+                self._evict_own(ns, quota - length)
+        if self._state[L.ST_FREE_COUNT] < n:
+            self._make_room(n)
+
+    def _evict_own(self, ns: int, target: int) -> None:
+        """Evict namespace ``ns``'s own blocks by CLOCK until it keeps at most ``target``
+        bytes resident. Never touches another namespace's blocks.
+
+        The namespace's hand walks the slots in order; the namespace-id column is searched
+        in C a slice at a time, so a small namespace in a big table does not pay a Python
+        step per foreign slot. At most two passes (the first may only clear reference bits).
+
+        Raises:
+            InsufficientStorage: the block alone is larger than the namespace's quota.
+        """
+        e, nsw = ns * _NS_WORDS, self._nsw
+        if target < 0:
+            raise InsufficientStorage(
+                f"the block is larger than its namespace's quota of {nsw[e + _NS_QUOTA]} "
+                "bytes: raise the quota in the tokens file"
+            )
+        col, n = self._slot_ns, self.geometry.nslots
+        i, scanned, step = nsw[e + L.NS_HAND] % n, 0, 256
+        while nsw[e + _NS_RESIDENT_BYTES] > target and scanned < 2 * n:
+            end = min(n, i + step)
+            try:
+                j = i + col[i:end].tolist().index(ns)
+            except ValueError:
+                scanned += end - i
+                i = end % n
+                # Slices grow while they miss: a dense namespace finds its next block in
+                # a short one, a sparse one is not searched 256 slots at a time.
+                step = min(step * 4, _NS_SCAN)
+                continue
+            scanned += j - i + 1
+            if self._clock_visit(j):
+                i = j  # backward shift may have moved another block into slot j
+                continue
+            i = (j + 1) % n
+        nsw[e + L.NS_HAND] = i
+
+    def _clock_visit(self, i: int) -> bool:
+        """CLOCK's visit of slot ``i``: clear its reference bit (a second chance), or
+        evict its block if the bit was clear. True if it evicted (the backward shift may
+        have moved another block into slot ``i``)."""
+        mm, off = self._mm, self.geometry.slots_off + i * L.SLOT_SIZE
+        if mm[off] != L.SLOT_READY:
+            return False
+        if mm[off + L.SLOT_REF_OFFSET]:
+            mm[off + L.SLOT_REF_OFFSET] = 0
+            return False
+        s = self._read_slot(i)
+        self._drop_block(i, s)
+        self._evicted(s)
+        return True
 
     def _make_room(self, n: int) -> None:
         """Free pages until ``n`` are free, evicting by CLOCK (second chance).
@@ -575,6 +709,8 @@ class Slab:
         # The hand walks the slots in a scattered (but complete, cyclic) order: sweeping
         # them in address order grew probe clusters of ~900 slots (measured), since every
         # eviction then lands at the front of the same cluster.
+        # The visit is inline, not _clock_visit(): a method call per visited slot cost
+        # evicting 4 KiB puts about 5% (measured).
         mask, hand, mm, base = self._mask, st[L.ST_CLOCK_HAND], self._mm, self.geometry.slots_off
         while st[L.ST_FREE_COUNT] < n:
             i = (hand * _CLOCK_STRIDE) & mask
@@ -585,8 +721,7 @@ class Slab:
                 else:
                     s = self._read_slot(i)
                     self._drop_block(i, s)
-                    st[L.ST_EVICTIONS] += 1
-                    st[L.ST_EVICTED_BYTES] += s[4]
+                    self._evicted(s)
                     continue  # backward shift may have moved another block into slot i
             hand = (hand + 1) & mask
         st[L.ST_CLOCK_HAND] = hand
@@ -631,7 +766,8 @@ class Slab:
         others are read in C. At 262,144 entries (1 GiB of 4 KiB pages) that took 0.3 ms
         with none in use and 6 ms with half, against 50 ms for a loop over every entry.
         """
-        pids, raw, nr, used = self._resv_pids, self._resv_raw, self.geometry.nresv, []
+        pids, raw, nr = self._resv_pids, self._resv_raw, self.geometry.nresv
+        used: list[int] = []
         size = L.RESV_SIZE
         for lo in range(0, nr, _RESV_SCAN):
             end = min(nr, lo + _RESV_SCAN)
@@ -660,7 +796,9 @@ class Slab:
 
     # ------------------------------------------------------------------ put
 
-    def begin_put(self, address: str, length: int, upload_share: float = 1.0) -> PutHandle:
+    def begin_put(
+        self, address: str, length: int, upload_share: float = 1.0, ns: int = 0
+    ) -> PutHandle:
         """Start a streaming put of ``length`` bytes under ``address``.
 
         Returns a :class:`PutHandle`: ``write`` the bytes, then ``commit`` (or ``abort``).
@@ -678,14 +816,16 @@ class Slab:
             another length), InsufficientStorage, Busy (the share of the slab that puts in
             flight may hold is taken; retry).
         """
-        raw, fp = self._key(address)
+        raw, fp = self._key(address, ns)
         n = self._pages_for(length)
         st = self._state
         with self._locked():
-            i, s = self._find(raw, fp)
+            i, s = self._find(raw, fp, ns)
             if s is not None:
                 self._add_ref(i, s, address, length)
-                return PutHandle(self, address, raw, fp, length, -1, L.NO_PAGE, 0, s[7])
+                return PutHandle(
+                    self, address, raw, fp, length, -1, L.NO_PAGE, 0, s[F_BLOCK_ID], ns
+                )
             held, cap = st[L.ST_RESV_PAGES], int(upload_share * self.geometry.npages)
             # Over the share but within the slab: 503, retry. Beyond the slab: 507 below
             # (after _make_room has released any dead writer's pages).
@@ -695,32 +835,32 @@ class Slab:
                     f"{cap * self.page_size} they may reserve (--upload-share "
                     f"{upload_share:g}); retry shortly"
                 )
-            self._make_room(n)
+            self._room(n, ns, length)
             first = self._alloc_pages(n)
             r = self._reserve(first, n, length)
             if r < 0:  # cannot happen while every put holds a page (one entry per page)
                 self._free_pages(first, n)
                 raise Busy("the reservation table is full; retry")
-        return PutHandle(self, address, raw, fp, length, r, first, n)
+        return PutHandle(self, address, raw, fp, length, r, first, n, 0, ns)
 
-    def add_ref(self, address: str, length: int) -> bool:
+    def add_ref(self, address: str, length: int, ns: int = 0) -> bool:
         """A dedup hit from the headers alone: one more reference if ``address`` is
         resident with ``length`` bytes. Returns True if it was, False if it is absent.
 
         Raises:
             InvalidAddress. Conflict: resident with another length.
         """
-        raw, fp = self._key(address)
-        if self._read(lambda: self._find(raw, fp))[1] is None:  # lock-free: the usual miss
+        raw, fp = self._key(address, ns)
+        if self._read(lambda: self._find(raw, fp, ns))[1] is None:  # lock-free: the usual miss
             return False
         with self._locked():
-            i, s = self._find(raw, fp)
+            i, s = self._find(raw, fp, ns)
             if s is None:
                 return False
             self._add_ref(i, s, address, length)
             return True
 
-    def put(self, address: str, data) -> bool:
+    def put(self, address: str, data: Bytes, ns: int = 0) -> bool:
         """Store ``data`` under ``address`` in one call; True if created, False if dedup.
 
         Up to :data:`SMALL_PUT` bytes are looked up, copied in and published in one
@@ -731,27 +871,27 @@ class Slab:
         """
         length = len(data)
         if length > SMALL_PUT:
-            handle = self.begin_put(address, length)
+            handle = self.begin_put(address, length, ns=ns)
             try:
                 handle.write(data)
                 return handle.commit()
             finally:
                 handle.abort()
-        raw, fp = self._key(address)
+        raw, fp = self._key(address, ns)
         n = self._pages_for(length)
         with self._locked():
-            i, s = self._find(raw, fp)
+            i, s = self._find(raw, fp, ns)
             if s is not None:
                 return self._add_ref(i, s, address, length)
-            if self._state[L.ST_FREE_COUNT] < n:
-                self._make_room(n)
-                i = self._find(raw, fp)[0]  # evictions may have moved the empty slot
+            if self._state[L.ST_FREE_COUNT] < n or (ns and self._nsw[ns * _NS_WORDS + _NS_QUOTA]):
+                self._room(n, ns, length)
+                i = self._find(raw, fp, ns)[0]  # evictions may have moved the empty slot
             first = self._alloc_pages(n)
             src, mv = memoryview(data).cast("B"), self._mv
             for pos, off, size in _runs(self, first, n, length):
                 mv[off : off + size] = src[pos : pos + size]
             # A crash before the slot is written leaves pages no slot owns: repair frees them.
-            self._publish(i, raw, fp, length, first, n)
+            self._publish(i, raw, fp, length, first, n, ns)
             return True
 
     def _pages_for(self, length: int) -> int:
@@ -768,47 +908,74 @@ class Slab:
             )
         return self._npages(length)
 
-    def _add_ref(self, i: int, s: tuple, address: str, length: int) -> bool:
+    def _add_ref(self, i: int, s: L.SlotFields, address: str, length: int) -> bool:
         """A dedup hit on slot ``i`` (fields ``s``): one more reference. Returns False.
 
         Raises:
             Conflict: the resident block has another length.
         """
-        if s[4] != length:
-            raise Conflict(_conflict_message(address, s[4], length))
-        L.SLOT.pack_into(self._mm, self._slot_off(i), L.SLOT_READY, 1, *s[2:3], s[3] + 1, *s[4:])
-        st = self._state
+        if s[F_LENGTH] != length:
+            raise Conflict(_conflict_message(address, s[F_LENGTH], length))
+        # One more reference, and the reference bit set (a dedup hit is a use).
+        fields = list(s)
+        fields[F_STATE], fields[F_REFBIT] = L.SLOT_READY, 1
+        fields[F_REFS] += 1
+        L.SLOT.pack_into(self._mm, self._slot_off(i), *fields)
+        st, e, nsw = self._state, s[F_NS] * _NS_WORDS, self._nsw
         st[L.ST_TOTAL_REFS] += 1
         st[L.ST_LOGICAL_BYTES] += length
         st[L.ST_DEDUP_HITS] += 1
+        if e:
+            nsw[e + _NS_REFS] += 1
+            nsw[e + _NS_LOGICAL_BYTES] += length
+            nsw[e + _NS_DEDUP_HITS] += 1
         return False
 
-    def _publish(self, i: int, raw: bytes, fp: int, length: int, first: int, npages: int) -> None:
+    def _publish(
+        self, i: int, raw: bytes, fp: int, length: int, first: int, npages: int, ns: int
+    ) -> None:
         """Make the block on pages ``first``.. visible in empty slot ``i``, and count it."""
         st = self._state
         block_id = st[L.ST_NEXT_BLOCK_ID]
         st[L.ST_NEXT_BLOCK_ID] = block_id + 1
         self._tag[first] = block_id
-        self._write_slot(i, 0, raw, 1, length, first, npages, block_id, fp)
+        self._write_slot(i, 0, raw, 1, length, first, npages, block_id, fp, ns)
         st[L.ST_UNIQUE_BLOCKS] += 1
         st[L.ST_TOTAL_REFS] += 1
         st[L.ST_RESIDENT_BYTES] += length
         st[L.ST_LOGICAL_BYTES] += length
         st[L.ST_SLOT_PAGES] += npages
         st[L.ST_PUTS_CREATED] += 1
+        if ns:
+            e, nsw = ns * _NS_WORDS, self._nsw
+            nsw[e + _NS_BLOCKS] += 1
+            nsw[e + _NS_REFS] += 1
+            nsw[e + _NS_RESIDENT_BYTES] += length
+            nsw[e + _NS_LOGICAL_BYTES] += length
+            nsw[e + _NS_PAGES] += npages
+            nsw[e + _NS_PUTS_CREATED] += 1
 
     def _commit(self, h: PutHandle) -> bool:
         if h.resv < 0:  # a dedup hit: its reference was taken when the put began
             return False
         with self._locked():
-            i, s = self._find(h.raw, h.fp)
+            i, s = self._find(h.raw, h.fp, h.ns)
             if s is not None:
                 first, npages = self._unreserve(h.resv)
                 self._free_pages(first, npages)
                 return self._add_ref(i, s, h.address, h.length)
+            if h.ns and self._nsw[h.ns * _NS_WORDS + _NS_QUOTA]:
+                # Blocks of the namespace published meanwhile may have taken it over.
+                try:
+                    self._room(0, h.ns, h.length)
+                except InsufficientStorage:  # the quota was lowered below the block
+                    first, npages = self._unreserve(h.resv)
+                    self._free_pages(first, npages)
+                    raise
+                i = self._find(h.raw, h.fp, h.ns)[0]
             # Publish the slot before giving up the reservation: a crash in between leaves
             # both claiming the pages, and repair lets the published slot win.
-            self._publish(i, h.raw, h.fp, h.length, h.first, h.npages)
+            self._publish(i, h.raw, h.fp, h.length, h.first, h.npages, h.ns)
             self._unreserve(h.resv)
             return True
 
@@ -830,8 +997,10 @@ class Slab:
         st = self._state
         with self._locked():
             st[L.ST_DEDUP_HITS] -= 1
-            i, s = self._find(h.raw, h.fp)
-            if s is not None and s[7] == h.block_id:
+            if h.ns:
+                self._nsw[h.ns * _NS_WORDS + _NS_DEDUP_HITS] -= 1
+            i, s = self._find(h.raw, h.fp, h.ns)
+            if s is not None and s[F_BLOCK_ID] == h.block_id:
                 self._drop_ref(i, s)  # the last one if every other was deleted meanwhile
 
     # ------------------------------------------------------------------ get / exists / delete
@@ -859,8 +1028,13 @@ class Slab:
         with self._locked(write=False):
             return lookup()
 
-    def _count_read(self, hit: int, miss: int) -> None:
-        """Count get hits and misses in this process's own entry (no lock, one writer)."""
+    def _count_read(self, hit: int, miss: int, ns: int = 0) -> None:
+        """Count get hits and misses in this process's own entry (no lock, one writer),
+        and in namespace ``ns``'s entry (no lock: a concurrent reader may lose one)."""
+        if ns:
+            e = ns * _NS_WORDS
+            self._nsw[e + L.NS_GET_HITS] += hit
+            self._nsw[e + L.NS_GET_MISSES] += miss
         me = self._me if self._me != -1 else self._claim_proc_entry()
         if me < 0:
             with self._locked():
@@ -902,27 +1076,27 @@ class Slab:
         st[L.ST_GET_MISSES] += procs[e + 2]
         procs[e + 1] = procs[e + 2] = 0
 
-    def open_block(self, address: str) -> BlockReader | None:
+    def open_block(self, address: str, ns: int = 0) -> BlockReader | None:
         """Look a block up for reading; None (a counted miss) if absent.
 
         The lookup needs no lock unless a writer is busy (see :meth:`_read`);
         the reader copies the bytes out outside the lock, and a block evicted or released
         meanwhile ends the read with :class:`BlockGone`.
         """
-        raw, fp = self._key(address)
-        i, s = self._read(lambda: self._find(raw, fp))
+        raw, fp = self._key(address, ns)
+        i, s = self._read(lambda: self._find(raw, fp, ns))
         if s is None:
-            self._count_read(0, 1)
+            self._count_read(0, 1, ns)
             return None
         # The CLOCK reference bit, set without the lock: at worst a block that moved into
         # this slot meanwhile gets a second chance it did not earn.
         self._mm[self._slot_off(i) + L.SLOT_REF_OFFSET] = 1
-        self._count_read(1, 0)
-        return BlockReader(self, s[4], s[5], s[6], s[7])
+        self._count_read(1, 0, ns)
+        return BlockReader(self, s[F_LENGTH], s[F_FIRST], s[F_NPAGES], s[F_BLOCK_ID], ns)
 
-    def get(self, address: str) -> bytes | None:
+    def get(self, address: str, ns: int = 0) -> bytes | None:
         """The block's bytes, or None if absent (or evicted while it was read)."""
-        reader = self.open_block(address)
+        reader = self.open_block(address, ns)
         if reader is None:
             return None
         try:
@@ -930,44 +1104,52 @@ class Slab:
         except BlockGone:
             return None
 
-    def length(self, address: str) -> int | None:
+    def length(self, address: str, ns: int = 0) -> int | None:
         """The block's length if resident, else None. Counts nothing, reads no data."""
-        raw, fp = self._key(address)
-        s = self._read(lambda: self._find(raw, fp))[1]
-        return None if s is None else s[4]
+        raw, fp = self._key(address, ns)
+        s = self._read(lambda: self._find(raw, fp, ns))[1]
+        return None if s is None else s[F_LENGTH]
 
-    def exists(self, address: str) -> bool:
+    def exists(self, address: str, ns: int = 0) -> bool:
         """Whether a block is resident under ``address`` (no data touched)."""
-        return self.length(address) is not None
+        return self.length(address, ns) is not None
 
-    def exists_many(self, addresses: Iterable[str]) -> list[bool]:
+    def exists_many(self, addresses: Iterable[str], ns: int = 0) -> list[bool]:
         """Existence of each address, looked up in one pass (prefix lookups)."""
-        keys = [self._key(a) for a in addresses]
-        return self._read(lambda: [self._find(raw, fp)[1] is not None for raw, fp in keys])
+        keys = [self._key(a, ns) for a in addresses]
+        return self._read(lambda: [self._find(raw, fp, ns)[1] is not None for raw, fp in keys])
 
-    def delete(self, address: str) -> bool:
+    def delete(self, address: str, ns: int = 0) -> bool:
         """Release one reference; free the block when the last goes. False if absent."""
-        raw, fp = self._key(address)
+        raw, fp = self._key(address, ns)
         st = self._state
         with self._locked():
-            i, s = self._find(raw, fp)
+            i, s = self._find(raw, fp, ns)
             if s is None:
                 return False
             st[L.ST_DELETES] += 1
+            if ns:
+                self._nsw[ns * _NS_WORDS + L.NS_DELETES] += 1
             self._drop_ref(i, s)
             return True
 
-    def _drop_ref(self, i: int, s: tuple) -> None:
+    def _drop_ref(self, i: int, s: L.SlotFields) -> None:
         """Release one reference of slot ``i`` (fields ``s``); the last frees the block."""
-        if s[3] <= 1:
+        if s[F_REFS] <= 1:
             self._drop_block(i, s)
             return
-        L.SLOT.pack_into(self._mm, self._slot_off(i), *s[:3], s[3] - 1, *s[4:])
+        fields = list(s)
+        fields[F_REFS] -= 1
+        L.SLOT.pack_into(self._mm, self._slot_off(i), *fields)
         self._state[L.ST_TOTAL_REFS] -= 1
-        self._state[L.ST_LOGICAL_BYTES] -= s[4]
+        self._state[L.ST_LOGICAL_BYTES] -= s[F_LENGTH]
+        e = s[F_NS] * _NS_WORDS
+        if e:
+            self._nsw[e + _NS_REFS] -= 1
+            self._nsw[e + _NS_LOGICAL_BYTES] -= s[F_LENGTH]
 
-    def _count_aborted_read(self) -> None:
-        self._count_read(-1, 1)
+    def _count_aborted_read(self, ns: int = 0) -> None:
+        self._count_read(-1, 1, ns)
 
     # ------------------------------------------------------------------ stats
 
@@ -1000,6 +1182,96 @@ class Slab:
         out["page_waste_bytes"] = out["pages_used_bytes"] - out["resident_bytes"]
         return out
 
+    # ------------------------------------------------------------------ namespaces
+
+    def _ns_name(self, ns: int) -> str:
+        e = self._nsw
+        off = L.NS_OFFSET + 8 * (ns * _NS_WORDS + L.NS_NAME_WORD)
+        n = min(e[ns * _NS_WORDS + L.NS_NAME_LEN], L.NS_NAME_MAX)
+        return self._mm[off : off + n].decode("utf-8", "replace")
+
+    def bind_namespaces(
+        self, quotas: Mapping[str, int], timeout: float | None = OWNER_LOCK_WAIT_S
+    ) -> dict[str, int]:
+        """Give each namespace name its id, and set its quota (bytes; 0 = none).
+
+        A name already in the namespace table keeps its id (so every process and every
+        restart of a kept slab agrees); a new one takes a free entry. The default
+        namespace ``""`` is id 0. Names no longer given keep their entries and blocks.
+
+        Returns:
+            name -> namespace id.
+
+        Raises:
+            SlabError: the table's :data:`layout.NS_COUNT` entries are all taken, or a
+                name is longer than :data:`layout.NS_NAME_MAX` bytes.
+            LockTimeout: the lock stayed taken for ``timeout`` seconds.
+        """
+        nsw, out = self._nsw, {}
+        with self._locked(timeout):
+            known, free = {}, []
+            for ns in range(1, L.NS_COUNT):
+                if nsw[ns * _NS_WORDS + L.NS_USED]:
+                    known[self._ns_name(ns)] = ns
+                else:
+                    free.append(ns)
+            free.reverse()
+            for name, quota in quotas.items():
+                raw = name.encode("utf-8")
+                if len(raw) > L.NS_NAME_MAX:
+                    raise SlabError(f"namespace name {name[:80]!r} is over {L.NS_NAME_MAX} bytes")
+                ns = 0 if not name else known.get(name, -1)
+                if ns < 0:
+                    if not free:
+                        raise SlabError(
+                            f"the namespace table is full ({L.NS_COUNT - 1} namespaces): "
+                            "restart with --fresh to drop namespaces no longer used"
+                        )
+                    ns = free.pop()
+                    e = ns * _NS_WORDS
+                    nsw[e : e + _NS_WORDS] = array.array("q", bytes(L.NS_ENTRY_SIZE))
+                    off = L.NS_OFFSET + 8 * (e + L.NS_NAME_WORD)
+                    self._mm[off : off + len(raw)] = raw
+                    nsw[e + L.NS_NAME_LEN] = len(raw)
+                    nsw[e + L.NS_USED] = 1
+                    known[name] = ns
+                nsw[ns * _NS_WORDS + _NS_QUOTA] = quota
+                out[name] = ns
+        return out
+
+    def namespace_stats(
+        self, only: int | None = None, timeout: float | None = None
+    ) -> dict[str, dict[str, int | str]]:
+        """Each namespace's counters by name (the contract's eight fields first), or only
+        namespace ``only``'s. The default namespace's get hits and misses are the slab's
+        less the others' (those of named namespaces are counted without the lock).
+
+        Raises:
+            LockTimeout: the lock stayed taken for ``timeout`` seconds.
+        """
+        nsw, out = self._nsw, {}
+        total = self.stats(timeout)
+        with self._locked(timeout, write=False):
+            for ns in range(L.NS_COUNT):
+                e = ns * _NS_WORDS
+                if not nsw[e + L.NS_USED]:
+                    continue
+                one: dict[str, int | str] = {k: nsw[e + i] for k, i in L.NS_DERIVED.items()}
+                one.update({k: nsw[e + i] for k, i in L.NS_EVENTS.items()})
+                one["quota_bytes"] = nsw[e + _NS_QUOTA]
+                one["dedup_savings_bytes"] = int(one["logical_bytes"]) - int(one["resident_bytes"])
+                one["namespace"] = name = self._ns_name(ns)
+                out[name] = (ns, one)
+        # The default namespace's counters are the slab's less the named ones' (the hot
+        # paths of a server without tenants then pay nothing for namespaces).
+        default = out[""][1]
+        for key in (*L.NS_DERIVED, *L.NS_EVENTS):
+            default[key] = total[key] - sum(int(v[key]) for k, (_, v) in out.items() if k)
+        default["dedup_savings_bytes"] = int(default["logical_bytes"]) - int(
+            default["resident_bytes"]
+        )
+        return {k: v for k, (ns, v) in out.items() if only is None or ns == only}
+
     # ------------------------------------------------------------------ check / repair
 
     def check(self) -> list[str]:
@@ -1012,7 +1284,9 @@ class Slab:
         with self._locked(write=False):
             return self._walk(fix=False)
 
-    def check_live(self, slice_s: float = CHECK_SLICE_S, timeout: float | None = None):
+    def check_live(
+        self, slice_s: float = CHECK_SLICE_S, timeout: float | None = None
+    ) -> CheckReport:
         """Check the slab in slices of at most about ``slice_s`` each under the lock.
 
         What each slice sees is consistent, so what concerns one slot or one reservation
@@ -1126,32 +1400,48 @@ class Slab:
             return "its chain runs into itself"
         return pages
 
-    def _slot_fault(self, i: int, s: tuple, raw: bytes, home: bool) -> str | None:
+    def _slot_fault(self, i: int, s: L.SlotFields, raw: bytes, home: bool) -> str | None:
         """What is wrong with slot ``i`` (fields ``s``, address ``raw``) on its own, if
         anything. ``home``: also check that a lookup of its address finds it."""
-        state, _refbit, alen, refs, length, first, npages, block_id, fp = s
+        state, _refbit, alen, refs, length, first, npages, block_id, fp, ns = s
         what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
-        if state != L.SLOT_READY or not 1 <= alen <= L.ADDRESS_MAX:
+        if state != L.SLOT_READY or not 1 <= alen <= ADDRESS_MAX:
             return f"{what}: bad state {state} or address length {alen}"
-        if fingerprint(raw) != fp:
-            return f"{what}: fingerprint does not match the address"
+        if not 0 <= ns < L.NS_COUNT or not self._nsw[ns * _NS_WORDS + L.NS_USED]:
+            return f"{what}: namespace {ns} is not in the namespace table"
+        if L.ns_fingerprint(fingerprint(raw), ns) != fp:
+            return f"{what}: fingerprint does not match the address and namespace"
         if length < 1 or npages != self._npages(length) or refs < 1:
             return f"{what}: {npages} pages / {refs} refs for {length} bytes"
         if not 0 <= first < self.geometry.npages:
             return f"{what}: first page {first} out of range"
         if self._tag[first] != block_id:
             return f"{what}: tag {self._tag[first]} is not its block id {block_id}"
-        if home and self._find(raw, fp)[0] != i:
+        if home and self._find(raw, fp, ns)[0] != i:
             return f"{what}: not reachable from its home slot"
         return None
+
+    def _ns_counter_problems(self, ns_totals: Mapping[int, list[int]]) -> list[str]:
+        """Namespace counters that differ from what the slots say (``ns_totals``)."""
+        nsw, problems, zero = self._nsw, [], [0] * len(L.NS_DERIVED)
+        for ns in range(1, L.NS_COUNT):  # the default namespace's are derived (never kept)
+            e, t = ns * _NS_WORDS, ns_totals.get(ns, zero)
+            for k, (key, idx) in enumerate(L.NS_DERIVED.items()):
+                if nsw[e + idx] != t[k]:
+                    problems.append(
+                        f"namespace {ns} ({self._ns_name(ns) or 'default'}): counter {key} "
+                        f"is {nsw[e + idx]} but the slots say {t[k]}"
+                    )
+        return problems
 
     def _walk(self, fix: bool) -> list[str]:
         g, st, nxt, tag, mm = self.geometry, self._state, self._next, self._tag, self._mm
         problems: list[str] = []
         owner = bytearray(g.npages)  # 0 free, 1 slot, 2 reservation
-        live: list[tuple] = []
-        seen: set[bytes] = set()
+        live: list[tuple[int, bytes, int, int, int, int, int, int, int]] = []
+        seen: set[tuple[int, bytes]] = set()
         totals = dict.fromkeys(L.DERIVED_COUNTERS, 0)
+        ns_totals: dict[int, list[int]] = {}  # namespace -> blocks, refs, bytes, logical, pages
 
         def claim(first: int, npages: int, who: int, what: str) -> bool:
             pages = self._chain(first, npages)
@@ -1168,17 +1458,20 @@ class Slab:
 
         for i in range(g.nslots):
             s = self._read_slot(i)
-            if s[0] == L.SLOT_EMPTY:
+            if s[F_STATE] == L.SLOT_EMPTY:
                 continue
-            _state, refbit, alen, refs, length, first, npages, block_id, fp = s
-            raw = self._slot_address(i, min(alen, L.ADDRESS_MAX))
+            _state, refbit, alen, refs, length, first, npages, block_id, fp, ns = s
+            raw = self._slot_address(i, min(alen, ADDRESS_MAX))
             what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
             bad = self._slot_fault(i, s, raw, home=not fix)
-            if bad is None and raw in seen:
+            if bad is None and (ns, raw) in seen:
                 bad = f"{what}: address stored twice"
             if bad is None and claim(first, npages, 1, what):
-                seen.add(raw)
-                live.append((refbit, raw, refs, length, first, npages, block_id, fp))
+                seen.add((ns, raw))
+                live.append((refbit, raw, refs, length, first, npages, block_id, fp, ns))
+                t = ns_totals.setdefault(ns, [0, 0, 0, 0, 0])
+                for k, val in enumerate((1, refs, length, length * refs, npages)):
+                    t[k] += val
                 for key, val in (
                     ("unique_blocks", 1), ("total_refs", refs), ("resident_bytes", length),
                     ("logical_bytes", length * refs), ("slot_pages", npages),
@@ -1187,7 +1480,7 @@ class Slab:
                 continue
             if bad is not None:
                 problems.append(bad)
-            if fix and raw not in seen:  # a dropped block counts as evicted; a copy does not
+            if fix and (ns, raw) not in seen:  # a dropped block counts as evicted; a copy not
                 st[L.ST_EVICTIONS] += 1
                 st[L.ST_EVICTED_BYTES] += length if 0 < length <= g.max_block_size else 0
 
@@ -1224,6 +1517,7 @@ class Slab:
             for key, idx in L.DERIVED_COUNTERS.items():
                 if st[idx] != totals[key]:
                     problems.append(f"counter {key} is {st[idx]} but the slots say {totals[key]}")
+            problems += self._ns_counter_problems(ns_totals)
             holder = st[L.ST_LOCK_HOLDER]
             if holder and holder != self._pid:
                 problems.append(f"lock holder {holder} recorded but not holding")
@@ -1232,14 +1526,19 @@ class Slab:
         # fix: rebuild the table in probe order, then the free list and the counters.
         mv = self._mv
         mv[g.slots_off : g.slots_off + g.nslots * L.SLOT_SIZE] = bytes(g.nslots * L.SLOT_SIZE)
-        for refbit, raw, refs, length, first, npages, block_id, fp in live:
-            i = self._find(raw, fp)[0]
-            self._write_slot(i, refbit, raw, refs, length, first, npages, block_id, fp)
+        for refbit, raw, refs, length, first, npages, block_id, fp, ns in live:
+            i = self._find(raw, fp, ns)[0]
+            self._write_slot(i, refbit, raw, refs, length, first, npages, block_id, fp, ns)
         for p in range(g.npages):
             if owner[p]:
                 tag[p] = 0
-        for _refbit, _raw, _refs, _length, first, _npages, block_id, _fp in live:
+        for _refbit, _raw, _refs, _length, first, _npages, block_id, _fp, _ns in live:
             tag[first] = block_id
+        nsw = self._nsw
+        for ns in range(1, L.NS_COUNT):
+            e, t = ns * _NS_WORDS, ns_totals.get(ns, [0, 0, 0, 0, 0])
+            for k, idx in enumerate(L.NS_DERIVED.values()):
+                nsw[e + idx] = t[k]
         self._rebuild_free_list(owner)
         for key, idx in L.DERIVED_COUNTERS.items():
             st[idx] = totals[key]
@@ -1258,15 +1557,16 @@ class _SlicedCheck:
 
     _START = -2  # the free list walk has not begun
 
-    def __init__(self, slab: Slab, slice_s: float):
+    def __init__(self, slab: Slab, slice_s: float) -> None:
         g = slab.geometry
         self.slab, self.slice_s = slab, slice_s
         self.report = CheckReport([], [])
         self.owner = bytearray(g.npages)  # 0 free, 1 slot, 2 reservation
         self.on_free = bytearray(g.npages)
         self.nfree = 0
-        self.seen: set[bytes] = set()
+        self.seen: set[tuple[int, bytes]] = set()
         self.totals = dict.fromkeys(L.DERIVED_COUNTERS, 0)
+        self.ns_totals: dict[int, list[int]] = {}  # namespace -> its NS_DERIVED values
         self.spanning: list[str] = []  # problems that hold only if quiet
         self.seq: int | None = None
         self.quiet = True
@@ -1312,30 +1612,33 @@ class _SlicedCheck:
             if i - start >= 16 and not i & 15 and time.perf_counter() > deadline:
                 return i
             s = slab._read_slot(i)
-            if s[0] != L.SLOT_EMPTY:
+            if s[F_STATE] != L.SLOT_EMPTY:
                 self._slot(i, s)
             i += 1
         return i
 
-    def _slot(self, i: int, s: tuple) -> None:
+    def _slot(self, i: int, s: L.SlotFields) -> None:
         slab = self.slab
-        raw = slab._slot_address(i, min(s[2], L.ADDRESS_MAX))
+        raw = slab._slot_address(i, min(s[F_ALEN], ADDRESS_MAX))
         what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
         fault = slab._slot_fault(i, s, raw, home=True)
-        pages = slab._chain(s[5], s[6]) if fault is None else fault
+        pages = slab._chain(s[F_FIRST], s[F_NPAGES]) if fault is None else fault
         if isinstance(pages, str):
             self.report.problems.append(pages if fault else f"{what}: {pages}")
             return
-        if raw in self.seen:  # or a block moved by a delete between two slices
+        if (s[F_NS], raw) in self.seen:  # or a block moved by a delete between two slices
             self.spanning.append(f"{what}: address stored twice")
-        self.seen.add(raw)
+        self.seen.add((s[F_NS], raw))
         self._own(pages, 1, what)
-        refs, length = s[3], s[4]
+        refs, length = s[F_REFS], s[F_LENGTH]
         for key, val in (
             ("unique_blocks", 1), ("total_refs", refs), ("resident_bytes", length),
-            ("logical_bytes", length * refs), ("slot_pages", s[6]),
+            ("logical_bytes", length * refs), ("slot_pages", s[F_NPAGES]),
         ):  # fmt: skip
             self.totals[key] += val
+        t = self.ns_totals.setdefault(s[F_NS], [0] * len(L.NS_DERIVED))
+        for k, val in enumerate((1, refs, length, length * refs, s[F_NPAGES])):
+            t[k] += val
 
     def _own(self, pages: list[int], who: int, what: str) -> None:
         owner = self.owner
@@ -1397,6 +1700,7 @@ class _SlicedCheck:
         for key, idx in L.DERIVED_COUNTERS.items():
             if st[idx] != self.totals[key]:
                 problems.append(f"counter {key} is {st[idx]} but the slots say {self.totals[key]}")
+        problems += self.slab._ns_counter_problems(self.ns_totals)
         return 0
 
 
@@ -1414,17 +1718,21 @@ class PutHandle:
     """
 
     __slots__ = ("_run", "_runs", "_slab", "address", "block_id", "done", "first", "fp",
-                 "length", "npages", "pos", "raw", "resv")  # fmt: skip
+                 "length", "npages", "ns", "pos", "raw", "resv")  # fmt: skip
 
-    def __init__(self, slab, address, raw, fp, length, resv, first, npages, block_id=0):
+    def __init__(
+        self, slab: Slab, address: str, raw: bytes, fp: int, length: int, resv: int,
+        first: int, npages: int, block_id: int = 0, ns: int = 0,
+    ) -> None:  # fmt: skip
         self._slab, self.address, self.raw, self.fp = slab, address, raw, fp
         self.length, self.resv, self.first, self.npages = length, resv, first, npages
         self.block_id = block_id  # of the resident block, for a dedup hit (resv < 0)
+        self.ns = ns
         self.pos = self._run = 0
         self.done = False
         self._runs = None if resv < 0 else _runs(slab, first, npages, length)
 
-    def write(self, chunk) -> None:
+    def write(self, chunk: Bytes) -> None:
         """Copy ``chunk`` into the block's pages at the current position.
 
         Raises:
@@ -1489,18 +1797,20 @@ def _runs(slab: Slab, first: int, npages: int, length: int) -> list[tuple[int, i
             runs.append([pos, base + p * ps, size])
         pos += size
         p = nxt[p]
-    return [tuple(r) for r in runs]
+    return [(pos, off, size) for pos, off, size in runs]
 
 
 class BlockReader:
     """Reads one block out of the slab outside the lock; the block's tag says whether what
     was read is still the block's (see :mod:`eg_kv.layout`)."""
 
-    __slots__ = ("_slab", "block_id", "first", "length", "npages")
+    __slots__ = ("_slab", "block_id", "first", "length", "npages", "ns")
 
-    def __init__(self, slab: Slab, length: int, first: int, npages: int, block_id: int):
+    def __init__(
+        self, slab: Slab, length: int, first: int, npages: int, block_id: int, ns: int = 0
+    ) -> None:
         self._slab, self.length, self.first = slab, length, first
-        self.npages, self.block_id = npages, block_id
+        self.npages, self.block_id, self.ns = npages, block_id, ns
 
     def still_there(self) -> bool:
         """True while the block has not been evicted or released since it was opened."""
@@ -1512,7 +1822,7 @@ class BlockReader:
             raise self._gone()
 
     def _gone(self) -> BlockGone:
-        self._slab._count_aborted_read()
+        self._slab._count_aborted_read(self.ns)
         return BlockGone("block was evicted while it was read")
 
     def views(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[memoryview]:

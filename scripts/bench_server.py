@@ -20,6 +20,7 @@ stopped by pid; every slab it creates is removed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -42,6 +43,23 @@ sys.path.insert(0, str(ROOT))
 KiB, MiB = 1024, 1024 * 1024
 SIZES = {"4KiB": 4 * KiB, "1MiB": MiB, "14MiB": 14 * MiB}
 OPS = ("GET", "HEAD", "PUT")  # PUT last: its new blocks may evict the ones GET reads
+#: With --tenants N: eg-kv gets a tokens file of N tenants and every client sends the
+#: token of one of them (its own namespace), as a header line of every request.
+AUTH: dict[str, str] = {}
+
+
+def tokens_file(n: int, directory: str) -> tuple[str, str]:
+    """Write a tokens file of ``n`` readwrite tenants; return (its path, one tenant's token)."""
+    import hashlib
+
+    lines = []
+    for k in range(n):
+        digest = hashlib.sha256(f"bench-token-{k}".encode()).hexdigest()
+        lines.append(f'[[tenant]]\nname = "t{k}"\ntoken_sha256 = "{digest}"\n'
+                     'role = "readwrite"\n')  # fmt: skip
+    path = os.path.join(directory, "tokens.toml")
+    Path(path).write_text("\n".join(lines))
+    return path, f"bench-token-{n // 2}"
 
 
 def free_port() -> int:
@@ -191,16 +209,24 @@ class EgKv(Server):
 
     def start(self) -> None:
         self.slab = f"/eg-kv-bench-{os.getpid()}-{self.port}"
+        extra = ["--tokens", AUTH["file"]] if AUTH.get("file") else []
+        env = (
+            {**os.environ, "EPISTEMIC_GRAPH_KVCACHE_TOKEN": AUTH["token"]}
+            if AUTH.get("token")
+            else None
+        )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{self.port}",
              "--workers", str(self.workers), "--capacity", "512MiB", "--slab-name", self.slab,
-             "--fresh"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+             "--fresh", *extra],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz") as r:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.port}/healthz", timeout=2
+                ) as r:
                     if json.loads(r.read())["workers_up"] == self.workers:
                         break
             except OSError:
@@ -285,7 +311,7 @@ def _read_exact(s: socket.socket, buf: bytearray, n: int, sink: memoryview) -> N
 
 
 def http_exchange(s, buf, sink, method: str, path: str, body=None) -> int:
-    head = f"{method} {path} HTTP/1.1\r\nHost: b\r\n"
+    head = f"{method} {path} HTTP/1.1\r\nHost: b\r\n{AUTH.get('line', '')}"
     if body is not None:
         head += f"Content-Length: {len(body)}\r\n"
     s.sendall(head.encode() + b"\r\n")
@@ -489,7 +515,7 @@ def ab_head_rate(port: int, size_name: str, seconds: float, conns: int) -> float
     """HEAD requests/s with ApacheBench: wrk waits for a body after a HEAD answer."""
     url = f"http://127.0.0.1:{port}/kv/b{size_name}"
     args = ["ab", "-q", "-k", "-i", "-c", str(conns), "-t", str(max(1, round(seconds))),
-            "-n", "10000000", url]  # fmt: skip
+            "-n", "10000000", *AUTH.get("args", []), url]  # fmt: skip
     out = subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
     m = re.search(r"Requests per second:\s+([\d.]+)", out)
     bad = re.search(r"Non-2xx responses:\s+(\d+)", out)
@@ -503,7 +529,8 @@ def wrk_rate(port: int, op: str, size_name: str, seconds: float, conns: int) -> 
     if op == "HEAD":
         return ab_head_rate(port, size_name, seconds, conns)
     url = f"http://127.0.0.1:{port}/kv/b{size_name}"
-    args = ["wrk", "-t", "1", "-c", str(conns), "-d", f"{max(1, round(seconds))}s"]
+    args = ["wrk", "-t", "1", "-c", str(conns), "-d", f"{max(1, round(seconds))}s",
+            *AUTH.get("args", [])]  # fmt: skip
     script = None
     if op == "PUT":
         script = WRK_PUT % SIZES[size_name]
@@ -691,8 +718,29 @@ def main() -> int:
         action="store_true",
         help="measure only PUT dedup 14MiB, body sent against Expect: 100-continue",
     )
+    ap.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        help="serve eg-kv with a tokens file of this many tenants; clients send one's token",
+    )
+    ap.add_argument(
+        "--single-token",
+        action="store_true",
+        help="serve eg-kv with one EPISTEMIC_GRAPH_KVCACHE_TOKEN; clients send it (the "
+        "baseline of --tenants)",
+    )
     ap.add_argument("--bare-server", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.single_token:
+        header = "Authorization: Bearer bench-single-token"
+        AUTH.update(token="bench-single-token", line=header + "\r\n", args=["-H", header])
+    if args.tenants:
+        tmp = tempfile.mkdtemp(prefix="eg-kv-bench-tokens-")
+        atexit.register(shutil.rmtree, tmp, True)
+        path, token = tokens_file(args.tenants, tmp)
+        header = f"Authorization: Bearer {token}"
+        AUTH.update(file=path, line=header + "\r\n", args=["-H", header])
     if args.bare_server:
         bare_server(*args.bare_server)
         return 0

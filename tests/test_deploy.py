@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib
 import json
 import os
@@ -38,6 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "services" / "vllm"
 COMPOSE = DEPLOY / "compose.kvcache.yml"
+COMPOSE_TENANTS = DEPLOY / "compose.tenants.yml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERIGNORE = DEPLOY / "Dockerfile.dockerignore"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -449,7 +451,7 @@ TOP_LEVEL_KEYS = {"name", "services", "volumes", "networks", "configs", "secrets
 SERVICE_KEYS = {
     "build", "image", "command", "entrypoint", "environment", "shm_size", "ports",
     "healthcheck", "stop_grace_period", "restart", "deploy", "depends_on", "ipc",
-    "volumes",
+    "volumes", "secrets",
 }  # fmt: skip
 
 
@@ -903,3 +905,37 @@ def test_the_compose_adapter_settings_reach_a_token_protected_server(
     with contextlib.closing(cls(**params)) as client:
         done = _wait_completion(client, client.submit_batch_exists([key]))
         assert not (done[1] and list(done[3] or []) == [True]), done
+
+
+# --------------------------------------------------------------- tenants (the override)
+
+
+def test_the_tenants_override_mounts_the_tokens_file_as_a_secret(compose):
+    """compose.tenants.yml, merged over the main file as ``docker compose -f a -f b``
+    merges it, gives eg-kv a tokens file from a compose secret, and nothing else."""
+    from eg_kv import tenants
+    from eg_kv.config import ENV_TOKENS_FILE
+
+    seen: list = []
+    override = _walk(yaml.safe_load(COMPOSE_TENANTS.read_text()), {TOKEN_VAR: TEST_TOKEN}, seen)
+    assert all(op in (":-", "-") for _, op, _ in seen), "every variable has a default"
+    assert set(override) <= TOP_LEVEL_KEYS and set(override["services"]) == {"eg-kv"}
+    svc = override["services"]["eg-kv"]
+    assert set(svc) <= SERVICE_KEYS
+    (secret,) = svc["secrets"]
+    assert override["secrets"][secret]["file"], "the secret comes from a file"
+    assert svc["environment"] == {ENV_TOKENS_FILE: f"/run/secrets/{secret}"}
+    merged = json.loads(json.dumps(compose))
+    merged["services"]["eg-kv"]["environment"].update(svc["environment"])
+    settings = serve_settings(merged)
+    assert settings.tokens_file == f"/run/secrets/{secret}"
+    # The token LMCache sends stays the single token: an admin tenant of the file has it.
+    assert settings.token == TEST_TOKEN
+    assert TEST_TOKEN not in COMPOSE_TENANTS.read_text()
+    digest = hashlib.sha256(TEST_TOKEN.encode()).hexdigest()
+    table = tenants.parse(
+        f'[[tenant]]\nname = "lmcache"\ntoken_sha256 = "{digest}"\nrole = "admin"\n',
+        settings.capacity,
+    )
+    found = table.find(TEST_TOKEN.encode())
+    assert found is not None and found.is_admin

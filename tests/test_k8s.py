@@ -47,7 +47,12 @@ SRV_URL = re.compile(
 
 # --------------------------------------------------------------------- a small kustomize
 
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "components", "namespace", "images"}
+KUSTOMIZATION_KEYS = {
+    "apiVersion", "kind", "resources", "components", "namespace", "images", "patches",
+}  # fmt: skip
+#: The merge keys of the lists the patches touch (kustomize's strategic merge).
+MERGE_KEYS = {"containers": "name", "env": "name", "volumeMounts": "mountPath",
+              "volumes": "name"}  # fmt: skip
 
 
 def load_docs(path: Path) -> list[dict]:
@@ -71,11 +76,19 @@ def build(directory: Path) -> list[dict]:
         path = (directory / entry).resolve()
         assert path.exists(), f"{directory}: resource {entry} does not exist"
         objects += build(path) if path.is_dir() else load_docs(path)
+    # A component's patches apply to the objects of the kustomization that includes it.
+    patches = patch_docs(directory) if want == "Kustomization" else []
     for entry in k.get("components", []):
         path = (directory / entry).resolve()
         assert kustomization(path)["kind"] == "Component", f"{entry} is not a Component"
         objects += build(path)
+        patches += patch_docs(path)
     objects = copy.deepcopy(objects)
+    for patch in patches:
+        targets = [o for o in objects if (o["kind"], o["metadata"]["name"]) ==
+                   (patch["kind"], patch["metadata"]["name"])]  # fmt: skip
+        assert len(targets) == 1, f"patch of {patch['kind']} {patch['metadata']['name']}"
+        merge(targets[0], patch)
     for image in k.get("images", []):
         for obj in objects:
             for container in pod_spec(obj).get("containers", []) if pod_spec(obj) else []:
@@ -87,6 +100,32 @@ def build(directory: Path) -> list[dict]:
         for obj in objects:
             obj["metadata"]["namespace"] = k["namespace"]
     return objects
+
+
+def patch_docs(directory: Path) -> list[dict]:
+    """The strategic-merge patches a kustomization lists (``path`` entries only)."""
+    out = []
+    for entry in kustomization(directory).get("patches", []):
+        assert set(entry) == {"path"}, f"{directory}: patch features not built here: {entry}"
+        out += load_docs(directory / entry["path"])
+    return out
+
+
+def merge(target: dict, patch: dict) -> None:
+    """Strategic merge: maps merge, the lists of MERGE_KEYS merge by their key."""
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge(target[key], value)
+        elif key in MERGE_KEYS and isinstance(value, list):
+            items = target.setdefault(key, [])
+            for item in value:
+                same = [t for t in items if t[MERGE_KEYS[key]] == item[MERGE_KEYS[key]]]
+                if same:
+                    merge(same[0], item)
+                else:
+                    items.append(copy.deepcopy(item))
+        else:
+            target[key] = copy.deepcopy(value)
 
 
 def pod_spec(obj: dict) -> dict | None:
@@ -108,7 +147,16 @@ def container(obj: dict, name: str) -> dict:
 
 
 def manifest_files() -> list[Path]:
-    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
+    patches = {
+        d / e["path"] for d in kustomized_dirs() for e in kustomization(d).get("patches", [])
+    }
+    return sorted(
+        p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and p not in patches
+    )
+
+
+def kustomized_dirs() -> list[Path]:
+    return [p.parent for p in K8S.rglob("kustomization.yaml")]
 
 
 @pytest.fixture(scope="module")
@@ -445,3 +493,36 @@ def test_the_sizing_checks_catch_a_capacity_raised_alone(base):
     args[args.index("--capacity") + 1] = "16GiB"
     with pytest.raises(AssertionError):
         test_sizes_follow_the_sizing_rule([sts])
+
+
+# --------------------------------------------------------------------- tenants
+
+
+def test_the_tenants_overlay_mounts_the_tokens_file_from_a_secret(overlay):
+    from eg_kv.config import ENV_TOKEN, ENV_TOKENS_FILE
+
+    tenanted = build(K8S / "overlays" / "tenants")
+    sts = one(tenanted, "StatefulSet", "eg-kv")
+    c = container(sts, "eg-kv")
+    env = {e["name"]: e for e in c["env"]}
+    path = env[ENV_TOKENS_FILE]["value"]
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"]
+    (volume,) = [v for v in pod_spec(sts)["volumes"] if v["name"] == mount["name"]]
+    secret = volume["secret"]
+    assert secret["secretName"] == "eg-kv-tokens" and not secret.get("optional")
+    assert secret["defaultMode"] & 0o007 == 0, "the file is not world-readable"
+    assert pod_spec(sts)["securityContext"]["fsGroup"], "the pod's group reads the file"
+    # The single token stays (an admin tenant has it); everything else is the overlay's.
+    assert ENV_TOKEN in env
+    # The server reads that setting: eg-kv serve's Settings carry the file.
+    s = serve_settings(sts, {ENV_TOKEN: "t", ENV_TOKENS_FILE: path})
+    assert s.tokens_file == path
+    base_sts = one(overlay, "StatefulSet", "eg-kv")
+    assert ENV_TOKENS_FILE not in json.dumps(base_sts), "the base needs no tokens file"
+    # The patched StatefulSet is still a valid StatefulSet.
+    out = subprocess.run(
+        [sys.executable, "-c", _VALIDATE_OFFLINE], input=json.dumps([[sts], list(VERSIONS)]),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]

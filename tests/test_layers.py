@@ -19,7 +19,7 @@ PACKAGE = ROOT / "eg_kv"
 
 #: Every module of eg_kv and its layer. A new module must be placed here.
 LAYERS = {
-    "base": {"errors", "units", "address", "procs", "config"},
+    "base": {"errors", "units", "address", "procs", "config", "tenants"},
     "store": {"layout", "slab"},
     "server": {"_compat", "connections", "replies", "metrics", "runstate", "app", "hints"},
     "clients": {"http11", "clientcore", "client", "aio", "placement", "members", "cluster"},

@@ -39,7 +39,7 @@ SERVE_FLAGS = ("addr", "workers", "capacity", "page_size", "max_block_size", "ke
                "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log",
                "upload_share", "chunked_spool", "heartbeat_timeout_s", "lock_timeout_s",
                "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
-               "max_connections")  # fmt: skip
+               "max_connections", "tokens_file")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--slab-name", dest="slab_name", help="POSIX shared-memory name (default /eg-kv-<port>)"
+    )
+    s.add_argument(
+        "--tokens",
+        dest="tokens_file",
+        help="TOML file of tenants (tokens' sha256, roles, namespaces, quotas); SIGHUP "
+        "reloads it (env EPISTEMIC_GRAPH_KVCACHE_TOKENS_FILE)",
     )
     s.add_argument("--tls-cert", dest="tls_cert", help="PEM certificate: serve HTTPS")
     s.add_argument("--tls-key", dest="tls_key", help="PEM private key of --tls-cert")
@@ -266,6 +272,7 @@ def _check(args: argparse.Namespace) -> int:
         # A lock stuck for longer than CHECK_LOCK_WAIT_S ends the check with its holder's pid.
         report = slab.check_live(timeout=CHECK_LOCK_WAIT_S)
         stats = slab.stats()
+        spaces = slab.namespace_stats(timeout=CHECK_LOCK_WAIT_S)
     for problem in report.problems:
         print(f"eg-kv check: {problem}")
     for note in report.unchecked:
@@ -275,8 +282,9 @@ def _check(args: argparse.Namespace) -> int:
         print(f"eg-kv check: slab {name}: {len(report.problems)} problem(s) ({held})")
         return 1
     what = "clean as far as checked" if report.unchecked else "clean"
-    print(f"eg-kv check: slab {name} is {what}: {stats['unique_blocks']} blocks, "
-          f"{stats['resident_bytes']} bytes resident ({held})")  # fmt: skip
+    used = sum(1 for one in spaces.values() if one["unique_blocks"])
+    print(f"eg-kv check: slab {name} is {what}: {stats['unique_blocks']} blocks in {used} "
+          f"namespace(s), {stats['resident_bytes']} bytes resident ({held})")  # fmt: skip
     return 0
 
 

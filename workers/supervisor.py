@@ -37,9 +37,9 @@ import time
 import traceback
 
 from eg_kv import layout as L
-from eg_kv import runstate
+from eg_kv import runstate, tenants
 from eg_kv.config import Settings, format_size
-from eg_kv.errors import EgKvError, SlabError
+from eg_kv.errors import ConfigError, EgKvError, SlabError
 from eg_kv.hints import tick as tick_hints
 from eg_kv.metrics import forget_process
 from eg_kv.procs import pid_alive
@@ -67,8 +67,9 @@ BOOT_TIMEOUT_S = 60.0
 #: killed for it (a full repair measured ~0.65 us a page; this leaves a 4x margin).
 REPAIR_S_PER_PAGE = 2.6e-6
 
-_GRACEFUL = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_HANDLED = (*_GRACEFUL, signal.SIGQUIT, signal.SIGCHLD)
+_GRACEFUL = (signal.SIGTERM, signal.SIGINT)
+#: SIGHUP reloads the tokens file (nginx, gunicorn); it no longer stops the server.
+_HANDLED = (*_GRACEFUL, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD)
 
 
 class CannotServe(EgKvError):
@@ -203,6 +204,7 @@ class Supervisor:
         self._lock_seen = (0, 0, 0.0)  # (holder, lock entries, first seen) of the lock
         self._lock_stuck_at = -float("inf")  # when the lock was last seen stuck
         self._lock_warned = (0, 0)
+        self._tokens_text: str | None = None  # the tokens file in force (validated)
 
     # ------------------------------------------------------------------ top level
 
@@ -214,11 +216,13 @@ class Supervisor:
         self._install_signals()
         try:
             try:
+                self._tokens_text = self._read_tokens() if s.tokens_file else None
                 check_port_free(s.host, s.port)
                 try:
                     make_ssl_context(s)
                 except (OSError, ValueError) as e:
-                    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+                    filename = getattr(e, "filename", None)
+                    where = f" ({filename})" if filename else ""
                     raise CannotServe(
                         f"cannot use the TLS certificate and key{where}: {e}"
                     ) from None
@@ -231,12 +235,15 @@ class Supervisor:
                 return 1
             log.info("%s", note)
             self.run_dir = runstate.make_run_dir(s.port)
+            if self._tokens_text is not None:
+                self._install_tokens(self._tokens_text)
             self.heartbeats = runstate.Heartbeats.create(self.run_dir, s.workers)
             runstate.write_state(self.run_dir, s.workers, [])
             self._warm_imports()
             log.info(
                 "eg-kv supervisor %d serving %s://%s with %d workers (auth %s)",
-                os.getpid(), s.scheme, s.bind, s.workers, "on" if s.token else "off",
+                os.getpid(), s.scheme, s.bind, s.workers,
+                "tokens file" if s.tokens_file else "on" if s.token else "off",
             )  # fmt: skip
             self._loop()
         finally:
@@ -270,6 +277,22 @@ class Supervisor:
             os.write(self._wake_w, b"\0")
 
     # ------------------------------------------------------------------ the loop
+
+    # What run() opens before the loop starts: the loop's code may rely on it.
+    @property
+    def _slab(self) -> Slab:
+        assert self.slab is not None, "the slab is opened before the loop runs"
+        return self.slab
+
+    @property
+    def _run_dir(self) -> str:
+        assert self.run_dir is not None, "the run directory is made before the loop runs"
+        return self.run_dir
+
+    @property
+    def _heartbeats(self) -> runstate.Heartbeats:
+        assert self.heartbeats is not None, "heartbeats are made before the loop runs"
+        return self.heartbeats
 
     def _loop(self) -> None:
         while True:
@@ -305,6 +328,10 @@ class Supervisor:
             sig = self._signals.pop(0)
             if sig == signal.SIGCHLD:
                 continue  # the reap below does the work
+            if sig == signal.SIGHUP:
+                if not self.stopping:
+                    self._reload_tokens()
+                continue
             if sig == signal.SIGQUIT or (self.stopping and sig in _GRACEFUL):
                 log.warning("eg-kv: %s: stopping now, without draining",
                             signal.Signals(sig).name)  # fmt: skip
@@ -313,6 +340,53 @@ class Supervisor:
                 log.info("eg-kv: %s: draining (up to %.0f s)",
                          signal.Signals(sig).name, self.settings.drain_timeout_s)  # fmt: skip
                 self._begin_stop(signal.SIGTERM)
+
+    # ------------------------------------------------------------------ tenants
+
+    def _read_tokens(self) -> str:
+        """Read and validate the tokens file; return its text.
+
+        Raises:
+            ConfigError: unreadable or invalid (the message names the line).
+        """
+        path = self.settings.tokens_file
+        if path is None:
+            raise ConfigError("no tokens file configured (--tokens)")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read tokens file {path}: {e}") from None
+        tenants.parse(text, self.settings.capacity, f"tokens file {path}")
+        return text
+
+    def _install_tokens(self, text: str) -> None:
+        """Bind the namespaces in the slab (ids, quotas) and hand the workers the file.
+
+        Raises:
+            ConfigError, SlabError, LockTimeout.
+        """
+        assert self.slab is not None and self.run_dir is not None  # set up before
+        table = tenants.parse(text, self.settings.capacity)
+        self.slab.bind_namespaces(table.quotas, timeout=LOCK_WAIT_S)
+        runstate.write_tokens_copy(self.run_dir, text)
+        log.info("tokens file %s: %d tenants in %d namespaces", self.settings.tokens_file,
+                 len(table.by_digest), len(table.quotas))  # fmt: skip
+
+    def _reload_tokens(self) -> None:
+        """SIGHUP: reload the tokens file; a bad one keeps the tenants in force."""
+        if not self.settings.tokens_file:
+            log.info("eg-kv: SIGHUP: no tokens file to reload (--tokens); nothing to do")
+            return
+        try:
+            text = self._read_tokens()
+            self._install_tokens(text)
+        except EgKvError as e:
+            log.error("eg-kv: SIGHUP: tokens file not reloaded, the old tenants stay: %s", e)
+            return
+        self._tokens_text = text
+        for pid in list(self.workers):  # each worker reads the validated copy
+            self._kill(pid, signal.SIGHUP)
 
     def _begin_stop(self, sig: int) -> None:
         self.stopping = True
@@ -350,7 +424,7 @@ class Supervisor:
     def _write_state(self) -> None:
         ready = [w.pid for w in self.workers.values() if w.ready]
         with contextlib.suppress(OSError):
-            runstate.write_state(self.run_dir, self.settings.workers, ready)
+            runstate.write_state(self._run_dir, self.settings.workers, ready)
 
     # ------------------------------------------------------------------ children
 
@@ -369,8 +443,8 @@ class Supervisor:
             died = True
             self._dead.append(pid)
             with contextlib.suppress(OSError):
-                forget_process(runstate.metrics_dir(self.run_dir), pid)
-            self.heartbeats.clear(w.slot)
+                forget_process(runstate.metrics_dir(self._run_dir), pid)
+            self._heartbeats.clear(w.slot)
             self._classify(w, status)
         if died:
             self._write_state()
@@ -406,7 +480,7 @@ class Supervisor:
         while self._dead:
             pid = self._dead[0]
             try:
-                left = self.slab.release_process(pid, timeout=LOCK_WAIT_S)
+                left = self._slab.release_process(pid, timeout=LOCK_WAIT_S)
             except LockTimeout:
                 return  # the lock is busy or stuck: the watchdog sees to it; retry later
             except Exception as e:
@@ -426,7 +500,7 @@ class Supervisor:
     def _repair(self) -> None:
         """Full repair (at exit, when no worker is left to stall)."""
         try:
-            problems = self.slab.repair(timeout=LOCK_WAIT_S * 10)
+            problems = self._slab.repair(timeout=LOCK_WAIT_S * 10)
         except Exception as e:
             log.error("slab repair failed: %s", e)
             return
@@ -439,7 +513,7 @@ class Supervisor:
         """Kill the worker that wedges the server: the one that holds the lock too long,
         or one whose heartbeat stopped while the lock was not stuck."""
         s, now = self.settings, time.monotonic()
-        holder, entries = self.slab.lock_state()
+        holder, entries = self._slab.lock_state()
         seen_holder, seen_entries, since = self._lock_seen
         if holder and (holder, entries) == (seen_holder, seen_entries):
             self._lock_stuck_at = now  # one critical section spans two ticks or more
@@ -455,7 +529,7 @@ class Supervisor:
                 if now - w.started > max(BOOT_TIMEOUT_S, 6 * s.heartbeat_timeout_s):
                     self._kill_wedged(w, f"did not start serving in {now - w.started:.0f} s")
                 continue
-            age = self.heartbeats.age(w.slot, w.pid)
+            age = self._heartbeats.age(w.slot, w.pid)
             age = now - w.ready_at if age is None else min(age, now - w.ready_at)
             if age <= s.heartbeat_timeout_s:
                 continue
@@ -465,7 +539,7 @@ class Supervisor:
 
     @property
     def _lock_limit(self) -> float:
-        return self.settings.lock_timeout_s + REPAIR_S_PER_PAGE * self.slab.geometry.npages
+        return self.settings.lock_timeout_s + REPAIR_S_PER_PAGE * self._slab.geometry.npages
 
     def _lock_held_too_long(self, holder: int, entries: int, held: float) -> None:
         w = self.workers.get(holder)
@@ -489,7 +563,7 @@ class Supervisor:
     def _spawn(self) -> None:
         parent = os.getpid()
         taken = {w.slot for w in self.workers.values()}
-        slot = next(k for k in range(self.heartbeats.nslots) if k not in taken)
+        slot = next(k for k in range(self._heartbeats.nslots) if k not in taken)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -498,11 +572,13 @@ class Supervisor:
             try:
                 for sig in _HANDLED:
                     signal.signal(sig, signal.SIG_DFL)
+                # A reload signal before the worker's loop handles it must not kill it.
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 for fd in (self._wake_r, self._wake_w, self._notify_r):
                     os.close(fd)
-                self.slab.close()  # the supervisor's handle: a worker attaches its own
-                beat = functools.partial(self.heartbeats.beat, slot, os.getpid())
-                code = worker_mod.run(self.settings, self.run_dir, self._notify_w, parent,
+                self._slab.close()  # the supervisor's handle: a worker attaches its own
+                beat = functools.partial(self._heartbeats.beat, slot, os.getpid())
+                code = worker_mod.run(self.settings, self._run_dir, self._notify_w, parent,
                                       heartbeat=beat)  # fmt: skip
             except BaseException:
                 traceback.print_exc()
@@ -511,7 +587,7 @@ class Supervisor:
                     sys.stdout.flush()
                     sys.stderr.flush()
                 os._exit(code)
-        self.heartbeats.beat(slot, pid)
+        self._heartbeats.beat(slot, pid)
         self.workers[pid] = _Worker(pid, time.monotonic(), slot)
 
     # ------------------------------------------------------------------ the end

@@ -100,7 +100,7 @@ def _beat_every(loop: asyncio.AbstractEventLoop, beat: Callable[[], None], inter
 async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
     from aiohttp import web
 
-    from eg_kv.app import DRAIN, AppRunner, make_app
+    from eg_kv.app import AUTH, DRAIN, SLAB, AppRunner, make_app, tokens_path
     from eg_kv.connections import raise_fd_limit
 
     raise_fd_limit()  # before make_app, which derives the connection cap from it
@@ -109,6 +109,10 @@ async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) 
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     pid = os.getpid()
     app = make_app(settings, run_dir=run_dir)
+    reload_wanted = asyncio.Event()
+    # SIGHUP (sent by the supervisor once it has validated a new tokens file) only sets a
+    # flag; the reload itself runs in the loop, between requests.
+    loop.add_signal_handler(signal.SIGHUP, reload_wanted.set)
     runner = AppRunner(
         app,
         handle_signals=False,
@@ -140,9 +144,19 @@ async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) 
         log.warning("worker %d: supervisor %d is gone; stopping", pid, parent)
         stop.set()
 
+    async def reload_tenants() -> None:
+        path = tokens_path(settings, run_dir)
+        while True:
+            await reload_wanted.wait()
+            reload_wanted.clear()
+            if path is not None and SLAB in app:
+                app[AUTH].reload(app[SLAB], path, settings.capacity)
+
     watcher = asyncio.ensure_future(watch_parent())
+    reloader = asyncio.ensure_future(reload_tenants())
     await stop.wait()
     watcher.cancel()
+    reloader.cancel()
     # Stop accepting; let requests in flight finish (uploads keep receiving their bodies)
     # within the drain timeout; then close the connections and the slab handle.
     await site.stop()
