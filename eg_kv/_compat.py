@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from aiohttp import web, web_protocol, web_server
+from aiohttp import web, web_protocol, web_server, web_urldispatcher
 
 #: The aiohttp versions the assumptions below were checked against (pyproject.toml).
 AIOHTTP_TESTED = ">=3.14.5,<3.15"
@@ -77,6 +77,15 @@ def forget_interim(request: web.BaseRequest) -> None:
     request.writer.output_size = 0
 
 
+def replace_default_expect_handler(router: web.UrlDispatcher, handler) -> None:
+    """Give every route of ``router`` still on aiohttp's default ``Expect`` handler
+    ``handler`` instead (aiohttp takes it only per route, at ``add_route``).
+    """
+    for route in router.routes():
+        if route._expect_handler is web_urldispatcher._default_expect_handler:
+            route._expect_handler = handler
+
+
 def response_started(request: web.BaseRequest) -> bool:
     """Whether bytes of a response to ``request`` went out (``output_size``, above)."""
     return request.writer.output_size > 0
@@ -104,12 +113,13 @@ class StampedHandler(web_protocol.RequestHandler):
     every read of a body, and stamping there cost a 4 KiB PUT 5% more CPU.
     """
 
-    __slots__ = ("head_at", "head_of", "held_at", "rx_at", "wpaused_at")
+    __slots__ = ("head_at", "head_of", "held_at", "rx_at", "wpaused_at", "wpaused_size")
 
     def __init__(self, manager: web_server.Server, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self.rx_at = self.head_at = self.wpaused_at = self.held_at = -math.inf
         self.head_of = -1
+        self.wpaused_size = 0
 
     def data_received(self, data: bytes) -> None:
         if data:  # b"" is aiohttp re-parsing what it buffered, on resume_reading
@@ -122,7 +132,11 @@ class StampedHandler(web_protocol.RequestHandler):
         _data_received(self, data)
 
     def pause_writing(self) -> None:
+        # The sweeper restarts this clock whenever the write buffer shrank since its last
+        # look (``wpaused_size``): a slow reader that drains is making progress.
         self.wpaused_at = self._loop.time()
+        transport = self.transport
+        self.wpaused_size = transport.get_write_buffer_size() if transport else 0
         super().pause_writing()
 
     def waiting(self) -> bool:

@@ -42,10 +42,15 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 from typing import TypeVar
 
-from aiohttp import http_exceptions, web
+from aiohttp import HttpVersion11, http_exceptions, web
 
 from . import batchwire, replies, runstate
-from ._compat import HandlerRunner, forget_interim, response_started
+from ._compat import (
+    HandlerRunner,
+    forget_interim,
+    replace_default_expect_handler,
+    response_started,
+)
 from .address import validate
 from .config import Settings
 from .connections import (
@@ -498,16 +503,41 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
         slab = app[SLAB]
         length = _announced_length(request, slab.max_block_size)
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return await _final_answer(
-                request, error_response(417, "only Expect: 100-continue is understood"), start
-            )
+            return await _final_answer(request, _expect_refused(), start)
         if length and slab.add_ref(address, length, tenant.ns):
-            return await _final_answer(request, web.Response(status=200, text="dedup\n"), start)
+            try:
+                return await _final_answer(request, web.Response(status=200, text="dedup\n"), start)
+            except BaseException:  # the 200 never went out (the client left): no reference
+                slab.delete(address, tenant.ns)
+                raise
     except EgKvError as e:
         return await _final_answer(request, error_response(e.status, str(e)), start)
+    await _continue(request)
+    return None
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The ``Expect`` handler of every route but ``PUT /kv/<hash>`` (:func:`put_expect`).
+
+    ``100-continue`` gets the interim answer; any other expectation a one-line 417 with
+    eg-kv's headers that does not quote it (aiohttp's own echoed the value and kept the
+    connection), and the connection closes.
+    """
+    if request.version < HttpVersion11:  # no interim answers in HTTP/1.0 (as aiohttp)
+        return None
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return await _final_answer(request, _expect_refused(), time.perf_counter())
+    await _continue(request)
+    return None
+
+
+def _expect_refused() -> web.Response:
+    return error_response(417, "only Expect: 100-continue is understood")
+
+
+async def _continue(request: web.Request) -> None:
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     forget_interim(request)  # the interim response is not part of the final one
-    return None
 
 
 async def _final_answer(request: web.Request, resp: web.Response, start: float) -> web.Response:
@@ -520,7 +550,11 @@ async def _final_answer(request: web.Request, resp: web.Response, start: float) 
     await resp.prepare(request)
     await resp.write_eof()
     request.protocol.force_close()  # the transport sends what it holds, then closes
-    request.app[METRICS].observe("block", "PUT", resp.status, time.perf_counter() - start)
+    endpoint = request.match_info.route.resource
+    endpoint_name = (endpoint.name if endpoint is not None else None) or "unmatched"
+    request.app[METRICS].observe(
+        endpoint_name, request.method, resp.status, time.perf_counter() - start
+    )
     return resp
 
 
@@ -909,6 +943,7 @@ def make_app(
     # Catch-alls: wrong methods and unknown paths get the same auth and one-line answers.
     r.add_route("*", "/kv/{rest:.*}", E("invalid", bad_kv_path), name="invalid")
     r.add_route("*", "/{tail:.*}", E("unmatched", no_route), name="unmatched")
+    replace_default_expect_handler(r, expect_continue)  # every route answers Expect alike
     return app
 
 

@@ -39,6 +39,7 @@ from .clientcore import (
     KvCacheConfig,
     KvCacheStats,
     Miss,
+    PoolWaitTimeout,
     batch_answer,
     batch_body,
     batches,
@@ -108,7 +109,9 @@ class _Pool:
 
     def acquire(self, deadline: Deadline) -> Connection:
         if not self._slots.acquire(timeout=deadline.left()):
-            raise TimeoutError("no free eg-kv connection within the timeout")
+            raise PoolWaitTimeout(
+                "no free eg-kv connection within the timeout: raise max_connections"
+            )
         while True:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
@@ -227,7 +230,8 @@ class RemoteKVConnector:
         (:func:`~eg_kv.clientcore.may_resend`) is then sent once more on a fresh one.
 
         Raises:
-            Any transport error, TimeoutError, ProtocolError, or what ``on_response``
+            Any transport error, TimeoutError, PoolWaitTimeout (no pooled connection
+            freed up), ProtocolError, or what ``on_response``
             raises.
 
         ``timeout_s``: this exchange's deadline, when shorter than the config's.

@@ -80,6 +80,12 @@ JSON_TYPE = "application/json"
 ACCEPT_IDENTITY = ("Accept-Encoding", "identity")
 
 
+class PoolWaitTimeout(RemoteError):
+    """No pooled connection of this client freed up within the timeout: the client is
+    busy, not the server unreachable (deliberately not an OSError, so a server set does
+    not mark a live member down for it)."""
+
+
 class Miss(Exception):
     """Internal to the clients: the answer cannot be used (a miss, never raised to users)."""
 
@@ -503,7 +509,9 @@ class ClientCore:
 
     def _unreachable_hook(self, exc: BaseException) -> None:
         if self.on_unreachable is not None and isinstance(exc, OSError):
-            self.on_unreachable(exc)  # TimeoutError and ConnectionError are OSErrors
+            # TimeoutError and ConnectionError are OSErrors; PoolWaitTimeout (our own
+            # pool was full) is not one: the member did nothing wrong.
+            self.on_unreachable(exc)
 
     def block_path(self, address: str, suffix: str = "") -> str:
         """The request target of a block route."""

@@ -27,6 +27,8 @@ Standard library only for a list of URLs; dnspython only for a DNS entry.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -227,11 +229,19 @@ class Router:
 
 
 class _Members:
-    """One connector per member, built on first use, dropped when the member leaves."""
+    """One connector per member, built on first use, dropped when the member leaves.
 
-    def __init__(self, router: Router, build: Callable[[KvCacheConfig], Any]) -> None:
+    Args:
+        router: the set's router (its config, its health).
+        build: ``build(member_config) -> connector``.
+        dispose: ``dispose(connector)`` closes a dropped connector (default: ``close()``).
+    """
+
+    def __init__(self, router: Router, build: Callable[[KvCacheConfig], Any],
+                 dispose: Callable[[Any], None] | None = None) -> None:  # fmt: skip
         self._router = router
         self._build = build
+        self._dispose = dispose or (lambda conn: conn.close())
         self._lock = threading.Lock()
         self._conns: dict[tuple, Any] = {}
 
@@ -257,12 +267,18 @@ class _Members:
             gone = [k for k in self._conns if k not in keep]
             stale = [self._conns.pop(k) for k in gone]
         for conn in stale:
-            conn.close()
+            self._dispose(conn)
 
     def take_all(self) -> list[Any]:
         with self._lock:
             conns, self._conns = list(self._conns.values()), {}
         return conns
+
+
+def _absent(status: int | None) -> bool:
+    # Only a definite 404 sends a DELETE on to the previous home; a lost answer (None)
+    # may have been applied.
+    return status == 404
 
 
 class ClusterConnector:
@@ -313,7 +329,8 @@ class ClusterConnector:
     # -- one address
 
     def _one(self, key: str | bytes, op: Callable[[Any, str], T], miss: Callable[[T], bool],
-             ask_previous: bool = True) -> T | None:  # fmt: skip
+             ask_previous: bool = True,
+             may_start: Callable[[float], bool] | None = None) -> T | None:  # fmt: skip
         address = to_address(key)
         if self._closed:
             return None
@@ -323,13 +340,25 @@ class ClusterConnector:
         result = op(self._members.get(view, home), address)
         if ask_previous and miss(result):
             before = self._router.previous(view, address, home)
-            if before is not None:
+            # The second request gets a fresh timeout_s: it starts only if the caller's
+            # deadline still has room for all of it.
+            if before is not None and (may_start is None or may_start(self.config.timeout_s)):
                 return op(self._members.get(view, before), address)
         return result
 
-    def fetch(self, key: str | bytes, sink: Callable[..., T]) -> T | None:
-        """``GET`` the block from its home (see :meth:`RemoteKVConnector.fetch`)."""
-        return self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None)
+    def fetch(self, key: str | bytes, sink: Callable[..., T],
+              may_start: Callable[[float], bool] | None = None) -> T | None:  # fmt: skip
+        """``GET`` the block from its home (see :meth:`RemoteKVConnector.fetch`).
+
+        Args:
+            key: the block's key or address.
+            sink: the body's reader.
+            may_start: ``may_start(timeout_s)``: whether a request bounded by ``timeout_s``
+                may still start now (:meth:`eg_kv.write_gate.WriteGate.can_start`); asked
+                before the previous home is, after a miss at the home.
+        """
+        return self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None,
+                         may_start=may_start)  # fmt: skip
 
     get = RemoteKVConnector.get
     get_into = RemoteKVConnector.get_into
@@ -351,8 +380,11 @@ class ClusterConnector:
 
     def delete(self, key: str | bytes) -> bool:
         """``DELETE`` one reference where the block lives: its home, else (right after a
-        change) its previous home. Each member is sent it at most once."""
-        return bool(self._one(key, lambda c, a: c.delete(a), lambda r: not r))
+        change, and only when the home answered 404) its previous home. A lost answer at
+        the home is not sent on: the home may have applied it, and one DELETE releases
+        one reference, never two."""
+        status = self._one(key, lambda c, a: c._status("DELETE", a), _absent)
+        return status == 204
 
     # -- batches
 
@@ -381,16 +413,18 @@ class ClusterConnector:
         try:
             view, groups = self._router.plan(addresses)
             answers = self._parallel(view, groups, addresses)
-        except RuntimeError:  # the fan-out pool was shut down by close()
+            ok = {m: a for m, a in answers.items() if a is not None}
+            found = merge(len(addresses), groups, ok, False)
+            again = self._router.second_plan(view, addresses, found, groups)
+            if again:
+                for m, a in self._parallel(view, again, addresses).items():
+                    if a is not None:
+                        for i, hit in zip(again[m], a, strict=True):
+                            found[i] = found[i] or hit
+        except (RuntimeError, concurrent.futures.CancelledError):
+            # close() shut the fan-out pool down (submit raises RuntimeError) or cancelled
+            # a group still queued (its result() raises CancelledError): all misses.
             return [False] * len(addresses), False
-        ok = {m: a for m, a in answers.items() if a is not None}
-        found = merge(len(addresses), groups, ok, False)
-        again = self._router.second_plan(view, addresses, found, groups)
-        if again:
-            for m, a in self._parallel(view, again, addresses).items():
-                if a is not None:
-                    for i, hit in zip(again[m], a, strict=True):
-                        found[i] = found[i] or hit
         return found, bool(ok)
 
     def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
@@ -471,10 +505,25 @@ class AsyncClusterConnector:
 
         self.config = config
         self._router = Router(config)
-        self._members = _Members(
-            self._router, lambda cfg: AsyncRemoteKVConnector(cfg, session=session)
-        )
+        #: The loop the member connectors (their aiohttp sessions) were built on.
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+        def build(cfg: KvCacheConfig) -> AsyncRemoteKVConnector:
+            self._loop = asyncio.get_running_loop()
+            return AsyncRemoteKVConnector(cfg, session=session)
+
+        self._members = _Members(self._router, build, self._dispose)
+        self._router.listeners.append(self._members.prune)
         self._closed = False
+
+    def _dispose(self, conn: Any) -> None:
+        """Close a departed member's connector on the loop its session lives on (prune
+        runs in the membership thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # no session was opened on a loop that still runs
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            asyncio.run_coroutine_threadsafe(conn.close(), loop)
 
     def __repr__(self) -> str:
         return f"AsyncClusterConnector({self.config.base_url!r})"
@@ -530,7 +579,8 @@ class AsyncClusterConnector:
         return bool(await self._one(key, lambda c, a: c.exists(a), lambda r: not r))
 
     async def delete(self, key: str | bytes) -> bool:
-        return bool(await self._one(key, lambda c, a: c.delete(a), lambda r: not r))
+        """Like :meth:`ClusterConnector.delete`: the previous home only after a 404."""
+        return await self._one(key, lambda c, a: c._status("DELETE", a), _absent) == 204
 
     async def _parallel(
         self, view: View, groups: Groups, addresses: Sequence[str]

@@ -46,6 +46,7 @@ import math
 import resource
 
 from ._compat import StampedHandler
+from .replies import worker_pid
 
 log = logging.getLogger("eg_kv.connections")
 
@@ -71,17 +72,18 @@ SHED, HEAD, BODY, SEND, IDLE = "shed", "header", "body", "send", "keepalive"
 
 _HEAD_TIMEOUT_REPLY = (
     b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\n"
-    b"Server: eg-kv\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+    b"Server: eg-kv\r\nX-EgKv-Worker: %s\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
 )
 _FULL_REPLY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-    b"Server: eg-kv\r\nRetry-After: %d\r\nConnection: close\r\nContent-Length: %%d\r\n\r\n%%s"
+    b"Server: eg-kv\r\nX-EgKv-Worker: %%s\r\nRetry-After: %d\r\nConnection: close\r\n"
+    b"Content-Length: %%d\r\n\r\n%%s"
 ) % RETRY_AFTER_S
 
 
 def _one_line_reply(template: bytes, text: str) -> bytes:
     body = text.encode() + b"\n"
-    return template % (len(body), body)
+    return template % (worker_pid().encode(), len(body), body)
 
 
 def raise_fd_limit() -> int:
@@ -224,6 +226,14 @@ class Connections:
         for c in list(self._open):
             if not c.waiting():  # a request is queued or handled
                 if c.writing_paused:
+                    # Cut only an answer that moved no byte for body_timeout: a slow
+                    # reader drains the buffer while it stays paused (aiohttp's high
+                    # watermark is 0 between batches), and that is progress.
+                    transport = c.transport
+                    size = transport.get_write_buffer_size() if transport else 0
+                    if size < c.wpaused_size:
+                        c.wpaused_at = now
+                    c.wpaused_size = size
                     if now - c.wpaused_at > lim.body_timeout:
                         self._close(c, SEND)
                     continue

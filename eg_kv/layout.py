@@ -78,6 +78,12 @@ GEOMETRY = struct.Struct("<8sIIQQQQQQQQQQQd")
     STATE_WORDS,
 ) = range(24)
 
+#: Byte offset of the owner pid (state word ST_OWNER_PID, a native int64) in EVERY layout
+#: version so far. It must never move: ``--fresh`` reads it from a slab of another
+#: version to refuse to remove one whose server still runs.
+OWNER_PID_OFFSET = STATE_OFFSET + 8 * ST_OWNER_PID
+assert OWNER_PID_OFFSET == 264
+
 DERIVED_COUNTERS = {
     "unique_blocks": ST_UNIQUE_BLOCKS,
     "total_refs": ST_TOTAL_REFS,

@@ -23,6 +23,12 @@ layout stored it first), the chunk is stored under the address of the key and it
 instead, and a load whose buffer does not match the first address tries that one. So
 differently configured servers keep their own chunks and identical ones share one copy.
 
+A delete releases only a reference this connector took: it remembers (for the last
+:data:`MAX_STORED` keys it stored) the address each key went to, plain or length-qualified,
+and a delete of a key it has no record of (stored before a restart, or forgotten since)
+sends nothing and reports False; that reference ages out by eviction. Sending it to the
+plain address could release another LMCache server's chunk.
+
 A load never writes into LMCache's buffer after ``close()`` returned or after its batch's
 deadline (:mod:`eg_kv.write_gate`).
 """
@@ -43,7 +49,7 @@ from typing import Any
 
 from .address import address_for_key
 from .client import KvCacheConfig, RemoteKVConnector, resolve_config
-from .cluster import connect
+from .cluster import ClusterConnector, connect
 from .store_warnings import StoreWarnings
 from .write_gate import GateSet, WriteGate, read_through
 
@@ -52,8 +58,9 @@ log = logging.getLogger("eg_kv.kvcache")
 #: ``(future_id, ok, error, per_key_results or None)``, as LMCache's adapter unpacks it.
 Completion = tuple[int, bool, str, "list[bool] | None"]
 
-#: Keys remembered as stored under their length-qualified address (for deletes).
-MAX_MOVED = 65536
+#: Keys remembered with the address this connector stored them under (for deletes): a
+#: delete releases only a reference it took. 65536 entries of ~200 bytes: ~13 MiB at most.
+MAX_STORED = 65536
 
 #: Lookups of at most this many keys run on the thread that submits them (LMCache's,
 #: under its adapter lock) instead of the pool: the hand-off to a pool thread and back
@@ -138,7 +145,7 @@ class RemoteKVL2Connector:
         self._efd_open = True
         self._gates = GateSet()
         self._warn = StoreWarnings(self._client, "eg-kv LMCache L2 adapter")
-        self._moved: OrderedDict[str, str] = OrderedDict()  # key -> sized address
+        self._stored: OrderedDict[str, str] = OrderedDict()  # key -> address it went to
         self._digests: dict[str, str] = {}  # key -> address_for_key(key), bounded
         self._inline_after = 0.0  # monotonic time before which lookups use the pool
 
@@ -183,21 +190,23 @@ class RemoteKVL2Connector:
 
     def _store(self, key: str, data: Any) -> bool:
         size = memoryview(data).nbytes
-        status = self._client.put_status(address_for_key(key), (data,))
+        address = address_for_key(key)
+        status = self._client.put_status(address, (data,))
         if status == 409:
             self._warn.conflict(size, "Its chunks go to addresses that also hold their "
                                       "length, so both keep their own copies.")  # fmt: skip
-            moved = sized_address(key, size)
-            status = self._client.put_status(moved, (data,))
-            if status in (200, 201):
-                with self._lock:
-                    self._moved[key] = moved
-                    self._moved.move_to_end(key)
-                    while len(self._moved) > MAX_MOVED:
-                        self._moved.popitem(last=False)
+            address = sized_address(key, size)
+            status = self._client.put_status(address, (data,))
         if status == 413:
             self._warn.too_large(size)
-        return status in (200, 201)
+        if status not in (200, 201):
+            return False
+        with self._lock:
+            self._stored[key] = address
+            self._stored.move_to_end(key)
+            while len(self._stored) > MAX_STORED:
+                self._stored.popitem(last=False)
+        return True
 
     def _load(self, key: str, buffer: Any, gate: WriteGate) -> bool:
         view = memoryview(buffer).cast("B")
@@ -211,14 +220,26 @@ class RemoteKVL2Connector:
             read_through(read_exact, view, gate)
             return True
 
-        if self._client.fetch(address_for_key(key), sink):
+        if self._fetch(address_for_key(key), sink, gate):
             return True
         if other_length and gate.can_start(self.config.timeout_s):
-            return bool(self._client.fetch(sized_address(key, len(view)), sink))
+            return bool(self._fetch(sized_address(key, len(view)), sink, gate))
         return False
+
+    def _fetch(self, address: str, sink: Callable[..., bool], gate: WriteGate) -> bool | None:
+        if isinstance(self._client, ClusterConnector):
+            # Over a set a miss may ask the previous home with a fresh timeout_s: only
+            # while the batch's deadline still has room for it (the same gate).
+            return self._client.fetch(address, sink, may_start=gate.can_start)
+        return self._client.fetch(address, sink)
 
     def submit_batch_delete(self, keys: Sequence[str]) -> int:
         """Release each key's reference on the server; never blocks.
+
+        Only a reference this connector took is released, at the address it stored the
+        key under; a key it has no record of (stored before a restart, or one of more
+        than :data:`MAX_STORED` since) is not sent and reports False: its reference ages
+        out by eviction (the plain address may be another LMCache server's chunk).
 
         Returns:
             The future id its completion will carry (per-key: deleted or not).
@@ -227,8 +248,8 @@ class RemoteKVL2Connector:
 
     def _delete(self, key: str) -> bool:
         with self._lock:
-            moved = self._moved.pop(key, None)
-        return self._client.delete(moved or address_for_key(key))
+            address = self._stored.pop(key, None)
+        return address is not None and self._client.delete(address)
 
     def submit_batch_exists(self, keys: Sequence[str]) -> int:
         """Ask which keys are resident with one ``POST /kv/batch/exists``.

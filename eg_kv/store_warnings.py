@@ -61,8 +61,9 @@ class StoreWarnings:
         limit = self._server_limit()
         log.warning(
             "%s: a chunk of %d bytes is over the eg-kv server's maximum block size (%s) "
-            "at %s, so it is not stored and LMCache recomputes it: start eg-kv with "
-            "--max-block-size %s (EG_KV_MAX_BLOCK_SIZE) or lower LMCache's chunk_size",
+            "at %s, so it is not stored and LMCache recomputes it: start the server with "
+            "`eg-kv serve --max-block-size %s` (in the compose file: EG_KV_MAX_BLOCK_SIZE) "
+            "or lower LMCache's chunk_size",
             self._who, size, f"{limit} bytes" if limit else "unknown",
             self._client.config.base_url, suggested_limit(size),
         )  # fmt: skip

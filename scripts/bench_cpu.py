@@ -13,6 +13,9 @@ served. Prints each run and the median per tree and op, e.g.::
     flock /tmp/eg-kv-bench.lock .venv/bin/python scripts/bench_cpu.py \\
         --tree old=/tmp/old --tree new=. --op GET --op PUT --rounds 6
 
+With ``--tenants 1000`` the last tree also runs with a tokens file of 1,000 tenants (every
+other run sends one token from the environment): tenants' cost against today's server.
+
 Every server listens on a free loopback port and is stopped by pid; every slab is removed.
 """
 
@@ -39,6 +42,15 @@ from eg_kv.slab import Slab  # noqa: E402
 
 BLOCK = 4096
 PUT_SCRIPT = f'wrk.method = "PUT"\nwrk.body = string.rep("x", {BLOCK})\n'
+#: New addresses on every request: a 256 MiB slab fills and then every PUT evicts.
+PUTNEW_SCRIPT = f"""
+counter = 0
+function init(args) body = string.rep("x", {BLOCK}) end
+request = function()
+  counter = counter + 1
+  return wrk.format("PUT", "/kv/n" .. counter, nil, body)
+end
+"""
 
 
 def free_port() -> int:
@@ -47,13 +59,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(tree: Path, op: str, seconds: float, lua: str) -> tuple[float, float]:
-    """(µs of worker CPU per request, requests per second) for ``op`` on a fresh server."""
+def tokens_file(n: int, directory: str) -> tuple[str, str]:
+    """A tokens file of ``n`` readwrite tenants; returns (its path, one tenant's token)."""
+    import hashlib
+
+    lines = []
+    for k in range(n):
+        digest = hashlib.sha256(f"cpu-token-{k}".encode()).hexdigest()
+        lines.append(f'[[tenant]]\nname = "t{k}"\ntoken_sha256 = "{digest}"\n'
+                     'role = "readwrite"\n')  # fmt: skip
+    path = os.path.join(directory, "tokens.toml")
+    Path(path).write_text("\n".join(lines))
+    return path, f"cpu-token-{n // 2}"
+
+
+def measure(
+    tree: Path, op: str, seconds: float, lua: dict[str, str], tenants: int = 0
+) -> tuple[float, float]:
+    """(µs of worker CPU per request, requests per second) for ``op`` on a fresh server.
+
+    ``tenants``: serve with a tokens file of that many tenants (0: one token in the
+    environment) and send one tenant's token.
+    """
     port = free_port()
     name = f"/eg-kv-bench-cpu-{os.getpid()}-{port}"
     cmd = [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{port}",
            "--workers", "1", "--capacity", "256MiB", "--slab-name", name]  # fmt: skip
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
+    tmp = tempfile.TemporaryDirectory()
+    if tenants:
+        path, token = tokens_file(tenants, tmp.name)
+        cmd += ["--tokens", path]
+    else:
+        token = "cpu-single-token"
+        env["EPISTEMIC_GRAPH_KVCACHE_TOKEN"] = token
+    auth = {"Authorization": f"Bearer {token}"}
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -67,18 +107,22 @@ def measure(tree: Path, op: str, seconds: float, lua: str) -> tuple[float, float
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError(f"the server from {tree} did not start") from None
                 time.sleep(0.05)
-        put = urllib.request.Request(url + "/kv/blk", data=os.urandom(BLOCK), method="PUT")
+        put = urllib.request.Request(
+            url + "/kv/blk", data=os.urandom(BLOCK), method="PUT", headers=auth
+        )
         urllib.request.urlopen(put, timeout=5).read()
         (worker,) = psutil.Process(proc.pid).children()
         before = sum(worker.cpu_times()[:2])
-        args = ["wrk", "-t1", "-c8", f"-d{seconds:g}s", url + "/kv/blk"]
-        if op == "PUT":
-            args += ["-s", lua]
+        args = ["wrk", "-t1", "-c8", f"-d{seconds:g}s", "-H",
+                f"Authorization: Bearer {token}", url + "/kv/blk"]  # fmt: skip
+        if op in lua:
+            args += ["-s", lua[op]]
         out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 30).stdout
         cpu = sum(worker.cpu_times()[:2]) - before
         n = int(re.search(r"(\d+) requests in", out).group(1))
         return cpu / n * 1e6, n / seconds
     finally:
+        tmp.cleanup()
         proc.terminate()
         try:
             proc.wait(20)
@@ -100,8 +144,17 @@ def main() -> int:
     ap.add_argument(
         "--op",
         action="append",
-        choices=("GET", "PUT"),
-        help="4 KiB GETs (a hit) or PUTs (a dedup hit); default GET",
+        choices=("GET", "PUT", "PUTNEW"),
+        help="4 KiB GETs (a hit), PUTs (a dedup hit) or PUTNEW (new blocks: once the slab "
+        "is full, every one evicts); default GET",
+    )
+    ap.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run the last --tree (the one under test) with a tokens file of N tenants "
+        "(label +tN); every other run has one token in the environment",
     )
     ap.add_argument("--rounds", type=int, default=6, help="runs per tree and op (6)")
     ap.add_argument("--seconds", type=float, default=3.0, help="per run (3)")
@@ -110,13 +163,19 @@ def main() -> int:
              (t.partition("=") for t in args.tree)]  # fmt: skip
     ops = args.op or ["GET"]
     results: dict[tuple[str, str], list[float]] = {}
-    with tempfile.NamedTemporaryFile("w", suffix=".lua") as lua:
-        lua.write(PUT_SCRIPT)
-        lua.flush()
+    runs = [(label, tree, 0) for label, tree in trees]
+    if args.tenants:
+        label, tree = trees[-1]
+        runs.append((f"{label}+t{args.tenants}", tree, args.tenants))
+    with tempfile.TemporaryDirectory() as scripts:
+        lua = {}
+        for op, text in (("PUT", PUT_SCRIPT), ("PUTNEW", PUTNEW_SCRIPT)):
+            lua[op] = os.path.join(scripts, f"{op}.lua")
+            Path(lua[op]).write_text(text)
         for r in range(args.rounds):
-            for label, tree in trees if r % 2 == 0 else trees[::-1]:
+            for label, tree, tenants in runs if r % 2 == 0 else runs[::-1]:
                 for op in ops:
-                    us, rps = measure(tree, op, args.seconds, lua.name)
+                    us, rps = measure(tree, op, args.seconds, lua, tenants)
                     results.setdefault((label, op), []).append(us)
                     print(
                         f"{label:>8} {op}: {us:5.1f} µs CPU/request, {rps:,.0f} req/s", flush=True

@@ -57,7 +57,9 @@ def fleet(servers) -> list:
 
 
 def three(server_factory) -> tuple[list, str]:
-    servers = [server_factory(workers=1, capacity="128MiB") for _ in range(3)]
+    # Each member holds every chunk a test stores (18 x 14 MiB): placement may send most of
+    # them to one member, and an eviction there would be a miss the test did not cause.
+    servers = [server_factory(workers=1, capacity="320MiB") for _ in range(3)]
     return servers, ",".join(s.url for s in servers)
 
 

@@ -168,7 +168,7 @@ def test_chunk_over_the_max_block_size_is_said_once(server_factory, lmcache_loop
         said = warnings_of(caplog, "maximum block size")
         assert len(said) == 1, said
         assert f"{size} bytes" in said[0] and "131072 bytes" in said[0]  # chunk, limit
-        assert "--max-block-size 1MiB" in said[0] and "chunk_size" in said[0]  # the fix
+        assert "eg-kv serve --max-block-size 1MiB" in said[0] and "chunk_size" in said[0]  # the fix
         assert stats(srv.url).unique_blocks == 0
         obj.ref_count_down()
     finally:

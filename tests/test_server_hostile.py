@@ -171,6 +171,7 @@ def test_head_dripping_past_the_header_timeout_gets_408_and_is_closed(server_fac
     s.close()
     assert got.startswith(b"HTTP/1.1 408"), got
     assert b"request head not complete within 1 s" in got
+    assert f"X-EgKv-Worker: {_worker(srv).pid}\r\n".encode() in got, got  # as every answer
     assert 0.9 < elapsed < 6, elapsed
     # An honest request on a new connection is unaffected.
     assert request(srv, "GET", "/healthz").status == 200
@@ -259,6 +260,51 @@ def test_client_that_never_reads_its_answers_is_cut(server_factory):
     assert _read_answers(s, 32, block) < 32  # cut short: the rest never went out
     s.close()
     assert request(srv, "GET", "/kv/unread").body == block
+
+
+def _read_slowly(s: socket.socket, want: int, rate: float, stop_after: int | None = None) -> int:
+    """Read up to ``want`` bytes at ``rate`` bytes/s (64 KiB at a time); stop reading
+    (without closing) after ``stop_after`` bytes. Returns the bytes read before EOF/reset."""
+    got, step, start = 0, 64 * 1024, time.monotonic()
+    s.settimeout(30)
+    while got < want and (stop_after is None or got < stop_after):
+        try:
+            chunk = s.recv(step)
+        except OSError:
+            return got
+        if not chunk:
+            return got
+        got += len(chunk)
+        ahead = got / rate - (time.monotonic() - start)
+        if ahead > 0:
+            time.sleep(ahead)
+    return got
+
+
+@pytest.mark.timeout(90)
+def test_slow_steady_reader_of_a_large_answer_is_not_cut_but_one_that_stops_is(server_factory):
+    """The send limit cuts an answer that moves no byte, not one that is read slowly.
+
+    A 14 MiB GET goes out in 4 MiB batches; the transport stays paused while a batch
+    drains, so before the fix a reader at 2 MiB/s was cut after the first batch.
+    """
+    srv = server_factory(workers=1, capacity="64MiB", extra=("--body-timeout", "1"))
+    block = os.urandom(14 * MiB)
+    assert request(srv, "PUT", "/kv/slow-read", block).status == 201
+    head_len = len(b"HTTP/1.1 200 OK\r\n")  # at least; the whole answer is head + body
+    s = _connect(srv, rcvbuf=64 * 1024)
+    s.sendall(b"GET /kv/slow-read HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    got = _read_slowly(s, 15 * MiB, rate=2 * MiB)
+    s.close()
+    assert got > len(block) + head_len, f"cut after {got / MiB:.1f} MiB"
+    assert not _metric(srv, 'eg_kv_connection_timeouts_total{limit="send"}')
+    # A reader that stops after 1 MiB is still cut by the same limit.
+    s = _connect(srv, rcvbuf=64 * 1024)
+    s.sendall(b"GET /kv/slow-read HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _read_slowly(s, 15 * MiB, rate=2 * MiB, stop_after=MiB) < 2 * MiB
+    wait_for(lambda: (_metric(srv, 'eg_kv_connection_timeouts_total{limit="send"}') or 0) >= 1,
+             timeout=15, what="the send limit to cut the stopped reader")  # fmt: skip
+    s.close()
 
 
 # ---------------------------------------------------------------------------- slowloris
@@ -379,6 +425,7 @@ def test_a_worker_whose_connections_are_all_busy_answers_503_with_retry_after(se
         answer = raw_exchange(srv.port, b"GET /healthz HTTP/1.1\r\n\r\n")
         assert status_of(answer) == 503, answer
         assert b"Retry-After: 1\r\n" in answer and b"--max-connections" in answer
+        assert f"X-EgKv-Worker: {_worker(srv).pid}\r\n".encode() in answer, answer
         assert not any(_closed_by_peer(s) for s in busy)  # busy ones are never shed
     finally:
         for s in busy:
@@ -481,16 +528,16 @@ def test_a_killed_workers_open_connections_leave_the_gauge(server_factory):
         victim = max(socks, key=lambda p: len(socks[p]))
         held = len(socks[victim])
         # The victim has flushed its count (once a second) before it dies.
-        wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) >= 24, timeout=10,
+        wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) >= 24, timeout=30,
                  what="the open connections to be counted")  # fmt: skip
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=20,
+        wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=30,
                  what="the replacement worker")  # fmt: skip
         for s in (s for group in socks.values() for s in group):
             s.close()
         socks.clear()
         # Left: at most the scrape's own connection and a few not yet noticed closed.
-        wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) < held, timeout=10,
+        wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) < held, timeout=30,
                  what=f"the gauge to drop below the dead worker's {held}")  # fmt: skip
     finally:
         for s in (s for group in socks.values() for s in group):

@@ -9,6 +9,7 @@ import resource
 import select
 import selectors
 import socket
+import struct
 import subprocess
 import sys
 
@@ -353,6 +354,54 @@ def test_unauthorized_expect_closes_the_connection(server_factory):
         assert _response(s).startswith(b"HTTP/1.1 100 Continue")
 
 
+@pytest.mark.parametrize(
+    "head",
+    [b"GET /kv/x HTTP/1.1\r\n", b"GET /kv/stats HTTP/1.1\r\n",
+     b"POST /kv/batch/exists HTTP/1.1\r\nContent-Length: 16\r\n"],
+)  # fmt: skip
+def test_every_route_refuses_an_unknown_expect_alike(server_factory, head):
+    """eg-kv's one-line 417 that quotes nothing, with its headers, then the close."""
+    srv = server_factory(workers=1)
+    with _connect(srv) as s:
+        s.sendall(head + b"Host: t\r\nExpect: bogus-VALUE-42\r\n\r\n")
+        reply = _response(s)
+        assert status_of(reply) == 417, reply
+        assert b"bogus-VALUE-42" not in reply
+        assert reply.endswith(b"\r\n\r\nonly Expect: 100-continue is understood\n"), reply
+        assert _header(reply, b"X-EgKv-Worker") and _header(reply, b"Server") == b"eg-kv"
+        assert _closed_by_server(s)
+
+
+def test_expect_100_continue_on_batch_exists_gets_the_interim_answer(server_factory):
+    srv = server_factory(workers=1)
+    body = b'{"addresses":["a"]}'
+    with _connect(srv) as s:
+        s.sendall(b"POST /kv/batch/exists HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))  # fmt: skip
+        assert _response(s).startswith(b"HTTP/1.1 100 Continue")
+        s.sendall(body)
+        reply = _response(s)
+        assert status_of(reply) == 200 and reply.endswith(b'"prefix_hits": 0}'), reply
+
+
+@pytest.mark.timeout(60)
+def test_a_dedup_answer_the_client_left_before_gives_its_reference_back(server_factory):
+    """A client sends an Expect head of a resident block and resets at once: no reference
+    may stay taken for an answer nobody got (the 200 write fails, or nothing was taken)."""
+    srv = server_factory(workers=1)
+    block = os.urandom(64 * KiB)
+    address = "leak-" + block[:6].hex()
+    assert request(srv, "PUT", f"/kv/{address}", block).status == 201
+    refs = stats(srv)["total_refs"]
+    for _ in range(50):
+        s = _connect(srv)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.sendall(_put_head(address, len(block), expect=True))
+        s.close()  # RST before the answer
+    wait_for(lambda: stats(srv)["total_refs"] == refs, timeout=10,
+             what=f"total_refs back at {refs}: {stats(srv)['total_refs']}")  # fmt: skip
+
+
 # ---------------------------------------------------------------- --fresh (item 9)
 
 
@@ -369,6 +418,29 @@ def test_fresh_leaves_a_foreign_segment_alone(server_factory):
         assert "another --slab-name" in log
         assert os.pread(shm.fd, len(precious), 0) == precious
         assert Slab.exists_named(name), "the foreign segment was unlinked"
+    finally:
+        shm.close_fd()
+        Slab.unlink_named(name)
+
+
+def test_fresh_leaves_a_live_eg_kv_slab_of_another_version_alone(server_factory):
+    """A segment with eg-kv's magic but another layout version, owned by a live process."""
+    from eg_kv import layout as L
+
+    name = unique_slab_name("otherver")
+    header = bytearray(L.HEADER_SIZE)
+    header[: len(L.MAGIC)] = L.MAGIC
+    header[len(L.MAGIC) : len(L.MAGIC) + 4] = (L.VERSION + 97).to_bytes(4, "little")
+    header[L.OWNER_PID_OFFSET : L.OWNER_PID_OFFSET + 8] = os.getpid().to_bytes(8, sys.byteorder)
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=len(header))
+    try:
+        os.pwrite(shm.fd, bytes(header), 0)
+        srv = server_factory(workers=1, slab_name=name, extra=("--fresh",), wait=False)
+        assert srv.proc.wait(30) == 1, srv.log()
+        log = srv.log()
+        assert f"slab {name}" in log and f"running eg-kv (pid {os.getpid()})" in log, log
+        assert Slab.exists_named(name), "the live slab was unlinked"
+        assert os.pread(shm.fd, len(header), 0) == header
     finally:
         shm.close_fd()
         Slab.unlink_named(name)

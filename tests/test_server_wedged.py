@@ -67,8 +67,15 @@ class _PutLoad:
 
 
 @pytest.mark.timeout(90)
-def test_stopped_idle_worker_is_killed_and_replaced(server_factory):
-    srv = server_factory(workers=2, extra=("--heartbeat-timeout", "2"))
+@pytest.mark.parametrize(
+    "extra",
+    # The README's promise ("within about 6 s with the defaults") and item 7's 10 s
+    # target hold at the default --heartbeat-timeout and --lock-timeout, not just short ones.
+    [("--heartbeat-timeout", "2"), ()],
+    ids=["short-heartbeat", "default-limits"],
+)
+def test_stopped_idle_worker_is_killed_and_replaced(server_factory, extra):
+    srv = server_factory(workers=2, extra=extra)
     victim = min(workers_of(srv))
     os.kill(victim, signal.SIGSTOP)
     t0 = time.monotonic()

@@ -277,7 +277,12 @@ def _check(args: argparse.Namespace) -> int:
         print(f"eg-kv check: {problem}")
     for note in report.unchecked:
         print(f"eg-kv check: not checked: {note}")
-    held = f"lock held at most {report.longest_hold_s * 1000:.1f} ms at a time"
+    for note in report.notes:
+        print(f"eg-kv check: note: {note}")
+    held = (
+        f"{report.slices} slices; lock held at most {report.longest_hold_s * 1000:.1f} ms "
+        f"at a time, {report.longest_hold_cpu_s * 1000:.1f} ms CPU"
+    )
     if report.problems:
         print(f"eg-kv check: slab {name}: {len(report.problems)} problem(s) ({held})")
         return 1

@@ -137,6 +137,13 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                     "--fresh leaves it alone: give this server another --slab-name, or remove "
                     "the segment yourself once you know nothing uses it"
                 ) from None
+            owner = Slab.segment_owner_pid(name)
+            if owner != os.getpid() and pid_alive(owner):  # a running eg-kv of another version
+                raise SlabError(
+                    f"slab {name} (/dev/shm{name}) belongs to a running eg-kv (pid {owner}) "
+                    "of another layout version, so --fresh leaves it alone: stop that server "
+                    "first, or give this server another --slab-name"
+                ) from None
             Slab.unlink_named(name)
         else:
             owner = slab.owner_pid
