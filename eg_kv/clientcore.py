@@ -207,24 +207,14 @@ class KvCacheConfig:
                 base_url = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
         if token is None:
             token = env.get(ENV_TOKEN) or None
-        if timeout_s is None:
-            timeout_s = env.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S
-        try:
-            timeout = float(timeout_s)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{ENV_TIMEOUT} / timeout_s must be a number of seconds") from None
+        timeout = _seconds(timeout_s, env, ENV_TIMEOUT, "timeout_s", DEFAULT_TIMEOUT_S)
         if verify_tls is None:
             verify_tls = env.get(ENV_TLS_VERIFY) or True
         if isinstance(verify_tls, str):
             verify_tls = parse_bool(verify_tls, ENV_TLS_VERIFY)
         if max_block_size is None:
             max_block_size = env.get(ENV_MAX_BLOCK_SIZE) or DEFAULT_MAX_BLOCK_SIZE
-        if refresh_s is None:
-            refresh_s = env.get(ENV_REFRESH) or DEFAULT_REFRESH_S
-        try:
-            refresh = float(refresh_s)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{ENV_REFRESH} / refresh_s must be a number of seconds") from None
+        refresh = _seconds(refresh_s, env, ENV_REFRESH, "refresh_s", DEFAULT_REFRESH_S)
         return cls(
             base_url=base_url,
             token=token or None,
@@ -248,6 +238,22 @@ class KvCacheConfig:
 def _is_plain_url(text: str) -> bool:
     """One ``http(s)://`` URL, no list, no DNS scheme: served without placement."""
     return "," not in text and text.strip().lower().startswith(("http://", "https://"))
+
+
+def _seconds(
+    given: float | str | None, env: Mapping[str, str], var: str, name: str, default: float
+) -> float:
+    """A number of seconds: the keyword ``name`` if given, else ``var`` in ``env``, else
+    ``default``.
+
+    Raises:
+        ConfigError: the value is not a number.
+    """
+    value = given if given is not None else (env.get(var) or default)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{var} / {name} must be a number of seconds") from None
 
 
 def _url_from_addr(value: str) -> str:

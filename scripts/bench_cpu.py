@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 from eg_kv.slab import Slab  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_server import free_port, tokens_file  # noqa: E402
+
 BLOCK = 4096
 PUT_SCRIPT = f'wrk.method = "PUT"\nwrk.body = string.rep("x", {BLOCK})\n'
 #: New addresses on every request: a 256 MiB slab fills and then every PUT evicts.
@@ -51,26 +53,6 @@ request = function()
   return wrk.format("PUT", "/kv/n" .. counter, nil, body)
 end
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tokens_file(n: int, directory: str) -> tuple[str, str]:
-    """A tokens file of ``n`` readwrite tenants; returns (its path, one tenant's token)."""
-    import hashlib
-
-    lines = []
-    for k in range(n):
-        digest = hashlib.sha256(f"cpu-token-{k}".encode()).hexdigest()
-        lines.append(f'[[tenant]]\nname = "t{k}"\ntoken_sha256 = "{digest}"\n'
-                     'role = "readwrite"\n')  # fmt: skip
-    path = os.path.join(directory, "tokens.toml")
-    Path(path).write_text("\n".join(lines))
-    return path, f"cpu-token-{n // 2}"
 
 
 def measure(
