@@ -63,7 +63,7 @@ from .connections import (
 from .errors import BadRequest, Busy, ConfigError, EgKvError, Forbidden, NotFound, TooLarge
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import FLUSH_S, Metrics
-from .replies import JSON, OCTETS, WORKER_HEADER, Written, reply
+from .replies import JSON, OCTETS, WORKER_HEADER, Written, reply, written
 from .slab import SMALL_PUT, BlockGone, Slab
 from .tenants import ANONYMOUS, Tenant, TenantTable, single_token
 from .tenants import load as load_tenants
@@ -95,6 +95,8 @@ HealthProbe = Callable[[], tuple[int, int]]
 HEALTH: web.AppKey[HealthProbe] = web.AppKey("health")
 #: Where a handler finds the request's tenant (set by the endpoint wrapper after auth).
 TENANT = "eg_kv.tenant"
+#: Spellings of a tenant's Authorization header a worker remembers (see Auth.authenticate).
+SEEN_HEADERS_PER_TENANT = 4
 
 
 class Auth:
@@ -107,8 +109,43 @@ class Auth:
     """
 
     def __init__(self, table: TenantTable | None, tokens_file: str | None = None) -> None:
-        self.table = table
         self.tokens_file = tokens_file
+        self.table = table
+
+    @property
+    def table(self) -> TenantTable | None:
+        return self._table
+
+    @table.setter
+    def table(self, table: TenantTable | None) -> None:
+        # A new table (bound to the slab, or reloaded) forgets every header it had seen,
+        # so a token the reload removed is refused from the next request on.
+        self._table = table
+        self._seen: dict[str, Tenant] = {}
+        self._seen_max = SEEN_HEADERS_PER_TENANT * (len(table.by_digest) if table else 0)
+
+    def authenticate(self, request: web.BaseRequest) -> Tenant | str:
+        """The request's tenant, or why there is none (never the token).
+
+        A token is found by its sha256 digest: the lookup compares digests, so how long
+        it takes tells nothing about any token. An ``Authorization`` header that has
+        found its tenant once is remembered (at most :data:`SEEN_HEADERS_PER_TENANT`
+        spellings per tenant) and found again without the digest: hashing the token was
+        a tenth of a small GET's CPU in a busy worker. That dict holds only headers that
+        authenticated; Python's string hash is keyed per process, so a lookup of any other
+        header compares no bytes with a stored one and takes the digest path as before.
+        """
+        if self._table is None:
+            return ANONYMOUS
+        header = request.headers.get("Authorization")
+        if header is not None and (known := self._seen.get(header)) is not None:
+            return known
+        found = _authenticate(header, self._table)
+        if isinstance(found, Tenant) and header is not None:
+            if len(self._seen) >= self._seen_max:
+                self._seen.clear()  # a client cycling spellings costs itself the digest
+            self._seen[header] = found
+        return found
 
     @property
     def tenants_mode(self) -> bool:
@@ -228,15 +265,9 @@ def _unauthorized(message: str) -> web.Response:
     return error_response(401, message, {"WWW-Authenticate": 'Bearer realm="eg-kv"'})
 
 
-def _authenticate(request: web.BaseRequest, table: TenantTable | None) -> Tenant | str:
-    """The request's tenant, or why there is none (never the token).
-
-    The token is looked up by its sha256 digest: what the lookup compares are digests,
-    so how long it takes tells nothing about any token.
-    """
-    if table is None:
-        return ANONYMOUS
-    header = request.headers.get("Authorization")
+def _authenticate(header: str | None, table: TenantTable) -> Tenant | str:
+    """The tenant whose token ``header`` (an ``Authorization`` value) carries, or why
+    there is none (never the token)."""
     if header is None:
         return "authorization required: send Authorization: Bearer <token>"
     scheme, _, cred = header.strip().partition(" ")
@@ -284,7 +315,7 @@ def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
         try:
             if request.protocol.writing_paused:  # earlier answers are still unsent
                 await request.writer.drain()
-            tenant = ANONYMOUS if open_route else _authenticate(request, auth.table)
+            tenant = ANONYMOUS if open_route else auth.authenticate(request)
             if isinstance(tenant, str):
                 resp = _unauthorized(tenant)
             else:
@@ -375,9 +406,9 @@ async def get_block(request: web.Request) -> web.StreamResponse:
         if not isinstance(e, BlockGone):
             raise
         log.info("block %s evicted while it was sent; aborting the response", address)
-        return Written(200, False, 0)
+        return written(200, False, 0)
     replies.sent(request, n)
-    return Written(200, keep, n)
+    return written(200, keep, n)
 
 
 async def _send_zero_copy(writer, transport, reader) -> None:
@@ -494,7 +525,7 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
     """
     app, start = request.app, time.perf_counter()
     try:
-        tenant = _authenticate(request, app[AUTH].table)
+        tenant = app[AUTH].authenticate(request)
         if isinstance(tenant, str):
             return await _final_answer(request, _unauthorized(tenant), start)
         _allowed("block", "PUT", tenant, app[AUTH].tenants_mode)

@@ -68,6 +68,24 @@ class Written(SentResponse):
     """
 
 
+#: Finished responses, shared: aiohttp only reads one (status, keep-alive, length) after
+#: the handler returns it, and a new ``StreamResponse`` cost 0.4 µs of a 27 µs GET.
+_WRITTEN: dict[tuple[int, bool, int], Written] = {}
+#: Distinct (status, keep-alive, length) kept; beyond it each answer gets its own.
+WRITTEN_KEPT = 512
+
+
+def written(status: int, keep_alive: bool, body_length: int) -> Written:
+    """A :class:`Written` for this answer: shared with every answer like it."""
+    key = (status, keep_alive, body_length)
+    done = _WRITTEN.get(key)
+    if done is None:
+        done = Written(status, keep_alive, body_length)
+        if len(_WRITTEN) < WRITTEN_KEPT:
+            _WRITTEN[key] = done
+    return done
+
+
 def _head(version: tuple[int, int], status: int, content_type: str, keep: bool) -> bytes:
     key = (version, status, content_type, keep)
     head = _HEADS.get(key)
@@ -137,7 +155,7 @@ def reply(
         head_bytes, keep = head(request, status, "", None, close)
         transport.write(head_bytes)
         sent(request, len(head_bytes))
-        return Written(status, keep, 0)
+        return written(status, keep, 0)
     head_bytes, keep = head(
         request, status, content_type, len(body) if length is None else length, close
     )
@@ -146,7 +164,7 @@ def reply(
     else:
         transport.write(head_bytes)
     sent(request, len(head_bytes) + len(body))
-    return Written(status, keep, len(body))
+    return written(status, keep, len(body))
 
 
 #: Count bytes written past aiohttp's writer, so that aiohttp knows the response began.

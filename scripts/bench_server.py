@@ -45,7 +45,7 @@ SIZES = {"4KiB": 4 * KiB, "1MiB": MiB, "14MiB": 14 * MiB}
 OPS = ("GET", "HEAD", "PUT")  # PUT last: its new blocks may evict the ones GET reads
 #: With --tenants N: eg-kv gets a tokens file of N tenants and every client sends the
 #: token of one of them (its own namespace), as a header line of every request.
-AUTH: dict[str, str] = {}
+AUTH: dict = {}
 
 
 def tokens_file(n: int, directory: str) -> tuple[str, str]:
@@ -205,21 +205,26 @@ class Server:
 
 
 class EgKv(Server):
+    """eg-kv from this tree, or with ``root`` from another (``--baseline``: a commit's
+    ``git archive``), which is served with the clients' token as its one token."""
+
     kind = "eg-kv"
+
+    def __init__(self, workers: int, root: Path = ROOT, kind: str = "eg-kv"):
+        super().__init__(workers)
+        self.root, self.kind = root, kind
 
     def start(self) -> None:
         self.slab = f"/eg-kv-bench-{os.getpid()}-{self.port}"
-        extra = ["--tokens", AUTH["file"]] if AUTH.get("file") else []
-        env = (
-            {**os.environ, "EPISTEMIC_GRAPH_KVCACHE_TOKEN": AUTH["token"]}
-            if AUTH.get("token")
-            else None
-        )
+        mine = self.root == ROOT
+        extra = ["--tokens", AUTH["file"]] if AUTH.get("file") and mine else []
+        token = AUTH.get("token") if mine else AUTH.get("bearer")
+        env = {**os.environ, "EPISTEMIC_GRAPH_KVCACHE_TOKEN": token} if token else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{self.port}",
              "--workers", str(self.workers), "--capacity", "512MiB", "--slab-name", self.slab,
              "--fresh", *extra],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            cwd=self.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -674,26 +679,55 @@ def quick_ab(args, worker_counts: list[int], cell, rates: dict) -> int:
     """
     cells = parse_cells(args.only)
     for workers in worker_counts:
-        with EgKv(workers) as eg, Bare(workers) as bare:
-            wrk_rate(eg.port, "PUT", "4KiB", args.seconds, 16)
-            large_http(eg.port, "PUT", "1MiB", args.seconds, 4)
+        with contextlib.ExitStack() as stack:
+            servers = [stack.enter_context(s) for s in servers_for(args, workers)]
+            for eg in servers[:-1]:  # eg-kv (and the baseline), churned alike
+                wrk_rate(eg.port, "PUT", "4KiB", args.seconds, 16)
+                large_http(eg.port, "PUT", "1MiB", args.seconds, 4)
             for op, size_name in cells:
-                cell([eg, bare], workers, op, size_name)
-    print(
-        "| op | size | workers | eg-kv | bare aiohttp | eg-kv / bare |\n|---|---|---|---|---|---|"
-    )
+                cell(servers, workers, op, size_name)
+    print("\n".join(table(args, worker_counts, cells, rates, redis=False)[0]))
+    return 0
+
+
+def servers_for(args, workers: int) -> list[Server]:
+    """eg-kv, the ``--baseline`` tree's eg-kv if given, and the bare handler (last)."""
+    baseline = [EgKv(workers, Path(args.baseline).resolve(), BASELINE)] if args.baseline else []
+    return [EgKv(workers), *baseline, Bare(workers)]
+
+
+#: The kind of the ``--baseline`` tree's server in the tables.
+BASELINE = "baseline"
+
+
+def table(args, worker_counts, cells, rates, redis: bool) -> tuple[list[str], list[dict]]:
+    """The markdown table of ``cells`` (and the JSON rows): eg-kv against the bare handler,
+    the ``--baseline`` tree and redis where measured."""
+    cols = ["eg-kv", "bare aiohttp", "eg-kv / bare"]
+    if args.baseline:
+        cols += ["baseline", "eg-kv / baseline"]
+    if redis:
+        cols += ["redis", "eg-kv / redis"]
+    lines = ["| op | size | workers | " + " | ".join(cols) + " |",
+             "|---|---|---|" + "---|" * len(cols)]  # fmt: skip
+    rows = []
     for op, size_name in cells:
         size = SIZES[size_name]
         for workers in worker_counts:
-            eg, bare = (
-                rates[("eg-kv", workers, op, size_name)],
-                rates[("bare aiohttp", workers, op, size_name)],
-            )
-            print(
-                f"| {op} | {size_name} | {workers} | {fmt_rate(eg, size, op)} | "
-                f"{fmt_rate(bare, size, op)} | {eg / bare:.2f} |"
-            )
-    return 0
+            eg = rates[("eg-kv", workers, op, size_name)]
+            row = {"op": op, "size": size_name, "workers": workers, "eg_kv": eg}
+            others = [("bare", rates[("bare aiohttp", workers, op, size_name)])]
+            if args.baseline:
+                others.append(("baseline", rates[(BASELINE, workers, op, size_name)]))
+            if redis:
+                others.append(("redis", rates[("redis", 1, op, size_name)]))
+            out = [fmt_rate(eg, size, op)]
+            for key, rate in others:
+                row[key] = rate
+                out += [fmt_rate(rate, size, op), f"{eg / rate:.2f}"]
+            lines.append(f"| {op} | {size_name} | {workers} | " + " | ".join(out) + " |")
+            rows.append(row)
+    return lines, rows
 
 
 def print_dedup(rates: dict[str, float], workers: int) -> None:
@@ -730,17 +764,25 @@ def main() -> int:
         help="serve eg-kv with one EPISTEMIC_GRAPH_KVCACHE_TOKEN; clients send it (the "
         "baseline of --tenants)",
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="TREE",
+        help="also run eg-kv from this source tree (e.g. `git archive <commit> | tar -x -C "
+        "TREE`), interleaved with this one, and print eg-kv / baseline: today's against a "
+        "commit's, in one run (it gets the clients' token as its one token)",
+    )
     ap.add_argument("--bare-server", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.single_token:
         header = "Authorization: Bearer bench-single-token"
-        AUTH.update(token="bench-single-token", line=header + "\r\n", args=["-H", header])
+        AUTH.update(token="bench-single-token", bearer="bench-single-token",
+                    line=header + "\r\n", args=["-H", header])  # fmt: skip
     if args.tenants:
         tmp = tempfile.mkdtemp(prefix="eg-kv-bench-tokens-")
         atexit.register(shutil.rmtree, tmp, True)
         path, token = tokens_file(args.tenants, tmp)
         header = f"Authorization: Bearer {token}"
-        AUTH.update(file=path, line=header + "\r\n", args=["-H", header])
+        AUTH.update(file=path, bearer=token, line=header + "\r\n", args=["-H", header])
     if args.bare_server:
         bare_server(*args.bare_server)
         return 0
@@ -778,8 +820,10 @@ def main() -> int:
 
     with Redis(1) as redis:
         for workers in worker_counts:
-            with EgKv(workers) as eg, Bare(workers) as bare:
-                servers: list[Server] = [eg, bare] + ([redis] if workers == 1 else [])
+            with contextlib.ExitStack() as stack:
+                servers = [stack.enter_context(s) for s in servers_for(args, workers)]
+                eg = servers[0]
+                servers += [redis] if workers == 1 else []
                 for size_name in SIZES:
                     for op in OPS:
                         cell(servers, workers, op, size_name)
@@ -788,23 +832,8 @@ def main() -> int:
                     results["dedup_put_14MiB"] = dedup_rows(eg.port, args.seconds, args.repeat)
     results["uss"] = uss_under_load(args.workers, 4 * args.seconds)
 
-    lines = [
-        "| op | size | workers | eg-kv | bare aiohttp | eg-kv / bare | redis | eg-kv / redis |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for size_name, size in SIZES.items():
-        for op in OPS:
-            for workers in worker_counts:
-                eg = rates[("eg-kv", workers, op, size_name)]
-                bare = rates[("bare aiohttp", workers, op, size_name)]
-                red = rates[("redis", 1, op, size_name)]
-                lines.append(
-                    f"| {op} | {size_name} | {workers} | {fmt_rate(eg, size, op)} | "
-                    f"{fmt_rate(bare, size, op)} | {eg / bare:.2f} | {fmt_rate(red, size, op)} | "
-                    f"{eg / red:.2f} |"
-                )
-                results["cells"].append({"op": op, "size": size_name, "workers": workers,
-                                         "eg_kv": eg, "bare": bare, "redis": red})  # fmt: skip
+    cells = [(op, size_name) for size_name in SIZES for op in OPS]
+    lines, results["cells"] = table(args, worker_counts, cells, rates, redis=True)
     print("\n".join(lines))
     print(f"\nworker USS with 4 clients moving 14 MiB blocks: {results['uss']}")
     print(f"batch exists of 1024 vs 1024 HEADs on one connection: {results['batch_exists']}")

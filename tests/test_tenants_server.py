@@ -202,3 +202,31 @@ def test_sigkill_during_multi_tenant_traffic_then_check(tenanted):
                 assert got.body.startswith(who.encode()), (who, k, got.body[:20])
     stats = json.loads(_req(srv, "ops", "GET", "/kv/stats").text)
     assert stats["namespaces"]["team-a"]["unique_blocks"] > 0
+
+
+def test_remembered_headers_are_bounded_and_forgotten_on_reload(tmp_path):
+    """The worker's memo of headers that authenticated: a client cycling spellings of its
+    header keeps it bounded; a new table (a reload) forgets it, so a withdrawn token is
+    refused from the next request on; a wrong token is never remembered."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from eg_kv.app import SEEN_HEADERS_PER_TENANT, Auth
+    from eg_kv.tenants import load
+
+    path = write_tokens(tmp_path / "tokens.toml", TENANTS)
+    auth = Auth(load(str(path), 1 << 30), str(path))
+
+    def who(header: str) -> object:
+        req = make_mocked_request("GET", "/kv/x", headers={"Authorization": header})
+        found = auth.authenticate(req)
+        return found if isinstance(found, str) else found.name
+
+    for spaces in range(1, 50):
+        assert who("Bearer" + " " * spaces + as_("team-a")) == "team-a"
+        assert who(f"Bearer wrong-{spaces}") == "wrong bearer token"
+        assert len(auth._seen) <= SEEN_HEADERS_PER_TENANT * len(TENANTS)
+    assert who(f"Bearer {as_('team-b')}") == "team-b"
+    write_tokens(path, [t for t in TENANTS if t["name"] != "team-b"])
+    auth.table = load(str(path), 1 << 30)
+    assert who(f"Bearer {as_('team-b')}") == "wrong bearer token"
+    assert who(f"Bearer {as_('team-a')}") == "team-a"
