@@ -22,11 +22,10 @@ import fcntl
 import itertools
 import mmap
 import os
-import platform
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar
 
@@ -39,13 +38,12 @@ if TYPE_CHECKING:
     Bytes: TypeAlias = bytes | bytearray | memoryview
 
 from . import layout as L
-from .address import ADDRESS_MAX, fingerprint, validate
+from .address import ADDRESS_MAX, fingerprint
 from .errors import (
     BadRequest,
     Busy,
     Conflict,
     InsufficientStorage,
-    NotFound,
     SlabError,
     TooLarge,
 )
@@ -64,6 +62,11 @@ from .layout import (
     F_STATE,
 )
 from .procs import pid_alive
+
+# BlockGone and BlockReader are read through this module too (the server's handlers).
+from .slabview import TORN, SlabView
+from .slabview import BlockGone as BlockGone
+from .slabview import BlockReader as BlockReader
 from .units import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, format_size
 
 # struct flock for F_OFD_SETLKW: l_type, l_whence, l_start, l_len, l_pid (must be 0).
@@ -76,7 +79,6 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels fall back to touching ea
 _RESV_SCAN = 4096
 _FREE_RESV_SLICE = bytes(_RESV_SCAN * L.RESV_SIZE)  # a free entry is all zeros
 _OS_PAGE = mmap.PAGESIZE
-DEFAULT_READ_SLICE = 1024 * 1024
 _NS_TABLE_WORDS = L.NS_COUNT * L.NS_WORDS
 _NS_SCAN = 16384  # the most namespace ids one step of a namespace's own sweep reads
 # The namespace words the hot paths touch, as module globals (one lookup, not two).
@@ -91,13 +93,11 @@ _NS_EVICTED_BYTES = L.NS_EVICTED_BYTES
 _NS_DEDUP_HITS = L.NS_DEDUP_HITS
 _NS_QUOTA = L.NS_QUOTA
 _NS_WORDS = L.NS_WORDS
-_NS_MIX = L.NS_MIX
 _CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once per sweep
 _T = TypeVar("_T")
 #: Blocks up to this size are stored by :meth:`Slab.put` in one critical section, copy
 #: included: a second lock round trip cost more than the copy (scripts/bench_server.py).
 SMALL_PUT = 64 * 1024
-_KEY_CACHE = 16384  # addresses whose validated bytes and fingerprint a handle remembers
 #: Longest a sliced walk (check_live, release_process) holds the lock at once, checked
 #: every few entries: the bound on stalling other requests is ~20 ms, and 5 ms keeps the
 #: hold under it on a busy machine (a slice is ~1,000-3,000 slots of 2 GiB's million).
@@ -105,12 +105,6 @@ CHECK_SLICE_S = 0.005
 #: How long the owner's one-off operations (claim, repair) wait for the lock by default.
 OWNER_LOCK_WAIT_S = 10.0
 _SPINS = 50  # non-blocking lock attempts (with a yield between) before sleeping on it
-# Lock-free lookups rely on x86's ordering of loads and of stores (see Slab._read).
-_LOCKFREE_READS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-
-
-class BlockGone(NotFound):
-    """The block was evicted or released while it was being read: a miss."""
 
 
 class LockTimeout(SlabError):
@@ -150,7 +144,7 @@ def _check_page_size(page_size: int) -> None:
         )
 
 
-class Slab:
+class Slab(SlabView):
     """A handle on the slab from one process. Not shared across ``fork``: attach anew.
 
     Threads of one process may share a handle: a thread lock sits on top of the slab lock
@@ -160,14 +154,9 @@ class Slab:
     # ------------------------------------------------------------------ lifecycle
 
     def __init__(self, name: str, shm: posix_ipc.SharedMemory, geometry: L.Geometry) -> None:
-        self.name = name
-        self.geometry = g = geometry
+        super().__init__(name, mmap.mmap(shm.fd, geometry.total_size), geometry)
+        g = geometry
         self._fd = shm.fd
-        self._mm = mmap.mmap(shm.fd, g.total_size)
-        self._mv = memoryview(self._mm)
-        self._state = self._mv[L.STATE_OFFSET : L.STATE_OFFSET + 8 * L.STATE_WORDS].cast("q")
-        self._next = self._mv[g.next_off : g.next_off + 8 * g.npages].cast("q")
-        self._tag = self._mv[g.tag_off : g.tag_off + 8 * g.npages].cast("Q")
         self._procs = self._mv[L.PROCS_OFFSET : L.HEADER_SIZE].cast("q")
         self._nsw = self._mv[L.NS_OFFSET : L.NS_OFFSET + L.NS_TABLE_SIZE].cast("q")
         # The namespace id of every slot, as one strided column (searched in C).
@@ -179,12 +168,8 @@ class Slab:
         self._resv_pids = self._resv[:: L.RESV_SIZE // 8]
         self._resv_raw = self._mv[g.resv_off : g.resv_off + g.nresv * L.RESV_SIZE]
         self._me = -1  # this handle's entry in the PROCS table once claimed (-2: none free)
-        self._keys: dict[str, tuple[bytes, int]] = {}
         self._tlock = threading.Lock()
         self._pid = os.getpid()
-        self._mask = g.nslots - 1
-        self.page_size = g.page_size
-        self.max_block_size = g.max_block_size
         self.closed = False
         #: (dead holder's pid, problems) once an entry into the lock repaired the slab (a
         #: caller that wants to know resets it first: the hot path does not pay for it)
@@ -421,24 +406,6 @@ class Slab:
         self._nsw[L.NS_USED] = 1  # namespace 0, the default one (named "")
         self._rebuild_free_list(bytearray(g.npages))
 
-    def _key(self, address: str, ns: int = 0) -> tuple[bytes, int]:
-        """The address's ASCII bytes and fingerprint, validated once and then remembered
-        (a regex and a BLAKE2b per request were a tenth of a small GET's slab time).
-
-        Raises:
-            InvalidAddress: see :func:`eg_kv.address.validate`.
-        """
-        key = self._keys.get(address)
-        if key is None:
-            raw = validate(address)
-            key = (raw, fingerprint(raw))
-            if len(self._keys) >= _KEY_CACHE:
-                self._keys.clear()
-            self._keys[address] = key
-        if ns:  # layout.ns_fingerprint, inline
-            return key[0], key[1] ^ ((ns * _NS_MIX) & 0xFFFFFFFFFFFFFFFF)
-        return key
-
     # ------------------------------------------------------------------ the lock
 
     @contextmanager
@@ -520,36 +487,9 @@ class Slab:
 
     # ------------------------------------------------------------------ slots
 
-    def _slot_off(self, i: int) -> int:
-        return self.geometry.slots_off + i * L.SLOT_SIZE
-
-    def _read_slot(self, i: int) -> L.SlotFields:
-        return L.SLOT.unpack_from(self._mm, self._slot_off(i))
-
     def _slot_address(self, i: int, alen: int) -> bytes:
         off = self._slot_off(i) + L.SLOT.size
         return self._mm[off : off + alen]
-
-    def _find(self, raw: bytes, fp: int, ns: int = 0) -> tuple[int, L.SlotFields | None]:
-        """Probe for ``raw`` in namespace ``ns`` (``fp`` is its :func:`layout.ns_fingerprint`):
-        (slot index, slot fields) if resident, else (first empty, None)."""
-        mask, mm, unpack = self._mask, self._mm, L.SLOT.unpack_from
-        i, base = fp & mask, self.geometry.slots_off
-        for _ in range(self.geometry.nslots):
-            off = base + i * L.SLOT_SIZE
-            s = unpack(mm, off)
-            if s[F_STATE] == L.SLOT_EMPTY:
-                return i, None
-            key = off + L.SLOT.size
-            if (
-                s[F_FP] == fp
-                and s[F_ALEN] == len(raw)
-                and s[F_NS] == ns
-                and mm[key : key + s[F_ALEN]] == raw
-            ):
-                return i, s
-            i = (i + 1) & mask
-        raise SlabError(f"slot table of {self.name} is full or damaged: run eg-kv check")
 
     def _write_slot(
         self, i: int, refbit: int, raw: bytes, refs: int, length: int, first: int,
@@ -1028,27 +968,18 @@ class Slab:
     # ------------------------------------------------------------------ get / exists / delete
 
     def _read(self, lookup: Callable[[], _T]) -> _T:
-        """Run a read-only ``lookup`` of the slot table, without the lock if it can.
-
-        Every critical section makes ST_SEQ odd on entry and even on exit (a seqlock). A
-        lookup that saw the same even value before and after read a table no writer
-        touched meanwhile, so what it read belongs together; otherwise it runs again
-        under the lock. (x86 keeps loads in order and stores in order, which is all a
-        seqlock needs; elsewhere every lookup takes the lock.)
-        """
-        if _LOCKFREE_READS:
-            st = self._state
-            seq = st[L.ST_SEQ]
-            if not seq & 1:
-                try:
-                    result = lookup()
-                except SlabError:  # a torn view of a table being rebuilt
-                    pass
-                else:
-                    if st[L.ST_SEQ] == seq:
-                        return result
+        """Run a read-only ``lookup`` of the slot table, without the lock if it can
+        (:meth:`SlabView._lockfree`), else under it."""
+        result = self._lockfree(lookup)
+        if result is not TORN:
+            return result  # type: ignore[return-value]
         with self._locked(write=False):
             return lookup()
+
+    def _touch(self, i: int) -> None:
+        # The CLOCK reference bit, set without the lock: at worst a block that moved into
+        # this slot meanwhile gets a second chance it did not earn.
+        self._mm[self._slot_off(i) + L.SLOT_REF_OFFSET] = 1
 
     def _count_read(self, hit: int, miss: int, ns: int = 0) -> None:
         """Count get hits and misses in this process's own entry (no lock, one writer),
@@ -1098,49 +1029,6 @@ class Slab:
         st[L.ST_GET_MISSES] += procs[e + 2]
         procs[e + 1] = procs[e + 2] = 0
 
-    def open_block(self, address: str, ns: int = 0) -> BlockReader | None:
-        """Look a block up for reading; None (a counted miss) if absent.
-
-        The lookup needs no lock unless a writer is busy (see :meth:`_read`);
-        the reader copies the bytes out outside the lock, and a block evicted or released
-        meanwhile ends the read with :class:`BlockGone`.
-        """
-        raw, fp = self._key(address, ns)
-        i, s = self._read(lambda: self._find(raw, fp, ns))
-        if s is None:
-            self._count_read(0, 1, ns)
-            return None
-        # The CLOCK reference bit, set without the lock: at worst a block that moved into
-        # this slot meanwhile gets a second chance it did not earn.
-        self._mm[self._slot_off(i) + L.SLOT_REF_OFFSET] = 1
-        self._count_read(1, 0, ns)
-        return BlockReader(self, s[F_LENGTH], s[F_FIRST], s[F_NPAGES], s[F_BLOCK_ID], ns)
-
-    def get(self, address: str, ns: int = 0) -> bytes | None:
-        """The block's bytes, or None if absent (or evicted while it was read)."""
-        reader = self.open_block(address, ns)
-        if reader is None:
-            return None
-        try:
-            return reader.read()
-        except BlockGone:
-            return None
-
-    def length(self, address: str, ns: int = 0) -> int | None:
-        """The block's length if resident, else None. Counts nothing, reads no data."""
-        raw, fp = self._key(address, ns)
-        s = self._read(lambda: self._find(raw, fp, ns))[1]
-        return None if s is None else s[F_LENGTH]
-
-    def exists(self, address: str, ns: int = 0) -> bool:
-        """Whether a block is resident under ``address`` (no data touched)."""
-        return self.length(address, ns) is not None
-
-    def exists_many(self, addresses: Iterable[str], ns: int = 0) -> list[bool]:
-        """Existence of each address, looked up in one pass (prefix lookups)."""
-        keys = [self._key(a, ns) for a in addresses]
-        return self._read(lambda: [self._find(raw, fp, ns)[1] is not None for raw, fp in keys])
-
     def delete(self, address: str, ns: int = 0) -> bool:
         """Release one reference; free the block when the last goes. False if absent."""
         raw, fp = self._key(address, ns)
@@ -1169,9 +1057,6 @@ class Slab:
         if e:
             self._nsw[e + _NS_REFS] -= 1
             self._nsw[e + _NS_LOGICAL_BYTES] -= s[F_LENGTH]
-
-    def _count_aborted_read(self, ns: int = 0) -> None:
-        self._count_read(-1, 1, ns)
 
     # ------------------------------------------------------------------ stats
 
@@ -1626,6 +1511,10 @@ class _SlicedCheck:
             rep.longest_hold_s = max(rep.longest_hold_s, time.perf_counter() - t0)
             rep.longest_hold_cpu_s = max(rep.longest_hold_cpu_s, time.thread_time() - c0)
         rep.slices += 1
+        # Step aside before the next hold: taken again at once, the lock went back to this
+        # walk before a writer woken by its release could run, and writers waited for the
+        # whole walk (seen in tests/test_slab_live_check.py, one run in three).
+        time.sleep(self.slice_s / 2)
         return pos
 
     def _slots(self, i: int, deadline: float) -> int:
@@ -1824,99 +1713,3 @@ def _runs(slab: Slab, first: int, npages: int, length: int) -> list[tuple[int, i
         pos += size
         p = nxt[p]
     return [(pos, off, size) for pos, off, size in runs]
-
-
-class BlockReader:
-    """Reads one block out of the slab outside the lock; the block's tag says whether what
-    was read is still the block's (see :mod:`eg_kv.layout`)."""
-
-    __slots__ = ("_slab", "block_id", "first", "length", "npages", "ns")
-
-    def __init__(
-        self, slab: Slab, length: int, first: int, npages: int, block_id: int, ns: int = 0
-    ) -> None:
-        self._slab, self.length, self.first = slab, length, first
-        self.npages, self.block_id, self.ns = npages, block_id, ns
-
-    def still_there(self) -> bool:
-        """True while the block has not been evicted or released since it was opened."""
-        return self._slab._tag[self.first] == self.block_id
-
-    def verify(self) -> None:
-        """Raise :class:`BlockGone` (a counted miss) unless :meth:`still_there`."""
-        if not self.still_there():
-            raise self._gone()
-
-    def _gone(self) -> BlockGone:
-        self._slab._count_aborted_read(self.ns)
-        return BlockGone("block was evicted while it was read")
-
-    def views(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[memoryview]:
-        """Yield zero-copy views of the block's contiguous runs (each <= ``max_slice``).
-
-        The views are slab memory: they are the block's bytes only if :meth:`still_there`
-        is true *after* they were last read. A caller that hands them on (a socket send)
-        must check it once they are consumed, and treat False as a miss.
-
-        Raises:
-            BlockGone: the page chain broke off (the block was released meanwhile).
-        """
-        slab = self._slab
-        nxt, ps, g, mv = slab._next, slab.page_size, slab.geometry, slab._mv
-        base, npages, length = g.data_off, g.npages, self.length
-        p, pos, left = self.first, 0, self.npages
-        while pos < length and left and 0 <= p < npages:
-            start = base + p * ps
-            size = 0
-            # Gather pages that lie next to each other into one run.
-            while left and size < max_slice and base + p * ps == start + size:
-                size += min(ps, length - pos - size)
-                left -= 1
-                if left:
-                    p = nxt[p]
-                    if not 0 <= p < npages:
-                        break
-            pos += size
-            yield mv[start : start + size]
-        if pos < length:
-            raise self._gone()
-
-    def slices(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[bytes]:
-        """Yield the block's bytes in copies of about ``max_slice`` bytes each.
-
-        Scattered runs are gathered into one copy (``b"".join`` of views: one memcpy each).
-
-        Raises:
-            BlockGone: the block was evicted or released meanwhile (the bytes already
-                yielded were the block's; the caller must treat the whole read as a miss).
-        """
-        pending: list[memoryview] = []
-        size = 0
-        for view in self.views(max_slice):
-            pending.append(view)
-            size += len(view)
-            if size >= max_slice:
-                data = b"".join(pending)
-                pending.clear()
-                size = 0
-                self.verify()
-                yield data
-        if pending:
-            data = b"".join(pending)
-            self.verify()
-            yield data
-
-    def read(self) -> bytes:
-        """The whole block in one copy.
-
-        Raises:
-            BlockGone: the block was evicted or released meanwhile.
-        """
-        slab = self._slab
-        if self.npages == 1:  # a small block: one slice, no generator
-            start = slab.geometry.data_off + self.first * slab.page_size
-            data = slab._mv[start : start + self.length].tobytes()
-        else:
-            data = b"".join(self.views(self.length))
-        self.verify()
-        return data

@@ -20,7 +20,9 @@ PACKAGE = ROOT / "eg_kv"
 #: Every module of eg_kv and its layer. A new module must be placed here.
 LAYERS = {
     "base": {"errors", "units", "address", "procs", "config", "tenants", "batchwire"},
-    "store": {"layout", "slab"},
+    # The slab's layout and its read side, which clients on the slab's host map read-only.
+    "slab reading": {"layout", "slabview", "localslab"},
+    "store": {"slab"},
     "server": {"_compat", "connections", "replies", "metrics", "runstate", "app", "hints"},
     "clients": {"http11", "clientcore", "client", "aio", "placement", "members", "cluster"},
     "integrations": {"kvcache", "lmcache_l2", "lmcache_remote", "lmcache_adapter",
@@ -29,14 +31,15 @@ LAYERS = {
 #: What each layer may import from eg_kv (besides itself).
 MAY_IMPORT = {
     "base": {"base"},
-    "store": {"base", "store"},
-    "server": {"base", "store", "server"},
-    "clients": {"base", "clients"},
+    "slab reading": {"base", "slab reading"},
+    "store": {"base", "slab reading", "store"},
+    "server": {"base", "slab reading", "store", "server"},
+    "clients": {"base", "slab reading", "clients"},
     "integrations": {"base", "clients", "integrations"},
 }
 #: Base modules a layer must not use all the same: the store takes its sizes as arguments,
 #: never the server's settings.
-MAY_NOT_IMPORT = {"store": {"config"}}
+MAY_NOT_IMPORT = {"store": {"config"}, "slab reading": {"config"}}
 LAYER_OF = {mod: layer for layer, mods in LAYERS.items() for mod in mods}
 
 

@@ -1,0 +1,305 @@
+"""The read side of a slab: what any mapping of it can look up and copy out.
+
+Two kinds of handle share it: :class:`eg_kv.slab.Slab`, every server process's read-write
+handle, which also takes the lock and changes the slab, and
+:class:`eg_kv.localslab.LocalSlab`, a client's read-only mapping on the slab's host
+(local reads). Neither the lookups nor the copies here write to the slab: what a hit
+records (the CLOCK reference bit, the hit and miss counters) each handle records its own
+way, through :meth:`SlabView._touch`, :meth:`SlabView._count_read` and
+:meth:`SlabView._count_aborted_read`.
+
+Nothing here imports ``posix_ipc``: a client needs only the standard library to read.
+"""
+
+from __future__ import annotations
+
+import mmap
+import platform
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+from . import layout as L
+from .address import fingerprint, validate
+from .errors import NotFound, SlabError
+
+# The slot's field indexes, as module globals: read in every probe of every lookup.
+from .layout import F_ALEN, F_BLOCK_ID, F_FIRST, F_FP, F_LENGTH, F_NPAGES, F_NS, F_STATE
+
+DEFAULT_READ_SLICE = 1024 * 1024
+_KEY_CACHE = 16384  # addresses whose validated bytes and fingerprint a handle remembers
+_NS_MIX = L.NS_MIX
+_T = TypeVar("_T")
+#: Lock-free lookups rely on x86's ordering of loads and of stores (see SlabView._lockfree).
+LOCKFREE_READS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+#: What :meth:`SlabView._lockfree` returns when a writer got in the way.
+TORN = object()
+
+
+class BlockGone(NotFound):
+    """The block was evicted or released while it was being read: a miss."""
+
+
+class SlabView:
+    """Lookups and block reads over a mapping of a slab (see the module docstring).
+
+    Args:
+        name: the segment's name (``/eg-kv-9130``).
+        mm: the whole segment, mapped (read-write or read-only).
+        geometry: the slab's geometry, from its header.
+    """
+
+    def __init__(self, name: str, mm: mmap.mmap, geometry: L.Geometry) -> None:
+        self.name = name
+        self.geometry = g = geometry
+        self._mm = mm
+        self._mv = memoryview(mm)
+        self._state = self._mv[L.STATE_OFFSET : L.STATE_OFFSET + 8 * L.STATE_WORDS].cast("q")
+        self._next = self._mv[g.next_off : g.next_off + 8 * g.npages].cast("q")
+        self._tag = self._mv[g.tag_off : g.tag_off + 8 * g.npages].cast("Q")
+        self._keys: dict[str, tuple[bytes, int]] = {}
+        self._mask = g.nslots - 1
+        self.page_size = g.page_size
+        self.max_block_size = g.max_block_size
+
+    def _release_views(self) -> None:
+        for view in (self._state, self._next, self._tag, self._mv):
+            view.release()
+
+    # ------------------------------------------------------------------ hooks
+
+    def _read(self, lookup: Callable[[], _T]) -> _T:
+        """Run a read-only ``lookup`` of the slot table consistently (see subclasses)."""
+        raise NotImplementedError
+
+    def _touch(self, i: int) -> None:
+        """Record a hit on slot ``i`` for the CLOCK sweep."""
+        raise NotImplementedError
+
+    def _count_read(self, hit: int, miss: int, ns: int = 0) -> None:
+        """Count get hits and misses."""
+        raise NotImplementedError
+
+    def _count_aborted_read(self, ns: int = 0) -> None:
+        """A hit that turned out a miss (the block went while it was read)."""
+        self._count_read(-1, 1, ns)
+
+    # ------------------------------------------------------------------ lookups
+
+    def _key(self, address: str, ns: int = 0) -> tuple[bytes, int]:
+        """The address's ASCII bytes and fingerprint, validated once and then remembered
+        (a regex and a BLAKE2b per request were a tenth of a small GET's slab time).
+
+        Raises:
+            InvalidAddress: see :func:`eg_kv.address.validate`.
+        """
+        key = self._keys.get(address)
+        if key is None:
+            raw = validate(address)
+            key = (raw, fingerprint(raw))
+            if len(self._keys) >= _KEY_CACHE:
+                self._keys.clear()
+            self._keys[address] = key
+        if ns:  # layout.ns_fingerprint, inline
+            return key[0], key[1] ^ ((ns * _NS_MIX) & 0xFFFFFFFFFFFFFFFF)
+        return key
+
+    def _slot_off(self, i: int) -> int:
+        return self.geometry.slots_off + i * L.SLOT_SIZE
+
+    def _read_slot(self, i: int) -> L.SlotFields:
+        return L.SLOT.unpack_from(self._mm, self._slot_off(i))
+
+    def _find(self, raw: bytes, fp: int, ns: int = 0) -> tuple[int, L.SlotFields | None]:
+        """Probe for ``raw`` in namespace ``ns`` (``fp`` is its :func:`layout.ns_fingerprint`):
+        (slot index, slot fields) if resident, else (first empty, None)."""
+        mask, mm, unpack = self._mask, self._mm, L.SLOT.unpack_from
+        i, base = fp & mask, self.geometry.slots_off
+        for _ in range(self.geometry.nslots):
+            off = base + i * L.SLOT_SIZE
+            s = unpack(mm, off)
+            if s[F_STATE] == L.SLOT_EMPTY:
+                return i, None
+            key = off + L.SLOT.size
+            if (
+                s[F_FP] == fp
+                and s[F_ALEN] == len(raw)
+                and s[F_NS] == ns
+                and mm[key : key + s[F_ALEN]] == raw
+            ):
+                return i, s
+            i = (i + 1) & mask
+        raise SlabError(f"slot table of {self.name} is full or damaged: run eg-kv check")
+
+    def _lockfree(self, lookup: Callable[[], _T]) -> _T | object:
+        """Run ``lookup`` without the lock; :data:`TORN` if a writer got in the way.
+
+        Every critical section makes ST_SEQ odd on entry and even on exit (a seqlock). A
+        lookup that saw the same even value before and after read a table no writer
+        touched meanwhile, so what it read belongs together. (x86 keeps loads in order and
+        stores in order, which is all a seqlock needs; elsewhere this always says TORN.)
+        """
+        if LOCKFREE_READS:
+            st = self._state
+            seq = st[L.ST_SEQ]
+            if not seq & 1:
+                try:
+                    result = lookup()
+                except SlabError:  # a torn view of a table being rebuilt
+                    return TORN
+                if st[L.ST_SEQ] == seq:
+                    return result
+        return TORN
+
+    def open_block(self, address: str, ns: int = 0) -> BlockReader | None:
+        """Look a block up for reading; None (a counted miss) if absent.
+
+        The reader copies the bytes out without the lock, and a block evicted or released
+        meanwhile ends the read with :class:`BlockGone`.
+        """
+        raw, fp = self._key(address, ns)
+        i, s = self._read(lambda: self._find(raw, fp, ns))
+        if s is None:
+            self._count_read(0, 1, ns)
+            return None
+        self._touch(i)
+        self._count_read(1, 0, ns)
+        return BlockReader(self, s[F_LENGTH], s[F_FIRST], s[F_NPAGES], s[F_BLOCK_ID], ns)
+
+    def get(self, address: str, ns: int = 0) -> bytes | None:
+        """The block's bytes, or None if absent (or evicted while it was read)."""
+        reader = self.open_block(address, ns)
+        if reader is None:
+            return None
+        try:
+            return reader.read()
+        except BlockGone:
+            return None
+
+    def length(self, address: str, ns: int = 0) -> int | None:
+        """The block's length if resident, else None. Counts nothing, reads no data."""
+        raw, fp = self._key(address, ns)
+        s = self._read(lambda: self._find(raw, fp, ns))[1]
+        return None if s is None else s[F_LENGTH]
+
+    def exists(self, address: str, ns: int = 0) -> bool:
+        """Whether a block is resident under ``address`` (no data touched)."""
+        return self.length(address, ns) is not None
+
+    def exists_many(self, addresses: Iterable[str], ns: int = 0) -> list[bool]:
+        """Existence of each address, looked up in one pass (prefix lookups)."""
+        keys = [self._key(a, ns) for a in addresses]
+        return self._read(lambda: [self._find(raw, fp, ns)[1] is not None for raw, fp in keys])
+
+
+class BlockReader:
+    """Reads one block out of the slab outside the lock; the block's tag says whether what
+    was read is still the block's (see :mod:`eg_kv.layout`)."""
+
+    __slots__ = ("_slab", "block_id", "first", "length", "npages", "ns")
+
+    def __init__(
+        self, slab: SlabView, length: int, first: int, npages: int, block_id: int, ns: int = 0
+    ) -> None:
+        self._slab, self.length, self.first = slab, length, first
+        self.npages, self.block_id, self.ns = npages, block_id, ns
+
+    def still_there(self) -> bool:
+        """True while the block has not been evicted or released since it was opened."""
+        return self._slab._tag[self.first] == self.block_id
+
+    def verify(self) -> None:
+        """Raise :class:`BlockGone` (a counted miss) unless :meth:`still_there`."""
+        if not self.still_there():
+            raise self._gone()
+
+    def _gone(self) -> BlockGone:
+        self._slab._count_aborted_read(self.ns)
+        return BlockGone("block was evicted while it was read")
+
+    def views(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[memoryview]:
+        """Yield zero-copy views of the block's contiguous runs (each <= ``max_slice``).
+
+        The views are slab memory: they are the block's bytes only if :meth:`still_there`
+        is true *after* they were last read. A caller that hands them on (a socket send)
+        must check it once they are consumed, and treat False as a miss.
+
+        Raises:
+            BlockGone: the page chain broke off (the block was released meanwhile).
+        """
+        slab = self._slab
+        nxt, ps, g, mv = slab._next, slab.page_size, slab.geometry, slab._mv
+        base, npages, length = g.data_off, g.npages, self.length
+        p, pos, left = self.first, 0, self.npages
+        while pos < length and left and 0 <= p < npages:
+            start = base + p * ps
+            size = 0
+            # Gather pages that lie next to each other into one run.
+            while left and size < max_slice and base + p * ps == start + size:
+                size += min(ps, length - pos - size)
+                left -= 1
+                if left:
+                    p = nxt[p]
+                    if not 0 <= p < npages:
+                        break
+            pos += size
+            yield mv[start : start + size]
+        if pos < length:
+            raise self._gone()
+
+    def slices(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[bytes]:
+        """Yield the block's bytes in copies of about ``max_slice`` bytes each.
+
+        Scattered runs are gathered into one copy (``b"".join`` of views: one memcpy each).
+
+        Raises:
+            BlockGone: the block was evicted or released meanwhile (the bytes already
+                yielded were the block's; the caller must treat the whole read as a miss).
+        """
+        pending: list[memoryview] = []
+        size = 0
+        for view in self.views(max_slice):
+            pending.append(view)
+            size += len(view)
+            if size >= max_slice:
+                data = b"".join(pending)
+                pending.clear()
+                size = 0
+                self.verify()
+                yield data
+        if pending:
+            data = b"".join(pending)
+            self.verify()
+            yield data
+
+    def read(self) -> bytes:
+        """The whole block in one copy.
+
+        Raises:
+            BlockGone: the block was evicted or released meanwhile.
+        """
+        slab = self._slab
+        if self.npages == 1:  # a small block: one slice, no generator
+            start = slab.geometry.data_off + self.first * slab.page_size
+            data = slab._mv[start : start + self.length].tobytes()
+        else:
+            data = b"".join(self.views(self.length))
+        self.verify()
+        return data
+
+    def read_into(self, buf: memoryview) -> int:
+        """Copy the whole block into ``buf`` (at least :attr:`length` bytes, byte format).
+
+        Returns:
+            The block's length.
+
+        Raises:
+            BlockGone: the block was evicted or released meanwhile (``buf`` then holds
+                bytes that are not the block's: the caller must treat it as a miss).
+        """
+        pos = 0
+        for view in self.views(self.length):
+            n = len(view)
+            buf[pos : pos + n] = view
+            pos += n
+        self.verify()
+        return pos
