@@ -61,6 +61,7 @@ from .connections import (
     resolve_max_connections,
 )
 from .errors import BadRequest, Busy, ConfigError, EgKvError, Forbidden, NotFound, TooLarge
+from .localslab import LocalInfo
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import FLUSH_S, Metrics
 from .replies import JSON, OCTETS, WORKER_HEADER, Written, reply, written
@@ -285,6 +286,10 @@ def _allowed(route: str, method: str, tenant: Tenant, tenants_mode: bool) -> Non
         raise Forbidden(f"tenant {tenant.name} is readonly: {method} needs role readwrite")
     if route == "metrics" and tenants_mode and not tenant.is_admin:
         raise Forbidden(f"tenant {tenant.name} may not read /metrics: it needs role admin")
+    if route == "local" and not tenant.is_admin:
+        # A local reader maps the whole slab and no token check stands between it and any
+        # namespace's blocks: only a tenant the server would let read everything.
+        raise Forbidden(f"tenant {tenant.name} may not read the slab locally: it needs role admin")
 
 
 # ---------------------------------------------------------------------------- middleware
@@ -814,6 +819,18 @@ async def no_route(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------------- service routes
 
 
+async def local_slab(request: web.Request) -> web.Response:
+    """``GET /kv/local/slab``: where the slab is, for a client on this host that reads it
+    itself (:mod:`eg_kv.localslab`): names, id, layout and the token's namespace id.
+
+    Only an admin (any token without a tokens file) may ask; the slab's mode (0600) decides
+    who on the host can open it.
+    """
+    slab, tenant = request.app[SLAB], request[TENANT]
+    info = LocalInfo.of(slab.name, slab.slab_id, slab.geometry.total_size, tenant.ns)
+    return web.json_response(info)
+
+
 async def stats(request: web.Request) -> web.Response:
     """``GET /kv/stats``: the contract's eight fields first, then the rest.
 
@@ -962,6 +979,8 @@ def make_app(
     r.add_get("/metrics", E("metrics", metrics), name="metrics", allow_head=False)
     r.add_get("/kv/stats", E("stats", stats), name="stats", allow_head=False)
     r.add_post("/kv/batch/exists", E("batch_exists", batch_exists), name="batch_exists")
+    # Two segments: never a block address (one holds no "/"), so "local" stays one.
+    r.add_get("/kv/local/slab", E("local", local_slab), name="local", allow_head=False)
     # One resource for the block routes: one path match serves every method. It goes
     # before /kv/{hash}/exists, which it never matches (an address holds no "/"), so the
     # busiest route is the first one tried.

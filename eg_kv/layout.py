@@ -8,7 +8,8 @@ recorded in the header, so a process that attaches needs nothing but the name::
     │ header │ namespaces   │ reservations      │ slot table       │ next   │ tag    │ pages │
     │        │ 4096 × 192 B │ R × RESV (32 B)   │ S × SLOT (312 B) │ P × q  │ P × Q  │ P × ps│
     └────────┴──────────────┴───────────────────┴──────────────────┴────────┴────────┴───────┘
-    header:  [0, 256)      GEOMETRY, written once at creation
+    header:  [0, 128)      GEOMETRY, written once at creation
+             [128, 144)    the slab id (16 random bytes): local readers check it
              [256, ..)     STATE: one native int64 per field (lock holder, free list, clock
                            hand, block ids, counters), changed only under the slab lock
              [1024, 4096)  PROCS: 96 x (pid, get hits, get misses, spare) int64: each
@@ -48,6 +49,14 @@ ALIGN = 4096
 # offsets of reservations / slots / next / tag / data, total size, creation time
 GEOMETRY = struct.Struct("<8sIIQQQQQQQQQQQd")
 
+#: The slab's id: 16 random bytes written at creation, after the geometry. A client that
+#: maps a slab by name reads it locally only if this matches what its server said (a slab
+#: of the same name on another host, or a newer one, has another id). Zeros: none yet (a
+#: slab made before ids; the owner writes one when it attaches).
+SLAB_ID_OFFSET = 128
+SLAB_ID_SIZE = 16
+assert GEOMETRY.size <= SLAB_ID_OFFSET
+
 # State words (native int64, index into the STATE region).
 (
     ST_LOCK_HOLDER,  # pid inside the critical section, 0 when none
@@ -75,8 +84,9 @@ GEOMETRY = struct.Struct("<8sIIQQQQQQQQQQQd")
     ST_DELETES,
     ST_SEQ,  # odd while a process is inside a writing critical section (a seqlock for readers)
     ST_LOCK_ENTRIES,  # bumped on every entry into the critical section (the watchdog's clock)
+    ST_RETIRED,  # 1 once the slab's name was removed: local readers must let it go
     STATE_WORDS,
-) = range(24)
+) = range(25)
 
 #: Byte offset of the owner pid (state word ST_OWNER_PID, a native int64) in EVERY layout
 #: version so far. It must never move: ``--fresh`` reads it from a slab of another
@@ -191,6 +201,37 @@ def ns_fingerprint(fp: int, ns: int) -> int:
     """The slot fingerprint of an address whose own fingerprint is ``fp``, in namespace
     ``ns``: the same address in two namespaces lands on two homes and never matches."""
     return fp ^ ((ns * NS_MIX) & 0xFFFFFFFFFFFFFFFF) if ns else fp
+
+
+# The readers segment, ``<slab name>.readers``: what clients that read the slab locally
+# (read-only) may write. Mode 0600 like the slab; created with it and removed with it.
+#
+#     0        64                          64 + NREADERS * 64
+#     ┌────────┬───────────────────────────┬──────────────────────┐
+#     │ header │ entries: NREADERS × 8 q   │ hit hints: S bytes   │
+#     └────────┴───────────────────────────┴──────────────────────┘
+#     header:  READERS_HEAD: magic, slab id, entries, slots
+#     entry:   pid (informational), namespace id, get hits, get misses, 4 spare. An entry
+#              is owned by whoever holds an OFD write lock on its first byte (the kernel
+#              drops it when the owner dies, in any pid namespace); its counts only grow
+#              and stay when the owner dies, so the slab's stats add every entry.
+#     hints:   hint[i] = 1: a local reader hit slot i; the owner folds it into the slot's
+#              CLOCK reference bit and clears it (a moved slot's hint is a second chance
+#              it did not earn, as a lock-free reference bit may be).
+READERS_MAGIC = b"EGKVRDR1"
+READERS_HEAD = struct.Struct("<8s16sQQ")  # magic, slab id, entries, slots
+READERS_HEADER_SIZE = 64
+NREADERS = 1024
+READER_WORDS = 8
+READER_ENTRY_SIZE = 8 * READER_WORDS
+(R_PID, R_NS, R_HITS, R_MISSES) = range(4)
+READERS_HINTS_OFFSET = READERS_HEADER_SIZE + NREADERS * READER_ENTRY_SIZE
+READERS_SUFFIX = ".readers"
+
+
+def readers_size(nslots: int) -> int:
+    """Bytes of the readers segment of a slab with ``nslots`` slots."""
+    return READERS_HINTS_OFFSET + nslots
 
 
 # Reservation: writer pid (0 = entry free), first page, page count, block length.

@@ -137,6 +137,11 @@ class CheckReport:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
+def readers_name(slab_name: str) -> str:
+    """The name of slab ``slab_name``'s readers segment (:mod:`eg_kv.layout`)."""
+    return slab_name + L.READERS_SUFFIX
+
+
 def _check_page_size(page_size: int) -> None:
     if page_size < _OS_PAGE or page_size & (page_size - 1):
         raise SlabError(
@@ -157,6 +162,9 @@ class Slab(SlabView):
         super().__init__(name, mmap.mmap(shm.fd, geometry.total_size), geometry)
         g = geometry
         self._fd = shm.fd
+        self._rmm: mmap.mmap | None = None  # the readers segment (see _map_readers)
+        self._readers: memoryview | None = None
+        self._hints: memoryview | None = None
         self._procs = self._mv[L.PROCS_OFFSET : L.HEADER_SIZE].cast("q")
         self._nsw = self._mv[L.NS_OFFSET : L.NS_OFFSET + L.NS_TABLE_SIZE].cast("q")
         # The namespace id of every slot, as one strided column (searched in C).
@@ -237,6 +245,12 @@ class Slab(SlabView):
         if prefault:
             slab._prefault(may_write=True)  # nobody else has it yet: zeros are harmless
         slab._format()
+        try:
+            slab._map_readers()
+        except BaseException:
+            slab.close()
+            cls.unlink_named(name)
+            raise
         return slab
 
     @classmethod
@@ -279,9 +293,79 @@ class Slab(SlabView):
         except BaseException:
             shm.close_fd()
             raise
+        try:
+            if slab.slab_id == bytes(L.SLAB_ID_SIZE):  # made before slabs had ids
+                with slab._locked(OWNER_LOCK_WAIT_S):
+                    if slab.slab_id == bytes(L.SLAB_ID_SIZE):
+                        slab._mv[L.SLAB_ID_OFFSET : L.SLAB_ID_OFFSET + L.SLAB_ID_SIZE] = os.urandom(
+                            L.SLAB_ID_SIZE
+                        )
+            slab._map_readers()
+        except BaseException:
+            slab.close()
+            raise
         if prefault:
             slab._prefault(may_write=False)
         return slab
+
+    @property
+    def slab_id(self) -> bytes:
+        """The slab's 16 random id bytes (see :data:`eg_kv.layout.SLAB_ID_OFFSET`)."""
+        return bytes(self._mv[L.SLAB_ID_OFFSET : L.SLAB_ID_OFFSET + L.SLAB_ID_SIZE])
+
+    @property
+    def readers_name(self) -> str:
+        """The name of the segment local readers count in (:func:`readers_name`)."""
+        return readers_name(self.name)
+
+    def _map_readers(self) -> None:
+        """Map the readers segment, creating it if it is missing (every process that
+        attaches may: they write the same header, so a race between two is harmless)."""
+        size = L.readers_size(self.geometry.nslots)
+        shm = posix_ipc.SharedMemory(self.readers_name, posix_ipc.O_CREAT, mode=0o600)
+        try:
+            if os.fstat(shm.fd).st_size < size:
+                os.ftruncate(shm.fd, size)
+            self._rmm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        head = L.READERS_HEAD.pack(L.READERS_MAGIC, self.slab_id, L.NREADERS, self.geometry.nslots)
+        if self._rmm[: len(head)] != head:
+            self._rmm[: len(head)] = head
+        rmv = memoryview(self._rmm)
+        self._readers = rmv[L.READERS_HEADER_SIZE : L.READERS_HINTS_OFFSET].cast("q")
+        self._hints = rmv[L.READERS_HINTS_OFFSET : size]
+        rmv.release()
+
+    def _reader_counts(self, ns: int | None = None) -> tuple[int, int]:
+        """(get hits, get misses) that local readers counted, of namespace ``ns`` or all."""
+        r = self._readers
+        if r is None:
+            return 0, 0
+        hits = misses = 0
+        for e in range(0, L.NREADERS * L.READER_WORDS, L.READER_WORDS):
+            if ns is None or r[e + L.R_NS] == ns:
+                hits += r[e + L.R_HITS]
+                misses += r[e + L.R_MISSES]
+        return hits, misses
+
+    def fold_local_hits(self) -> int:
+        """Give every slot a local reader hit since the last fold its CLOCK reference bit.
+
+        Returns:
+            How many slots were marked. Runs in C over the hint bytes (``find``); no lock.
+        """
+        hints, rmm, mm, n = self._hints, self._rmm, self._mm, 0
+        if hints is None or rmm is None:
+            return 0
+        i = rmm.find(b"\x01", L.READERS_HINTS_OFFSET)
+        while i != -1:
+            slot = i - L.READERS_HINTS_OFFSET
+            hints[slot] = 0
+            mm[self._slot_off(slot) + L.SLOT_REF_OFFSET] = 1
+            n += 1
+            i = rmm.find(b"\x01", i + 1)
+        return n
 
     @staticmethod
     def is_eg_kv_segment(name: str) -> bool:
@@ -330,7 +414,24 @@ class Slab(SlabView):
 
     @staticmethod
     def unlink_named(name: str) -> bool:
-        """Remove the segment ``name`` if it exists; return whether it did."""
+        """Remove the segment ``name`` (and its readers segment) if it exists; return
+        whether it did. A slab of this layout is marked retired first, so that a client
+        that maps it (a local reader) lets it go instead of reading a slab nobody serves.
+        """
+        with contextlib.suppress(OSError, posix_ipc.Error):
+            shm = posix_ipc.SharedMemory(name)
+            try:
+                head = os.pread(shm.fd, L.GEOMETRY.size, 0)
+                if len(head) == L.GEOMETRY.size and L.Geometry.unpack(head)[:2] == (
+                    L.MAGIC,
+                    L.VERSION,
+                ):
+                    retired = L.STATE_OFFSET + 8 * L.ST_RETIRED
+                    os.pwrite(shm.fd, struct.pack("=q", 1), retired)
+            finally:
+                shm.close_fd()
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(readers_name(name))
         try:
             posix_ipc.unlink_shared_memory(name)
         except posix_ipc.ExistentialError:
@@ -344,11 +445,16 @@ class Slab(SlabView):
         with contextlib.suppress(SlabError, OSError):
             self._release_proc_entry()
         self.closed = True
-        views = (self._state, self._procs, self._nsw, self._slot_ns, self._slots_u32,
-                 self._resv_pids, self._resv, self._resv_raw, self._next, self._tag,
-                 self._mv)  # fmt: skip
+        views = (self._procs, self._nsw, self._slot_ns, self._slots_u32,
+                 self._resv_pids, self._resv, self._resv_raw)  # fmt: skip
         for view in views:
             view.release()
+        self._release_views()
+        if self._rmm is not None:
+            for mapped in (self._readers, self._hints):
+                if mapped is not None:
+                    mapped.release()
+            self._rmm.close()
         with contextlib.suppress(BufferError):  # a reader holds a view; the GC unmaps it
             self._mm.close()
         os.close(self._fd)
@@ -396,6 +502,7 @@ class Slab(SlabView):
     def _format(self) -> None:
         g = self.geometry
         self._mv[: L.GEOMETRY.size] = g.pack(time.time())
+        self._mv[L.SLAB_ID_OFFSET : L.SLAB_ID_OFFSET + L.SLAB_ID_SIZE] = os.urandom(L.SLAB_ID_SIZE)
         st = self._state
         for i in range(L.STATE_WORDS):
             st[i] = 0
@@ -1078,6 +1185,10 @@ class Slab(SlabView):
             for e in range(0, L.NPROCS * L.PROC_WORDS, L.PROC_WORDS):
                 out["get_hits"] += procs[e + 1]
                 out["get_misses"] += procs[e + 2]
+        # Local readers' counts, as if their reads had come over HTTP.
+        hits, misses = self._reader_counts()
+        out["get_hits"] += hits
+        out["get_misses"] += misses
         out["dedup_savings_bytes"] = out["logical_bytes"] - out["resident_bytes"]
         out["capacity_bytes"] = self.geometry.npages * ps
         out["free_bytes"] = free * ps
@@ -1166,6 +1277,10 @@ class Slab(SlabView):
                 one: dict[str, int | str] = {k: nsw[e + i] for k, i in L.NS_DERIVED.items()}
                 one.update({k: nsw[e + i] for k, i in L.NS_EVENTS.items()})
                 one["quota_bytes"] = nsw[e + _NS_QUOTA]
+                if ns:  # the default namespace's are derived below
+                    hits, misses = self._reader_counts(ns)
+                    one["get_hits"] = int(one["get_hits"]) + hits
+                    one["get_misses"] = int(one["get_misses"]) + misses
                 one["dedup_savings_bytes"] = int(one["logical_bytes"]) - int(one["resident_bytes"])
                 one["namespace"] = name = self._ns_name(ns)
                 out[name] = (ns, one)

@@ -56,6 +56,8 @@ MAX_BOOT_DEATHS = 5
 KILL_GRACE_S = 5.0
 #: The main loop wakes at least this often even when nothing happens (the watchdog's
 #: sampling period).
+#: How often local readers' hit hints are folded into the slab's reference bits.
+FOLD_HINTS_S = 1.0
 TICK_S = 0.25
 #: The longest the supervisor waits for the slab lock at once; it retries on a later tick.
 LOCK_WAIT_S = 0.2
@@ -211,6 +213,7 @@ class Supervisor:
         self._lock_seen = (0, 0, 0.0)  # (holder, lock entries, first seen) of the lock
         self._lock_stuck_at = -float("inf")  # when the lock was last seen stuck
         self._lock_warned = (0, 0)
+        self._fold_at = 0.0  # when local readers' hit hints are next folded into the slab
         self._tokens_text: str | None = None  # the tokens file in force (validated)
 
     # ------------------------------------------------------------------ top level
@@ -323,12 +326,21 @@ class Supervisor:
             else:
                 self._refill()
                 tick_hints(self.slab)  # operator hints (page waste), at most every 5 min
+                self._fold_local_hits()
             # Sleep until a signal, a child's death (SIGCHLD) or a worker's message.
             with contextlib.suppress(InterruptedError):
                 select.select([self._wake_r, self._notify_r], [], [], TICK_S)
             with contextlib.suppress(BlockingIOError):
                 while os.read(self._wake_r, 4096):
                     pass
+
+    def _fold_local_hits(self) -> None:
+        """Give the blocks local readers hit their CLOCK reference bits (once a second:
+        a hint waits at most that long, and eviction sweeps take longer to come round)."""
+        now = time.monotonic()
+        if self.slab is not None and now >= self._fold_at:
+            self._fold_at = now + FOLD_HINTS_S
+            self.slab.fold_local_hits()
 
     def _handle_signals(self) -> None:
         while self._signals:
