@@ -57,6 +57,8 @@ from .clientcore import (
 from .config import DEFAULT_HOST
 from .errors import EgKvError, RemoteError
 from .http11 import Connection, Deadline, Response, StaleConnection, host_header
+from .localreads import ROUTE as LOCAL_ROUTE
+from .localslab import LocalSlab, LocalUnavailable
 
 __all__ = [
     "BATCH_EXISTS_MAX",
@@ -210,6 +212,7 @@ class RemoteKVConnector:
         """Close every idle connection. Idempotent; later calls are misses."""
         self._closed = True
         self._pool.close()
+        self._core.local.close()
 
     # ------------------------------------------------------------------ the engine
 
@@ -292,6 +295,15 @@ class RemoteKVConnector:
         """
         address = to_address(key)
         limit = self.config.max_block_size
+        slab = self._local()
+        if slab is not None:
+            try:
+                return slab.fetch(address, limit, sink)
+            except LocalUnavailable as exc:
+                self._core.local.step_aside(exc)  # and over HTTP below
+            except Exception as exc:
+                self._core.miss("GET", address, exc)
+                return None
 
         def on_response(resp: Response) -> T | None:
             raw = resp.headers.get(b"content-encoding")
@@ -313,6 +325,27 @@ class RemoteKVConnector:
         except Exception as exc:
             self._core.miss("GET", address, exc)
             return None
+
+    def _local(self, probe: bool = True) -> LocalSlab | None:
+        """The server's slab mapped here, when this client is on its host (else None).
+
+        Args:
+            probe: ask the server where its slab is if that is due (False for a call
+                with a deadline shorter than the config's: the probe is not its to pay).
+        """
+        local = self._core.local
+        if probe and local.due():
+            try:
+                answer = self._exchange("GET", self._core.path(LOCAL_ROUTE), self._small)
+            except Exception as exc:
+                self._core.miss("GET", LOCAL_ROUTE, exc)
+            else:
+                local.adopt(*answer)
+        return local.slab
+
+    @staticmethod
+    def _small(resp: Response) -> tuple[int, bytes]:
+        return resp.status, resp.read_all(SMALL_ANSWER_MAX)
 
     # ------------------------------------------------------------------ the API
 
@@ -401,7 +434,23 @@ class RemoteKVConnector:
 
     def contains(self, key: str | bytes) -> bool:
         """``HEAD /kv/<addr>``: True when the block is resident; False on a miss or error."""
-        return self._status("HEAD", to_address(key)) == 200
+        address = to_address(key)
+        found = self._exists_locally("HEAD", address)
+        return found if found is not None else self._status("HEAD", address) == 200
+
+    def _exists_locally(self, what: str, address: str) -> bool | None:
+        """Whether ``address`` is resident, from the local slab; None: ask over HTTP."""
+        slab = self._local()
+        if slab is None:
+            return None
+        try:
+            return slab.exists_addresses([address])[0]
+        except LocalUnavailable as exc:
+            self._core.local.step_aside(exc)
+            return None
+        except Exception as exc:
+            self._core.miss(what, address, exc)
+            return False
 
     def delete(self, key: str | bytes) -> bool:
         """``DELETE /kv/<addr>``: release one reference. True on 204; False otherwise.
@@ -412,6 +461,9 @@ class RemoteKVConnector:
     def exists(self, key: str | bytes) -> bool:
         """``GET /kv/<addr>/exists``: True when resident; False on a miss or any error."""
         address = to_address(key)
+        found = self._exists_locally("exists", address)
+        if found is not None:
+            return found
         try:
             doc = self._exchange("GET", self._core.block_path(address, "/exists"), self._json)
             return exists_answer(doc)
@@ -425,8 +477,16 @@ class RemoteKVConnector:
         """One ``POST /kv/batch/exists`` for at most 1024 addresses. Raises on error.
 
         Sent in the compact format (:mod:`eg_kv.batchwire`); a server that refuses it
-        (one that predates it) is asked again in JSON, and in JSON from then on.
+        (one that predates it) is asked again in JSON, and in JSON from then on. On the
+        server's host, answered from its slab instead.
         """
+        slab = self._local(probe=timeout_s is None)
+        if slab is not None:
+            try:
+                found = slab.exists_addresses(addresses)
+                return found, leading_hits(found)
+            except LocalUnavailable as exc:
+                self._core.local.step_aside(exc)
         if self._compact_batches:
             try:
                 found = self._exchange(

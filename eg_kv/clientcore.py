@@ -45,6 +45,7 @@ from .config import (
     parse_size,
 )
 from .errors import ConfigError, InvalidAddress, RemoteError, Unauthorized
+from .localreads import LocalReads
 
 log = logging.getLogger("eg_kv.kvcache")
 
@@ -64,8 +65,10 @@ EXPECT_CONTINUE_MIN = 64 * 1024
 #: The keywords every connector takes (and LMCache's ``adapter_params`` / ``extra_config``).
 CONFIG_KEYWORDS = (
     "base_url", "addr", "token", "timeout_s", "num_workers", "max_connections", "verify_tls",
-    "max_block_size", "refresh_s", "dns_server",
+    "max_block_size", "refresh_s", "dns_server", "local_reads",
 )  # fmt: skip
+#: ``0``/``false``/``no``/``off``: never read the server's slab directly, even on its host.
+ENV_LOCAL_READS = "EPISTEMIC_GRAPH_KVCACHE_LOCAL_READS"
 #: Seconds between re-resolutions of a server set's DNS entries (and the window in which a
 #: miss at an address's new home asks its previous home).
 ENV_REFRESH = "EPISTEMIC_GRAPH_KVCACHE_REFRESH_S"
@@ -114,6 +117,9 @@ class KvCacheConfig:
         dns_server: ``host[:port]`` of the DNS server a DNS set asks; None: the system's.
         server_name: the name TLS verifies and sends as SNI when it is not the URL's
             host (a member found through DNS, connected at its address); None: the host.
+        local_reads: on the server's host, read blocks and existence straight from its
+            slab, read-only (:mod:`eg_kv.localreads`); anywhere else, or when that is not
+            allowed, HTTP as always.
     """
 
     base_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
@@ -126,6 +132,7 @@ class KvCacheConfig:
     refresh_s: float = DEFAULT_REFRESH_S
     dns_server: str | None = None
     server_name: str | None = None
+    local_reads: bool = True
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -173,6 +180,7 @@ class KvCacheConfig:
         max_block_size: int | str | None = None,
         refresh_s: float | str | None = None,
         dns_server: str | None = None,
+        local_reads: bool | str | None = None,
     ) -> KvCacheConfig:
         """Build a config: explicit keywords first, then the environment, then defaults.
 
@@ -180,8 +188,8 @@ class KvCacheConfig:
         ``1``/``true``/``yes``/``on``, a port, ``host:port`` or ``[v6]:port``), else
         ``EPISTEMIC_GRAPH_KVCACHE_URL``, else ``EPISTEMIC_GRAPH_KVCACHE_ADDR``, else
         ``http://127.0.0.1:9130``. ``EPISTEMIC_GRAPH_KVCACHE_TOKEN``, ``_TIMEOUT_S``,
-        ``_TLS_VERIFY`` and ``_MAX_BLOCK_SIZE`` fill the token, timeout, TLS check and
-        largest block.
+        ``_TLS_VERIFY``, ``_MAX_BLOCK_SIZE`` and ``_LOCAL_READS`` fill the token, timeout,
+        TLS check, largest block and local reads.
 
         Args:
             env: the environment to read (default ``os.environ``).
@@ -215,6 +223,10 @@ class KvCacheConfig:
         if max_block_size is None:
             max_block_size = env.get(ENV_MAX_BLOCK_SIZE) or DEFAULT_MAX_BLOCK_SIZE
         refresh = _seconds(refresh_s, env, ENV_REFRESH, "refresh_s", DEFAULT_REFRESH_S)
+        if local_reads is None:
+            local_reads = env.get(ENV_LOCAL_READS) or True
+        if isinstance(local_reads, str):
+            local_reads = parse_bool(local_reads, ENV_LOCAL_READS)
         return cls(
             base_url=base_url,
             token=token or None,
@@ -227,6 +239,7 @@ class KvCacheConfig:
             max_block_size=parse_size(max_block_size),
             refresh_s=refresh,
             dns_server=dns_server or env.get(ENV_DNS_SERVER) or None,
+            local_reads=bool(local_reads),
         )
 
     @property
@@ -512,6 +525,8 @@ class ClientCore:
         #: Called with each transport error (refused, reset, timed out) of this
         #: connector: a server set marks the member down (:mod:`eg_kv.cluster`).
         self.on_unreachable: Callable[[BaseException], None] | None = None
+        #: Reads from the server's slab when this client is on its host.
+        self.local = LocalReads(config.local_reads)
 
     def _unreachable_hook(self, exc: BaseException) -> None:
         if self.on_unreachable is not None and isinstance(exc, OSError):

@@ -303,8 +303,9 @@ class LocalSlab(SlabView):
             if self.closed:
                 return
             self.closed = True
-        if os.getpid() == self._pid:
-            self._release_maps()
+        # In a forked child these are its own copies: closing them leaves the parent's
+        # entry lock (an OFD lock lasts while any descriptor of it is open) and mapping.
+        self._release_maps()
 
 
 class _Copier:

@@ -407,7 +407,7 @@ def test_tls(server_factory, tmp_path, monkeypatch):
 
 def test_stale_kept_alive_connection_is_retried_once():
     with RawServer("oneshot") as srv:
-        kv = RemoteKVConnector(base_url=srv.url, timeout_s=5)
+        kv = RemoteKVConnector(base_url=srv.url, timeout_s=5, local_reads=False)  # counted
         assert kv.get("a") == b"hello"
         # The server closed that connection after answering; the client still holds it.
         assert kv.get("a") == b"hello"
@@ -416,7 +416,9 @@ def test_stale_kept_alive_connection_is_retried_once():
         kv.close()
 
         async def main() -> None:
-            async with AsyncRemoteKVConnector(base_url=srv.url, timeout_s=5) as akv:
+            async with AsyncRemoteKVConnector(
+                base_url=srv.url, timeout_s=5, local_reads=False
+            ) as akv:
                 for _ in range(3):
                     assert await akv.get("a") == b"hello"
 
@@ -429,7 +431,7 @@ def test_unframed_answers_json_is_read_a_block_is_a_miss():
     # answer is read whatever its framing (it is bounded); a block without a
     # Content-Length is a miss before anything is allocated for it.
     with RawServer("chunked") as srv:
-        kv = RemoteKVConnector(base_url=srv.url, timeout_s=5)
+        kv = RemoteKVConnector(base_url=srv.url, timeout_s=5, local_reads=False)  # counted
         assert kv.exists("k") is True
         assert kv.exists("k") is True
         assert srv.accepted == 1  # a complete chunked answer keeps the connection
@@ -438,7 +440,7 @@ def test_unframed_answers_json_is_read_a_block_is_a_miss():
         assert kv.get_into("k", buf) is None and buf == bytearray(8)
         kv.close()
     with RawServer("close10") as srv:
-        kv = RemoteKVConnector(base_url=srv.url, timeout_s=5)
+        kv = RemoteKVConnector(base_url=srv.url, timeout_s=5, local_reads=False)
         assert kv.get("k") is None and kv.get("k") is None
         assert srv.accepted == 2  # a connection whose answer was refused is not reused
         kv.close()

@@ -40,7 +40,8 @@ def wait_completions(conn: RemoteKVL2Connector, fids: set[int], timeout: float =
 
 def test_l2_connector_store_lookup_load_delete(server_factory):
     srv = server_factory(workers=2, capacity="128MiB")
-    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=10, num_workers=4)
+    # Over HTTP (its requests are spied on); tests/test_local_reads.py reads locally.
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=10, num_workers=4, local_reads=False)
     keys = lm_keys(6)
     size = 2 * 1024 * 1024 + 17  # not a page multiple on purpose
     blocks = [bytearray(os.urandom(size)) for _ in keys]

@@ -24,7 +24,8 @@ LAYERS = {
     "slab reading": {"layout", "slabview", "localslab"},
     "store": {"slab"},
     "server": {"_compat", "connections", "replies", "metrics", "runstate", "app", "hints"},
-    "clients": {"http11", "clientcore", "client", "aio", "placement", "members", "cluster"},
+    "clients": {"http11", "clientcore", "localreads", "client", "aio", "placement", "members",
+                "cluster"},
     "integrations": {"kvcache", "lmcache_l2", "lmcache_remote", "lmcache_adapter",
                      "store_warnings", "write_gate"},
 }  # fmt: skip

@@ -277,7 +277,8 @@ def test_no_write_into_lmcache_memory_after_close(lmcache_loop):
     header = RemoteMetadata(SMALL_CHUNK, metadata.get_shapes(), metadata.get_dtypes(),
                             MemoryFormat.KV_2LTD).serialize()  # fmt: skip
     srv = StallingServer(header, len(header) + SMALL_CHUNK)
-    config = engine_config(plugin_extra("egkv", srv.url, timeout_s="3"), plugins=["egkv"])
+    extra = plugin_extra("egkv", srv.url, timeout_s="3", local_reads="false")  # HTTP's stall
+    config = engine_config(extra, plugins=["egkv"])
     cpu = LocalCPUBackend(config, metadata, dst_device="cpu")
     handed_out = []
     allocate = cpu.allocate

@@ -61,7 +61,10 @@ def test_a_bad_compact_body_gets_a_4xx_with_its_reason(server_factory, body, sta
 
 
 def test_the_client_falls_back_to_json_once_for_a_server_that_only_speaks_it():
-    with RawServer("early_hints") as srv, RemoteKVConnector(base_url=srv.url) as kv:
+    with (
+        RawServer("early_hints") as srv,
+        RemoteKVConnector(base_url=srv.url, local_reads=False) as kv,
+    ):  # every request's head is read below
         assert kv.exists_many(["a", "b"]) == [True, True]
         assert kv.exists_many(["c"]) == [True]
     types = [h.lower().split(b"content-type: ", 1)[1].split(b"\r\n")[0] for h in srv.heads]
@@ -95,7 +98,8 @@ def test_an_inline_lookup_never_holds_lmcache_for_the_whole_timeout():
     # A server that never answers: the inline attempt gives up after INLINE_TIMEOUT_S and
     # the batch goes to the pool; the next submit goes straight to the pool (back-off).
     with RawServer("silent") as srv:
-        conn = RemoteKVL2Connector(base_url=srv.url, num_workers=2, timeout_s=6)
+        # local_reads off: the silent server's requests are counted (no slab probe).
+        conn = RemoteKVL2Connector(base_url=srv.url, num_workers=2, timeout_s=6, local_reads=False)
         try:
             keys = [f"m@0@0@{i:064x}" for i in range(16)]
             for _ in range(2):
