@@ -15,6 +15,7 @@ import functools
 import gzip
 import json
 import re
+import select
 import socket
 import struct
 import threading
@@ -376,3 +377,18 @@ def bad_server(mode: str) -> Iterator[str]:
     else:
         with RawServer(mode) as srv:
             yield srv.url
+
+
+def wait_completions(conn: Any, fids: set[int], timeout: float = 30.0) -> dict:
+    """Poll the eventfd the way LMCache's demux thread does; return {fid: completion}."""
+    poller = select.poll()
+    poller.register(conn.event_fd(), select.POLLIN)
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    while not fids <= got.keys():
+        left = deadline - time.monotonic()
+        assert left > 0, f"completions missing for {fids - got.keys()}"
+        if poller.poll(left * 1000):
+            for c in conn.drain_completions():
+                got[c[0]] = c
+    return got

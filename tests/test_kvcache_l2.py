@@ -7,10 +7,9 @@ LMCache's ``NativeConnectorL2Adapter`` does and check each promise of the contra
 from __future__ import annotations
 
 import os
-import select
 import time
 
-from kvcache_helpers import RawServer
+from kvcache_helpers import RawServer, wait_completions
 
 from eg_kv.address import address_for_key
 from eg_kv.kvcache import RemoteKVConnector, RemoteKVL2Connector
@@ -21,21 +20,6 @@ MODEL = "Qwen/Qwen2.5-7B-Instruct"
 def lm_keys(n: int, start: int = 0) -> list[str]:
     """Keys in LMCache's native-connector format (they hold ``/``)."""
     return [f"{MODEL}@{1:08x}@0@{(start + i).to_bytes(32, 'big').hex()}" for i in range(n)]
-
-
-def wait_completions(conn: RemoteKVL2Connector, fids: set[int], timeout: float = 30.0) -> dict:
-    """Poll the eventfd the way LMCache's demux thread does; return {fid: completion}."""
-    poller = select.poll()
-    poller.register(conn.event_fd(), select.POLLIN)
-    got: dict[int, tuple] = {}
-    deadline = time.monotonic() + timeout
-    while not fids <= got.keys():
-        left = deadline - time.monotonic()
-        assert left > 0, f"completions missing for {fids - got.keys()}"
-        if poller.poll(left * 1000):
-            for c in conn.drain_completions():
-                got[c[0]] = c
-    return got
 
 
 def test_l2_connector_store_lookup_load_delete(server_factory):
