@@ -48,7 +48,14 @@ TOKEN_VAR = "EPISTEMIC_GRAPH_KVCACHE_TOKEN"
 TEST_TOKEN = "deploy-test-token-0123456789abcdef"
 SERVICES = {"eg-kv", "lmcache-a", "lmcache-b", "vllm-a", "vllm-b"}
 PAIRS = (("vllm-a", "lmcache-a"), ("vllm-b", "lmcache-b"))
+#: The services that share eg-kv's IPC namespace: the LMCache servers read its slab
+#: locally, and each vLLM shares its LMCache server's namespace for CUDA IPC.
+LOCAL_READERS = SERVICES - {"eg-kv"}
 EG_KV_CONTAINER_PORT = 9130
+#: Room in eg-kv's /dev/shm, beyond the slab, for the shared memory of the LMCache and
+#: vLLM processes that share it (vLLM's Kubernetes guide gives vLLM a 2Gi /dev/shm).
+READERS_SHM_HEADROOM = 2 << 30
+LOCAL_READS_VAR = "EPISTEMIC_GRAPH_KVCACHE_LOCAL_READS"
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
@@ -370,7 +377,7 @@ def test_compose_parses_and_every_variable_has_a_default_but_the_token():
     for var in (
         "VLLM_MODEL", "EG_KV_CAPACITY", "EG_KV_SHM_SIZE", "EG_KV_PORT", "EG_KV_WORKERS",
         "VLLM_A_PORT", "VLLM_B_PORT", "VLLM_A_GPU", "VLLM_B_GPU", "LMCACHE_L1_SIZE_GB",
-        "HF_TOKEN", "HF_CACHE", "LMCACHE_IMAGE", "EG_KV_URL", TOKEN_VAR,
+        "HF_TOKEN", "HF_CACHE", "LMCACHE_IMAGE", "EG_KV_URL", "EG_KV_CLIENT_IPC", TOKEN_VAR,
     ):  # fmt: skip
         assert var in names, f"{var} is not a variable of the compose file"
     for name, op, arg in seen:
@@ -416,7 +423,7 @@ def test_operator_settings_are_wired_to_where_they_act():
         "EG_KV_SHM_SIZE": "3g", "EG_KV_PORT": "19130", "EG_KV_WORKERS": "3",
         "VLLM_A_PORT": "18000", "VLLM_B_PORT": "18001", "VLLM_A_GPU": "2", "VLLM_B_GPU": "5",
         "LMCACHE_L1_SIZE_GB": "4", "HF_CACHE": "/srv/hf", "VLLM_PUBLISH_ADDR": "0.0.0.0",
-        "EG_KV_URL": "https://kv.example.internal:9130",
+        "EG_KV_URL": "https://kv.example.internal:9130", "EG_KV_CLIENT_IPC": "host",
     }  # fmt: skip
     svc = load_compose(env)["services"]
     eg = svc["eg-kv"]["command"]
@@ -426,7 +433,9 @@ def test_operator_settings_are_wired_to_where_they_act():
     assert parse_port(svc["eg-kv"]["ports"][0])[1:] == (19130, EG_KV_CONTAINER_PORT)
     for vllm, lmc in PAIRS:
         assert svc[vllm]["command"][0] == "org/other-model"
-        assert svc[vllm]["volumes"] == ["/srv/hf:/root/.cache/huggingface"]
+        assert svc[vllm]["volumes"] == [f"/srv/hf:{svc[vllm]['environment']['HF_HOME']}"]
+        # A GPU host whose eg-kv is elsewhere: its services share the host's namespace.
+        assert svc[vllm]["ipc"] == svc[lmc]["ipc"] == "host"
         cmd = svc[lmc]["command"]
         assert cmd[cmd.index("--l1-size-gb") + 1] == "4"
         spec = json.loads(cmd[cmd.index("--l2-adapter") + 1])
@@ -435,6 +444,7 @@ def test_operator_settings_are_wired_to_where_they_act():
     assert parse_port(svc["vllm-b"]["ports"][0]) == ("0.0.0.0", 18001, 8000)
     assert gpus(svc["vllm-a"]) == gpus(svc["lmcache-a"]) == ["2"]
     assert gpus(svc["vllm-b"]) == gpus(svc["lmcache-b"]) == ["5"]
+    assert svc["eg-kv"]["ipc"] == "shareable"
 
 
 def gpus(service: dict) -> list[str] | None:
@@ -451,7 +461,7 @@ TOP_LEVEL_KEYS = {"name", "services", "volumes", "networks", "configs", "secrets
 SERVICE_KEYS = {
     "build", "image", "command", "entrypoint", "environment", "shm_size", "ports",
     "healthcheck", "stop_grace_period", "restart", "deploy", "depends_on", "ipc",
-    "volumes", "secrets",
+    "volumes", "secrets", "user",
 }  # fmt: skip
 
 
@@ -501,17 +511,94 @@ def test_every_service_volume_build_and_dependency_resolves(compose):
     assert {services[n]["build"]["target"] for n in SERVICES - {"eg-kv"}} == {"lmcache"}
 
 
-def test_gpus_and_ipc(compose):
+def test_gpus(compose):
     services = compose["services"]
     assert gpus(services["eg-kv"]) is None, "eg-kv needs no GPU"
     for vllm, lmc in PAIRS:
         assert gpus(services[vllm]), f"{vllm} reserves no GPU"
         assert gpus(services[vllm]) == gpus(services[lmc]), f"{lmc} must see {vllm}'s GPU"
-        # CUDA IPC between a vLLM worker and its LMCache server (isolated_ipc is off).
-        assert services[vllm]["ipc"] == services[lmc]["ipc"] == "host"
     assert gpus(services["vllm-a"]) != gpus(services["vllm-b"])
-    # eg-kv keeps its own IPC namespace: with ipc: host, shm_size would be ignored.
-    assert "ipc" not in services["eg-kv"]
+
+
+# --------------------------------------------------------- local reads: /dev/shm and uid
+
+
+def assert_local_readers_share_eg_kv_shm(services: dict) -> None:
+    """The LMCache servers can open eg-kv's slab (``/dev/shm/eg-kv-9130``): every LMCache
+    and vLLM service joins eg-kv's IPC namespace, whose /dev/shm eg-kv sizes, and none
+    turns local reads off."""
+    eg = services["eg-kv"]
+    # "shareable": eg-kv's own namespace, which others may join. Docker sizes /dev/shm
+    # with shm_size only for a private or shareable namespace (not for host or container:).
+    assert eg.get("ipc") == "shareable", "eg-kv's IPC namespace must be shareable"
+    assert docker_bytes(eg["shm_size"]) > 64 << 20, "eg-kv's /dev/shm has no size"
+    for name in LOCAL_READERS:
+        svc = services[name]
+        # Docker mounts the donor's /dev/shm in a container that joins its namespace;
+        # `ipc: host` would give the host's /dev/shm instead, where the slab is not.
+        assert svc.get("ipc") == "service:eg-kv", f"{name} does not see eg-kv's /dev/shm"
+        assert "shm_size" not in svc, f"{name}: shm_size is ignored in a joined namespace"
+        assert "eg-kv" in svc["depends_on"], f"{name} must start after the donor"
+    for vllm, lmc in PAIRS:
+        # CUDA IPC between a vLLM worker and its LMCache server (isolated_ipc is off).
+        assert services[vllm]["ipc"] == services[lmc]["ipc"]
+        env = services[lmc].get("environment", {})
+        assert str(env.get(LOCAL_READS_VAR, "1")).lower() not in ("0", "false", "no", "off")
+
+
+def test_local_readers_share_eg_kv_ipc_namespace_and_dev_shm(compose):
+    assert_local_readers_share_eg_kv_shm(compose["services"])
+
+
+def compose_user(svc: dict) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+):(\d+)", str(svc.get("user", "")))
+    assert m, f"not a numeric uid:gid: {svc.get('user')!r}"
+    return int(m.group(1)), int(m.group(2))
+
+
+def stage_user(name: str) -> dict:
+    """The user a Dockerfile stage creates: ``{"name", "uid", "gid", "home"}``."""
+    runs = [r for r in instructions(stage(name), "RUN") if "useradd" in r]
+    assert len(runs) == 1, f"stage {name} creates {len(runs)} users"
+    (useradd,) = [c for c in shell_commands(runs[0]) if c[0] == "useradd"]
+    (groupadd,) = [c for c in shell_commands(runs[0]) if c[0] == "groupadd"]
+    user = {"name": useradd[-1], "uid": int(useradd[useradd.index("--uid") + 1]),
+            "gid": int(useradd[useradd.index("--gid") + 1]),
+            "home": useradd[useradd.index("--home-dir") + 1]}  # fmt: skip
+    assert int(groupadd[groupadd.index("--gid") + 1]) == user["gid"]
+    return user
+
+
+def test_eg_kv_and_its_local_readers_run_as_one_user(compose):
+    """The slab is mode 0600 (owner only): its local readers must run as eg-kv's uid, and
+    vLLM as its LMCache server's (PyTorch's CUDA IPC files in /dev/shm are 0600 too)."""
+    services = compose["services"]
+    users = {name: compose_user(services[name]) for name in SERVICES}
+    assert len(set(users.values())) == 1, users
+    uid, gid = users["eg-kv"]
+    assert uid != 0 and gid != 0, "not as root"
+    # The users the images create: the server stage's is the one it runs as.
+    server, lmcache = stage_user("server"), stage_user("lmcache")
+    assert instructions(stage("server"), "USER") == [server["name"]]
+    for user in (server, lmcache):
+        assert (user["uid"], user["gid"]) == (uid, gid), user
+
+
+def test_vllm_keeps_its_caches_where_its_user_can_write(compose):
+    """vLLM runs as the image's user, not root: its model cache lives in that user's home,
+    in a directory the image creates with that owner (a new named volume takes it)."""
+    user = stage_user("lmcache")
+    (run,) = [r for r in instructions(stage("lmcache"), "RUN") if "useradd" in r]
+    (install,) = [c for c in shell_commands(run) if c[0] == "install"]
+    owned = install[install.index("-g") + 2 :]
+    assert install[install.index("-o") + 1] == str(user["uid"])
+    assert install[install.index("-g") + 1] == str(user["gid"])
+    for vllm, _ in PAIRS:
+        svc = compose["services"][vllm]
+        hf_home = svc["environment"]["HF_HOME"]
+        assert hf_home.startswith(user["home"] + "/") and hf_home in owned
+        (volume,) = svc["volumes"]
+        assert volume.split(":")[1] == hf_home
 
 
 def test_docker_compose_config_where_the_plugin_is_installed(tmp_path):
@@ -596,6 +683,8 @@ def test_shm_size_holds_the_slab_and_a_chunk_fits_a_block(compose):
     shm = docker_bytes(compose["services"]["eg-kv"]["shm_size"])
     assert slab <= shm, f"a {slab}-byte slab does not fit shm_size {shm}"
     assert shm - slab >= 64 << 20, "leave /dev/shm some headroom beyond the slab"
+    # The LMCache and vLLM services share this /dev/shm (local reads): room for theirs.
+    assert shm - slab >= (64 << 20) + READERS_SHM_HEADROOM, "no room for the readers"
     # The README's sizing rule (shm_size >= capacity * 1.02 + 64 MiB) is safe for the
     # page sizes it is given for.
     for cap in (1 << 30, 8 << 30, 64 << 30, 300 << 30):
@@ -927,6 +1016,8 @@ def test_the_tenants_override_mounts_the_tokens_file_as_a_secret(compose):
     assert svc["environment"] == {ENV_TOKENS_FILE: f"/run/secrets/{secret}"}
     merged = json.loads(json.dumps(compose))
     merged["services"]["eg-kv"]["environment"].update(svc["environment"])
+    # Local reads hold with tenants too (the LMCache servers send an admin token).
+    assert_local_readers_share_eg_kv_shm(merged["services"])
     settings = serve_settings(merged)
     assert settings.tokens_file == f"/run/secrets/{secret}"
     # The token LMCache sends stays the single token: an admin tenant of the file has it.

@@ -27,6 +27,7 @@ from conftest import ROOT
 K8S = ROOT / "services" / "k8s"
 BASE = K8S / "base"
 OVERLAY = K8S / "overlays" / "example"
+LOCAL_READS = K8S / "overlays" / "local-reads"
 DOCKERFILE = ROOT / "services" / "vllm" / "Dockerfile"
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -40,6 +41,11 @@ CRD_KINDS = {"ServiceMonitor"}
 #: may hold a few spooled chunked bodies of --max-block-size.
 WORKER_MEMORY = 256 << 20
 SUPERVISOR_MEMORY = 256 << 20
+#: Room in the pod's /dev/shm, beyond the slab, for the shared memory of the LMCache (and
+#: vLLM) processes that share it in the local-reads shape (vLLM's Kubernetes guide gives
+#: vLLM a 2Gi /dev/shm).
+READERS_SHM_HEADROOM = 2 << 30
+LOCAL_READS_VAR = "EPISTEMIC_GRAPH_KVCACHE_LOCAL_READS"
 SRV_URL = re.compile(
     r"dnssrv\+https?://_([a-z0-9-]+)\._tcp\.([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local"
 )
@@ -324,7 +330,12 @@ def test_the_lmcache_example_points_at_the_srv_records_of_this_service(overlay):
     c = container(dep, "lmcache")
     assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
     assert cm["data"]["LMCACHE_TRACK_USAGE"] == "false"
-    args = c["args"]
+    assert_our_adapter_without_url_or_token(c["args"])
+
+
+def assert_our_adapter_without_url_or_token(args: list[str]) -> None:
+    """LMCache's ``--l2-adapter`` is eg-kv's native_plugin, its set and token left to the
+    environment."""
     spec = json.loads(args[args.index("--l2-adapter") + 1])
     assert (spec["type"], spec["module_path"], spec["class_name"]) == (
         "native_plugin", "eg_kv.kvcache", "RemoteKVL2Connector"
@@ -526,3 +537,168 @@ def test_the_tenants_overlay_mounts_the_tokens_file_from_a_secret(overlay):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+# --------------------------------------------------------------------- local reads
+
+
+@pytest.fixture(scope="module")
+def local_reads() -> list[dict]:
+    return build(LOCAL_READS)
+
+
+def dev_shm_volume(obj: dict, c: dict) -> dict:
+    """The pod volume a container mounts at /dev/shm (it must mount one)."""
+    mounts = [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+    assert len(mounts) == 1, f"{c['name']} mounts {len(mounts)} volumes at /dev/shm"
+    mount = mounts[0]
+    assert not mount.get("readOnly"), "POSIX shm_open needs a writable /dev/shm"
+    (volume,) = [v for v in pod_spec(obj)["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+def run_as(obj: dict, c: dict) -> tuple[int | None, int | None]:
+    """The uid and gid a container runs as: its own securityContext over the pod's."""
+    pod, own = pod_spec(obj).get("securityContext", {}), c.get("securityContext", {})
+    return tuple(own.get(k, pod.get(k)) for k in ("runAsUser", "runAsGroup"))
+
+
+def resolved_env(obj: dict, c: dict) -> dict[str, str]:
+    """A container's literal environment as the kubelet makes it: ``$(NAME)`` expands to
+    an earlier entry, ``$$`` escapes; a metadata.namespace fieldRef is the object's
+    namespace. Secret references stay out (they are not literals)."""
+    env: dict[str, str] = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = re.sub(
+                r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+                e["value"],
+            )
+        elif e["valueFrom"].get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+            env[e["name"]] = obj["metadata"]["namespace"]
+    return env
+
+
+def dockerfile_uid(stage: str) -> int:
+    """The uid a Dockerfile stage's useradd gives its user."""
+    text = DOCKERFILE.read_text().split(f"AS {stage}", 1)[1].split("\nFROM ", 1)[0]
+    (uid,) = re.findall(r"useradd[^\n]*--uid (\d+)", text)
+    return int(uid)
+
+
+def assert_lmcache_reads_eg_kv_locally(objects: list[dict]) -> None:
+    """In each eg-kv pod an LMCache container can open the slab: it mounts the same
+    memory-backed /dev/shm, sized for the slab and the readers, runs as eg-kv's uid, keeps
+    local reads on, and its URL reaches this pod's eg-kv."""
+    from eg_kv.config import ENV_TOKEN, ENV_URL
+    from eg_kv.layout import Geometry
+    from eg_kv.members import parse_server_set
+
+    sts = one(objects, "StatefulSet", "eg-kv")
+    eg, lm = container(sts, "eg-kv"), container(sts, "lmcache")
+    # One /dev/shm: pods share none across pods, containers of a pod share its volumes.
+    shm = dev_shm_volume(sts, eg)
+    assert dev_shm_volume(sts, lm) is shm, "LMCache mounts another /dev/shm than eg-kv"
+    assert shm["emptyDir"]["medium"] == "Memory", "the slab must live in memory"
+    s = serve_settings(sts)
+    slab = Geometry.plan(s.capacity, s.page_size, s.max_block_size).total_size
+    size = quantity(shm["emptyDir"]["sizeLimit"])
+    assert size - slab >= (64 << 20) + READERS_SHM_HEADROOM, "no room for the readers"
+    # One user: the slab is mode 0600.
+    assert run_as(sts, lm) == run_as(sts, eg), "LMCache runs as another user than eg-kv"
+    uid, gid = run_as(sts, eg)
+    assert uid and gid, "runAsUser and runAsGroup must be set, and not root"
+    assert uid == dockerfile_uid("server") == dockerfile_uid("lmcache")
+    # The URL reaches this pod's eg-kv: loopback, or a server set this pod is in.
+    env = resolved_env(sts, lm)
+    off = env.get(LOCAL_READS_VAR, "1").lower() in ("0", "false", "no", "off")
+    assert not off, f"{LOCAL_READS_VAR} turns local reads off"
+    url = env[ENV_URL]
+    (http,) = eg["ports"]
+    assert http["containerPort"] == s.port
+    loopback = re.fullmatch(r"http://(?:127\.0\.0\.1|localhost):(\d+)", url)
+    if loopback:
+        assert int(loopback.group(1)) == s.port
+    else:
+        m = SRV_URL.fullmatch(url)
+        assert m, f"neither loopback nor the SRV records of a Service: {url}"
+        port_name, svc_name, namespace = m.groups()
+        assert namespace == sts["metadata"].get("namespace"), "a set in another namespace"
+        svc = one(objects, "Service", svc_name)
+        assert svc["spec"].get("clusterIP") == "None", "SRV records name pods: headless"
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= labels.items(), "the set lacks this pod"
+        (port,) = [p for p in svc["spec"]["ports"] if p["name"] == port_name]
+        assert port["targetPort"] in (http["name"], s.port)
+        (query,) = parse_server_set(url).queries
+        assert query.kind == "srv"
+    # The token: eg-kv's Secret, by the environment only.
+    refs = [e["valueFrom"]["secretKeyRef"] for c in (eg, lm) for e in c["env"]
+            if e["name"] == ENV_TOKEN]  # fmt: skip
+    assert len(refs) == 2 and refs[0] == refs[1], refs
+    assert_our_adapter_without_url_or_token(lm["args"])
+
+
+def test_the_local_reads_overlay_puts_lmcache_beside_eg_kv_on_one_dev_shm(local_reads):
+    assert_lmcache_reads_eg_kv_locally(local_reads)
+    sts = one(local_reads, "StatefulSet", "eg-kv")
+    lm = container(sts, "lmcache")
+    assert lm["image"] == "eg-kv-lmcache:local" and lm["command"] == ["lmcache", "server"]
+    assert lm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert not lm["securityContext"]["allowPrivilegeEscalation"]
+    # The base's sizing rule still holds with the larger /dev/shm.
+    test_sizes_follow_the_sizing_rule(local_reads)
+    # The sidecars replace the separate LMCache Deployment; everything is in one namespace.
+    assert sorted(o["kind"] for o in local_reads) == sorted(
+        ["Service", "StatefulSet", "PodDisruptionBudget", "ServiceMonitor"]
+    )
+    assert {o["metadata"]["namespace"] for o in local_reads} == {"kvcache"}
+    import eg_kv.config as config
+
+    known = {v for k, v in vars(config).items() if k.startswith("ENV_")} | {LOCAL_READS_VAR}
+    names = {e["name"] for e in lm["env"]}
+    ours = {n for n in names if n.startswith("EPISTEMIC_GRAPH_KVCACHE_")}
+    assert ours <= known and names - ours <= {"POD_NAMESPACE", "LMCACHE_TRACK_USAGE"}
+    # Still a valid StatefulSet, offline.
+    out = subprocess.run(
+        [sys.executable, "-c", _VALIDATE_OFFLINE], input=json.dumps([[sts], list(VERSIONS)]),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _break(objects: list[dict], breakage: str) -> list[dict]:
+    objects = copy.deepcopy(objects)
+    sts = one(objects, "StatefulSet", "eg-kv")
+    lm = container(sts, "lmcache")
+    env = {e["name"]: e for e in lm["env"]}
+    if breakage == "its own /dev/shm":
+        pod_spec(sts)["volumes"].append({"name": "own", "emptyDir": {"medium": "Memory"}})
+        (mount,) = [m for m in lm["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        mount["name"] = "own"
+    elif breakage == "no /dev/shm":
+        lm["volumeMounts"] = [m for m in lm["volumeMounts"] if m["mountPath"] != "/dev/shm"]
+    elif breakage == "another user":
+        lm["securityContext"]["runAsUser"] = 0
+    elif breakage == "the slab's size only":
+        dev_shm_volume(sts, lm)["emptyDir"]["sizeLimit"] = "9Gi"
+    elif breakage == "another namespace":
+        env["EPISTEMIC_GRAPH_KVCACHE_URL"]["value"] = (
+            "dnssrv+http://_http._tcp.eg-kv.other.svc.cluster.local"
+        )
+    elif breakage == "another service":
+        env["EPISTEMIC_GRAPH_KVCACHE_URL"]["value"] = "http://eg-kv-elsewhere:9130"
+    else:
+        lm["env"].append({"name": LOCAL_READS_VAR, "value": "off"})
+    return objects
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    ["its own /dev/shm", "no /dev/shm", "another user", "the slab's size only",
+     "another namespace", "another service", "local reads off"],
+)  # fmt: skip
+def test_the_local_reads_checks_catch_a_broken_shape(local_reads, breakage):
+    with pytest.raises(AssertionError):
+        assert_lmcache_reads_eg_kv_locally(_break(local_reads, breakage))
