@@ -2,6 +2,11 @@
 """``lmcache bench l2`` side by side: eg-kv's native_plugin against LMCache's ``resp``
 adapter on ``redis-server``, same chunk size, same key count, one run.
 
+eg-kv runs twice per repetition: as shipped (the bench runs on the server's host, so the
+adapter reads the slab itself: local reads) and with ``local_reads`` off (HTTP only);
+the table's last column is local / HTTP. Last, one 14 MiB block read into a caller's
+buffer with ``get_into``, both ways, ``--get-into-reads`` times each: the per-block time.
+
 Starts an eg-kv server and a redis-server on free loopback ports (one after the other, so
 they never compete for the cores), runs the same ``lmcache bench l2`` against each, stops
 each by pid, and prints store / load throughput (MB/s) and lookup rate (keys/s) with the
@@ -128,13 +133,39 @@ def redis_server(logdir: Path):
         stop(proc)
 
 
-def egkv_spec(url: str, threads: int) -> str:
+def egkv_spec(url: str, threads: int, local_reads: bool = True) -> str:
     """The ``--l2-adapter`` JSON of eg-kv's native_plugin at ``url``."""
     return json.dumps({
         "type": "native_plugin", "module_path": "eg_kv.kvcache",
         "class_name": "RemoteKVL2Connector",
-        "adapter_params": {"base_url": url, "num_workers": threads, "timeout_s": 60},
+        "adapter_params": {"base_url": url, "num_workers": threads, "timeout_s": 60,
+                           "local_reads": local_reads},
     })  # fmt: skip
+
+
+def get_into_times(url: str, size: int, reads: int) -> dict[str, float]:
+    """Median seconds of one ``get_into`` of a ``size``-byte block: local and HTTP."""
+    from eg_kv.kvcache import RemoteKVConnector
+
+    block = os.urandom(size)
+    out: dict[str, float] = {}
+    with RemoteKVConnector(base_url=url, local_reads=False, timeout_s=60) as http:
+        assert http.put("bench-get-into", block)
+    for label, local in (("local", True), ("HTTP", False)):
+        buf = bytearray(size)
+        with RemoteKVConnector(base_url=url, local_reads=local, timeout_s=60) as kv:
+            assert kv.get_into("bench-get-into", buf) == size  # warm: probe, connection
+            if local and kv._core.local.slab is None:
+                raise RuntimeError("the local client could not map the slab")
+            times = []
+            for _ in range(reads):
+                t0 = time.perf_counter()
+                n = kv.get_into("bench-get-into", buf)
+                times.append(time.perf_counter() - t0)
+                assert n == size
+        assert buf == block
+        out[label] = statistics.median(times)
+    return out
 
 
 def redis_spec(port: int, threads: int) -> str:
@@ -204,6 +235,7 @@ def main() -> int:
     p.add_argument("--redis-threads", type=int, default=8, help="resp adapter num_workers")
     p.add_argument("--verify", action="store_true", help="also check the round trip")
     p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (median)")
+    p.add_argument("--get-into-reads", type=int, default=50, help="reads per way (50)")
     args = p.parse_args()
 
     keys = (args.rounds + args.warmup_rounds) * args.in_flight * args.num_keys
@@ -218,7 +250,7 @@ def main() -> int:
     ]
     # samples[name][op] = one figure per repetition
     samples: dict[str, dict[str, list[float]]] = {
-        n: {op: [] for _, op, _ in rows} for n in ("eg-kv", "redis")
+        n: {op: [] for _, op, _ in rows} for n in ("eg-kv", "eg-kv HTTP", "redis")
     }
     failures: list[str] = []
 
@@ -231,12 +263,16 @@ def main() -> int:
             if total != succ:
                 failures.append(f"{name} {op}: {succ}/{total} keys succeeded")
 
-    def run_ours(logdir: Path) -> None:
+    def run_ours(logdir: Path, local_reads: bool = True) -> None:
         # A fresh server (and slab) per repetition: every store is a new block.
         with egkv_server(args.workers, capacity, logdir) as url:
-            spec = egkv_spec(url, args.egkv_threads)
-            record("eg-kv", run_bench(spec, args, logdir / "o.json"),
+            spec = egkv_spec(url, args.egkv_threads, local_reads)
+            record("eg-kv" if local_reads else "eg-kv HTTP",
+                   run_bench(spec, args, logdir / "o.json"),
                    run_bench(spec, args, logdir / "ol.json", lookup_only=True))  # fmt: skip
+
+    def run_http(logdir: Path) -> None:
+        run_ours(logdir, local_reads=False)
 
     def run_redis(logdir: Path) -> None:
         with redis_server(logdir) as port:
@@ -246,11 +282,13 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="eg-kv-bench-") as tmp:
         logdir = Path(tmp)
+        sides = [run_ours, run_http, run_redis]
         for rep in range(args.repeat):
-            # Alternate who goes first: on a shared box, background load drifts.
-            order = (run_ours, run_redis) if rep % 2 == 0 else (run_redis, run_ours)
-            for fn in order:
+            # Rotate who goes first: on a shared box, background load drifts.
+            for fn in sides[rep % 3 :] + sides[: rep % 3]:
                 fn(logdir)
+        with egkv_server(args.workers, 2 * args.data_size_kb * 1024 + 64 * MiB, logdir) as url:
+            per_block = get_into_times(url, args.data_size_kb * 1024, args.get_into_reads)
 
     print(
         f"lmcache bench l2: {args.num_keys} keys/submit x {args.in_flight} in flight, "
@@ -259,11 +297,13 @@ def main() -> int:
         f"{args.egkv_threads} client threads; redis: {args.redis_threads} client threads; "
         f"median of {args.repeat} interleaved repetitions"
     )
-    print(f"| {'':30} | {'eg-kv':>10} | {'redis':>10} | {'ours/redis':>10} | per run |")
-    print(f"|{'-' * 32}|{'-' * 11}:|{'-' * 11}:|{'-' * 11}:|---|")
+    print(f"| {'':30} | {'eg-kv':>10} | {'eg-kv HTTP':>10} | {'redis':>10} | "
+          f"{'ours/redis':>10} | {'local/HTTP':>10} | ours/redis per run |")  # fmt: skip
+    print(f"|{'-' * 32}|{'-' * 11}:|{'-' * 11}:|{'-' * 11}:|{'-' * 11}:|{'-' * 11}:|---|")
     ok = True
     for label, op, _ in rows:
         a = statistics.median(samples["eg-kv"][op])
+        h = statistics.median(samples["eg-kv HTTP"][op])
         b = statistics.median(samples["redis"][op])
         ratio = a / b if b else float("inf")
         per_run = " ".join(
@@ -271,7 +311,14 @@ def main() -> int:
         )
         if op != "Lookup":  # the 3-round lookup is shown, but too few samples to judge
             ok &= ratio >= 1.0
-        print(f"| {label:30} | {a:>10,.0f} | {b:>10,.0f} | {ratio:>10.2f} | {per_run} |")
+        print(f"| {label:30} | {a:>10,.0f} | {h:>10,.0f} | {b:>10,.0f} | {ratio:>10.2f} | "
+              f"{a / h if h else float('inf'):>10.2f} | {per_run} |")  # fmt: skip
+    size = args.data_size_kb * 1024
+    print(f"\nget_into of one {args.data_size_kb // 1024} MiB block, median of "
+          f"{args.get_into_reads}:")  # fmt: skip
+    for way, t in per_block.items():
+        print(f"  {way:>5}: {t * 1e3:.2f} ms ({size / t / 1e9:.1f} GB/s)")
+    print(f"  local / HTTP speed-up: {per_block['HTTP'] / per_block['local']:.2f}x")
     for f in failures:
         print(f"warning: {f}")
     return 0 if ok and not failures else 1
