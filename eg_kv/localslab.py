@@ -141,7 +141,14 @@ class LocalSlab(SlabView):
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._named_at = time.monotonic()
-        self._me = self._claim_entry(info.ns)
+        try:
+            self._me = self._claim_entry(info.ns)
+        except BaseException:
+            for view in (self._entries, self._hints):
+                view.release()
+            self._rmm.close()
+            self._release_views()
+            raise  # open() closes the slab's mapping and both descriptors
         self.closed = False
 
     @classmethod
@@ -210,7 +217,6 @@ class LocalSlab(SlabView):
             entries[w + L.R_NS] = ns
             entries[w + L.R_PID] = self._pid
             return w
-        self._release_maps()
         raise LocalUnavailable(f"all {L.NREADERS} local reader entries are taken")
 
     # ------------------------------------------------------------------ SlabView hooks
@@ -296,6 +302,12 @@ class LocalSlab(SlabView):
         self._mm.close()
         os.close(self._rfd)  # drops the entry's lock
         os.close(self._fd)
+
+    def __enter__(self) -> LocalSlab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Unmap the slab and give the counters entry back (its counts stay). Idempotent."""

@@ -331,6 +331,9 @@ class Slab(SlabView):
             shm.close_fd()
         head = L.READERS_HEAD.pack(L.READERS_MAGIC, self.slab_id, L.NREADERS, self.geometry.nslots)
         if self._rmm[: len(head)] != head:
+            # New, or left by another slab of this name (removed without its readers):
+            # none of its counts are this slab's.
+            self._rmm[L.READERS_HEADER_SIZE : size] = bytes(size - L.READERS_HEADER_SIZE)
             self._rmm[: len(head)] = head
         rmv = memoryview(self._rmm)
         self._readers = rmv[L.READERS_HEADER_SIZE : L.READERS_HINTS_OFFSET].cast("q")

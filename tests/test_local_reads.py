@@ -353,3 +353,42 @@ def test_the_lmcache_l2_adapter_loads_locally(server_factory):
         assert conn._client._core.local.slab is not None
     finally:
         conn.close()
+
+
+def test_a_full_readers_table_refuses_cleanly_and_stale_counts_are_dropped(slab_name):
+    import fcntl
+    import struct
+
+    import posix_ipc
+
+    slab = Slab.create(slab_name, 4 * MiB, page_size=64 * KiB, max_block_size=MiB)
+    try:
+        slab.put("a", b"A")
+        info = LocalInfo.from_json(
+            LocalInfo.of(slab.name, slab.slab_id, slab.geometry.total_size, 0)
+        )
+        with LocalSlab.open(info) as local:
+            assert local.get("a") == b"A" and local.get("b") is None
+        assert (slab.stats()["get_hits"], slab.stats()["get_misses"]) == (1, 1)
+        # Every entry owned by a live reader (here: locks through another descriptor).
+        holder = os.open("/dev/shm" + info.readers, os.O_RDWR)
+        try:
+            for e in range(L.NREADERS):
+                start = L.READERS_HEADER_SIZE + e * L.READER_ENTRY_SIZE
+                lock = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, start, 1, 0)
+                fcntl.fcntl(holder, fcntl.F_OFD_SETLK, lock)
+            fds = len(os.listdir("/proc/self/fd"))
+            with pytest.raises(LocalUnavailable, match="taken"):
+                LocalSlab.open(info)
+            assert len(os.listdir("/proc/self/fd")) == fds, "a refused open leaked descriptors"
+        finally:
+            os.close(holder)
+        # The slab removed without its readers segment, and a new one made with its name:
+        # the old counts are not the new slab's.
+        slab.close()
+        posix_ipc.unlink_shared_memory(slab_name)
+        slab = Slab.create(slab_name, 4 * MiB, page_size=64 * KiB, max_block_size=MiB)
+        assert (slab.stats()["get_hits"], slab.stats()["get_misses"]) == (0, 0)
+    finally:
+        slab.close()
+        Slab.unlink_named(slab_name)
