@@ -239,6 +239,15 @@ def test_another_slab_another_layout_or_a_busy_table_is_never_read(slab_name):
         ):
             with pytest.raises(LocalUnavailable, match=why):
                 LocalSlab.open(LocalInfo.from_json({**doc, **bad}))
+        # Where loads may be reordered (not x86), lookups cannot go without the lock.
+        import eg_kv.localslab
+
+        eg_kv.localslab.LOCKFREE_READS = False
+        try:
+            with pytest.raises(LocalUnavailable, match="memory ordering"):
+                LocalSlab.open(LocalInfo.from_json(doc))
+        finally:
+            eg_kv.localslab.LOCKFREE_READS = True
         for hostile in ({"slab": "../etc/passwd"}, {"readers": "/a/b"}, {"slab_id": "zz"}, {}):
             with pytest.raises(LocalUnavailable):
                 LocalInfo.from_json({**doc, **hostile} if hostile else {})
