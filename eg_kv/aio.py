@@ -23,6 +23,7 @@ from aiohttp.payload import Payload
 from .clientcore import (
     BLOCK_TYPE,
     JSON_TYPE,
+    OVER_HTTP,
     SMALL_ANSWER_MAX,
     ClientCore,
     KvCacheConfig,
@@ -43,7 +44,7 @@ from .clientcore import (
 )
 from .errors import EgKvError, RemoteError
 from .localreads import ROUTE as LOCAL_ROUTE
-from .localslab import LocalSlab, LocalUnavailable
+from .localslab import LocalSlab
 
 T = TypeVar("T")
 
@@ -287,16 +288,9 @@ class AsyncRemoteKVConnector:
                 local.adopt(*answer)
         return local.slab
 
-    async def _exists_locally(self, what: str, addresses: list[str]) -> list[bool] | None:
+    async def _exists_locally(self, addresses: list[str]) -> list[bool] | None:
         """Which ``addresses`` are resident, from the local slab; None: ask over HTTP."""
-        slab = await self._local()
-        if slab is None:
-            return None
-        try:
-            return slab.exists_addresses(addresses)
-        except LocalUnavailable as exc:
-            self._core.local.step_aside(exc)
-            return None
+        return self._core.local_exists(await self._local(), addresses)
 
     async def get(self, key: str | bytes) -> bytes | None:
         """``GET /kv/<addr>``: the block's bytes, or None on a miss or any error.
@@ -308,15 +302,9 @@ class AsyncRemoteKVConnector:
         """
         address = to_address(key)
         limit = self.config.max_block_size
-        slab = await self._local()
-        if slab is not None:
-            try:
-                return slab.fetch(address, limit, _into_bytes)
-            except LocalUnavailable as exc:
-                self._core.local.step_aside(exc)  # and over HTTP below
-            except Exception as exc:
-                self._core.miss("GET", address, exc)
-                return None
+        local = self._core.local_fetch(await self._local(), address, _into_bytes)
+        if local is not OVER_HTTP:
+            return local  # type: ignore[no-any-return]
 
         async def on_response(resp: aiohttp.ClientResponse) -> bytes | None:
             length = resp.content_length
@@ -372,7 +360,7 @@ class AsyncRemoteKVConnector:
 
     async def _exists_one(self, what: str, address: str) -> bool:
         try:
-            found = await self._exists_locally(what, [address])
+            found = await self._exists_locally([address])
         except Exception as exc:
             self._core.miss(what, address, exc)
             return False
@@ -397,7 +385,7 @@ class AsyncRemoteKVConnector:
         return await self._exists_one("exists", to_address(key))
 
     async def _batch(self, addresses: list[str]) -> tuple[list[bool], int]:
-        found = await self._exists_locally("batch/exists", addresses)
+        found = await self._exists_locally(addresses)
         if found is not None:
             return found, leading_hits(found)
         doc = await self._exchange(

@@ -111,6 +111,8 @@ class Auth:
 
     def __init__(self, table: TenantTable | None, tokens_file: str | None = None) -> None:
         self.tokens_file = tokens_file
+        #: Whether a tokens file is in use (per-namespace stats, admin-only metrics).
+        self.tenants_mode = tokens_file is not None
         self.table = table
 
     @property
@@ -147,11 +149,6 @@ class Auth:
                 self._seen.clear()  # a client cycling spellings costs itself the digest
             self._seen[header] = found
         return found
-
-    @property
-    def tenants_mode(self) -> bool:
-        """Whether a tokens file is in use (per-namespace stats, admin-only metrics)."""
-        return self.tokens_file is not None
 
     def bind(self, slab: Slab, table: TenantTable) -> TenantTable:
         """``table`` with its namespaces' ids from the slab (quotas set there too)."""

@@ -33,6 +33,7 @@ from .clientcore import (
     DEFAULT_NUM_WORKERS,
     DEFAULT_TIMEOUT_S,
     JSON_TYPE,
+    OVER_HTTP,
     SMALL_ANSWER_MAX,
     ClientCore,
     CompactRefused,
@@ -58,7 +59,7 @@ from .config import DEFAULT_HOST
 from .errors import EgKvError, RemoteError
 from .http11 import Connection, Deadline, Response, StaleConnection, host_header
 from .localreads import ROUTE as LOCAL_ROUTE
-from .localslab import LocalSlab, LocalUnavailable
+from .localslab import LocalSlab
 
 __all__ = [
     "BATCH_EXISTS_MAX",
@@ -295,15 +296,9 @@ class RemoteKVConnector:
         """
         address = to_address(key)
         limit = self.config.max_block_size
-        slab = self._local()
-        if slab is not None:
-            try:
-                return slab.fetch(address, limit, sink)
-            except LocalUnavailable as exc:
-                self._core.local.step_aside(exc)  # and over HTTP below
-            except Exception as exc:
-                self._core.miss("GET", address, exc)
-                return None
+        local = self._core.local_fetch(self._local(), address, sink)
+        if local is not OVER_HTTP:
+            return local  # type: ignore[no-any-return]
 
         def on_response(resp: Response) -> T | None:
             raw = resp.headers.get(b"content-encoding")
@@ -440,17 +435,12 @@ class RemoteKVConnector:
 
     def _exists_locally(self, what: str, address: str) -> bool | None:
         """Whether ``address`` is resident, from the local slab; None: ask over HTTP."""
-        slab = self._local()
-        if slab is None:
-            return None
         try:
-            return slab.exists_addresses([address])[0]
-        except LocalUnavailable as exc:
-            self._core.local.step_aside(exc)
-            return None
+            found = self._core.local_exists(self._local(), [address])
         except Exception as exc:
             self._core.miss(what, address, exc)
             return False
+        return None if found is None else found[0]
 
     def delete(self, key: str | bytes) -> bool:
         """``DELETE /kv/<addr>``: release one reference. True on 204; False otherwise.
@@ -480,13 +470,9 @@ class RemoteKVConnector:
         (one that predates it) is asked again in JSON, and in JSON from then on. On the
         server's host, answered from its slab instead.
         """
-        slab = self._local(probe=timeout_s is None)
-        if slab is not None:
-            try:
-                found = slab.exists_addresses(addresses)
-                return found, leading_hits(found)
-            except LocalUnavailable as exc:
-                self._core.local.step_aside(exc)
+        found = self._core.local_exists(self._local(probe=timeout_s is None), addresses)
+        if found is not None:
+            return found, leading_hits(found)
         if self._compact_batches:
             try:
                 found = self._exchange(

@@ -46,6 +46,7 @@ from .config import (
 )
 from .errors import ConfigError, InvalidAddress, RemoteError, Unauthorized
 from .localreads import LocalReads
+from .localslab import LocalSlab, LocalUnavailable
 
 log = logging.getLogger("eg_kv.kvcache")
 
@@ -81,6 +82,10 @@ JSON_TYPE = "application/json"
 #: Sent with every request: the clients never decompress, so a compressed body (a
 #: "gzip bomb" included) can only be a miss.
 ACCEPT_IDENTITY = ("Accept-Encoding", "identity")
+
+
+#: What :meth:`ClientCore.local_fetch` returns when a read must go over HTTP.
+OVER_HTTP: Any = object()
 
 
 class PoolWaitTimeout(RemoteError):
@@ -549,6 +554,35 @@ class ClientCore:
             self.warn_unauthorized()
         self._unreachable_hook(exc)
         log.debug("eg-kv %s %s: miss (%s: %s)", what, address, type(exc).__name__, exc)
+
+    def local_fetch(self, slab: LocalSlab | None, address: str, sink: Callable[..., Any]) -> Any:
+        """A GET served from the local slab (:mod:`eg_kv.localreads`): ``sink``'s result,
+        None on a miss, or :data:`OVER_HTTP` when the read must go over HTTP (no mapping,
+        or one that could not serve it exactly). Never raises."""
+        if slab is None:
+            return OVER_HTTP
+        try:
+            return slab.fetch(address, self.config.max_block_size, sink)
+        except LocalUnavailable as exc:
+            self.local.step_aside(exc)
+            return OVER_HTTP
+        except Exception as exc:
+            self.miss("GET", address, exc)
+            return None
+
+    def local_exists(self, slab: LocalSlab | None, addresses: list[str]) -> list[bool] | None:
+        """Which ``addresses`` are resident, from the local slab; None: ask over HTTP.
+
+        Raises:
+            InvalidAddress: as the server would answer 400 (the caller's miss).
+        """
+        if slab is None:
+            return None
+        try:
+            return slab.exists_addresses(addresses)
+        except LocalUnavailable as exc:
+            self.local.step_aside(exc)
+            return None
 
     def warn_unauthorized(self) -> None:
         """Warn, once per connector, that the server refused the token."""

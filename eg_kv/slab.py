@@ -92,6 +92,8 @@ _NS_EVICTIONS = L.NS_EVICTIONS
 _NS_EVICTED_BYTES = L.NS_EVICTED_BYTES
 _NS_DEDUP_HITS = L.NS_DEDUP_HITS
 _NS_QUOTA = L.NS_QUOTA
+_NS_GET_HITS = L.NS_GET_HITS
+_NS_GET_MISSES = L.NS_GET_MISSES
 _NS_WORDS = L.NS_WORDS
 _CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once per sweep
 _T = TypeVar("_T")
@@ -1094,10 +1096,14 @@ class Slab(SlabView):
     def _count_read(self, hit: int, miss: int, ns: int = 0) -> None:
         """Count get hits and misses in this process's own entry (no lock, one writer),
         and in namespace ``ns``'s entry (no lock: a concurrent reader may lose one)."""
+        # One word each for a plain hit or miss (an aborted read moves both): every
+        # read-modify-write of slab memory is a cache line a busy worker may not hold.
         if ns:
             e = ns * _NS_WORDS
-            self._nsw[e + L.NS_GET_HITS] += hit
-            self._nsw[e + L.NS_GET_MISSES] += miss
+            if hit:
+                self._nsw[e + _NS_GET_HITS] += hit
+            if miss:
+                self._nsw[e + _NS_GET_MISSES] += miss
         me = self._me if self._me != -1 else self._claim_proc_entry()
         if me < 0:
             with self._locked():
@@ -1106,8 +1112,10 @@ class Slab(SlabView):
             return
         procs = self._procs
         with self._tlock:  # threads sharing this handle share its entry
-            procs[me + 1] += hit
-            procs[me + 2] += miss
+            if hit:
+                procs[me + 1] += hit
+            if miss:
+                procs[me + 2] += miss
 
     def _claim_proc_entry(self) -> int:
         """Take a free PROCS entry (folding a dead process's counts into the totals)."""

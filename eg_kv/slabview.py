@@ -27,7 +27,9 @@ from .layout import F_ALEN, F_BLOCK_ID, F_FIRST, F_FP, F_LENGTH, F_NPAGES, F_NS,
 
 DEFAULT_READ_SLICE = 1024 * 1024
 _KEY_CACHE = 16384  # addresses whose validated bytes and fingerprint a handle remembers
-_NS_MIX = L.NS_MIX
+#: Each namespace's fingerprint mix (layout.ns_fingerprint), made once: a multiply and a
+#: mask of a 64-bit int per lookup were a tenth of a namespace's extra cost.
+_NS_MIXES = [(ns * L.NS_MIX) & 0xFFFFFFFFFFFFFFFF for ns in range(L.NS_COUNT)]
 _T = TypeVar("_T")
 #: Lock-free lookups rely on x86's ordering of loads and of stores (see SlabView._lockfree).
 LOCKFREE_READS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -100,7 +102,7 @@ class SlabView:
                 self._keys.clear()
             self._keys[address] = key
         if ns:  # layout.ns_fingerprint, inline
-            return key[0], key[1] ^ ((ns * _NS_MIX) & 0xFFFFFFFFFFFFFFFF)
+            return key[0], key[1] ^ _NS_MIXES[ns]
         return key
 
     def _slot_off(self, i: int) -> int:

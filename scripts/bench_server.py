@@ -455,8 +455,8 @@ def dedup_put(port: int, seconds: float, conns: int, expect: bool) -> float:
 
     if not expect:
         return run_raw(port, seconds, conns, sent)
-    head = (f"PUT {path} HTTP/1.1\r\nHost: b\r\nContent-Length: {len(payload)}\r\n"
-            "Expect: 100-continue\r\n\r\n").encode()  # fmt: skip
+    head = (f"PUT {path} HTTP/1.1\r\nHost: b\r\n{AUTH.get('line', '')}"
+            f"Content-Length: {len(payload)}\r\nExpect: 100-continue\r\n\r\n").encode()  # fmt: skip
     sink = memoryview(bytearray(65536))
 
     def expecting(st, setup=False, teardown=False):
