@@ -51,7 +51,6 @@ from ._compat import (
     replace_default_expect_handler,
     response_started,
 )
-from .address import validate
 from .config import Settings
 from .connections import (
     RETRY_AFTER_S,
@@ -532,8 +531,8 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
             return await _final_answer(request, _unauthorized(tenant), start)
         _allowed("block", "PUT", tenant, app[AUTH].tenants_mode)
         address = request.match_info["hash"]
-        validate(address)
         slab = app[SLAB]
+        slab.check_address(address)
         length = _announced_length(request, slab.max_block_size)
         if request.headers.get("Expect", "").lower() != "100-continue":
             return await _final_answer(request, _expect_refused(), start)
@@ -601,7 +600,7 @@ async def put_block(request: web.Request) -> web.StreamResponse:
     """
     address = request.match_info["hash"]
     slab, ns = request.app[SLAB], request[TENANT].ns
-    validate(address)
+    slab.check_address(address)
     length = _announced_length(request, slab.max_block_size)
     if length == 0:  # refused before reading: there is nothing to store
         raise BadRequest("empty block (0 bytes): nothing to store")

@@ -105,6 +105,12 @@ class SlabView:
             return key[0], key[1] ^ _NS_MIXES[ns]
         return key
 
+    def check_address(self, address: str) -> None:
+        """Raise :class:`~eg_kv.errors.InvalidAddress` unless ``address`` is one (from
+        this handle's memory of addresses already validated: a regex per PUT was 0.2 µs).
+        """
+        self._key(address)
+
     def _slot_off(self, i: int) -> int:
         return self.geometry.slots_off + i * L.SLOT_SIZE
 
