@@ -224,18 +224,15 @@ class BlockReader:
         self._slab._count_aborted_read(self.ns)
         return BlockGone("block was evicted while it was read")
 
-    def views(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[memoryview]:
-        """Yield zero-copy views of the block's contiguous runs (each <= ``max_slice``).
-
-        The views are slab memory: they are the block's bytes only if :meth:`still_there`
-        is true *after* they were last read. A caller that hands them on (a socket send)
-        must check it once they are consumed, and treat False as a miss.
+    def runs(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[tuple[int, int]]:
+        """Yield the block's contiguous runs as (offset in the slab, size), each at most
+        ``max_slice`` bytes, in order.
 
         Raises:
             BlockGone: the page chain broke off (the block was released meanwhile).
         """
         slab = self._slab
-        nxt, ps, g, mv = slab._next, slab.page_size, slab.geometry, slab._mv
+        nxt, ps, g = slab._next, slab.page_size, slab.geometry
         base, npages, length = g.data_off, g.npages, self.length
         p, pos, left = self.first, 0, self.npages
         while pos < length and left and 0 <= p < npages:
@@ -250,9 +247,23 @@ class BlockReader:
                     if not 0 <= p < npages:
                         break
             pos += size
-            yield mv[start : start + size]
+            yield start, size
         if pos < length:
             raise self._gone()
+
+    def views(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[memoryview]:
+        """Yield zero-copy views of the block's contiguous runs (each <= ``max_slice``).
+
+        The views are slab memory: they are the block's bytes only if :meth:`still_there`
+        is true *after* they were last read. A caller that hands them on (a socket send)
+        must check it once they are consumed, and treat False as a miss.
+
+        Raises:
+            BlockGone: the page chain broke off (the block was released meanwhile).
+        """
+        mv = self._slab._mv
+        for start, size in self.runs(max_slice):
+            yield mv[start : start + size]
 
     def slices(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[bytes]:
         """Yield the block's bytes in copies of about ``max_slice`` bytes each.
