@@ -325,18 +325,26 @@ class RemoteKVConnector:
         """The server's slab mapped here, when this client is on its host (else None).
 
         Args:
-            probe: ask the server where its slab is if that is due (False for a call
-                with a deadline shorter than the config's: the probe is not its to pay).
+            probe: ask the server where its slab is now if that is due; False for a call
+                with a deadline shorter than the config's (an inline lookup): the probe
+                is not its to pay, and runs on a thread of its own instead.
         """
         local = self._core.local
-        if probe and local.due():
-            try:
-                answer = self._exchange("GET", self._core.path(LOCAL_ROUTE), self._small)
-            except Exception as exc:
-                self._core.miss("GET", LOCAL_ROUTE, exc)
+        if local.due():
+            if probe:
+                self._probe()
             else:
-                local.adopt(*answer)
+                threading.Thread(target=self._probe, name="eg-kv-local-probe", daemon=True).start()
         return local.slab
+
+    def _probe(self) -> None:
+        """Ask the server where its slab is (``GET /kv/local/slab``) and map it if it can."""
+        try:
+            answer = self._exchange("GET", self._core.path(LOCAL_ROUTE), self._small)
+        except Exception as exc:
+            self._core.miss("GET", LOCAL_ROUTE, exc)
+        else:
+            self._core.local.adopt(*answer)
 
     @staticmethod
     def _small(resp: Response) -> tuple[int, bytes]:

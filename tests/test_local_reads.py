@@ -360,6 +360,19 @@ def test_the_lmcache_l2_adapter_loads_locally(server_factory):
         assert outs == blocks
         assert http_block_gets(srv) == gets, "the loads went over HTTP"
         assert conn._client._core.local.slab is not None
+        # A connector that only looks up (inline, under a short deadline) maps the slab
+        # too: the probe runs on its own thread, never inside the lookup.
+        lookups = RemoteKVL2Connector(base_url=srv.url, timeout_s=10, num_workers=2)
+        try:
+
+            def mapped() -> bool:
+                f = lookups.submit_batch_exists(keys)
+                assert wait_completions(lookups, {f})[f][3] == [True] * 4
+                return lookups._client._core.local.slab is not None
+
+            wait_for(mapped, timeout=20, what="inline lookups to map the slab")
+        finally:
+            lookups.close()
     finally:
         conn.close()
 
