@@ -56,12 +56,17 @@ end
 
 
 def measure(
-    tree: Path, op: str, seconds: float, lua: dict[str, str], tenants: int = 0
+    tree: Path,
+    op: str,
+    seconds: float,
+    lua: dict[str, str],
+    tenants: int = 0,
+    want_token: bool = True,
 ) -> tuple[float, float]:
     """(µs of worker CPU per request, requests per second) for ``op`` on a fresh server.
 
     ``tenants``: serve with a tokens file of that many tenants (0: one token in the
-    environment) and send one tenant's token.
+    environment) and send one tenant's token. ``want_token`` False: no token at all.
     """
     port = free_port()
     name = f"/eg-kv-bench-cpu-{os.getpid()}-{port}"
@@ -74,7 +79,8 @@ def measure(
         cmd += ["--tokens", path]
     else:
         token = "cpu-single-token"
-        env["EPISTEMIC_GRAPH_KVCACHE_TOKEN"] = token
+        if want_token:
+            env["EPISTEMIC_GRAPH_KVCACHE_TOKEN"] = token
     auth = {"Authorization": f"Bearer {token}"}
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
@@ -138,6 +144,11 @@ def main() -> int:
         help="also run the last --tree (the one under test) with a tokens file of N tenants "
         "(label +tN); every other run has one token in the environment",
     )
+    ap.add_argument(
+        "--no-token",
+        action="store_true",
+        help="serve and send no token (the runs without --tenants)",
+    )
     ap.add_argument("--rounds", type=int, default=6, help="runs per tree and op (6)")
     ap.add_argument("--seconds", type=float, default=3.0, help="per run (3)")
     args = ap.parse_args()
@@ -157,7 +168,7 @@ def main() -> int:
         for r in range(args.rounds):
             for label, tree, tenants in runs if r % 2 == 0 else runs[::-1]:
                 for op in ops:
-                    us, rps = measure(tree, op, args.seconds, lua, tenants)
+                    us, rps = measure(tree, op, args.seconds, lua, tenants, not args.no_token)
                     results.setdefault((label, op), []).append(us)
                     print(
                         f"{label:>8} {op}: {us:5.1f} µs CPU/request, {rps:,.0f} req/s", flush=True
