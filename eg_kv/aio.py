@@ -288,10 +288,6 @@ class AsyncRemoteKVConnector:
                 local.adopt(*answer)
         return local.slab
 
-    async def _exists_locally(self, addresses: list[str]) -> list[bool] | None:
-        """Which ``addresses`` are resident, from the local slab; None: ask over HTTP."""
-        return self._core.local_exists(await self._local(), addresses)
-
     async def get(self, key: str | bytes) -> bytes | None:
         """``GET /kv/<addr>``: the block's bytes, or None on a miss or any error.
 
@@ -356,25 +352,9 @@ class AsyncRemoteKVConnector:
 
     async def contains(self, key: str | bytes) -> bool:
         """``HEAD /kv/<addr>``: True when resident; False on a miss or any error."""
-        return await self._exists_one("HEAD", to_address(key))
-
-    async def _exists_one(self, what: str, address: str) -> bool:
-        try:
-            found = await self._exists_locally([address])
-        except Exception as exc:
-            self._core.miss(what, address, exc)
-            return False
-        if found is not None:
-            return found[0]
-        if what == "HEAD":
-            return await self._status("HEAD", address) == 200
-        try:
-            return exists_answer(
-                await self._exchange("GET", self._core.block_path(address, "/exists"), _json)
-            )
-        except Exception as exc:  # asyncio.TimeoutError included
-            self._core.miss(what, address, exc)
-            return False
+        address = to_address(key)
+        found = self._core.local_has(await self._local(), "HEAD", address)
+        return found if found is not None else await self._status("HEAD", address) == 200
 
     async def delete(self, key: str | bytes) -> bool:
         """``DELETE /kv/<addr>``: True on 204; False otherwise. Never sent twice."""
@@ -382,10 +362,20 @@ class AsyncRemoteKVConnector:
 
     async def exists(self, key: str | bytes) -> bool:
         """``GET /kv/<addr>/exists``: True when resident; False on a miss or any error."""
-        return await self._exists_one("exists", to_address(key))
+        address = to_address(key)
+        found = self._core.local_has(await self._local(), "exists", address)
+        if found is not None:
+            return found
+        try:
+            return exists_answer(
+                await self._exchange("GET", self._core.block_path(address, "/exists"), _json)
+            )
+        except Exception as exc:  # asyncio.TimeoutError included
+            self._core.miss("exists", address, exc)
+            return False
 
     async def _batch(self, addresses: list[str]) -> tuple[list[bool], int]:
-        found = await self._exists_locally(addresses)
+        found = self._core.local_exists(await self._local(), addresses)
         if found is not None:
             return found, leading_hits(found)
         doc = await self._exchange(

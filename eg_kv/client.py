@@ -438,17 +438,8 @@ class RemoteKVConnector:
     def contains(self, key: str | bytes) -> bool:
         """``HEAD /kv/<addr>``: True when the block is resident; False on a miss or error."""
         address = to_address(key)
-        found = self._exists_locally("HEAD", address)
+        found = self._core.local_has(self._local(), "HEAD", address)
         return found if found is not None else self._status("HEAD", address) == 200
-
-    def _exists_locally(self, what: str, address: str) -> bool | None:
-        """Whether ``address`` is resident, from the local slab; None: ask over HTTP."""
-        try:
-            found = self._core.local_exists(self._local(), [address])
-        except Exception as exc:
-            self._core.miss(what, address, exc)
-            return False
-        return None if found is None else found[0]
 
     def delete(self, key: str | bytes) -> bool:
         """``DELETE /kv/<addr>``: release one reference. True on 204; False otherwise.
@@ -459,7 +450,7 @@ class RemoteKVConnector:
     def exists(self, key: str | bytes) -> bool:
         """``GET /kv/<addr>/exists``: True when resident; False on a miss or any error."""
         address = to_address(key)
-        found = self._exists_locally("exists", address)
+        found = self._core.local_has(self._local(), "exists", address)
         if found is not None:
             return found
         try:

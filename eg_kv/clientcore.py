@@ -221,17 +221,9 @@ class KvCacheConfig:
         if token is None:
             token = env.get(ENV_TOKEN) or None
         timeout = _seconds(timeout_s, env, ENV_TIMEOUT, "timeout_s", DEFAULT_TIMEOUT_S)
-        if verify_tls is None:
-            verify_tls = env.get(ENV_TLS_VERIFY) or True
-        if isinstance(verify_tls, str):
-            verify_tls = parse_bool(verify_tls, ENV_TLS_VERIFY)
         if max_block_size is None:
             max_block_size = env.get(ENV_MAX_BLOCK_SIZE) or DEFAULT_MAX_BLOCK_SIZE
         refresh = _seconds(refresh_s, env, ENV_REFRESH, "refresh_s", DEFAULT_REFRESH_S)
-        if local_reads is None:
-            local_reads = env.get(ENV_LOCAL_READS) or True
-        if isinstance(local_reads, str):
-            local_reads = parse_bool(local_reads, ENV_LOCAL_READS)
         return cls(
             base_url=base_url,
             token=token or None,
@@ -240,11 +232,11 @@ class KvCacheConfig:
             max_connections=(
                 int(max_connections) if max_connections is not None else DEFAULT_MAX_CONNECTIONS
             ),
-            verify_tls=bool(verify_tls),
+            verify_tls=_flag(verify_tls, env, ENV_TLS_VERIFY),
             max_block_size=parse_size(max_block_size),
             refresh_s=refresh,
             dns_server=dns_server or env.get(ENV_DNS_SERVER) or None,
-            local_reads=bool(local_reads),
+            local_reads=_flag(local_reads, env, ENV_LOCAL_READS),
         )
 
     @property
@@ -272,6 +264,16 @@ def _seconds(
         return float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{var} / {name} must be a number of seconds") from None
+
+
+def _flag(given: bool | str | None, env: Mapping[str, str], var: str) -> bool:
+    """An on/off setting: the keyword if given, else ``var`` in ``env``, else on.
+
+    Raises:
+        ConfigError: a string that is not a boolean word (see :func:`parse_bool`).
+    """
+    value = given if given is not None else (env.get(var) or True)
+    return parse_bool(value, var) if isinstance(value, str) else bool(value)
 
 
 def _url_from_addr(value: str) -> str:
@@ -583,6 +585,16 @@ class ClientCore:
         except LocalUnavailable as exc:
             self.local.step_aside(exc)
             return None
+
+    def local_has(self, slab: LocalSlab | None, what: str, address: str) -> bool | None:
+        """Whether ``address`` is resident, from the local slab; None: ask over HTTP. A bad
+        address is a logged miss (False), as the server's 400 would be. Never raises."""
+        try:
+            found = self.local_exists(slab, [address])
+        except Exception as exc:
+            self.miss(what, address, exc)
+            return False
+        return None if found is None else found[0]
 
     def warn_unauthorized(self) -> None:
         """Warn, once per connector, that the server refused the token."""

@@ -3,6 +3,7 @@ with real writer processes."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 from conftest import ROOT, wait_for
@@ -39,6 +41,22 @@ def _writer(name: str, seed: int, stop, limit_s: float) -> None:
     slab.close()
 
 
+@contextlib.contextmanager
+def _writers(name: str) -> Iterator[list]:
+    """Two writer processes on slab ``name`` while the block runs (each stops by itself
+    after 60 s); joined on the way out."""
+    stop = FORK.Event()
+    procs = [FORK.Process(target=_writer, args=(name, s, stop, 60), daemon=True) for s in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        yield procs
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(30)
+
+
 @pytest.fixture
 def big_slab(slab_name):
     """256 MiB of 4 KiB pages (131,072 slots) holding 30,000 blocks."""
@@ -57,13 +75,7 @@ def test_live_check_holds_the_lock_briefly_and_finds_no_false_problems(big_slab)
     whole = time.thread_time() - t0
     assert whole > 5 * MAX_HOLD_S, f"the slab is too small to tell ({whole * 1000:.0f} ms)"
 
-    stop = FORK.Event()
-    writers = [
-        FORK.Process(target=_writer, args=(big_slab.name, s, stop, 60), daemon=True) for s in (1, 2)
-    ]
-    for p in writers:
-        p.start()
-    try:
+    with _writers(big_slab.name) as writers:
         # Writers attach and start writing before the check begins (on a loaded machine a
         # forked writer can take a while): the check must run while they write.
         start = big_slab._state[L.ST_SEQ]
@@ -72,10 +84,6 @@ def test_live_check_holds_the_lock_briefly_and_finds_no_false_problems(big_slab)
         before = big_slab._state[L.ST_SEQ]
         report = big_slab.check_live()
         assert big_slab._state[L.ST_SEQ] != before, "the writers ran during the check"
-    finally:
-        stop.set()
-        for p in writers:
-            p.join(30)
     assert all(p.exitcode == 0 for p in writers), [p.exitcode for p in writers]
     print(f"whole walk {whole * 1000:.0f} ms CPU; live check: {report.slices} holds, longest "
           f"{report.longest_hold_cpu_s * 1000:.1f} ms CPU, {report.longest_hold_s * 1000:.1f} ms "
@@ -94,19 +102,9 @@ def test_live_check_holds_the_lock_briefly_and_finds_no_false_problems(big_slab)
 @pytest.mark.timeout(120)
 def test_eg_kv_check_of_a_large_slab_under_write_load_slices_its_walk(big_slab):
     """The command itself walks in slices and says how many and how long the longest was."""
-    stop = FORK.Event()
-    writers = [
-        FORK.Process(target=_writer, args=(big_slab.name, s, stop, 60), daemon=True) for s in (1, 2)
-    ]
-    for p in writers:
-        p.start()
-    try:
+    with _writers(big_slab.name):
         cmd = [sys.executable, "-m", "workers", "check", "--slab-name", big_slab.name]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    finally:
-        stop.set()
-        for p in writers:
-            p.join(30)
     assert out.returncode == 0, out.stdout + out.stderr
     m = re.search(r"\((\d+) slices; lock held at most ([\d.]+) ms at a time, ([\d.]+) ms CPU\)",
                   out.stdout)  # fmt: skip
