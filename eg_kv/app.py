@@ -65,7 +65,7 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import FLUSH_S, Metrics
 from .replies import JSON, OCTETS, WORKER_HEADER, Written, reply, written
 from .slab import SMALL_PUT, BlockGone, Slab
-from .tenants import ANONYMOUS, Tenant, TenantTable, single_token
+from .tenants import ANONYMOUS, ROLES, Tenant, TenantTable, single_token
 from .tenants import load as load_tenants
 
 log = logging.getLogger("eg_kv.app")
@@ -93,8 +93,6 @@ METRICS = web.AppKey("metrics", Metrics)
 #: How /healthz counts workers: () -> (up, configured).
 HealthProbe = Callable[[], tuple[int, int]]
 HEALTH: web.AppKey[HealthProbe] = web.AppKey("health")
-#: Where a handler finds the request's tenant (set by the endpoint wrapper after auth).
-TENANT = "eg_kv.tenant"
 #: Spellings of a tenant's Authorization header a worker remembers (see Auth.authenticate).
 SEEN_HEADERS_PER_TENANT = 4
 
@@ -288,11 +286,26 @@ def _allowed(route: str, method: str, tenant: Tenant, tenants_mode: bool) -> Non
         raise Forbidden(f"tenant {tenant.name} may not read the slab locally: it needs role admin")
 
 
+def _roles_refused(route: str, tenants_mode: bool) -> frozenset[str]:
+    """The roles :func:`_allowed` refuses some method on ``route`` (asked of it)."""
+    refused = set()
+    for role in ROLES:
+        for method in ("GET", "HEAD", "PUT", "DELETE", "POST"):
+            try:
+                _allowed(route, method, Tenant("-", role), tenants_mode)
+            except Forbidden:
+                refused.add(role)
+    return frozenset(refused)
+
+
 # ---------------------------------------------------------------------------- middleware
 
 
 def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
     """Wrap a handler with auth, error mapping, the worker header and metrics.
+
+    ``fn(request, tenant)`` gets the tenant the request authenticated as (an argument:
+    ``request[key]`` is two calls to set and two to read).
 
     A wrapper per handler rather than an aiohttp middleware: a middleware makes aiohttp add
     a second layer of its own to every request, and together they cost a tenth of a small
@@ -309,6 +322,8 @@ def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
     """
     drain, metrics, auth = app[DRAIN], app[METRICS], app[AUTH]
     open_route = route == "healthz"  # liveness needs no auth
+    # The roles _allowed may refuse here: the others skip the check (a call per request).
+    checked = _roles_refused(route, auth.tenants_mode)
 
     async def endpoint(request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
@@ -320,10 +335,9 @@ def _endpoint(app: web.Application, route: str, fn: Callable) -> Callable:
             if isinstance(tenant, str):
                 resp = _unauthorized(tenant)
             else:
-                if tenant is not ANONYMOUS:
+                if tenant.role in checked:
                     _allowed(route, request.method, tenant, auth.tenants_mode)
-                request[TENANT] = tenant
-                resp = await fn(request)
+                resp = await fn(request, tenant)
         except EgKvError as e:
             resp = error_response(e.status, str(e))
         except web.HTTPMethodNotAllowed as e:
@@ -373,20 +387,21 @@ def _reply(request: web.Request, status: int, body: bytes = b"", *args, **kwargs
 # ---------------------------------------------------------------------------- blocks
 
 
-async def get_block(request: web.Request) -> web.StreamResponse:
+async def get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``GET /kv/<hash>``: the block's bytes; 404 if absent."""
     address = request.match_info["hash"]
-    reader = request.app[SLAB].open_block(address, request[TENANT].ns)
-    if reader is None:
-        raise NotFound(f"no block {address}")
-    n = reader.length
-    if n <= READ_SLICE:
-        # One copy, one write: the fast path for small blocks.
-        try:
-            data = reader.read()
-        except BlockGone:
-            raise NotFound(f"no block {address} (evicted while read)") from None
-        return _reply(request, 200, data, OCTETS)
+    try:
+        reader = request.app[SLAB].read_or_open(address, tenant.ns)
+        if reader is None:
+            raise NotFound(f"no block {address}")
+        if isinstance(reader, bytes):  # one page, copied: the fast path for small blocks
+            return _reply(request, 200, reader, OCTETS)
+        n = reader.length
+        if n <= READ_SLICE:
+            # One copy, one write, for blocks of a few pages too.
+            return _reply(request, 200, reader.read(), OCTETS)
+    except BlockGone:
+        raise NotFound(f"no block {address} (evicted while read)") from None
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away before the response")
@@ -486,10 +501,10 @@ async def _flushed(transport, writer) -> None:
         raise ConnectionResetError("the client went away during the send")
 
 
-async def head_block(request: web.Request) -> web.StreamResponse:
+async def head_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``HEAD /kv/<hash>``: 200 with the block's Content-Length, 404 if absent."""
     address = request.match_info["hash"]
-    n = request.app[SLAB].length(address, request[TENANT].ns)
+    n = request.app[SLAB].length(address, tenant.ns)
     if n is None:
         raise NotFound(f"no block {address}")
     return _reply(request, 200, b"", OCTETS, length=n)
@@ -590,7 +605,7 @@ async def _final_answer(request: web.Request, resp: web.Response, start: float) 
     return resp
 
 
-async def put_block(request: web.Request) -> web.StreamResponse:
+async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``PUT /kv/<hash>``: stream the body into the slab; 201 new block, 200 dedup hit.
 
     A streamed PUT whose address is resident with its length is a dedup hit from its
@@ -599,7 +614,7 @@ async def put_block(request: web.Request) -> web.StreamResponse:
     one is gathered and stored (or deduplicated) in one critical section.
     """
     address = request.match_info["hash"]
-    slab, ns = request.app[SLAB], request[TENANT].ns
+    slab, ns = request.app[SLAB], tenant.ns
     slab.check_address(address)
     length = _announced_length(request, slab.max_block_size)
     if length == 0:  # refused before reading: there is nothing to store
@@ -714,25 +729,25 @@ def _why(e: BaseException) -> str:
     return text[:200]
 
 
-async def delete_block(request: web.Request) -> web.StreamResponse:
+async def delete_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``DELETE /kv/<hash>``: release one reference; 204, or 404 if absent."""
     address = request.match_info["hash"]
-    if not request.app[SLAB].delete(address, request[TENANT].ns):
+    if not request.app[SLAB].delete(address, tenant.ns):
         raise NotFound(f"no block {address}")
     return _reply(request, 204)
 
 
-async def block_exists(request: web.Request) -> web.StreamResponse:
+async def block_exists(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``GET /kv/<hash>/exists``: ``{"hash": ..., "exists": bool}``."""
     address = request.match_info["hash"]
     if address == "batch":  # /kv/batch/exists exists, for POST only
         raise web.HTTPMethodNotAllowed(request.method, ("POST",))
-    found = request.app[SLAB].exists(address, request[TENANT].ns)
+    found = request.app[SLAB].exists(address, tenant.ns)
     body = json.dumps({"hash": address, "exists": found})
     return _reply(request, 200, body.encode(), JSON)
 
 
-async def batch_exists(request: web.Request) -> web.StreamResponse:
+async def batch_exists(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``POST /kv/batch/exists`` with ``{"addresses": [...]}`` (at most 1024).
 
     Answers ``{"exists": [bool, ...], "prefix_hits": n}``, ``n`` being the length of the
@@ -751,7 +766,7 @@ async def batch_exists(request: web.Request) -> web.StreamResponse:
         raise BadRequest(f"batch body cut short: {_why(e)}") from None
     content_type = request.headers.get("Content-Type")
     addresses = batch_addresses(content_type, body)
-    found = request.app[SLAB].exists_many(addresses, request[TENANT].ns)
+    found = request.app[SLAB].exists_many(addresses, tenant.ns)
     answer, answer_type = batch_answer_body(found, content_type)
     return _reply(request, 200, answer, answer_type)
 
@@ -789,7 +804,7 @@ def batch_answer_body(found: list[bool], content_type: str | None) -> tuple[byte
 _BLOCK_METHODS = ("DELETE", "GET", "HEAD", "PUT")
 
 
-async def bad_kv_path(request: web.Request) -> web.Response:
+async def bad_kv_path(request: web.Request, tenant: Tenant) -> web.Response:
     """Any other request under ``/kv/``: a wrong method (405) or an invalid address (400).
 
     Raises:
@@ -814,7 +829,7 @@ async def bad_kv_path(request: web.Request) -> web.Response:
     )
 
 
-async def no_route(request: web.Request) -> web.Response:
+async def no_route(request: web.Request, tenant: Tenant) -> web.Response:
     """Any path outside ``/kv/``: 405 on a known path with another method, else 404.
 
     Raises:
@@ -828,25 +843,25 @@ async def no_route(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------------- service routes
 
 
-async def local_slab(request: web.Request) -> web.Response:
+async def local_slab(request: web.Request, tenant: Tenant) -> web.Response:
     """``GET /kv/local/slab``: where the slab is, for a client on this host that reads it
     itself (:mod:`eg_kv.localslab`): names, id, layout and the token's namespace id.
 
     Only an admin (any token without a tokens file) may ask; the slab's mode (0600) decides
     who on the host can open it.
     """
-    slab, tenant = request.app[SLAB], request[TENANT]
+    slab = request.app[SLAB]
     info = LocalInfo.of(slab.name, slab.slab_id, slab.geometry.total_size, tenant.ns)
     return web.json_response(info)
 
 
-async def stats(request: web.Request) -> web.Response:
+async def stats(request: web.Request, tenant: Tenant) -> web.Response:
     """``GET /kv/stats``: the contract's eight fields first, then the rest.
 
     With a tokens file, a tenant gets its own namespace's counters; an admin gets the
     whole slab's plus ``namespaces``, one entry per namespace (by name).
     """
-    slab, tenant = request.app[SLAB], request[TENANT]
+    slab = request.app[SLAB]
     if not request.app[AUTH].tenants_mode:
         return web.json_response(ordered_stats(slab.stats()))
     if not tenant.is_admin:
@@ -872,13 +887,13 @@ def ordered_stats(raw: Mapping[str, _V]) -> dict[str, _V]:
     return out
 
 
-async def healthz(request: web.Request) -> web.Response:
+async def healthz(request: web.Request, tenant: Tenant) -> web.Response:
     """``GET /healthz``: liveness, and how many workers the supervisor has up."""
     up, configured = request.app[HEALTH]()
     return web.json_response({"status": "ok", "workers_up": up, "workers": configured})
 
 
-async def metrics(request: web.Request) -> web.Response:
+async def metrics(request: web.Request, tenant: Tenant) -> web.Response:
     """``GET /metrics``: Prometheus text over every worker plus the slab's counters.
 
     Each worker flushes its request counts to the shared files at least every

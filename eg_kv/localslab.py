@@ -3,7 +3,7 @@
 A client on the slab's host (same IPC namespace or a shared ``/dev/shm``, same user: the
 slab is mode 0600) asks its server where the slab is (``GET /kv/local/slab``, an admin's
 right), maps it here **read-only**, and serves GETs and existence from it with the slab's
-own lock-free lookup (:meth:`~eg_kv.slabview.SlabView._lockfree`) and tag check: a block
+own lock-free lookup (:meth:`~eg_kv.slabview.SlabView._read`) and tag check: a block
 evicted, deleted or overwritten while it is copied is a miss, exactly as over HTTP.
 
 What a local read must record it writes into the slab's *readers* segment (the only
@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from . import layout as L
 from .errors import SlabError
-from .slabview import LOCKFREE_READS, TORN, BlockGone, BlockReader, SlabView
+from .slabview import LOCKFREE_READS, BlockGone, BlockReader, SlabView
 
 #: Where Linux keeps POSIX shared memory: segment ``/name`` is the file ``/dev/shm/name``.
 SHM_DIR = "/dev/shm"
@@ -48,6 +48,12 @@ NAME_CHECK_S = 1.0
 #: Runs at least this long are copied by ``memmove`` without the GIL (see _Copier).
 MEMMOVE_MIN = 64 * 1024
 _T = TypeVar("_T")
+
+
+class _Torn(Exception):
+    """A lock-free lookup a writer got in the way of (:meth:`LocalSlab._read` retries)."""
+
+
 # struct flock for F_OFD_SETLK: l_type, l_whence, l_start, l_len, l_pid (must be 0).
 _FLOCK = struct.Struct("hhqqi4x")
 
@@ -250,8 +256,9 @@ class LocalSlab(SlabView):
 
     # ------------------------------------------------------------------ SlabView hooks
 
-    def _read(self, lookup: Callable[[], _T]) -> _T:
-        """Run ``lookup`` lock-free (a reader cannot take the lock), a few times at most.
+    def _read(self, lookup: Callable[..., _T], *args: object) -> _T:
+        """:meth:`SlabView._read` on a mapping still this process's server's, a few times
+        at most (a reader cannot take the lock).
 
         Raises:
             LocalRetired: the slab was retired, or this process forked.
@@ -259,11 +266,14 @@ class LocalSlab(SlabView):
         """
         self._still_mine()
         for _ in range(LOOKUP_ATTEMPTS):
-            result = self._lockfree(lookup)
-            if result is not TORN:
-                return result  # type: ignore[return-value]
-            os.sched_yield()
+            try:
+                return super()._read(lookup, *args)
+            except _Torn:
+                os.sched_yield()  # let the writer finish
         raise LocalUnavailable("writers kept the slot table busy")
+
+    def _torn(self, lookup: Callable[..., _T], *args: object) -> _T:
+        raise _Torn
 
     def _touch(self, i: int) -> None:
         self._hints[i] = 1

@@ -25,8 +25,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 import posix_ipc
@@ -64,9 +63,9 @@ from .layout import (
 from .procs import pid_alive
 
 # BlockGone and BlockReader are read through this module too (the server's handlers).
-from .slabview import TORN, SlabView
 from .slabview import BlockGone as BlockGone
 from .slabview import BlockReader as BlockReader
+from .slabview import SlabView
 from .units import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, format_size
 
 # struct flock for F_OFD_SETLKW: l_type, l_whence, l_start, l_len, l_pid (must be 0).
@@ -151,6 +150,61 @@ def _check_page_size(page_size: int) -> None:
         )
 
 
+class _Held:
+    """The slab lock, held for a ``with`` block (see :meth:`Slab._locked`).
+
+    A class rather than ``@contextmanager``: the generator and its two resumptions were
+    a third of the 3 µs a lock round trip cost (two ``fcntl`` calls are the rest). The
+    handle's thread lock serializes its threads, so one object per handle serves every
+    section without arguments.
+    """
+
+    __slots__ = ("_slab", "_timeout", "_want_write", "_write")
+
+    def __init__(self, slab: Slab, timeout: float | None, write: bool) -> None:
+        self._slab, self._timeout, self._want_write, self._write = slab, timeout, write, write
+
+    def __enter__(self) -> None:
+        slab = self._slab
+        if slab.closed:
+            raise SlabError("the slab handle is closed")
+        slab._tlock.acquire()
+        try:
+            try:  # the usual case, inline: the lock is free
+                fcntl.fcntl(slab._fd, fcntl.F_OFD_SETLK, _LOCK)
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                slab._acquire(self._timeout)
+        except BaseException:
+            slab._tlock.release()
+            raise
+        st = slab._state
+        try:
+            dead = st[L.ST_LOCK_HOLDER]
+            st[L.ST_LOCK_HOLDER] = slab._pid
+            st[L.ST_LOCK_ENTRIES] += 1
+            self._write = write = self._want_write or bool(dead)
+            if write:
+                st[L.ST_SEQ] |= 1  # odd: lock-free readers retry (stays odd if holder died)
+            if dead:
+                slab.repaired_on_entry = (dead, slab._repair_locked(count=True))
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        slab = self._slab
+        st = slab._state
+        try:
+            if self._write:
+                st[L.ST_SEQ] += 1
+            st[L.ST_LOCK_HOLDER] = 0
+            fcntl.fcntl(slab._fd, fcntl.F_OFD_SETLKW, _UNLOCK)
+        finally:
+            slab._tlock.release()
+
+
 class Slab(SlabView):
     """A handle on the slab from one process. Not shared across ``fork``: attach anew.
 
@@ -179,6 +233,7 @@ class Slab(SlabView):
         self._resv_raw = self._mv[g.resv_off : g.resv_off + g.nresv * L.RESV_SIZE]
         self._me = -1  # this handle's entry in the PROCS table once claimed (-2: none free)
         self._tlock = threading.Lock()
+        self._held = _Held(self, None, True)
         self._pid = os.getpid()
         self.closed = False
         #: (dead holder's pid, problems) once an entry into the lock repaired the slab (a
@@ -522,9 +577,8 @@ class Slab(SlabView):
 
     # ------------------------------------------------------------------ the lock
 
-    @contextmanager
-    def _locked(self, timeout: float | None = None, *, write: bool = True) -> Iterator[None]:
-        """Hold the slab lock; repair first if the previous holder died inside.
+    def _locked(self, timeout: float | None = None, *, write: bool = True) -> _Held:
+        """Hold the slab lock (``with``); repair first if the previous holder died inside.
 
         Args:
             timeout: give up after this many seconds (:class:`LockTimeout`); None waits
@@ -536,26 +590,9 @@ class Slab(SlabView):
         Raises:
             LockTimeout: ``timeout`` passed and the lock was still taken.
         """
-        if self.closed:
-            raise SlabError("the slab handle is closed")
-        with self._tlock:
-            self._acquire(timeout)
-            st = self._state
-            try:
-                dead = st[L.ST_LOCK_HOLDER]
-                st[L.ST_LOCK_HOLDER] = self._pid
-                st[L.ST_LOCK_ENTRIES] += 1
-                write = write or bool(dead)
-                if write:
-                    st[L.ST_SEQ] |= 1  # odd: lock-free readers retry (stays odd if holder died)
-                if dead:
-                    self.repaired_on_entry = (dead, self._repair_locked(count=True))
-                yield
-            finally:
-                if write:
-                    st[L.ST_SEQ] += 1
-                st[L.ST_LOCK_HOLDER] = 0
-                fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _UNLOCK)
+        if timeout is None and write:
+            return self._held  # the usual section: one object per handle, not one per call
+        return _Held(self, timeout, write)
 
     def _try_lock(self) -> bool:
         try:
@@ -927,7 +964,7 @@ class Slab(SlabView):
             InvalidAddress. Conflict: resident with another length.
         """
         raw, fp = self._key(address, ns)
-        if self._read(lambda: self._find(raw, fp, ns))[1] is None:  # lock-free: the usual miss
+        if self._read(self._find, raw, fp, ns)[1] is None:  # lock-free: the usual miss
             return False
         with self._locked():
             i, s = self._find(raw, fp, ns)
@@ -1081,14 +1118,10 @@ class Slab(SlabView):
 
     # ------------------------------------------------------------------ get / exists / delete
 
-    def _read(self, lookup: Callable[[], _T]) -> _T:
-        """Run a read-only ``lookup`` of the slot table, without the lock if it can
-        (:meth:`SlabView._lockfree`), else under it."""
-        result = self._lockfree(lookup)
-        if result is not TORN:
-            return result  # type: ignore[return-value]
+    def _torn(self, lookup: Callable[..., _T], *args: object) -> _T:
+        """A lookup a writer got in the way of runs again under the lock."""
         with self._locked(write=False):
-            return lookup()
+            return lookup(*args)
 
     def _touch(self, i: int) -> None:
         # The CLOCK reference bit, set without the lock: at worst a block that moved into
