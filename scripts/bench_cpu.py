@@ -13,6 +13,11 @@ served. Prints each run and the median per tree and op, e.g.::
     flock /tmp/eg-kv-bench.lock .venv/bin/python scripts/bench_cpu.py \\
         --tree old=/tmp/old --tree new=. --op GET --op PUT --rounds 6
 
+With ``--instructions N`` each server runs under valgrind's callgrind instead, and the
+figure is the worker's instructions per request over N sequential requests: it does not
+move with the machine's load (a run repeats to 0.02%), so one round tells apart changes
+too small for the clock; it is blind to cache misses, so confirm with the clock.
+
 With ``--tenants 1000`` the last tree also runs with a tokens file of 1,000 tenants (every
 other run sends one token from the environment): tenants' cost against today's server.
 
@@ -22,6 +27,8 @@ Every server listens on a free loopback port and is stopped by pid; every slab i
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import os
 import re
 import statistics
@@ -29,7 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -43,6 +52,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_server import free_port, tokens_file  # noqa: E402
 
 BLOCK = 4096
+#: Requests sent before counting instructions (caches filled, code paths warm).
+WARMUP = 500
 PUT_SCRIPT = f'wrk.method = "PUT"\nwrk.body = string.rep("x", {BLOCK})\n'
 #: New addresses on every request: a 256 MiB slab fills and then every PUT evicts.
 PUTNEW_SCRIPT = f"""
@@ -55,6 +66,63 @@ end
 """
 
 
+@contextlib.contextmanager
+def serving(
+    tree: Path, tenants: int = 0, want_token: bool = True, wrapper: list[str] | None = None
+) -> Iterator[tuple[str, dict[str, str], psutil.Process]]:
+    """A one-worker server from ``tree`` on a free loopback port, with a 4 KiB block at
+    ``/kv/blk``: yields (its URL, the client's headers, the worker's process).
+
+    ``tenants``: serve with a tokens file of that many tenants (0: one token in the
+    environment) and send one tenant's token. ``want_token`` False: no token at all.
+    ``wrapper``: a command the server runs under (valgrind). The server is stopped by its
+    pid and its slab removed on exit.
+    """
+    port = free_port()
+    name = f"/eg-kv-bench-cpu-{os.getpid()}-{port}"
+    cmd = [*(wrapper or []), sys.executable, "-m", "workers", "serve",
+           "--addr", f"127.0.0.1:{port}", "--workers", "1", "--capacity", "256MiB",
+           "--slab-name", name]  # fmt: skip
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONHASHSEED": "0"}
+    tmp = tempfile.TemporaryDirectory()
+    headers = {}
+    if tenants:
+        path, token = tokens_file(tenants, tmp.name)
+        cmd += ["--tokens", path]
+        headers["Authorization"] = f"Bearer {token}"
+    elif want_token:
+        env["EPISTEMIC_GRAPH_KVCACHE_TOKEN"] = token = "cpu-single-token"
+        headers["Authorization"] = f"Bearer {token}"
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + (300 if wrapper else 30)
+        while True:
+            try:
+                urllib.request.urlopen(url + "/healthz", timeout=5).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"the server from {tree} did not start") from None
+                time.sleep(0.05)
+        put = urllib.request.Request(
+            url + "/kv/blk", data=os.urandom(BLOCK), method="PUT", headers=headers
+        )
+        urllib.request.urlopen(put, timeout=60).read()
+        (worker,) = psutil.Process(proc.pid).children()
+        yield url, headers, worker
+    finally:
+        tmp.cleanup()
+        proc.terminate()
+        try:
+            proc.wait(120 if wrapper else 20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        Slab.unlink_named(name)
+
+
 def measure(
     tree: Path,
     op: str,
@@ -63,61 +131,61 @@ def measure(
     tenants: int = 0,
     want_token: bool = True,
 ) -> tuple[float, float]:
-    """(µs of worker CPU per request, requests per second) for ``op`` on a fresh server.
-
-    ``tenants``: serve with a tokens file of that many tenants (0: one token in the
-    environment) and send one tenant's token. ``want_token`` False: no token at all.
-    """
-    port = free_port()
-    name = f"/eg-kv-bench-cpu-{os.getpid()}-{port}"
-    cmd = [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{port}",
-           "--workers", "1", "--capacity", "256MiB", "--slab-name", name]  # fmt: skip
-    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
-    tmp = tempfile.TemporaryDirectory()
-    if tenants:
-        path, token = tokens_file(tenants, tmp.name)
-        cmd += ["--tokens", path]
-    else:
-        token = "cpu-single-token"
-        if want_token:
-            env["EPISTEMIC_GRAPH_KVCACHE_TOKEN"] = token
-    auth = {"Authorization": f"Bearer {token}"}
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/healthz", timeout=1).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"the server from {tree} did not start") from None
-                time.sleep(0.05)
-        put = urllib.request.Request(
-            url + "/kv/blk", data=os.urandom(BLOCK), method="PUT", headers=auth
-        )
-        urllib.request.urlopen(put, timeout=5).read()
-        (worker,) = psutil.Process(proc.pid).children()
+    """(µs of worker CPU per request, requests per second) for ``op`` on a fresh server,
+    driven by ``wrk`` (8 connections) for ``seconds`` (see :func:`serving`)."""
+    with serving(tree, tenants, want_token) as (url, headers, worker):
         before = sum(worker.cpu_times()[:2])
-        args = ["wrk", "-t1", "-c8", f"-d{seconds:g}s", "-H",
-                f"Authorization: Bearer {token}", url + "/kv/blk"]  # fmt: skip
+        args = ["wrk", "-t1", "-c8", f"-d{seconds:g}s", url + "/kv/blk"]
+        for k, v in headers.items():
+            args[1:1] = ["-H", f"{k}: {v}"]
         if op in lua:
             args += ["-s", lua[op]]
         out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 30).stdout
         cpu = sum(worker.cpu_times()[:2]) - before
         n = int(re.search(r"(\d+) requests in", out).group(1))
         return cpu / n * 1e6, n / seconds
+
+
+def _send(url: str, headers: dict[str, str], op: str, n: int) -> None:
+    """``n`` requests of ``op``, one after another on one keep-alive connection."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    body = b"x" * BLOCK
+    try:
+        for k in range(n):
+            if op == "GET":
+                conn.request("GET", "/kv/blk", headers=headers)
+            else:
+                path = "/kv/blk" if op == "PUT" else f"/kv/n{k}"
+                conn.request("PUT", path, body=body, headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            if resp.status not in (200, 201):
+                raise RuntimeError(f"{op} answered {resp.status}")
     finally:
-        tmp.cleanup()
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        Slab.unlink_named(name)
+        conn.close()
+
+
+def instructions(tree: Path, op: str, n: int, tenants: int = 0, want_token: bool = True) -> float:
+    """Instructions the worker executes per request of ``op`` (valgrind's callgrind).
+
+    Two servers under callgrind, one given ``n`` more requests than the other (after the
+    same warm-up): the difference in the worker's instruction count, divided by ``n``.
+    Deterministic (PYTHONHASHSEED is fixed) and blind to what else the machine runs, so
+    it tells changes of a few tenths of a percent apart; it does not see cache misses.
+    """
+    counts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for extra in (0, n):
+            out = os.path.join(tmp, f"callgrind.{extra}.%p")
+            wrapper = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+            with serving(tree, tenants, want_token, wrapper) as (url, headers, worker):
+                _send(url, headers, op, WARMUP)
+                _send(url, headers, op, extra)
+                pid = worker.pid
+            text = Path(out.replace("%p", str(pid))).read_text()
+            counts.append(int(re.search(r"^totals: (\d+)", text, re.M).group(1)))
+    return (counts[1] - counts[0]) / n
 
 
 def main() -> int:
@@ -149,6 +217,15 @@ def main() -> int:
         action="store_true",
         help="serve and send no token (the runs without --tenants)",
     )
+    ap.add_argument(
+        "--instructions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="count the worker's instructions per request under valgrind's callgrind over "
+        "N sequential requests instead of timing wrk (deterministic: one round is enough; "
+        "apt-get install valgrind)",
+    )
     ap.add_argument("--rounds", type=int, default=6, help="runs per tree and op (6)")
     ap.add_argument("--seconds", type=float, default=3.0, help="per run (3)")
     args = ap.parse_args()
@@ -168,14 +245,21 @@ def main() -> int:
         for r in range(args.rounds):
             for label, tree, tenants in runs if r % 2 == 0 else runs[::-1]:
                 for op in ops:
-                    us, rps = measure(tree, op, args.seconds, lua, tenants, not args.no_token)
-                    results.setdefault((label, op), []).append(us)
-                    print(
-                        f"{label:>8} {op}: {us:5.1f} µs CPU/request, {rps:,.0f} req/s", flush=True
-                    )
-    for (label, op), runs in results.items():
-        print(f"{label:>8} {op}: median {statistics.median(runs):.2f} µs CPU/request over "
-              f"{len(runs)} runs: {', '.join(f'{x:.1f}' for x in runs)}")  # fmt: skip
+                    if args.instructions:
+                        x = instructions(tree, op, args.instructions, tenants, not args.no_token)
+                        print(f"{label:>8} {op}: {x:,.0f} instructions/request", flush=True)
+                    else:
+                        x, rps = measure(tree, op, args.seconds, lua, tenants, not args.no_token)
+                        print(f"{label:>8} {op}: {x:5.1f} µs CPU/request, {rps:,.0f} req/s",
+                              flush=True)  # fmt: skip
+                    results.setdefault((label, op), []).append(x)
+    unit = "instructions" if args.instructions else "µs CPU"
+    first = {op: statistics.median(results[(runs[0][0], op)]) for op in ops}
+    for (label, op), xs in results.items():
+        m = statistics.median(xs)
+        print(f"{label:>8} {op}: median {m:,.2f} {unit}/request over {len(xs)} runs "
+              f"({m / first[op]:.3f} of {runs[0][0]}): "
+              f"{', '.join(f'{x:,.1f}' for x in xs)}")  # fmt: skip
     return 0
 
 
