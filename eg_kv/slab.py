@@ -712,8 +712,9 @@ class Slab(SlabView):
     def _npages(self, length: int) -> int:
         return -(-length // self.page_size)
 
-    def _drop_block(self, i: int, s: L.SlotFields) -> None:
-        """Release slot ``i``'s block entirely (last delete or eviction)."""
+    def _drop_block(self, i: int, s: L.SlotFields, evicted: bool = False) -> None:
+        """Release slot ``i``'s block entirely (last delete, or an eviction if ``evicted``:
+        counted here, one call per evicted block rather than two)."""
         st = self._state
         self._free_pages(s[F_FIRST], s[F_NPAGES])
         self._remove_slot(i)
@@ -722,6 +723,9 @@ class Slab(SlabView):
         st[L.ST_RESIDENT_BYTES] -= s[F_LENGTH]
         st[L.ST_LOGICAL_BYTES] -= s[F_LENGTH] * s[F_REFS]
         st[L.ST_SLOT_PAGES] -= s[F_NPAGES]
+        if evicted:
+            st[L.ST_EVICTIONS] += 1
+            st[L.ST_EVICTED_BYTES] += s[F_LENGTH]
         e = s[F_NS] * _NS_WORDS
         if 0 < e < _NS_TABLE_WORDS:  # 0: derived; a damaged id may lie beyond the table
             nsw = self._nsw
@@ -730,16 +734,9 @@ class Slab(SlabView):
             nsw[e + _NS_RESIDENT_BYTES] -= s[F_LENGTH]
             nsw[e + _NS_LOGICAL_BYTES] -= s[F_LENGTH] * s[F_REFS]
             nsw[e + _NS_PAGES] -= s[F_NPAGES]
-
-    def _evicted(self, s: L.SlotFields) -> None:
-        """Count the eviction of the block whose fields were ``s``."""
-        st = self._state
-        st[L.ST_EVICTIONS] += 1
-        st[L.ST_EVICTED_BYTES] += s[F_LENGTH]
-        e = s[F_NS] * _NS_WORDS
-        if 0 < e < _NS_TABLE_WORDS:
-            self._nsw[e + _NS_EVICTIONS] += 1
-            self._nsw[e + _NS_EVICTED_BYTES] += s[F_LENGTH]
+            if evicted:
+                nsw[e + _NS_EVICTIONS] += 1
+                nsw[e + _NS_EVICTED_BYTES] += s[F_LENGTH]
 
     def _room(self, n: int, ns: int, length: int) -> None:
         """Make room for a block of ``length`` bytes on ``n`` pages in namespace ``ns``:
@@ -798,9 +795,7 @@ class Slab(SlabView):
         if mm[off + L.SLOT_REF_OFFSET]:
             mm[off + L.SLOT_REF_OFFSET] = 0
             return False
-        s = self._read_slot(i)
-        self._drop_block(i, s)
-        self._evicted(s)
+        self._drop_block(i, self._read_slot(i), evicted=True)
         return True
 
     def _make_room(self, n: int) -> None:
@@ -832,9 +827,7 @@ class Slab(SlabView):
                 if mm[off + L.SLOT_REF_OFFSET]:
                     mm[off + L.SLOT_REF_OFFSET] = 0  # second chance
                 else:
-                    s = self._read_slot(i)
-                    self._drop_block(i, s)
-                    self._evicted(s)
+                    self._drop_block(i, self._read_slot(i), evicted=True)
                     continue  # backward shift may have moved another block into slot i
             hand = (hand + 1) & mask
         st[L.ST_CLOCK_HAND] = hand
