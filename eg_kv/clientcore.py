@@ -572,6 +572,16 @@ class ClientCore:
             self.miss("GET", address, exc)
             return None
 
+    def local_length(self, slab: LocalSlab | None, address: str) -> int | None:
+        """The block's length in the local slab; None if absent or not known locally.
+        Counts nothing; never raises."""
+        if slab is None:
+            return None
+        try:
+            return slab.length(address, slab.info.ns)
+        except Exception:  # the fetch that follows says what went wrong
+            return None
+
     def local_exists(self, slab: LocalSlab | None, addresses: list[str]) -> list[bool] | None:
         """Which ``addresses`` are resident, from the local slab; None: ask over HTTP.
 

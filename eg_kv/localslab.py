@@ -167,6 +167,7 @@ class LocalSlab(SlabView):
         self._hints = rmv[L.READERS_HINTS_OFFSET :]
         rmv.release()
         self._lock = threading.Lock()
+        self._copying = 0  # fetches copying now (close() leaves the unmapping to the last)
         self._pid = os.getpid()
         self._named_at = time.monotonic()
         # A second read-only mapping whose address ctypes knows, for bulk copies.
@@ -315,12 +316,22 @@ class LocalSlab(SlabView):
             return None
         if reader.length > limit:  # as over HTTP: the server counted a hit, this is a miss
             return None
-        copier = _Copier(self, reader)
+        with self._lock:  # the mapping must outlive the copy, whatever thread closes it
+            if self.closed:
+                raise LocalRetired("the local slab mapping is closed")
+            self._copying += 1
         try:
+            copier = _Copier(self, reader)
             result = sink(reader.length, copier.read_exact)
             copier.finish()
         except BlockGone:
             return None
+        finally:
+            with self._lock:
+                self._copying -= 1
+                last_out = self.closed and not self._copying
+            if last_out:  # closed meanwhile: close() left the unmapping to the last copy
+                self._release_maps()
         return result
 
     def exists_addresses(self, addresses: list[str]) -> list[bool]:
@@ -355,11 +366,17 @@ class LocalSlab(SlabView):
         self.close()
 
     def close(self) -> None:
-        """Unmap the slab and give the counters entry back (its counts stay). Idempotent."""
+        """Unmap the slab and give the counters entry back (its counts stay). Idempotent.
+
+        A copy in flight on another thread keeps the mappings until it ends (unmapping
+        under a ``memmove`` would crash the process); the last one out unmaps.
+        """
         with self._lock:
             if self.closed:
                 return
             self.closed = True
+            if self._copying:
+                return
         # In a forked child these are its own copies: closing them leaves the parent's
         # entry lock (an OFD lock lasts while any descriptor of it is open) and mapping.
         self._release_maps()

@@ -7,6 +7,7 @@ permission, a server restarted onto a new slab, tenants, a fork.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import multiprocessing as mp
@@ -18,8 +19,10 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ from server_procs import workers_of
 from tenant_helpers import token_of, write_tokens
 
 from eg_kv import layout as L
+from eg_kv.aio import AsyncRemoteKVConnector
 from eg_kv.kvcache import RemoteKVConnector, RemoteKVL2Connector
 from eg_kv.localslab import LocalInfo, LocalRetired, LocalSlab, LocalUnavailable
 from eg_kv.slab import Slab
@@ -94,6 +98,83 @@ def test_a_client_on_the_host_reads_the_slab_and_counts_as_http(server_factory):
     # Both segments are the owner's only.
     for name in (srv.slab_name, srv.slab_name + L.READERS_SUFFIX):
         assert stat.S_IMODE(os.stat("/dev/shm" + name).st_mode) == 0o600
+
+
+def _copy_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("eg-kv-test-copy")]
+
+
+def test_the_async_client_reads_locally_and_copies_large_blocks_off_the_loop(server_factory):
+    srv = server_factory(workers=1, capacity="64MiB")
+    big, small = content("big", 14 * MiB), content("small", 1000)
+    with RemoteKVConnector(base_url=srv.url, local_reads=False) as http:
+        assert http.put("big", big) and http.put("small", small)
+    gets, before = http_block_gets(srv), stats(srv)
+
+    async def reads() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="eg-kv-test-copy"))
+        async with AsyncRemoteKVConnector(base_url=srv.url) as kv:
+            assert await kv.get("small") == small and await kv.get("absent") is None
+            assert await kv.exists("small") and not await kv.exists("absent")
+            assert kv._core.local.slab is not None, "the async client did not map the slab"
+            assert not _copy_threads(), "a small block left the event loop"
+            assert await kv.get("big") == big
+            assert _copy_threads(), "a 14 MiB block was copied in the event loop"
+
+    asyncio.run(reads())
+    assert http_block_gets(srv) == gets  # nothing went over HTTP
+    after = stats(srv)
+    assert after["get_hits"] - before["get_hits"] == 2
+    assert after["get_misses"] - before["get_misses"] == 1
+
+
+_CLOSE_DURING_COPY = textwrap.dedent(
+    """
+    import sys, threading
+    from eg_kv.localslab import LocalInfo, LocalRetired, LocalSlab
+    local = LocalSlab.open(LocalInfo.from_json(__import__("json").loads(sys.argv[1])))
+    halfway, closed = threading.Event(), threading.Event()
+
+    def sink(length, read_exact):
+        buf = bytearray(length)
+        view = memoryview(buf)
+        read_exact(view[: length // 2])
+        halfway.set()
+        closed.wait(10)
+        read_exact(view[length // 2 :])  # a memmove from the mapping another thread closed
+        return bytes(buf)
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(local.fetch("big", 1 << 30, sink)))
+    t.start()
+    halfway.wait(10)
+    local.close()
+    closed.set()
+    t.join(10)
+    assert out == [bytes(range(256)) * 8192], "the copy went wrong"
+    try:
+        local.fetch("big", 1 << 30, sink)
+    except LocalRetired:
+        print("ok", flush=True)
+    """
+)
+
+
+def test_closing_a_local_slab_waits_for_the_copy_in_flight(slab_name):
+    slab = Slab.create(slab_name, 8 * MiB, page_size=64 * KiB, max_block_size=4 * MiB)
+    try:
+        slab.put("big", bytes(range(256)) * 8192)  # 2 MiB: copied by memmove
+        doc = LocalInfo.of(slab.name, slab.slab_id, slab.geometry.total_size, 0)
+        # In a child: unmapping under its copy would kill it with SIGSEGV.
+        out = subprocess.run(
+            [sys.executable, "-c", _CLOSE_DURING_COPY, json.dumps(doc)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert (out.returncode, out.stdout) == (0, "ok\n"), out.stderr[-2000:]
+    finally:
+        slab.close()
+        Slab.unlink_named(slab.name)
 
 
 _COUNTING_READER = textwrap.dedent(
