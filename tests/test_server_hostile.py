@@ -25,6 +25,7 @@ import psutil
 import pytest
 from conftest import ROOT, wait_for
 from server_http import raw_exchange, request, stats, status_of
+from server_procs import gone
 
 from eg_kv.connections import (
     DEFAULT_MAX_CONNECTIONS,
@@ -531,6 +532,9 @@ def test_a_killed_workers_open_connections_leave_the_gauge(server_factory):
         wait_for(lambda: (_metric(srv, "eg_kv_connections_open") or 0) >= 24, timeout=30,
                  what="the open connections to be counted")  # fmt: skip
         os.kill(victim, signal.SIGKILL)
+        # Dead first: until then its heartbeat still counts it up, and a connection the
+        # kernel queues on its listener while it exits is reset (a scrape below was).
+        wait_for(lambda: gone(victim), timeout=30, what="the killed worker to exit")
         wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=30,
                  what="the replacement worker")  # fmt: skip
         for s in (s for group in socks.values() for s in group):
