@@ -46,6 +46,7 @@ from .clientcore import (
 from .errors import EgKvError, RemoteError
 from .localreads import ROUTE as LOCAL_ROUTE
 from .localslab import LocalSlab
+from .slabview import BlockReader
 
 T = TypeVar("T")
 
@@ -306,11 +307,14 @@ class AsyncRemoteKVConnector:
         address = to_address(key)
         limit = self.config.max_block_size
         slab, core = await self._local(), self._core
-        if (core.local_length(slab, address) or 0) > LOCAL_COPY_IN_LOOP:
-            loop = asyncio.get_running_loop()
-            local = await loop.run_in_executor(None, core.local_fetch, slab, address, _into_bytes)
-        else:
-            local = core.local_fetch(slab, address, _into_bytes)
+        local = core.local_open(slab, address)
+        if slab is not None and isinstance(local, BlockReader):
+            if local.length > LOCAL_COPY_IN_LOOP:
+                local = await asyncio.get_running_loop().run_in_executor(
+                    None, core.local_copy, slab, local, address, _into_bytes
+                )
+            else:
+                local = core.local_copy(slab, local, address, _into_bytes)
         if local is not OVER_HTTP:
             return local  # type: ignore[no-any-return]
 

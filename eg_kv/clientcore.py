@@ -47,6 +47,7 @@ from .config import (
 from .errors import ConfigError, InvalidAddress, RemoteError, Unauthorized
 from .localreads import LocalReads
 from .localslab import LocalSlab, LocalUnavailable
+from .slabview import BlockReader
 
 log = logging.getLogger("eg_kv.kvcache")
 
@@ -560,26 +561,35 @@ class ClientCore:
     def local_fetch(self, slab: LocalSlab | None, address: str, sink: Callable[..., Any]) -> Any:
         """A GET served from the local slab (:mod:`eg_kv.localreads`): ``sink``'s result,
         None on a miss, or :data:`OVER_HTTP` when the read must go over HTTP (no mapping,
-        or one that could not serve it exactly). Never raises."""
+        or one that could not serve it exactly). :meth:`local_open`, then
+        :meth:`local_copy`. Never raises."""
+        reader = self.local_open(slab, address)
+        if slab is None or not isinstance(reader, BlockReader):
+            return reader  # OVER_HTTP or a miss
+        return self.local_copy(slab, reader, address, sink)
+
+    def local_open(self, slab: LocalSlab | None, address: str) -> Any:
+        """The local block to copy (a :class:`~eg_kv.slabview.BlockReader`), None on a
+        miss, or :data:`OVER_HTTP`. Never raises."""
         if slab is None:
             return OVER_HTTP
+        return self._locally(address, slab.open_to_fetch, address, self.config.max_block_size)
+
+    def local_copy(
+        self, slab: LocalSlab, reader: BlockReader, address: str, sink: Callable[..., Any]
+    ) -> Any:
+        """``sink``'s result for ``reader`` (from :meth:`local_open`), None on a miss, or
+        :data:`OVER_HTTP`. Any thread may run it; never raises."""
+        return self._locally(address, slab.copy_out, reader, sink)
+
+    def _locally(self, address: str, step: Callable[..., Any], *args: Any) -> Any:
         try:
-            return slab.fetch(address, self.config.max_block_size, sink)
+            return step(*args)
         except LocalUnavailable as exc:
             self.local.step_aside(exc)
             return OVER_HTTP
         except Exception as exc:
             self.miss("GET", address, exc)
-            return None
-
-    def local_length(self, slab: LocalSlab | None, address: str) -> int | None:
-        """The block's length in the local slab; None if absent or not known locally.
-        Counts nothing; never raises."""
-        if slab is None:
-            return None
-        try:
-            return slab.length(address, slab.info.ns)
-        except Exception:  # the fetch that follows says what went wrong
             return None
 
     def local_exists(self, slab: LocalSlab | None, addresses: list[str]) -> list[bool] | None:

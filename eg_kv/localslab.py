@@ -306,16 +306,37 @@ class LocalSlab(SlabView):
     ) -> _T | None:
         """Hand a block to ``sink(length, read_exact)`` as the HTTP clients do; None on a
         miss (absent, over ``limit`` bytes, or gone while it was copied: counted a miss).
+        :meth:`open_to_fetch` then :meth:`copy_out`.
 
         Raises:
             LocalUnavailable: ask over HTTP instead (nothing was counted).
             Exception: what ``sink`` raises (the caller's miss).
         """
+        reader = self.open_to_fetch(address, limit)
+        return None if reader is None else self.copy_out(reader, sink)
+
+    def open_to_fetch(self, address: str, limit: int) -> BlockReader | None:
+        """The block to copy out (a counted hit); None: a counted miss (absent, or over
+        ``limit`` bytes: as over HTTP, the server counted a hit and the client a miss).
+
+        Raises:
+            LocalUnavailable: ask over HTTP instead (nothing was counted).
+        """
         reader = self.open_block(address, self.info.ns)
-        if reader is None:
+        if reader is None or reader.length > limit:
             return None
-        if reader.length > limit:  # as over HTTP: the server counted a hit, this is a miss
-            return None
+        return reader
+
+    def copy_out(
+        self, reader: BlockReader, sink: Callable[[int, Callable[[memoryview], None]], _T]
+    ) -> _T | None:
+        """Hand ``reader``'s block to ``sink(length, read_exact)``; None if it went while
+        it was copied (a counted miss). Any thread may run it.
+
+        Raises:
+            LocalRetired: the mapping was closed.
+            Exception: what ``sink`` raises (the caller's miss).
+        """
         with self._lock:  # the mapping must outlive the copy, whatever thread closes it
             if self.closed:
                 raise LocalRetired("the local slab mapping is closed")

@@ -56,9 +56,9 @@ MAX_BOOT_DEATHS = 5
 KILL_GRACE_S = 5.0
 #: The main loop wakes at least this often even when nothing happens (the watchdog's
 #: sampling period).
+TICK_S = 0.25
 #: How often local readers' hit hints are folded into the slab's reference bits.
 FOLD_HINTS_S = 1.0
-TICK_S = 0.25
 #: The longest the supervisor waits for the slab lock at once; it retries on a later tick.
 LOCK_WAIT_S = 0.2
 #: A worker that has not said it serves after this long (or 6 heartbeat timeouts) is
