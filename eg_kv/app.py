@@ -148,8 +148,14 @@ class Auth:
         return found
 
     def bind(self, slab: Slab, table: TenantTable) -> TenantTable:
-        """``table`` with its namespaces' ids from the slab (quotas set there too)."""
-        return table.with_ids(slab.bind_namespaces(table.quotas))
+        """``table`` with its namespaces' ids from the slab (quotas set there too).
+
+        The handle's per-namespace address memos are sized for these namespaces and
+        emptied (:meth:`eg_kv.slabview.SlabView.share_key_cache`).
+        """
+        ids = slab.bind_namespaces(table.quotas)
+        slab.share_key_cache(len(ids))
+        return table.with_ids(ids)
 
     def reload(self, slab: Slab, path: str, capacity: int) -> bool:
         """Load the tokens file at ``path`` again; keep the old tenants if it is bad.
@@ -547,7 +553,7 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
         _allowed("block", "PUT", tenant, app[AUTH].tenants_mode)
         address = request.match_info["hash"]
         slab = app[SLAB]
-        slab.check_address(address)
+        slab.check_address(address, tenant.ns)
         length = _announced_length(request, slab.max_block_size)
         if request.headers.get("Expect", "").lower() != "100-continue":
             return await _final_answer(request, _expect_refused(), start)
@@ -615,7 +621,7 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """
     address = request.match_info["hash"]
     slab, ns = request.app[SLAB], tenant.ns
-    slab.check_address(address)
+    slab.check_address(address, ns)
     length = _announced_length(request, slab.max_block_size)
     if length == 0:  # refused before reading: there is nothing to store
         raise BadRequest("empty block (0 bytes): nothing to store")
