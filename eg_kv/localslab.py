@@ -27,6 +27,7 @@ import dataclasses
 import fcntl
 import mmap
 import os
+import stat
 import struct
 import threading
 import time
@@ -96,6 +97,8 @@ class LocalInfo:
         layout_version: the slab's layout version.
         total_size: the segment's size in bytes.
         ns: the namespace id of the token's tenant.
+        uid: the server's effective uid, which must own both segments (None from a
+            server that does not say: then this process's own uid must).
     """
 
     slab: str
@@ -104,6 +107,7 @@ class LocalInfo:
     layout_version: int
     total_size: int
     ns: int
+    uid: int | None = None
 
     @classmethod
     def from_json(cls, doc: Any) -> LocalInfo:
@@ -120,6 +124,7 @@ class LocalInfo:
                 layout_version=int(doc["layout_version"]),
                 total_size=int(doc["total_size"]),
                 ns=int(doc["namespace_id"]),
+                uid=None if doc.get("uid") is None else int(doc["uid"]),
             )
         except (TypeError, KeyError, ValueError) as e:
             raise LocalUnavailable(f"the server's slab description is malformed ({e})") from None
@@ -138,6 +143,7 @@ class LocalInfo:
             "layout_version": L.VERSION,
             "total_size": total_size,
             "namespace_id": ns,
+            "uid": os.geteuid(),  # the server's: a client trusts no other user's segment
         }
 
 
@@ -146,6 +152,25 @@ def _open(path: str, flags: int) -> int:
         return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as e:
         raise LocalUnavailable(f"cannot open {path}: {e.strerror}") from None
+
+
+def _check_owner(fd: int, name: str, uid: int) -> None:
+    """Refuse segment ``name`` (open on ``fd``) unless ``uid`` owns it, alone (mode 0600).
+
+    On the descriptor about to be mapped, not the name: a name can change hands between
+    a check and a mapping. Explicit, because root opens anything: another user's segment
+    of the name (made before the server's, or after it stopped) could hold any bytes.
+
+    Raises:
+        LocalUnavailable: another owner, or group/other mode bits.
+    """
+    st = os.fstat(fd)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != uid or mode & 0o077:
+        raise LocalUnavailable(
+            f"{name} here is owned by uid {st.st_uid} with mode {mode:04o}, not by the "
+            f"server's uid {uid} with mode 0600: it is not the server's, so it is not read"
+        )
 
 
 class LocalSlab(SlabView):
@@ -193,7 +218,8 @@ class LocalSlab(SlabView):
 
         Raises:
             LocalUnavailable: it cannot be read here, and why (no such segment or no
-                permission: another host, container or user; another slab of that name;
+                permission: another host, container or user; a segment that is not the
+                server's user's alone (mode 0600); another slab of that name;
                 another layout; no lock-free reads on this CPU; no counters entry free).
         """
         if not LOCKFREE_READS:
@@ -202,9 +228,11 @@ class LocalSlab(SlabView):
             raise LocalUnavailable(
                 f"the slab has layout version {info.layout_version}; this client reads {L.VERSION}"
             )
+        uid = os.geteuid() if info.uid is None else info.uid
         fd = _open(shm_dir + info.slab, os.O_RDONLY)
         rfd = -1
         try:
+            _check_owner(fd, info.slab, uid)
             size = os.fstat(fd).st_size
             if size != info.total_size or size < L.HEADER_SIZE:
                 raise LocalUnavailable(f"{info.slab} here is not the server's slab (its size)")
@@ -217,6 +245,7 @@ class LocalSlab(SlabView):
                 if slab_id != info.slab_id:
                     raise LocalUnavailable(f"{info.slab} here is another slab (its id differs)")
                 rfd = _open(shm_dir + info.readers, os.O_RDWR)
+                _check_owner(rfd, info.readers, uid)
                 head = os.pread(rfd, L.READERS_HEAD.size, 0)
                 if head != L.READERS_HEAD.pack(L.READERS_MAGIC, slab_id, L.NREADERS, g.nslots):
                     raise LocalUnavailable(f"{info.readers} is not this slab's readers segment")

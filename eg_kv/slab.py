@@ -22,6 +22,8 @@ import fcntl
 import itertools
 import mmap
 import os
+import pwd
+import stat
 import struct
 import threading
 import time
@@ -66,7 +68,7 @@ from .procs import pid_alive
 from .slabview import BlockGone as BlockGone
 from .slabview import BlockReader as BlockReader
 from .slabview import SlabView
-from .units import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, format_size
+from .units import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, human_size
 
 # struct flock for F_OFD_SETLKW: l_type, l_whence, l_start, l_len, l_pid (must be 0).
 _FLOCK = struct.Struct("hhqqi4x")
@@ -141,6 +143,112 @@ class CheckReport:
 def readers_name(slab_name: str) -> str:
     """The name of slab ``slab_name``'s readers segment (:mod:`eg_kv.layout`)."""
     return slab_name + L.READERS_SUFFIX
+
+
+#: Where Linux keeps POSIX shared memory (``posix_ipc`` segment ``/x`` is ``/dev/shm/x``).
+SHM_DIR = "/dev/shm"
+#: A segment's identity, ``(st_dev, st_ino)``: what a name pointed to when it was opened.
+Inode = tuple[int, int]
+
+
+class ForeignSegment(SlabError):
+    """A segment eg-kv must not use: another user's, or open to group or others."""
+
+
+def _user(uid: int) -> str:
+    """``uid 65534 (nobody)``, or just ``uid N`` where the user database has no name."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _check_owned(fd: int, name: str) -> Inode:
+    """Refuse segment ``name`` unless this process's user owns it, alone (mode 0600).
+
+    Checked with ``fstat`` on the descriptor the caller maps next, never on the name, so
+    the name cannot be swapped between the check and the mapping. Explicit, because root
+    bypasses permissions: a segment another user made (or made 0666) could be rewritten
+    by that user under the server, and a readers segment truncated under it (SIGBUS).
+
+    Args:
+        fd: the segment, open.
+        name: its name, for the message.
+
+    Returns:
+        Its identity, so that only this segment is ever unlinked later under its name.
+
+    Raises:
+        ForeignSegment: another owner, or group/other mode bits.
+    """
+    st = os.fstat(fd)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid() or mode & 0o077:
+        raise ForeignSegment(
+            f"shared-memory segment {name} ({SHM_DIR}{name}) is owned by {_user(st.st_uid)} "
+            f"with mode {mode:04o}, and eg-kv ({_user(os.geteuid())}) uses only segments "
+            "of its own user with mode 0600: give this server another --slab-name, or "
+            f"remove {SHM_DIR}{name} once you know nothing uses it"
+        )
+    return (st.st_dev, st.st_ino)
+
+
+def _no_room(shm_dir: str, free: int | None, slab_size: int, readers_size: int) -> SlabError:
+    """The error for a ``shm_dir`` too small for the slab and its readers segment."""
+    need = slab_size + readers_size
+    have = "has no room left" if free is None else f"has {human_size(free)} free"
+    if free is not None and human_size(free) == human_size(need):
+        have = f"has {free} bytes free"  # rounded alike: the exact figures say which is less
+        need_text = f"{need} bytes"
+    else:
+        need_text = human_size(need)
+    return SlabError(
+        f"{shm_dir} {have} but the slab needs {need_text} (slab {human_size(slab_size)} + "
+        f"readers {human_size(readers_size)}): lower --capacity or enlarge {shm_dir} "
+        "(docker: shm_size)"
+    )
+
+
+def _reserve(fd: int, size: int, old_size: int) -> None:
+    """Allocate bytes ``[0, size)`` of segment ``fd`` now, so touching them never SIGBUSes.
+
+    A tmpfs that runs out while a mapped page is first touched kills the toucher with
+    SIGBUS; ``posix_fallocate`` fails with ENOSPC instead. Where it is not supported,
+    writing zeros past ``old_size`` (the bytes before it are in use) reserves as well.
+
+    Raises:
+        OSError: ENOSPC / ENOMEM when there is no room, or another error.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        if size > old_size:
+            os.pwrite(fd, bytes(size - old_size), old_size)
+
+
+def _unlink_ours(name: str, inode: Inode | None) -> bool:
+    """Unlink segment ``name`` if this user owns it and, given ``inode``, it is that one.
+
+    A small race remains between the ``stat`` and the unlink (POSIX has no unlink by
+    descriptor): only a process that may remove the name anyway (its owner or root: the
+    directory is sticky) can swap it in between, so another user cannot use it.
+
+    Returns:
+        Whether it was unlinked.
+    """
+    try:
+        st = os.stat(SHM_DIR + name)
+    except OSError:
+        return False
+    if st.st_uid != os.geteuid() or (inode is not None and (st.st_dev, st.st_ino) != inode):
+        return False
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
 
 
 def _check_page_size(page_size: int) -> None:
@@ -218,6 +326,11 @@ class Slab(SlabView):
         super().__init__(name, mmap.mmap(shm.fd, geometry.total_size), geometry)
         g = geometry
         self._fd = shm.fd
+        st = os.fstat(shm.fd)
+        #: The segment this handle maps (its name may later point elsewhere: see unlink).
+        self.inode: Inode = (st.st_dev, st.st_ino)
+        #: The readers segment this handle maps, once it does (see _map_readers).
+        self.readers_inode: Inode | None = None
         self._rmm: mmap.mmap | None = None  # the readers segment (see _map_readers)
         self._readers: memoryview | None = None
         self._hints: memoryview | None = None
@@ -253,11 +366,13 @@ class Slab(SlabView):
     ) -> Slab:
         """Create a new slab whose data area holds ``capacity`` bytes.
 
-        Checks that ``shm_dir`` has room, allocates every byte (so the tmpfs can never run
-        out later and SIGBUS a process), and pre-faults the pages.
+        Checks that ``shm_dir`` has room for the slab and its readers segment, creates
+        both exclusively (mode 0600), allocates every byte of both (so the tmpfs can never
+        run out later and SIGBUS a process), and pre-faults the pages.
 
         Raises:
             SlabError: bad geometry, a segment of that name exists, or no room.
+            ForeignSegment: a readers segment of that name is another user's.
         """
         _check_page_size(page_size)
         if capacity < page_size:
@@ -265,16 +380,14 @@ class Slab(SlabView):
         if max_block_size < 1:
             raise SlabError("max block size must be at least 1 byte")
         g = L.Geometry.plan(capacity, page_size, max_block_size)
+        rsize = L.readers_size(g.nslots)
         try:
             st = os.statvfs(shm_dir)
         except OSError:
             st = None
-        if st is not None and st.f_bavail * st.f_frsize < g.total_size:
-            raise SlabError(
-                f"{shm_dir} has {format_size(st.f_bavail * st.f_frsize)} free but the slab "
-                f"needs {format_size(g.total_size)}: lower --capacity or enlarge {shm_dir} "
-                "(docker: shm_size)"
-            )
+        # The readers segment counts too: a slab that fits without it died of SIGBUS.
+        if st is not None and st.f_bavail * st.f_frsize < g.total_size + rsize:
+            raise _no_room(shm_dir, st.f_bavail * st.f_frsize, g.total_size, rsize)
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
         except posix_ipc.ExistentialError:
@@ -282,31 +395,28 @@ class Slab(SlabView):
                 f"a slab named {name} exists already: attach to it, or remove it first "
                 "(eg-kv serve --fresh)"
             ) from None
+        made = os.fstat(shm.fd)
         try:
-            os.ftruncate(shm.fd, g.total_size)
+            _check_owned(shm.fd, name)  # O_EXCL made it ours, and a umask adds no bits: sure
             try:
-                os.posix_fallocate(shm.fd, 0, g.total_size)
+                _reserve(shm.fd, g.total_size, 0)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise SlabError(
-                        f"no room for a {format_size(g.total_size)} slab in {shm_dir}: "
-                        "lower --capacity or enlarge it"
-                    ) from None
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
+                    raise _no_room(shm_dir, None, g.total_size, rsize) from None
+                raise
             slab = cls(name, shm, g)
         except BaseException:
             shm.close_fd()
-            posix_ipc.unlink_shared_memory(name)
+            _unlink_ours(name, (made.st_dev, made.st_ino))
             raise
         if prefault:
             slab._prefault(may_write=True)  # nobody else has it yet: zeros are harmless
         slab._format()
         try:
-            slab._map_readers()
+            slab._map_readers(create=True)
         except BaseException:
             slab.close()
-            cls.unlink_named(name)
+            slab.unlink()
             raise
         return slab
 
@@ -320,13 +430,17 @@ class Slab(SlabView):
         a byte: other processes may be using the slab.
 
         Raises:
-            SlabError: no such segment, or one that is not an eg-kv slab of this layout.
+            SlabError: no such segment, or one that is not an eg-kv slab of this layout,
+                or no room in ``/dev/shm`` for its readers segment.
+            ForeignSegment: the slab or its readers segment is another user's, or has
+                group/other mode bits (checked before either is mapped).
         """
         try:
             shm = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:
             raise SlabError(f"no slab named {name}: start the server (eg-kv serve) first") from None
         try:
+            _check_owned(shm.fd, name)  # before a byte of it is read or mapped
             size = os.fstat(shm.fd).st_size
             if size < L.HEADER_SIZE:
                 raise SlabError(f"{name} is not an eg-kv slab (only {size} bytes)")
@@ -375,14 +489,29 @@ class Slab(SlabView):
         """The name of the segment local readers count in (:func:`readers_name`)."""
         return readers_name(self.name)
 
-    def _map_readers(self) -> None:
-        """Map the readers segment, creating it if it is missing (every process that
-        attaches may: they write the same header, so a race between two is harmless)."""
+    def _map_readers(self, create: bool = False) -> None:
+        """Map the readers segment once it is checked to be this user's alone.
+
+        Args:
+            create: for a new slab: the segment is created exclusively; one of this user's
+                left by an earlier slab of the name is replaced, another user's refused.
+                Otherwise an existing one is used and a missing one created (every process
+                that attaches may: they write the same header, so a race is harmless).
+
+        Raises:
+            ForeignSegment: it is another user's, or has group/other mode bits.
+            SlabError: no room for it in ``/dev/shm``.
+        """
         size = L.readers_size(self.geometry.nslots)
-        shm = posix_ipc.SharedMemory(self.readers_name, posix_ipc.O_CREAT, mode=0o600)
+        shm = self._open_readers(create)
         try:
-            if os.fstat(shm.fd).st_size < size:
-                os.ftruncate(shm.fd, size)
+            self.readers_inode = _check_owned(shm.fd, self.readers_name)
+            try:  # allocated before it is touched: a tmpfs out of room SIGBUSes a toucher
+                _reserve(shm.fd, size, os.fstat(shm.fd).st_size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise _no_room(SHM_DIR, None, self.geometry.total_size, size) from None
+                raise
             self._rmm = mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
@@ -396,6 +525,35 @@ class Slab(SlabView):
         self._readers = rmv[L.READERS_HEADER_SIZE : L.READERS_HINTS_OFFSET].cast("q")
         self._hints = rmv[L.READERS_HINTS_OFFSET : size]
         rmv.release()
+
+    def _open_readers(self, create: bool) -> posix_ipc.SharedMemory:
+        """Open the readers segment for :meth:`_map_readers` (which checks its owner).
+
+        Raises:
+            ForeignSegment: ``create`` found another user's segment under the name.
+            SlabError: the name kept changing hands while it was opened.
+        """
+        name = self.readers_name
+        for _ in range(3):  # each retry follows another process's create or remove
+            try:
+                return posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+            except posix_ipc.ExistentialError:
+                pass
+            try:
+                shm = posix_ipc.SharedMemory(name)
+            except posix_ipc.ExistentialError:
+                continue  # removed meanwhile: create it
+            if not create:
+                return shm
+            try:  # a new slab counts from zero in a segment of its own, never in another's
+                stale = _check_owned(shm.fd, name)
+            finally:
+                shm.close_fd()
+            _unlink_ours(name, stale)
+        raise SlabError(
+            f"the readers segment {name} kept being created and removed while this slab "
+            "opened it: is another eg-kv using this --slab-name?"
+        )
 
     def _reader_counts(self) -> dict[int, tuple[int, int]]:
         """(get hits, get misses) that local readers counted, by namespace id: one pass
@@ -475,15 +633,32 @@ class Slab(SlabView):
         return True
 
     @staticmethod
-    def unlink_named(name: str) -> bool:
-        """Remove the segment ``name`` (and its readers segment) if it exists; return
-        whether it did. A slab of this layout is marked retired first, so that a client
-        that maps it (a local reader) lets it go instead of reading a slab nobody serves.
+    def unlink_named(
+        name: str, inode: Inode | None = None, readers_inode: Inode | None = None
+    ) -> bool:
+        """Remove segment ``name`` and its readers segment, if they are this user's.
+
+        A slab of this layout is marked retired first, so that a client that maps it (a
+        local reader) lets it go instead of reading a slab nobody serves. Another user's
+        segment is never touched.
+
+        Args:
+            name: the slab's name.
+            inode: remove ``name`` only while it is this segment (the server's own, from
+                :attr:`inode`), not another program's that took the name meanwhile.
+            readers_inode: the same for the readers segment; with ``inode`` given and
+                this None, the readers segment is left alone (this slab never had one).
+
+        Returns:
+            Whether the slab's name was removed.
         """
+        ours = False
         with contextlib.suppress(OSError, posix_ipc.Error):
             shm = posix_ipc.SharedMemory(name)
             try:
-                head = os.pread(shm.fd, L.GEOMETRY.size, 0)
+                st = os.fstat(shm.fd)
+                ours = st.st_uid == os.geteuid() and inode in (None, (st.st_dev, st.st_ino))
+                head = os.pread(shm.fd, L.GEOMETRY.size, 0) if ours else b""
                 if len(head) == L.GEOMETRY.size and L.Geometry.unpack(head)[:2] == (
                     L.MAGIC,
                     L.VERSION,
@@ -492,13 +667,9 @@ class Slab(SlabView):
                     os.pwrite(shm.fd, struct.pack("=q", 1), retired)
             finally:
                 shm.close_fd()
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            posix_ipc.unlink_shared_memory(readers_name(name))
-        try:
-            posix_ipc.unlink_shared_memory(name)
-        except posix_ipc.ExistentialError:
-            return False
-        return True
+        if inode is None or readers_inode is not None:
+            _unlink_ours(readers_name(name), readers_inode)
+        return ours and _unlink_ours(name, inode)
 
     def close(self) -> None:
         """Unmap and close this process's handle. Idempotent. The segment stays."""
@@ -521,9 +692,15 @@ class Slab(SlabView):
             self._mm.close()
         os.close(self._fd)
 
-    def unlink(self) -> None:
-        """Remove the segment's name; processes that have it mapped keep their mapping."""
-        self.unlink_named(self.name)
+    def unlink(self) -> bool:
+        """Remove the segment's name (and its readers segment's) while they are still the
+        segments this handle mapped; processes that have them mapped keep their mapping.
+        Works after :meth:`close` too.
+
+        Returns:
+            Whether the slab's name was removed (False: it was gone, or another segment's).
+        """
+        return self.unlink_named(self.name, self.inode, self.readers_inode)
 
     def __enter__(self) -> Slab:
         return self

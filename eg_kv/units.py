@@ -46,3 +46,18 @@ def format_size(n: int) -> str:
         if n and n % _UNITS[unit] == 0:
             return f"{n // _UNITS[unit]}{unit}iB"
     return f"{n}B"
+
+
+def human_size(n: int) -> str:
+    """``n`` bytes for a person to read, to three significant figures: ``1.23 GiB``.
+
+    For sizes that are measured, not configured (free space in ``/dev/shm``): the largest
+    binary unit the size reaches, so a message never shows ``1258291KiB``. Use
+    :func:`format_size` where the exact value matters (a setting to type back in).
+    """
+    for unit in ("T", "G", "M", "K"):
+        if n >= _UNITS[unit]:
+            value = n / _UNITS[unit]
+            text = f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+            return f"{text} {unit}iB"
+    return f"{n} B"

@@ -43,7 +43,7 @@ from eg_kv.errors import ConfigError, EgKvError, SlabError
 from eg_kv.hints import tick as tick_hints
 from eg_kv.metrics import forget_process
 from eg_kv.procs import pid_alive
-from eg_kv.slab import LockTimeout, Slab
+from eg_kv.slab import ForeignSegment, LockTimeout, Slab
 
 from . import worker as worker_mod
 from .worker import BOOT_ERROR, make_ssl_context
@@ -125,11 +125,15 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
         SlabError: a live server owns it, or it was made with other sizes (and no
             ``--fresh``), or a segment of that name is not an eg-kv slab (``--fresh``
             removes only eg-kv slabs), or it cannot be created.
+        ForeignSegment: the slab or its readers segment is another user's or open to
+            group/other (never used, never removed: the message names owner and mode).
     """
     name = settings.slab_name
     if Slab.exists_named(name):
         try:
             slab = Slab.attach(name)
+        except ForeignSegment:
+            raise  # another user's (or open to others): never used, never removed, --fresh or not
         except SlabError:
             if not settings.fresh:
                 raise
@@ -157,7 +161,7 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                 )
             if settings.fresh:
                 slab.close()
-                Slab.unlink_named(name)
+                slab.unlink()
             else:
                 want = L.Geometry.plan(settings.capacity, settings.page_size,
                                        settings.max_block_size)  # fmt: skip
@@ -624,9 +628,11 @@ class Supervisor:
             self.slab.close()
             if self.settings.keep:
                 log.info("slab %s kept (--keep): the next eg-kv serve re-attaches it", name)
-            else:
-                Slab.unlink_named(name)
+            elif self.slab.unlink():  # only the segments this server made or adopted
                 log.info("slab %s removed", name)
+            else:
+                log.warning("slab %s: its name no longer points at this server's segment "
+                            "(removed, or taken by another program): left alone", name)  # fmt: skip
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         for fd in (self._wake_r, self._wake_w, self._notify_r, self._notify_w):
