@@ -4,14 +4,31 @@ body holding the upload share (item 10)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import glob
 import http.client
 import json
 import math
+import os
 import secrets
+import select
+import signal
+import struct
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+from conftest import wait_for
+from server_http import WORKER_HEADER, request
+from server_procs import workers_of
 from tenant_helpers import token_of, write_tokens
+
+from eg_kv import runstate
+
+KiB, MiB = 1024, 1024 * 1024
+
 
 # ---------------------------------------------------------------- item 5: no timing channel
 
@@ -89,3 +106,129 @@ def test_a_tenant_cannot_tell_another_tenants_addresses_by_timing(server_factory
         f"B told A's addresses from fresh ones in {right} of {TIMING_ROUNDS} rounds "
         f"(median {med[0] * 1e3:.2f} vs {med[1] * 1e3:.2f} ms a batch)"
     )
+
+
+# ---------------------------------------------------------------- item 6: no lost reload
+
+_IN_OPEN = 0x20  # inotify: a file in the watched directory was opened
+_INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then the name)
+
+
+class _Opens:
+    """An inotify watch on a directory: waits until a file of it is opened (by anyone)."""
+
+    def __init__(self, path: str) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        assert libc.inotify_add_watch(self.fd, path.encode(), _IN_OPEN) >= 0
+
+    def drain(self) -> None:
+        """Forget the events so far."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.fd, 65536):
+                pass
+
+    def wait_open(self, name: str, timeout: float) -> bool:
+        """Whether ``name`` is opened within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([self.fd], [], [], left)[0]:
+                return False
+            data, off = os.read(self.fd, 65536), 0
+            while off < len(data):
+                _wd, _mask, _cookie, n = _INOTIFY_EVENT.unpack_from(data, off)
+                start = off + _INOTIFY_EVENT.size
+                if data[start : start + n].rstrip(b"\0").decode() == name:
+                    return True
+                off = start + n
+        return False
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _run_dir_of(srv) -> str:
+    """The run directory of the server ``srv`` (its owner file names the supervisor)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"eg-kv-{srv.port}-*")):
+        with contextlib.suppress(OSError):
+            if Path(path, runstate.OWNER_FILE).read_text().strip() == str(srv.pid):
+                return path
+    raise AssertionError(f"no run directory of server {srv.pid}")
+
+
+def _answers_by_worker(srv, token: str, pids: set[int]) -> dict[int, int]:
+    """Status of ``GET /kv/probe/exists`` with ``token`` by worker pid, over fresh
+    connections until every pid in ``pids`` has answered (at most 200 tries)."""
+    seen: dict[int, int] = {}
+    for _ in range(200):
+        reply = request(srv, "GET", "/kv/probe/exists", token=token, timeout=5)
+        seen[int(reply.headers[WORKER_HEADER])] = reply.status
+        if pids <= set(seen):
+            break
+    return seen
+
+
+def _reload_lines(srv, path: Path) -> int:
+    """How many times the supervisor has installed the tokens file at ``path``."""
+    return srv.log().count(f"tokens file {path}: ")
+
+
+@pytest.mark.timeout(120)
+def test_a_reload_reaches_workers_that_are_booting(server_factory, tmp_path):
+    """A token removed by a reload is refused by every worker within 1 s, however the
+    reload falls around a worker's start. Each round SIGKILLs a worker, removes a token
+    from the file and sends SIGHUP while the replacement boots: ``at_read`` holds the new
+    worker (SIGSTOP) the moment it opens the tokens file (inotify), so it has read the old
+    file when the reload comes, and resumes it (SIGCONT) once the supervisor has signalled
+    the workers: the case that was lost, a worker that had ignored SIGHUP until its
+    handler was in kept the removed token for good. ``at_fork`` holds it just after the
+    fork, ``booted`` sends the reload once it serves."""
+    victims = [f"victim-{i}" for i in range(6)]
+    path = write_tokens(tmp_path / "tokens.toml", [{"name": n} for n in ("keep", *victims)])
+    srv = server_factory(workers=2, capacity="8MiB", extra=("--tokens", str(path)))
+    opens = _Opens(_run_dir_of(srv))
+    try:
+        kinds = ("at_read", "at_fork", "at_read", "booted", "at_read", "at_read")
+        for i, kind in enumerate(kinds):
+            before = workers_of(srv)
+            write_tokens(path, [{"name": n} for n in ("keep", *victims[i + 1 :])])
+            opens.drain()
+            os.kill(min(before), signal.SIGKILL)
+            new = wait_for(lambda b=before: workers_of(srv) - b, timeout=10, interval=0.001,
+                           what="the replacement worker")  # fmt: skip
+            (pid,) = new
+            held = False
+            if kind == "at_read":
+                assert opens.wait_open(runstate.TOKENS_COPY, timeout=20), "tokens never read"
+                os.kill(pid, signal.SIGSTOP)
+                held = True
+            elif kind == "at_fork":
+                os.kill(pid, signal.SIGSTOP)
+                held = True
+            else:
+                wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=20,
+                         what="the replacement serving")  # fmt: skip
+            installed = _reload_lines(srv, path)
+            os.kill(srv.pid, signal.SIGHUP)
+            wait_for(lambda n=installed: _reload_lines(srv, path) > n, timeout=10,
+                     what="the supervisor to install the new file")  # fmt: skip
+            time.sleep(0.05)  # it signals the workers right after that line
+            if held:
+                os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=20,
+                     what="the replacement serving")  # fmt: skip
+            pids = workers_of(srv)
+            assert pid in pids
+            refused_at = time.monotonic() + 1.0
+            while True:  # every worker refuses the removed token within 1 s
+                seen = _answers_by_worker(srv, token_of(victims[i]), pids)
+                if set(seen) >= pids and set(seen.values()) == {401}:
+                    break
+                assert time.monotonic() < refused_at, (
+                    f"round {i} ({kind}): removed token answered {seen} (worker {pid} new)"
+                )
+            kept = _answers_by_worker(srv, token_of("keep"), pids)
+            assert set(kept) >= pids and set(kept.values()) == {200}, kept
+    finally:
+        opens.close()

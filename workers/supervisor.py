@@ -589,14 +589,23 @@ class Supervisor:
         slot = next(k for k in range(self._heartbeats.nslots) if k not in taken)
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        # SIGHUP (a reload) is blocked across the fork, and the worker keeps it blocked
+        # until it has read the tokens file and installed its handler (worker._serve): a
+        # reload signalled meanwhile stays pending and reaches that handler. Ignoring it
+        # until then lost it for good when it came between the read and the handler.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            raise
         if pid == 0:  # the child: never returns into the supervisor's code
             code = 1
             try:
+                # SIGHUP's default would end the worker, but it stays blocked until the
+                # worker's own handler is in (a pending signal survives SIG_DFL, not SIG_IGN).
                 for sig in _HANDLED:
                     signal.signal(sig, signal.SIG_DFL)
-                # A reload signal before the worker's loop handles it must not kill it.
-                signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 for fd in (self._wake_r, self._wake_w, self._notify_r):
                     os.close(fd)
                 self._slab.close()  # the supervisor's handle: a worker attaches its own
@@ -610,6 +619,7 @@ class Supervisor:
                     sys.stdout.flush()
                     sys.stderr.flush()
                 os._exit(code)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # the supervisor's reloads again
         self._heartbeats.beat(slot, pid)
         self.workers[pid] = _Worker(pid, time.monotonic(), slot)
 

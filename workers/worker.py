@@ -113,6 +113,10 @@ async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) 
     # SIGHUP (sent by the supervisor once it has validated a new tokens file) only sets a
     # flag; the reload itself runs in the loop, between requests.
     loop.add_signal_handler(signal.SIGHUP, reload_wanted.set)
+    # The supervisor forks a worker with SIGHUP blocked (Supervisor._spawn). make_app has
+    # read the tokens file and the handler is in: a reload signalled since the fork is
+    # delivered to it now, so a file read just before that reload is read again.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
     runner = AppRunner(
         app,
         handle_signals=False,
