@@ -105,7 +105,9 @@ class StampedHandler(web_protocol.RequestHandler):
     had been parsed then (a head is still arriving while that count has not moved; a
     count, not a time, since the loop's clock has millisecond steps); ``wpaused_at``: when
     writing last paused; ``held_at``: when the sweeper last saw the server itself holding
-    reading (a handler not consuming its body). Times are the event loop's.
+    reading (a handler not consuming its body); ``body_req``, ``body_at``, ``body_seen``:
+    the request whose body :meth:`body_behind` times, since when, and its last look.
+    Times are the event loop's.
 
     A stamp costs one clock read per read from the socket, not per request (its cost is
     in docs/design.md, "Serving"). Nothing is
@@ -113,13 +115,18 @@ class StampedHandler(web_protocol.RequestHandler):
     every read of a body, and stamping there cost a 4 KiB PUT 5% more CPU.
     """
 
-    __slots__ = ("head_at", "head_of", "held_at", "rx_at", "wpaused_at", "wpaused_size")
+    __slots__ = (
+        "body_at", "body_req", "body_seen", "head_at", "head_of", "held_at", "rx_at",
+        "wpaused_at", "wpaused_size",
+    )  # fmt: skip
 
     def __init__(self, manager: web_server.Server, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self.rx_at = self.head_at = self.wpaused_at = self.held_at = -math.inf
         self.head_of = -1
         self.wpaused_size = 0
+        self.body_req: web.BaseRequest | None = None
+        self.body_at = self.body_seen = -math.inf
 
     def data_received(self, data: bytes) -> None:
         if data:  # b"" is aiohttp re-parsing what it buffered, on resume_reading
@@ -175,6 +182,35 @@ class StampedHandler(web_protocol.RequestHandler):
             self.held_at = now
             return None
         return max(self.rx_at, self.held_at)
+
+    def body_behind(self, now: float, grace: float, rate: float) -> bool:
+        """Whether the body of the request being handled arrives slower than ``rate``
+        bytes a second on average, beyond a head start of ``grace`` seconds (Apache
+        mod_reqtimeout's ``MinRate``): it may take ``grace`` plus a second per ``rate``
+        bytes received (``StreamReader.total_bytes``).
+
+        The clock starts at the first look (a sweeper's: at most one sweep late, never
+        early) and stops while the server itself holds reading (``_reading_paused``): a
+        handler not consuming its body is not the client's delay.
+
+        Args:
+            now: the event loop's time.
+            grace: seconds any body may take regardless of its rate.
+            rate: bytes a second (more than 0).
+
+        Returns:
+            False when no handler runs or its whole body arrived.
+        """
+        req = self._current_request
+        if req is None or req.content.is_eof():
+            self.body_req = None  # no reference kept to a finished request
+            return False
+        if req is not self.body_req:
+            self.body_req, self.body_at = req, now
+        elif self._reading_paused:
+            self.body_at += now - self.body_seen  # the server held reading since the last look
+        self.body_seen = now
+        return now - self.body_at > grace + req.content.total_bytes / rate
 
 
 class HandlerRunner(web.AppRunner):

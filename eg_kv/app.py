@@ -1115,6 +1115,7 @@ def limits_from(settings: Settings) -> Limits:
         header_timeout=settings.header_timeout_s,
         body_timeout=settings.body_timeout_s,
         keepalive_timeout=settings.keepalive_timeout_s,
+        min_upload_rate=settings.min_upload_rate,
         max_connections=resolve_max_connections(settings.max_connections),
     )
 

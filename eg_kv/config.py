@@ -57,6 +57,14 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 #: cut and its pages freed. Long enough for a congested link or a paused client; nginx's
 #: client_body_timeout is 60 s, but a stalled upload here pins slab pages.
 DEFAULT_BODY_TIMEOUT_S = 30.0
+#: Once ``--body-timeout`` has passed since an upload began, its body must average at
+#: least this many bytes a second (Apache mod_reqtimeout's ``MinRate``): an upload may take
+#: the body timeout plus a second per this many bytes received. Without it, a body that
+#: drips a byte just inside the body timeout held its reserved pages for good. 64 KiB/s
+#: (half a megabit) only cuts what is no transfer: a 64 MiB block at that rate takes
+#: 17 minutes, where recomputing it takes seconds; any real link moves thousands of times
+#: more, and a congested one is covered by the body timeout's head start.
+DEFAULT_MIN_UPLOAD_RATE = 64 * 1024
 #: An idle keep-alive connection is closed after this long (nginx's default): longer than
 #: the clients' own pool idle timeouts (aiohttp's is 15 s), so the server rarely closes a
 #: connection a client is about to reuse; aiohttp's own default was over an hour.
@@ -142,6 +150,8 @@ class Settings:
     lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    #: Bytes a second a request body must average after the body timeout; 0: no minimum.
+    min_upload_rate: int = DEFAULT_MIN_UPLOAD_RATE
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
     #: Open connections per worker; 0: derived from the fd limit (eg_kv.connections).
     max_connections: int = 0
@@ -177,6 +187,10 @@ class Settings:
                             ("--keepalive-timeout", self.keepalive_timeout_s)):  # fmt: skip
             if not value > 0:
                 raise ConfigError(f"{flag} must be a positive number of seconds, not {value}")
+        if self.min_upload_rate < 0:
+            raise ConfigError(
+                "--min-upload-rate must be a size a second, e.g. 64KiB, or 0 for no minimum"
+            )
         if self.max_connections < 0:
             raise ConfigError("--max-connections must be 0 (derive it from the fd limit) or more")
 
@@ -209,7 +223,7 @@ def settings_from_env(env: Mapping[str, str] | None = None, **overrides) -> Sett
     for key, var in (("tls_cert", ENV_TLS_CERT), ("tls_key", ENV_TLS_KEY)):
         if env.get(var):
             values[key] = env[var]
-    for key in ("capacity", "page_size", "max_block_size", "chunked_spool"):
+    for key in ("capacity", "page_size", "max_block_size", "chunked_spool", "min_upload_rate"):
         if overrides.get(key) is not None:
             overrides[key] = parse_size(overrides[key])
     values.update({k: v for k, v in overrides.items() if v is not None})

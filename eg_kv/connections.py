@@ -20,6 +20,9 @@ per request (docs/design.md, "Serving"):
                    last request was parsed                               from its 1st byte
   reading a body   a handler runs, its body has not all arrived, the     ``body_timeout``
                    server is not the one that paused reading             since the last byte
+  body too slow    a handler runs and its body averages under            ``min_upload_rate``
+                   ``min_upload_rate`` bytes a second, beyond a head     after
+                   start of ``body_timeout`` (Apache's ``MinRate``)      ``body_timeout``
   sending          the transport paused writing (the client does not     ``body_timeout``
                    read what it asked for)                               since it paused
   idle             waiting for a request, nothing arrived                ``keepalive_timeout``
@@ -69,6 +72,8 @@ RETRY_AFTER_S = 1
 
 #: Why a connection was closed, as the metrics label it.
 SHED, HEAD, BODY, SEND, IDLE = "shed", "header", "body", "send", "keepalive"
+#: ...and a body that arrived slower than the minimum upload rate.
+RATE = "rate"
 
 _HEAD_TIMEOUT_REPLY = (
     b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\n"
@@ -133,6 +138,8 @@ class Limits:
     body_timeout: float
     keepalive_timeout: float
     max_connections: int
+    #: Bytes a second a body must average once ``body_timeout`` has passed; 0: no minimum.
+    min_upload_rate: int = 0
 
     @property
     def aiohttp_keepalive(self) -> float:
@@ -177,8 +184,8 @@ class Connections:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self._open: dict[Connection, None] = {}  # insertion order: oldest first
-        #: Connections closed by a limit, by reason (SHED, HEAD, BODY, SEND, IDLE).
-        self.closed_by: dict[str, int] = dict.fromkeys((SHED, HEAD, BODY, SEND, IDLE), 0)
+        #: Connections closed by a limit, by reason (SHED, HEAD, BODY, RATE, SEND, IDLE).
+        self.closed_by: dict[str, int] = dict.fromkeys((SHED, HEAD, BODY, RATE, SEND, IDLE), 0)
         self._logged: dict[str, int] = {}  # closed_by as of the last log line
         self._logged_at = -math.inf
 
@@ -240,6 +247,12 @@ class Connections:
                 stalled = c.body_stalled_since(now)
                 if stalled is not None and now - stalled > lim.body_timeout:
                     self._close(c, BODY)
+                elif lim.min_upload_rate and c.body_behind(
+                    now, lim.body_timeout, lim.min_upload_rate
+                ):
+                    # A body that drips a byte just inside body_timeout would hold its
+                    # reserved pages (and a share of the uploads' room) for good.
+                    self._close(c, RATE)
                 continue
             if c.head_arriving():
                 if now - c.head_at > lim.header_timeout:
@@ -259,9 +272,10 @@ class Connections:
         self._logged, self._logged_at = dict(self.closed_by), now
         log.warning(
             "closed connections%s: %d shed (the oldest idle, at --max-connections %d), "
-            "%d heads not complete within %g s, %d bodies and %d answers stalled for %g s; "
-            "%d open", since, new[SHED], self.limits.max_connections, new[HEAD],
-            self.limits.header_timeout, new[BODY], new[SEND], self.limits.body_timeout,
+            "%d heads not complete within %g s, %d bodies and %d answers stalled for %g s, "
+            "%d bodies under --min-upload-rate %d bytes/s; %d open", since, new[SHED],
+            self.limits.max_connections, new[HEAD], self.limits.header_timeout, new[BODY],
+            new[SEND], self.limits.body_timeout, new[RATE], self.limits.min_upload_rate,
             len(self._open),
         )  # fmt: skip
 

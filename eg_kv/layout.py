@@ -3,10 +3,10 @@
 One POSIX shared-memory segment holds everything; every offset is fixed at creation and
 recorded in the header, so a process that attaches needs nothing but the name::
 
-    0        4096           +768 KiB            resv_off+R*32      slots_off+S*312
+    0        4096           +1 MiB              resv_off+R*32      slots_off+S*312
     ┌────────┬──────────────┬───────────────────┬──────────────────┬────────┬────────┬───────┐
     │ header │ namespaces   │ reservations      │ slot table       │ next   │ tag    │ pages │
-    │        │ 4096 × 192 B │ R × RESV (32 B)   │ S × SLOT (312 B) │ P × q  │ P × Q  │ P × ps│
+    │        │ 4096 × 256 B │ R × RESV (32 B)   │ S × SLOT (312 B) │ P × q  │ P × Q  │ P × ps│
     └────────┴──────────────┴───────────────────┴──────────────────┴────────┴────────┴───────┘
     header:  [0, 128)      GEOMETRY, written once at creation
              [128, 144)    the slab id (16 random bytes): local readers check it
@@ -16,14 +16,15 @@ recorded in the header, so a process that attaches needs nothing but the name::
                            process counts its lock-free reads in its own entry
 
 * **namespaces**: one entry per namespace (NS_* words: in use, quota, its own CLOCK hand,
-  its counters, then its name). Entry 0 is the default namespace. Every slot carries its
-  namespace id, mixed into its fingerprint, so the same address in two namespaces is two
-  blocks on two homes.
+  its counters, the pages its uploads in flight hold, then its name). Entry 0 is the
+  default namespace. Every slot carries its namespace id, mixed into its fingerprint, so
+  the same address in two namespaces is two blocks on two homes.
 * **slot table**: open addressing with linear probing (home = fingerprint & (S - 1)) and
   backward-shift deletion, so there are no tombstones. It is the one source of truth for
   which pages hold published blocks.
 * **reservations**: pages taken by puts still being written, with the writer's pid, so
-  the pages of a writer that died can be given back. One entry per page (R = P).
+  the pages of a writer that died can be given back, and the namespace they are charged
+  to (its quota counts them while they are written). One entry per page (R = P).
 * **next**: the page chain (a FAT): ``next[p]`` is the page after ``p`` in its block or in
   the free list, -1 at the end. A block of n bytes owns ceil(n / page_size) pages, wherever
   they lie, so there is no external fragmentation.
@@ -40,7 +41,8 @@ import struct
 from .address import ADDRESS_MAX
 
 MAGIC = b"EGKVSLB1"
-VERSION = 4  # 4: namespaces (a namespace id per slot, the namespace table)
+VERSION = 5  # 4: namespaces (a namespace id per slot, the namespace table); 5: quotas
+# count pages, uploads in flight included (NS_RESV_PAGES, a namespace per reservation)
 HEADER_SIZE = 4096
 STATE_OFFSET = 256
 ALIGN = 4096
@@ -170,13 +172,18 @@ NS_COUNT = 4096
     NS_GET_MISSES,
     NS_PUTS_CREATED,
     NS_DELETES,
-) = range(16)
+    # derived from the reservations (check() recomputes it): pages its uploads in flight
+    # hold. The quota counts them with NS_PAGES, so uploads cannot overrun it unseen.
+    NS_RESV_PAGES,
+) = range(17)
+#: Counters check() recomputes: from the slots, then (the last) from the reservations.
 NS_DERIVED = {
     "unique_blocks": NS_BLOCKS,
     "total_refs": NS_REFS,
     "resident_bytes": NS_RESIDENT_BYTES,
     "logical_bytes": NS_LOGICAL_BYTES,
     "slot_pages": NS_PAGES,
+    "reserved_pages": NS_RESV_PAGES,
 }
 NS_EVENTS = {
     "dedup_hits": NS_DEDUP_HITS,
@@ -188,11 +195,11 @@ NS_EVENTS = {
     "deletes": NS_DELETES,
 }
 NS_NAME_MAX = 64
-NS_NAME_WORD = 16  # the name's bytes start at this word
-NS_WORDS = NS_NAME_WORD + NS_NAME_MAX // 8  # 24
-NS_ENTRY_SIZE = 8 * NS_WORDS  # 192
+NS_NAME_WORD = 24  # the name's bytes start at this word (17-23: spare, zero)
+NS_WORDS = NS_NAME_WORD + NS_NAME_MAX // 8  # 32
+NS_ENTRY_SIZE = 8 * NS_WORDS  # 256
 NS_OFFSET = HEADER_SIZE
-NS_TABLE_SIZE = NS_COUNT * NS_ENTRY_SIZE  # 768 KiB
+NS_TABLE_SIZE = NS_COUNT * NS_ENTRY_SIZE  # 1 MiB
 SLOT_NS_OFFSET = 48  # byte offset of the namespace id inside a slot (a uint32)
 NS_MIX = 0x9E3779B97F4A7C15
 
@@ -234,8 +241,10 @@ def readers_size(nslots: int) -> int:
     return READERS_HINTS_OFFSET + nslots
 
 
-# Reservation: writer pid (0 = entry free), first page, page count, block length.
-RESV = struct.Struct("<QqQQ")
+# Reservation: writer pid (0 = entry free), first page, page count, namespace id (charged
+# with the pages: its quota counts them), block length. The page count and namespace share
+# a word as two uint32 (a slab has under 2**32 pages), so an entry stays 32 bytes.
+RESV = struct.Struct("<QqIIQ")
 RESV_SIZE = RESV.size  # 32
 
 NO_PAGE = -1

@@ -85,7 +85,7 @@ class Metrics:
         self.connection_timeouts = Counter(
             "eg_kv_connection_timeouts",
             "Connections closed by a time limit: header, body, send (answers not read), "
-            "keepalive", ["limit"], registry=None,
+            "keepalive, rate (a body under --min-upload-rate)", ["limit"], registry=None,
         )  # fmt: skip
         self._connections: Callable[[], tuple[int, dict[str, int]]] | None = None
         self._closed_flushed: dict[str, int] = {}
@@ -206,9 +206,12 @@ def _slab_families(stats: dict[str, int], workers_up: int, workers: int) -> list
     return [*out, up, conf]
 
 
-#: The per-namespace series: what quotas and fairness are judged by.
+#: The per-namespace series: what quotas and fairness are judged by. ``quota_used_bytes``
+#: is what the quota is held against: whole pages, of blocks and of uploads in flight
+#: (``reserved_bytes``).
 _NS_SERIES = ("resident_bytes", "unique_blocks", "evictions", "evicted_bytes", "quota_bytes",
-              "get_hits", "get_misses", "dedup_hits")  # fmt: skip
+              "quota_used_bytes", "reserved_bytes", "get_hits", "get_misses",
+              "dedup_hits")  # fmt: skip
 
 
 def _namespace_families(namespaces: dict[str, dict[str, int | str]]) -> list:

@@ -88,6 +88,7 @@ _NS_REFS = L.NS_REFS
 _NS_RESIDENT_BYTES = L.NS_RESIDENT_BYTES
 _NS_LOGICAL_BYTES = L.NS_LOGICAL_BYTES
 _NS_PAGES = L.NS_PAGES
+_NS_RESV_PAGES = L.NS_RESV_PAGES
 _NS_PUTS_CREATED = L.NS_PUTS_CREATED
 _NS_EVICTIONS = L.NS_EVICTIONS
 _NS_EVICTED_BYTES = L.NS_EVICTED_BYTES
@@ -916,41 +917,76 @@ class Slab(SlabView):
                 nsw[e + _NS_EVICTED_BYTES] += s[F_LENGTH]
 
     def _room(self, n: int, ns: int, length: int) -> None:
-        """Make room for a block of ``length`` bytes on ``n`` pages in namespace ``ns``:
-        first within the namespace's quota (its own blocks only), then in the slab."""
+        """Make room for a block of ``length`` bytes on ``n`` new pages in namespace ``ns``.
+
+        A namespace with a quota keeps within it on its own first: the pages it holds
+        (published blocks and uploads in flight: whole pages, what the slab gives up for
+        them) plus ``n`` must fit in the quota, evicting only its own blocks. So the global
+        eviction below, over every namespace, is reached only by a namespace within its
+        quota, when the slab itself is full.
+
+        Args:
+            n: pages to take now; 0 at a commit (its pages were charged when reserved).
+
+        Raises:
+            InsufficientStorage: the block alone is over the namespace's quota, or the
+                slab has no room even evicting every block.
+            Busy: the namespace's own uploads in flight hold the rest of its quota.
+        """
         if ns:
-            quota = self._nsw[ns * _NS_WORDS + _NS_QUOTA]
-            if quota and self._nsw[ns * _NS_WORDS + _NS_RESIDENT_BYTES] + length > quota:
-                self._evict_own(ns, quota - length)
+            e, nsw = ns * _NS_WORDS, self._nsw
+            quota = nsw[e + _NS_QUOTA]
+            if quota:
+                held = nsw[e + _NS_PAGES] + nsw[e + _NS_RESV_PAGES]
+                if (held + n) * self.page_size > quota:
+                    self._evict_own(ns, n, length)
         if self._state[L.ST_FREE_COUNT] < n:
             self._make_room(n)
 
-    def _evict_own(self, ns: int, target: int) -> None:
-        """Evict namespace ``ns``'s own blocks by CLOCK until it keeps at most ``target``
-        bytes resident. Never touches another namespace's blocks.
+    def _evict_own(self, ns: int, n: int, length: int) -> None:
+        """Evict namespace ``ns``'s own blocks by CLOCK until its pages, its uploads' in
+        flight and ``n`` more fit in its quota. Never touches another namespace's blocks.
 
         The namespace's hand walks the slots in order; the namespace-id column is searched
         in C a slice at a time, so a small namespace in a big table does not pay a Python
         step per foreign slot. At most two passes (the first may only clear reference bits).
 
+        Args:
+            n: pages about to be taken (0 at a commit). length: the block's bytes.
+
         Raises:
-            InsufficientStorage: the block alone is larger than the namespace's quota.
+            InsufficientStorage: the block alone (in whole pages) is over the quota.
+            Busy: its own uploads in flight hold the rest of the quota; nothing is
+                evicted for them (it would not be enough). A dead writer's pages are
+                given back when the supervisor reaps it (:meth:`release_process`); a scan
+                for them here would cost every refused put a walk of the table.
         """
-        e, nsw = ns * _NS_WORDS, self._nsw
-        if target < 0:
+        e, nsw, ps = ns * _NS_WORDS, self._nsw, self.page_size
+        quota = nsw[e + _NS_QUOTA]
+        if self._npages(length) * ps > quota:
             raise InsufficientStorage(
-                f"the block is larger than its namespace's quota of {nsw[e + _NS_QUOTA]} "
-                "bytes: raise the quota in the tokens file"
+                f"the block takes {self._npages(length) * ps} bytes ({self._npages(length)} "
+                f"pages of {ps}), over its namespace's quota of {quota} bytes (quotas count "
+                "whole pages): raise the quota in the tokens file"
             )
-        col, n = self._slot_ns, self.geometry.nslots
-        i, scanned, step = nsw[e + L.NS_HAND] % n, 0, 256
-        while nsw[e + _NS_RESIDENT_BYTES] > target and scanned < 2 * n:
-            end = min(n, i + step)
+        # The most pages its published blocks may keep: the quota less its uploads in
+        # flight and the new block's pages.
+        target = quota // ps - n - nsw[e + _NS_RESV_PAGES]
+        if target < 0:
+            raise Busy(
+                f"namespace {self._ns_name(ns)}: its uploads in flight hold "
+                f"{nsw[e + _NS_RESV_PAGES] * ps} bytes of its quota of {quota}; retry when "
+                "they finish, or raise the quota in the tokens file"
+            )
+        col, nslots = self._slot_ns, self.geometry.nslots
+        i, scanned, step = nsw[e + L.NS_HAND] % nslots, 0, 256
+        while nsw[e + _NS_PAGES] > target and scanned < 2 * nslots:
+            end = min(nslots, i + step)
             try:
                 j = i + col[i:end].tolist().index(ns)
             except ValueError:
                 scanned += end - i
-                i = end % n
+                i = end % nslots
                 # Slices grow while they miss: a dense namespace finds its next block in
                 # a short one, a sparse one is not searched 256 slots at a time.
                 step = min(step * 4, _NS_SCAN)
@@ -959,8 +995,10 @@ class Slab(SlabView):
             if self._clock_visit(j):
                 i = j  # backward shift may have moved another block into slot j
                 continue
-            i = (j + 1) % n
+            i = (j + 1) % nslots
         nsw[e + L.NS_HAND] = i
+        if nsw[e + _NS_PAGES] > target:  # two passes missed blocks moved by backward shifts
+            raise Busy(f"namespace {self._ns_name(ns)} is at its quota of {quota} bytes; retry")
 
     def _clock_visit(self, i: int) -> bool:
         """CLOCK's visit of slot ``i``: clear its reference bit (a second chance), or
@@ -1014,14 +1052,18 @@ class Slab(SlabView):
     def _resv_off(self, r: int) -> int:
         return self.geometry.resv_off + r * L.RESV_SIZE
 
-    def _reserve(self, first: int, npages: int, length: int) -> int:
-        """Record a put's pages under this pid; the entry's index, or -1 if none is free."""
+    def _reserve(self, first: int, npages: int, length: int, ns: int = 0) -> int:
+        """Record a put's pages under this pid, charged to namespace ``ns`` (its quota
+        counts them until they are published or given back); the entry's index, or -1
+        if none is free."""
         st, nr = self._state, self.geometry.nresv
         r = self._free_resv_entry(st[L.ST_RESV_HINT] % nr)
         if r >= 0:
-            L.RESV.pack_into(self._mm, self._resv_off(r), self._pid, first, npages, length)
+            L.RESV.pack_into(self._mm, self._resv_off(r), self._pid, first, npages, ns, length)
             st[L.ST_RESV_HINT] = (r + 1) % nr
             st[L.ST_RESV_PAGES] += npages
+            if ns:  # the default namespace's is derived (the slab's less the others')
+                self._nsw[ns * _NS_WORDS + _NS_RESV_PAGES] += npages
         return r
 
     def _free_resv_entry(self, start: int) -> int:
@@ -1060,10 +1102,13 @@ class Slab(SlabView):
         return used
 
     def _unreserve(self, r: int) -> tuple[int, int]:
-        """Clear reservation ``r``; return its (first page, page count)."""
-        _pid, first, npages, _len = L.RESV.unpack_from(self._mm, self._resv_off(r))
-        L.RESV.pack_into(self._mm, self._resv_off(r), 0, 0, 0, 0)
+        """Clear reservation ``r`` and un-charge its namespace; return its (first page,
+        page count)."""
+        _pid, first, npages, ns, _len = L.RESV.unpack_from(self._mm, self._resv_off(r))
+        L.RESV.pack_into(self._mm, self._resv_off(r), 0, 0, 0, 0, 0)
         self._state[L.ST_RESV_PAGES] -= npages
+        if 0 < ns < L.NS_COUNT:  # 0: derived; a damaged id may lie beyond the table
+            self._nsw[ns * _NS_WORDS + _NS_RESV_PAGES] -= npages
         return first, npages
 
     def _release_dead_reservations(self) -> int:
@@ -1120,7 +1165,7 @@ class Slab(SlabView):
                 )
             self._room(n, ns, length)
             first = self._alloc_pages(n)
-            r = self._reserve(first, n, length)
+            r = self._reserve(first, n, length, ns)
             if r < 0:  # cannot happen while every put holds a page (one entry per page)
                 self._free_pages(first, n)
                 raise Busy("the reservation table is full; retry")
@@ -1248,13 +1293,16 @@ class Slab(SlabView):
                 self._free_pages(first, npages)
                 return self._add_ref(i, s, h.address, h.length)
             if h.ns and self._nsw[h.ns * _NS_WORDS + _NS_QUOTA]:
-                # Blocks of the namespace published meanwhile may have taken it over.
+                # Its pages were charged to the quota when reserved: only a quota lowered
+                # meanwhile (a reload) finds the namespace over it now.
                 try:
                     self._room(0, h.ns, h.length)
                 except InsufficientStorage:  # the quota was lowered below the block
                     first, npages = self._unreserve(h.resv)
                     self._free_pages(first, npages)
                     raise
+                except Busy:
+                    pass  # its other uploads hold the rest: its next puts wait for them
                 i = self._find(h.raw, h.fp, h.ns)[0]
             # Publish the slot before giving up the reservation: a crash in between leaves
             # both claiming the pages, and repair lets the published slot win.
@@ -1493,6 +1541,7 @@ class Slab(SlabView):
                 one: dict[str, int | str] = {k: nsw[e + i] for k, i in L.NS_DERIVED.items()}
                 one.update({k: nsw[e + i] for k, i in L.NS_EVENTS.items()})
                 one["quota_bytes"] = nsw[e + _NS_QUOTA]
+                one["quota_used_bytes"] = one["reserved_bytes"] = 0  # set below
                 if ns:  # the default namespace's are derived below
                     hits, misses = local.get(ns, (0, 0))
                     one["get_hits"] = int(one["get_hits"]) + hits
@@ -1508,6 +1557,11 @@ class Slab(SlabView):
         default["dedup_savings_bytes"] = int(default["logical_bytes"]) - int(
             default["resident_bytes"]
         )
+        ps = self.page_size
+        for _ns, one in out.values():
+            # What the quota counts: whole pages, of published blocks and uploads in flight.
+            one["reserved_bytes"] = int(one["reserved_pages"]) * ps
+            one["quota_used_bytes"] = (int(one["slot_pages"]) + int(one["reserved_pages"])) * ps
         return {k: v for k, (ns, v) in out.items() if only is None or ns == only}
 
     # ------------------------------------------------------------------ check / repair
@@ -1604,7 +1658,7 @@ class Slab(SlabView):
         a hit that is not at an entry's start is part of another field and is skipped.
         """
         g, mm, size = self.geometry, self._mm, L.RESV_SIZE
-        needle = L.RESV.pack(pid, 0, 0, 0)[:8]
+        needle = L.RESV.pack(pid, 0, 0, 0, 0)[:8]
         at, end = g.resv_off + r * size, g.resv_off + g.nresv * size
         while (at := mm.find(needle, at, end)) >= 0:
             k, into = divmod(at - g.resv_off, size)
@@ -1659,6 +1713,12 @@ class Slab(SlabView):
             return f"{what}: not reachable from its home slot"
         return None
 
+    def _resv_ns_fault(self, ns: int) -> str | None:
+        """What is wrong with a reservation charged to namespace ``ns``, if anything."""
+        if not 0 <= ns < L.NS_COUNT or not self._nsw[ns * _NS_WORDS + L.NS_USED]:
+            return f"namespace {ns} is not in the namespace table"
+        return None
+
     def _ns_counter_problems(self, ns_totals: Mapping[int, list[int]]) -> list[str]:
         """Namespace counters that differ from what the slots say (``ns_totals``)."""
         nsw, problems, zero = self._nsw, [], [0] * len(L.NS_DERIVED)
@@ -1679,7 +1739,8 @@ class Slab(SlabView):
         live: list[tuple[int, bytes, int, int, int, int, int, int, int]] = []
         seen: set[tuple[int, bytes]] = set()
         totals = dict.fromkeys(L.DERIVED_COUNTERS, 0)
-        ns_totals: dict[int, list[int]] = {}  # namespace -> blocks, refs, bytes, logical, pages
+        ns_totals: dict[int, list[int]] = {}  # namespace -> its NS_DERIVED values
+        ns_zero = [0] * len(L.NS_DERIVED)
 
         def claim(first: int, npages: int, who: int, what: str) -> bool:
             pages = self._chain(first, npages)
@@ -1707,7 +1768,7 @@ class Slab(SlabView):
             if bad is None and claim(first, npages, 1, what):
                 seen.add((ns, raw))
                 live.append((refbit, raw, refs, length, first, npages, block_id, fp, ns))
-                t = ns_totals.setdefault(ns, [0, 0, 0, 0, 0])
+                t = ns_totals.setdefault(ns, ns_zero.copy())
                 for k, val in enumerate((1, refs, length, length * refs, npages)):
                     t[k] += val
                 for key, val in (
@@ -1723,17 +1784,22 @@ class Slab(SlabView):
                 st[L.ST_EVICTED_BYTES] += length if 0 < length <= g.max_block_size else 0
 
         for r in self._resv_in_use():
-            pid, first, npages, length = L.RESV.unpack_from(mm, self._resv_off(r))
+            pid, first, npages, rns, length = L.RESV.unpack_from(mm, self._resv_off(r))
             what = f"reservation {r} (pid {pid})"
+            bad_ns = self._resv_ns_fault(rns)
             if pid != self._pid and not pid_alive(pid):
                 problems.append(f"{what}: its writer is dead")
+                ok = False
+            elif bad_ns:
+                problems.append(f"{what}: {bad_ns}")
                 ok = False
             else:
                 ok = claim(first, npages, 2, what)
             if ok:
                 totals["reserved_pages"] += npages
+                ns_totals.setdefault(rns, ns_zero.copy())[-1] += npages
             elif fix:
-                L.RESV.pack_into(mm, self._resv_off(r), 0, 0, 0, 0)
+                L.RESV.pack_into(mm, self._resv_off(r), 0, 0, 0, 0, 0)
 
         # The free list must hold exactly the pages no chain owns.
         p, nfree, on_free = st[L.ST_FREE_HEAD], 0, bytearray(g.npages)
@@ -1774,7 +1840,7 @@ class Slab(SlabView):
             tag[first] = block_id
         nsw = self._nsw
         for ns in range(1, L.NS_COUNT):
-            e, t = ns * _NS_WORDS, ns_totals.get(ns, [0, 0, 0, 0, 0])
+            e, t = ns * _NS_WORDS, ns_totals.get(ns, ns_zero)
             for k, idx in enumerate(L.NS_DERIVED.values()):
                 nsw[e + idx] = t[k]
         self._rebuild_free_list(owner)
@@ -1894,12 +1960,13 @@ class _SlicedCheck:
         while r < n:
             if r - start >= 16 and not r & 15 and time.perf_counter() > deadline:
                 return r
-            pid, first, npages, _length = L.RESV.unpack_from(slab._mm, slab._resv_off(r))
+            pid, first, npages, rns, _length = L.RESV.unpack_from(slab._mm, slab._resv_off(r))
             if pid:
                 what = f"reservation {r} (pid {pid})"
                 pages = slab._chain(first, npages)
-                if isinstance(pages, str):
-                    self.report.problems.append(f"{what}: {pages}")
+                bad_ns = slab._resv_ns_fault(rns)
+                if isinstance(pages, str) or bad_ns:
+                    self.report.problems.append(f"{what}: {bad_ns or pages}")
                 else:
                     # On a live slab the supervisor releases it (release_process) soon
                     # after reaping its writer: not damage (check()/repair() call it so).
@@ -1909,6 +1976,7 @@ class _SlicedCheck:
                         )
                     self._own(pages, 2, what)
                     self.totals["reserved_pages"] += npages
+                    self.ns_totals.setdefault(rns, [0] * len(L.NS_DERIVED))[-1] += npages
             r += 1
         return r
 

@@ -7,7 +7,8 @@ The tokens file is TOML, one ``[[tenant]]`` table per token::
     token_sha256 = "9f86d0..."  # sha256 hex of the bearer token
     role = "readwrite"          # "readwrite" | "readonly" | "admin"
     namespace = "team-a"        # optional, defaults to name; tokens may share one
-    quota = "32GiB"             # optional: the most the namespace may keep resident
+    quota = "32GiB"             # optional: the most the namespace may hold, in whole
+                                # pages, uploads in flight included (Slab._room)
 
 A presented token is found by its sha256 digest in a dict: the lookup compares digests,
 never the token, so it tells nothing about any token whatever the number of tenants.

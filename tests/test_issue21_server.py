@@ -11,9 +11,11 @@ import http.client
 import json
 import math
 import os
+import re
 import secrets
 import select
 import signal
+import socket
 import struct
 import tempfile
 import time
@@ -232,3 +234,107 @@ def test_a_reload_reaches_workers_that_are_booting(server_factory, tmp_path):
             assert set(kept) >= pids and set(kept.values()) == {200}, kept
     finally:
         opens.close()
+
+
+# ---------------------------------------------------------------- item 10: dripping uploads
+
+#: A 1 s head start, then at least 64 KiB/s: small enough values for a fast test.
+RATE_FLAGS = ("--body-timeout", "1", "--min-upload-rate", "64KiB")
+
+
+def _stats(srv) -> dict:
+    reply = request(srv, "GET", "/kv/stats")
+    assert reply.status == 200, reply
+    return reply.json()
+
+
+def _metric(srv, name: str, labels: str = "") -> float:
+    """The sum of a metric's samples whose labels contain ``labels`` (0 if none)."""
+    text = request(srv, "GET", "/metrics").text
+    found = re.findall(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
+    return sum(float(v) for lab, v in found if labels in lab)
+
+
+def _drip(socks: list[socket.socket]) -> list[socket.socket]:
+    """Send one byte on each socket; return those the server has closed."""
+    closed = []
+    for s in socks:
+        try:
+            s.sendall(b"d")
+            s.settimeout(0)
+            if s.recv(4096) == b"":
+                closed.append(s)
+        except BlockingIOError:
+            pass  # open, nothing to read: the upload goes on
+        except OSError:  # reset or broken pipe: the server cut it
+            closed.append(s)
+    return closed
+
+
+@pytest.mark.timeout(60)
+def test_uploads_that_drip_their_bodies_are_cut_and_free_the_upload_share(server_factory):
+    """Two uploads announce 16 MiB each, which is the whole upload share of a 64 MiB slab,
+    then drip a byte every 0.3 s: never silent for --body-timeout (1 s), so that limit
+    never cuts them, and an honest streamed PUT gets 503 while they hold the share. Under
+    --min-upload-rate 64KiB each may take 1 s plus a second per 64 KiB it sent: both are
+    cut within a few seconds, their pages come back, and the honest PUT is stored."""
+    srv = server_factory(workers=1, capacity="64MiB", extra=RATE_FLAGS)
+    drips = []
+    for k in range(2):
+        s = socket.create_connection((srv.host, srv.port), timeout=10)
+        s.sendall(b"PUT /kv/drip-%d HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\nd"
+                  % (k, 16 * MiB))  # fmt: skip
+        drips.append(s)
+    wait_for(lambda: _stats(srv)["reserved_pages"] == 512, timeout=10, what="the share reserved")
+    refused = request(srv, "PUT", "/kv/honest", os.urandom(MiB))
+    assert refused.status == 503 and "--upload-share" in refused.text, refused
+    start, alive = time.monotonic(), list(drips)
+    try:
+        while alive and time.monotonic() - start < 15:
+            for s in _drip(alive):
+                alive.remove(s)
+            time.sleep(0.3)
+        cut_after = time.monotonic() - start
+    finally:
+        for s in drips:
+            s.close()
+    assert not alive, f"{len(alive)} dripping upload(s) still open after {cut_after:.0f} s"
+    assert cut_after < 8, cut_after  # 1 s + ~0.1 s for their bytes + sweeps, on a busy host
+    wait_for(lambda: _stats(srv)["reserved_pages"] == 0, timeout=5, what="the drips' pages freed")
+    assert request(srv, "PUT", "/kv/honest", os.urandom(MiB)).status == 201
+    assert request(srv, "GET", "/kv/drip-0").status == 404
+    assert _metric(srv, "eg_kv_connection_timeouts_total", 'limit="rate"') == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_upload_above_the_minimum_rate_is_not_cut(server_factory):
+    """An upload that sends 1 MiB at about 256 KiB/s, four times the minimum, in pieces
+    0.1 s apart, for about 4 s (well past the 1 s head start), is stored whole."""
+    srv = server_factory(workers=1, capacity="64MiB", extra=RATE_FLAGS)
+    body = os.urandom(MiB)
+    s = socket.create_connection((srv.host, srv.port), timeout=10)
+    try:
+        s.sendall(b"PUT /kv/slow HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body))
+        step = 26 * KiB
+        for pos in range(0, len(body), step):
+            s.sendall(body[pos : pos + step])
+            time.sleep(0.1)
+        answer = s.recv(4096)
+    finally:
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 201"), answer[:200]
+    assert request(srv, "GET", "/kv/slow").body == body
+    assert _metric(srv, "eg_kv_connection_timeouts_total", 'limit="rate"') == 0
+
+
+def test_min_upload_rate_flag_reaches_the_settings_and_bad_values_are_refused():
+    from eg_kv.config import DEFAULT_MIN_UPLOAD_RATE, ConfigError, settings_from_env
+    from workers.__main__ import SERVE_FLAGS, build_parser
+
+    args = build_parser().parse_args(["serve", "--min-upload-rate", "1MiB"])
+    settings = settings_from_env({}, **{k: getattr(args, k) for k in SERVE_FLAGS})
+    assert settings.min_upload_rate == MiB
+    assert settings_from_env({}).min_upload_rate == DEFAULT_MIN_UPLOAD_RATE == 64 * KiB
+    assert settings_from_env({}, min_upload_rate="0").min_upload_rate == 0  # no minimum
+    with pytest.raises(ConfigError, match="--min-upload-rate"):
+        settings_from_env({}, min_upload_rate=-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import threading
@@ -12,7 +13,7 @@ import time
 
 import pytest
 from conftest import wait_for
-from server_http import request
+from server_http import request, status_of
 from server_procs import eg_kv_check, workers_of
 from tenant_helpers import token_of, write_tokens
 
@@ -118,6 +119,105 @@ def test_quota_under_pressure_from_another_tenant(tenanted):
     assert ns["team-a"]["evictions"] == 0
     assert ns["team-b"]["resident_bytes"] <= 2 * MiB and ns["team-b"]["evictions"] >= 32
     assert ns["team-b"]["evicted_bytes"] == ns["team-b"]["evictions"] * 256 * KiB
+
+
+def _upload_head(address: str, length: int, who: str) -> bytes:
+    """The head of a PUT of ``length`` bytes sent as tenant ``who``."""
+    return (
+        b"PUT /kv/%s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\nAuthorization: Bearer %s\r\n\r\n"
+        % (address.encode(), length, as_(who).encode())
+    )
+
+
+def _answer(s: socket.socket) -> bytes:
+    """One whole response (head, Content-Length body) read from ``s``: an early answer to
+    an upload whose body was not all sent."""
+    s.settimeout(10)
+    out = b""
+    while b"\r\n\r\n" not in out and (chunk := s.recv(65536)):
+        out += chunk
+    head = out.partition(b"\r\n\r\n")[0].lower()
+    length = (
+        int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+        if b"content-length:" in head
+        else 0
+    )
+    while len(out) < len(head) + 4 + length and (chunk := s.recv(65536)):
+        out += chunk
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_uploads_in_flight_count_against_their_quota(server_factory, tmp_path):
+    """Issue 21 item 4: eight 4 MiB uploads held open by a tenant with a 4 MiB quota
+    evicted 16 of another tenant's 48 blocks while that one was under its quota. Now the
+    first upload holds the quota and the others get 503 + Retry-After; the other tenant
+    keeps every block."""
+    path = write_tokens(tmp_path / "tokens.toml", [
+        {"name": "team-a", "role": "readwrite", "quota": "4MiB"},
+        {"name": "team-b", "role": "readwrite", "quota": "28MiB"},
+        {"name": "ops", "role": "admin"},
+    ])  # fmt: skip
+    srv = server_factory(workers=2, capacity="32MiB", extra=("--tokens", str(path)))
+    body = os.urandom(512 * KiB)
+    for k in range(48):  # 24 MiB of team-b's, under its quota
+        assert _req(srv, "team-b", "PUT", f"/kv/b{k}", body).status == 201
+
+    def reserved_pages() -> int:
+        return _req(srv, "ops", "GET", "/kv/stats").json()["reserved_pages"]
+
+    held, answers = [], []
+    try:
+        for k in range(8):
+            before = reserved_pages()
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(_upload_head(f"up{k}", 4 * MiB, "team-a") + b"u" * KiB)
+
+            # Either it reserves its pages (and waits for the rest of its body), or the
+            # server answers it at once.
+            def taken_in(s: socket.socket = s, before: int = before) -> bool:
+                return bool(select.select([s], [], [], 0)[0]) or reserved_pages() > before
+
+            wait_for(taken_in, timeout=20, what=f"upload {k} refused or reserved")
+            if select.select([s], [], [], 0)[0]:
+                answers.append(_answer(s))
+                s.close()
+            else:
+                held.append(s)
+        stats = _req(srv, "ops", "GET", "/kv/stats").json()["namespaces"]
+        assert stats["team-b"]["evictions"] == 0, stats["team-b"]
+        for k in range(48):
+            assert _req(srv, "team-b", "HEAD", f"/kv/b{k}").status == 200, k
+        assert len(held) == 1 and len(answers) == 7
+        for raw in answers:
+            assert status_of(raw) == 503, raw[:300]
+            assert b"\r\nRetry-After: " in raw
+            assert b"its uploads in flight hold 4194304 bytes of its quota" in raw
+        own = _req(srv, "team-a", "GET", "/kv/stats").json()
+        assert (own["reserved_bytes"], own["quota_used_bytes"], own["quota_bytes"]) == (
+            4 * MiB, 4 * MiB, 4 * MiB,
+        )  # fmt: skip
+        metrics = _req(srv, "ops", "GET", "/metrics").text
+        assert 'eg_kv_namespace_reserved_bytes{namespace="team-a"} 4.194304e+06' in metrics
+        assert 'eg_kv_namespace_quota_used_bytes{namespace="team-b"} 2.5165824e+07' in metrics
+        # A block larger than the quota is refused for good: 507, no Retry-After.
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(_upload_head("huge", 4 * MiB + 1, "team-a") + b"h" * KiB)
+            raw = _answer(s)
+        assert status_of(raw) == 507 and b"Retry-After" not in raw, raw[:300]
+        assert b"raise the quota in the tokens file" in raw
+    finally:
+        for s in held:
+            s.close()
+    # The upload that broke off gives its pages back; the quota is free again.
+    wait_for(lambda: _req(srv, "team-a", "GET", "/kv/stats").json()["quota_used_bytes"] == 0,
+             timeout=20, what="the broken-off upload's pages given back")  # fmt: skip
+    big = os.urandom(4 * MiB)
+    assert _req(srv, "team-a", "PUT", "/kv/whole", big).status == 201
+    assert _req(srv, "team-a", "GET", "/kv/whole").body == big
+    assert _req(srv, "ops", "GET", "/kv/stats").json()["namespaces"]["team-b"]["evictions"] == 0
+    check = eg_kv_check(srv.slab_name)
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_reload_on_sighup_keeps_slab_and_workers(tenanted, tmp_path):

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
+from conftest import ROOT
 from tenant_helpers import token_of, tokens_toml
 
 from eg_kv import layout as L
 from eg_kv import tenants
-from eg_kv.errors import ConfigError, InsufficientStorage
+from eg_kv.errors import Busy, ConfigError, InsufficientStorage
 from eg_kv.slab import Slab
 
 KiB, MiB = 1024, 1024 * 1024
@@ -154,3 +159,124 @@ def test_a_quota_lowered_under_an_upload_refuses_it_and_frees_its_pages(small):
     st = small.stats()
     assert st["reserved_pages"] == 0 and st["free_bytes"] == st["capacity_bytes"]
     assert small.check() == []
+
+
+def test_a_quota_counts_pages_not_bytes(small):
+    """Issue 21 item 3: 1,100 one-byte blocks under a 1 MiB quota took 1,100 64 KiB pages
+    (the quota counted 1,100 bytes) and evicted another namespace under its own quota."""
+    ids = small.bind_namespaces({"tiny": MiB, "other": 3 * MiB})
+    tiny, other = ids["tiny"], ids["other"]
+    for k in range(32):  # 2 MiB of other's blocks: half the slab, under its quota
+        small.put(f"o{k}", bytes(64 * KiB), other)
+    for k in range(1100):
+        small.put(f"t{k}", b"x", tiny)
+    st = small.namespace_stats()
+    assert st["other"]["evictions"] == 0
+    assert all(small.exists(f"o{k}", other) for k in range(32))
+    assert st["tiny"]["slot_pages"] <= 16 and st["tiny"]["unique_blocks"] <= 16
+    assert st["tiny"]["evictions"] >= 1100 - 16
+    assert st["tiny"]["quota_used_bytes"] == st["tiny"]["slot_pages"] * 64 * KiB <= MiB
+    assert st["tiny"]["resident_bytes"] == st["tiny"]["unique_blocks"]  # one byte each
+    assert small.check() == []
+
+
+def test_uploads_in_flight_count_against_their_quota(small):
+    """Issue 21 item 4: uploads in flight were not charged to their namespace, so four
+    stalled 1 MiB uploads under a 1 MiB quota evicted another namespace's blocks. Now the
+    first holds the quota, the others get Busy (503), and only the namespace's own blocks
+    are ever evicted for it."""
+    ids = small.bind_namespaces({"a": MiB, "b": 3 * MiB})
+    a, b = ids["a"], ids["b"]
+    for k in range(32):
+        small.put(f"b{k}", bytes(64 * KiB), b)
+    held, refused = [], []
+    for k in range(4):
+        try:
+            held.append(small.begin_put(f"u{k}", MiB, ns=a))
+        except Busy as e:
+            refused.append(str(e))
+    try:
+        assert small.namespace_stats()["b"]["evictions"] == 0
+        assert all(small.exists(f"b{k}", b) for k in range(32))
+        assert len(held) == 1 and len(refused) == 3
+        assert "uploads in flight hold 1048576 bytes of its quota" in refused[0]
+        assert "namespace a" in refused[0] and "raise the quota" in refused[0]
+        with pytest.raises(Busy):  # a small put waits for the upload too
+            small.put("small", b"s", a)
+        st = small.namespace_stats()["a"]
+        assert (st["reserved_pages"], st["reserved_bytes"], st["quota_used_bytes"]) == (
+            16, MiB, MiB,
+        )  # fmt: skip
+        assert small.check() == [] and small.check_live().problems == []
+        # 961 KiB in 16 pages is over a 1000 KiB quota: quotas count whole pages.
+        with pytest.raises(InsufficientStorage, match="over its namespace's quota of 1024000"):
+            small.begin_put("huge", 961 * KiB, ns=small.bind_namespaces({"c": 1000 * KiB})["c"])
+        held[0].write(bytes(MiB))
+        assert held[0].commit() is True
+        # Published, its pages still count; the next upload evicts a's own block for room.
+        st = small.namespace_stats()["a"]
+        assert (st["slot_pages"], st["reserved_bytes"], st["quota_used_bytes"]) == (16, 0, MiB)
+        again = small.begin_put("u-next", MiB, ns=a)
+        assert not small.exists("u0", a) and small.namespace_stats()["a"]["evictions"] == 1
+        again.abort()
+    finally:
+        for h in held:
+            h.abort()
+    st = small.namespace_stats()
+    assert st["a"]["quota_used_bytes"] == 0 and st["b"]["evictions"] == 0
+    assert small.check() == []
+
+
+def _dead_writer(slab_name: str, ns: int, address: str) -> int:
+    """A real process that reserves a 1 MiB upload in namespace ``ns`` and is then
+    SIGKILLed mid-upload; returns its pid (reaped)."""
+    code = (
+        "import sys, time\n"
+        "from eg_kv.slab import Slab\n"
+        "s = Slab.attach(sys.argv[1])\n"
+        "h = s.begin_put(sys.argv[3], 1 << 20, ns=int(sys.argv[2]))\n"
+        "h.write(bytes(1000))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, slab_name, str(ns), address],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    return proc.pid
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_writers_upload_stops_counting_once_released(small, slab_name):
+    """A writer SIGKILLed mid-upload keeps its pages charged to its namespace until they
+    are given back: by the supervisor's release_process, or by repair; check() sees the
+    counter either way, and damage to it is found and rebuilt."""
+    a = small.bind_namespaces({"a": MiB})["a"]
+    pid = _dead_writer(slab_name, a, "dead-1")
+    assert small.namespace_stats()["a"]["reserved_bytes"] == MiB
+    with pytest.raises(Busy, match="uploads in flight"):
+        small.begin_put("mine", MiB, ns=a)
+    left = small.release_process(pid)  # what the supervisor does when it reaps a worker
+    assert (left.reservations, left.pages) == (1, 16)
+    assert small.namespace_stats()["a"]["quota_used_bytes"] == 0
+    assert small.check() == []
+    _dead_writer(slab_name, a, "dead-2")
+    problems = small.check()
+    assert any("writer is dead" in p for p in problems)
+    assert any("reserved_pages" in p and "namespace" in p for p in problems), problems
+    small.repair()
+    assert small.check() == [] and small.namespace_stats()["a"]["reserved_bytes"] == 0
+    h = small.begin_put("mine", MiB, ns=a)
+    small._nsw[a * L.NS_WORDS + L.NS_RESV_PAGES] += 3  # damage: repair rebuilds it
+    assert any("counter reserved_pages is 19 but the slots say 16" in p for p in small.check())
+    small.repair()
+    assert small.check() == [] and small.namespace_stats()["a"]["reserved_pages"] == 16
+    h.abort()
+    assert small.namespace_stats()["a"]["reserved_pages"] == 0 and small.check() == []

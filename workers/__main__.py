@@ -22,6 +22,7 @@ from eg_kv.config import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_KEEPALIVE_TIMEOUT_S,
     DEFAULT_LOCK_TIMEOUT_S,
+    DEFAULT_MIN_UPLOAD_RATE,
     DEFAULT_UPLOAD_SHARE,
     ENV_TLS_VERIFY,
     ENV_TOKEN,
@@ -39,7 +40,7 @@ SERVE_FLAGS = ("addr", "workers", "capacity", "page_size", "max_block_size", "ke
                "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log",
                "upload_share", "chunked_spool", "heartbeat_timeout_s", "lock_timeout_s",
                "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
-               "max_connections", "tokens_file")  # fmt: skip
+               "max_connections", "tokens_file", "min_upload_rate")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--body-timeout", dest="body_timeout_s", metavar="S", type=float,
         help="seconds an upload, or an answer being sent, may move no byte before it is cut "
         f"(default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )  # fmt: skip
+    s.add_argument(
+        "--min-upload-rate", dest="min_upload_rate", metavar="RATE",
+        help="bytes a second a request body must average once --body-timeout has passed "
+        "since it began, else it is cut and its pages freed; 0: no minimum "
+        f"(default {format_size(DEFAULT_MIN_UPLOAD_RATE)}, i.e. per second)",
     )  # fmt: skip
     s.add_argument(
         "--keepalive-timeout", dest="keepalive_timeout_s", metavar="S", type=float,
