@@ -11,15 +11,22 @@ What the two share is :class:`Router` (no request I/O of its own):
   (:mod:`eg_kv.placement`) that is not down; a batch is split by member, the groups are
   sent in parallel (one round trip per member) and the answers merged in the caller's
   order, so prefix hits count over the merged order;
+* a batch lookup has one deadline, ``timeout_s`` for all of it; once some members
+  answered, the others get at most :data:`STRAGGLER_FACTOR` times as long again (at
+  least :data:`STRAGGLER_FLOOR_S`), and the batch is answered without them: their
+  addresses are misses and they are marked down, so a slow or hung member costs its
+  share of one batch, not every batch's wait;
 * a transport error (refused, reset, timed out) of a member's connector marks it down
   (:class:`eg_kv.members.Health`: 1 s doubling to 30 s); while down, its addresses go to
   their next-ranked member and no request waits on it; a background thread probes it
-  (``/healthz``, bounded by 1 s) when its back-off runs out, and when it answers its
-  addresses go home again;
+  when its back-off runs out (``/healthz`` and a one-address batch lookup, each bounded
+  by 1 s: a member whose health check answers while its data routes stall stays down),
+  and when both answer its addresses go home again;
 * for one refresh window after a membership change, a miss at an address's new home asks
   its previous home once (:meth:`eg_kv.members.View.previous_home`), so a scale-out is
   not a miss storm;
-* member weights are each member's ``capacity_bytes`` (its ``/kv/stats``).
+* member weights are each member's ``capacity_bytes`` (its ``/kv/stats``), re-read at
+  each refresh and capped at :data:`eg_kv.placement.WEIGHT_CAP_FACTOR` times the median.
 
 Standard library only for a list of URLs; dnspython only for a DNS entry.
 """
@@ -30,13 +37,15 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from .client import RemoteKVConnector
-from .clientcore import KvCacheConfig, KvCacheStats, to_address
+from .clientcore import KvCacheConfig, KvCacheStats, batches, to_address
 from .config import parse_addr
 from .errors import RemoteError
 from .members import Health, Member, Membership, View, parse_server_set
@@ -44,12 +53,22 @@ from .placement import merge, prefix_hits
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 #: How often the prober looks for members whose back-off ran out.
 PROBE_TICK_S = 0.1
 #: The bound on one probe or weighing of a member (a dead member costs the prober this).
 PROBE_TIMEOUT_S = 1.0
 #: Threads of the sync connector that send a batch's groups in parallel.
 MAX_FANOUT_THREADS = 16
+#: Once some members of a batch answered, the others get at most this many times the
+#: time taken so far (from the batch's start) ...
+STRAGGLER_FACTOR = 4.0
+#: ... and never less than this (a loaded host answers in tens of ms, not hundreds);
+#: always within the batch's one deadline, ``timeout_s``.
+STRAGGLER_FLOOR_S = 0.25
+#: The address a probe looks up: any valid address will do, it need not exist.
+PROBE_ADDRESS = to_address("eg-kv:probe")
 #: Per-member limits: the set's value is the smallest, not the sum.
 _LIMIT_FIELDS = ("page_size", "max_block_size")
 
@@ -189,6 +208,24 @@ class Router:
         if member_id not in self.health.down():
             self.health.failed(member_id)
 
+    def late(self, member_ids: Iterable[str], waited_s: float) -> None:
+        """Members that had not answered a batch when it was answered without them: down,
+        whatever their ``/healthz`` says (a data route that stalls is what costs)."""
+        for member_id in member_ids:
+            if member_id not in self.health.down():
+                backoff = self.health.failed(member_id)
+                log.warning(
+                    "eg-kv: member %s did not answer a batch lookup within %.3f s; its "
+                    "addresses are misses and it is down for %.1f s (then probed)",
+                    member_id, waited_s, backoff,
+                )  # fmt: skip
+
+    def cut(self, started: float, deadline: float) -> float:
+        """When a batch stops waiting for the members that have not answered, given that
+        another member just answered (``time.monotonic()`` values)."""
+        elapsed = time.monotonic() - started
+        return min(deadline, started + max(STRAGGLER_FLOOR_S, STRAGGLER_FACTOR * elapsed))
+
     def _changed(self, view: View) -> None:
         self.health.forget(view.members)
         for listener in self.listeners:
@@ -207,11 +244,24 @@ class Router:
                     self.health.failed(member_id)
 
     def _probe(self, member: Member) -> bool:
+        """Whether a down member is up again: ``/healthz`` answers and so does a data
+        route (a one-address batch lookup), each within the probe's bound. Any HTTP
+        answer to the lookup counts (even a refusal of the token): it is the wait that
+        is being probed."""
         cfg = member_config(
-            self.config, member, timeout_s=min(self.config.timeout_s, PROBE_TIMEOUT_S)
-        )
+            self.config, member, timeout_s=min(self.config.timeout_s, PROBE_TIMEOUT_S),
+            local_reads=False,
+        )  # fmt: skip
         with RemoteKVConnector(cfg) as probe:
-            return probe.healthz() is not None
+            if probe.healthz() is None:
+                return False
+            try:
+                probe._batch_exists([PROBE_ADDRESS])
+            except OSError:  # refused, reset, timed out: the data route does not answer
+                return False
+            except Exception:  # an answer, if not a usable one
+                return True
+            return True
 
     def _weigh(self, member: Member) -> float | None:
         cfg = member_config(
@@ -388,36 +438,66 @@ class ClusterConnector:
 
     # -- batches
 
+    def _ask(self, view: View, member_id: str, part: list[str], deadline: float) -> Any:
+        """One member's share of a batch: a request per 1,024 addresses, the later ones
+        bounded by what is left of the batch's deadline. None when one failed."""
+        conn = self._members.get(view, member_id)
+        out: list[bool] = []
+        for n, chunk in enumerate(batches(part)):
+            left = deadline - time.monotonic()
+            if n and left <= 0:
+                return None
+            found = conn.try_exists_addresses(chunk, timeout_s=left) if n else (
+                conn.try_exists_addresses(chunk))  # fmt: skip
+            if found is None:
+                return None
+            out.extend(found)
+        return out
+
     def _parallel(
-        self, view: View, groups: Groups, addresses: Sequence[str]
+        self, view: View, groups: Groups, addresses: Sequence[str], deadline: float
     ) -> dict[str, list[bool] | None]:
-        """Each group's lookup, one request per member, in parallel (the caller's thread
-        sends the first group itself)."""
+        """Each group's lookup, one request per member, in parallel, all answered by
+        ``deadline``; a member still out when the batch stops waiting for it
+        (:meth:`Router.cut`) is missing from the answer and marked down.
+
+        One group is sent from the caller's thread (nothing to wait for beside it)."""
         jobs = [(m, [addresses[i] for i in idx]) for m, idx in groups.items()]
-        if not jobs:
-            return {}
-        futures = [
-            (m, self._fanout.submit(self._members.get(view, m).try_exists_addresses, part))
-            for m, part in jobs[1:]
-        ]
-        first, part = jobs[0]
-        out = {first: self._members.get(view, first).try_exists_addresses(part)}
-        for m, future in futures:
-            out[m] = future.result()
+        if len(jobs) <= 1:
+            return {m: self._ask(view, m, part, deadline) for m, part in jobs}
+        started = time.monotonic()
+        pending = {self._fanout.submit(self._ask, view, m, part, deadline): m for m, part in jobs}
+        out: dict[str, list[bool] | None] = {}
+        cut = deadline
+        while pending:
+            done, _ = concurrent.futures.wait(
+                pending, timeout=max(0.0, cut - time.monotonic()),
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )  # fmt: skip
+            if not done:
+                break
+            for future in done:
+                out[pending.pop(future)] = future.result()
+            cut = self._router.cut(started, deadline)
+        if pending:
+            for future in pending:
+                future.cancel()  # one still queued is never sent
+            self._router.late(pending.values(), time.monotonic() - started)
         return out
 
     def _lookup(self, addresses: Sequence[str]) -> tuple[list[bool], bool]:
         """(one bool per address in the caller's order, whether any member answered)."""
         if self._closed or not addresses:
             return [False] * len(addresses), not self._closed
+        deadline = time.monotonic() + self.config.timeout_s
         try:
             view, groups = self._router.plan(addresses)
-            answers = self._parallel(view, groups, addresses)
+            answers = self._parallel(view, groups, addresses, deadline)
             ok = {m: a for m, a in answers.items() if a is not None}
             found = merge(len(addresses), groups, ok, False)
             again = self._router.second_plan(view, addresses, found, groups)
-            if again:
-                for m, a in self._parallel(view, again, addresses).items():
+            if again and time.monotonic() < deadline:
+                for m, a in self._parallel(view, again, addresses, deadline).items():
                     if a is not None:
                         for i, hit in zip(again[m], a, strict=True):
                             found[i] = found[i] or hit
@@ -583,27 +663,50 @@ class AsyncClusterConnector:
         return await self._one(key, lambda c, a: c._status("DELETE", a), _absent) == 204
 
     async def _parallel(
-        self, view: View, groups: Groups, addresses: Sequence[str]
+        self, view: View, groups: Groups, addresses: Sequence[str], deadline: float
     ) -> dict[str, list[bool] | None]:
+        """Like :meth:`ClusterConnector._parallel`: every group at once, all answered by
+        ``deadline``; a member still out when the batch stops waiting for it is
+        cancelled, missing from the answer and marked down."""
+
         async def one(m: str, idx: list[int]) -> list[bool] | None:
             # A failed group is all misses (its share); its error marks the member down.
             return await self._members.get(view, m).exists_many([addresses[i] for i in idx])
 
-        ids = list(groups)
-        answers = await asyncio.gather(*(one(m, groups[m]) for m in ids))
-        return dict(zip(ids, answers, strict=True))
+        started = time.monotonic()
+        pending = {asyncio.ensure_future(one(m, idx)): m for m, idx in groups.items()}
+        out: dict[str, list[bool] | None] = {}
+        cut = deadline
+        try:
+            while pending:
+                done, _ = await asyncio.wait(
+                    pending, timeout=max(0.0, cut - time.monotonic()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )  # fmt: skip
+                if not done:
+                    break
+                for task in done:
+                    out[pending.pop(task)] = task.result()
+                cut = self._router.cut(started, deadline)
+        finally:
+            for task in pending:
+                task.cancel()
+        if pending:
+            self._router.late(pending.values(), time.monotonic() - started)
+        return out
 
     async def _lookup(self, addresses: Sequence[str]) -> list[bool]:
         if self._closed or not addresses:
             return [False] * len(addresses)
+        deadline = time.monotonic() + self.config.timeout_s
         view, groups = self._router.plan(addresses)
-        answers = await self._parallel(view, groups, addresses)
+        answers = await self._parallel(view, groups, addresses, deadline)
         found = merge(
             len(addresses), groups, {m: a for m, a in answers.items() if a is not None}, False
         )
         again = self._router.second_plan(view, addresses, found, groups)
-        if again:
-            for m, a in (await self._parallel(view, again, addresses)).items():
+        if again and time.monotonic() < deadline:
+            for m, a in (await self._parallel(view, again, addresses, deadline)).items():
                 if a is not None:
                     for i, hit in zip(again[m], a, strict=True):
                         found[i] = found[i] or hit

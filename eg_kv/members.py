@@ -12,9 +12,10 @@ parameters) is a comma-separated list of entries, each one of:
   one member per address, id ``address:port``, with the name for TLS.
 
 A list of one plain URL is today's single server (:attr:`ServerSet.single`). DNS entries are
-re-resolved every ``refresh_s`` seconds by a background thread, each query bounded by
-``query_timeout_s``; an entry whose resolution fails (timeout, SERVFAIL, NXDOMAIN, no
-records) keeps its last good members, so a DNS outage never empties the set.
+re-resolved every ``refresh_s`` seconds by a background thread, each round (all its
+queries, concurrent) bounded by one ``query_timeout_s`` deadline, at most
+:data:`MAX_DNS_MEMBERS` members an entry; an entry whose resolution fails (timeout,
+SERVFAIL, NXDOMAIN, no records) keeps its last good members, so a DNS outage never empties the set.
 
 Weights follow each member's capacity when the client gives a ``weigh`` hook (it reads
 ``capacity_bytes`` from the member's ``/kv/stats``); without one, or until a member
@@ -41,7 +42,7 @@ from typing import Any
 
 from .config import format_hostport
 from .errors import ConfigError, EgKvError
-from .placement import Placement
+from .placement import WEIGHT_CAP_FACTOR, Placement, cap_weights
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,16 @@ DEFAULT_QUERY_TIMEOUT_S = 2.0
 DEFAULT_WEIGH_TIMEOUT_S = 5.0
 #: At most this many weighings at once (and so threads of a hook that hangs).
 _WEIGH_THREADS = 8
+#: At most this many members are taken from one DNS entry: the first by member id, the
+#: same subset in every client (a zone that lists 10,000 targets must not cost 20,000
+#: lookups per refresh). Logged when hit.
+MAX_DNS_MEMBERS = 256
+#: At most this many DNS queries in flight at once for one refresh (the targets' A and
+#: AAAA lookups run concurrently, all under one deadline).
+_DNS_THREADS = 16
+#: What the constructor waits beyond the first refresh's own bounds (for its threads to
+#: be scheduled and the view published) before it returns with what is known.
+_START_SLACK_S = 0.25
 #: A member that failed is down for this long, doubling at each failed probe up to the
 #: maximum (pymemcache's HashClient and mcrouter retry dead servers the same way).
 DEFAULT_BACKOFF_S = 1.0
@@ -248,17 +259,33 @@ def make_resolver(
     return resolver
 
 
-def resolve(query: DnsQuery, resolver: Any) -> list[Member]:
-    """The members a DNS entry names now, sorted by id.
+def resolve(
+    query: DnsQuery,
+    resolver: Any,
+    deadline: float | None = None,
+    pool: concurrent.futures.Executor | None = None,
+) -> list[Member]:
+    """The members a DNS entry names now, sorted by id, at most :data:`MAX_DNS_MEMBERS`.
+
+    Args:
+        query: the DNS entry.
+        resolver: from :func:`make_resolver`.
+        deadline: ``time.monotonic()`` by which every query of this resolution (the SRV
+            record and its targets' addresses) is done; default: the resolver's lifetime
+            from now. A lookup still unanswered then counts as failed.
+        pool: runs the targets' A and AAAA lookups concurrently (default: one at a time).
 
     Raises:
         DiscoveryError: the query failed or found no usable record.
     """
     import dns.exception
 
+    if deadline is None:
+        deadline = time.monotonic() + resolver.lifetime
+    lookups = _Lookups(resolver, deadline, pool)
     try:
         members = (
-            _resolve_srv(query, resolver) if query.kind == "srv" else _resolve_a(query, resolver)
+            _resolve_srv(query, lookups) if query.kind == "srv" else _resolve_a(query, lookups)
         )
     except dns.exception.DNSException as e:
         raise DiscoveryError(f"cannot resolve {query}: {type(e).__name__}: {e}") from None
@@ -267,29 +294,64 @@ def resolve(query: DnsQuery, resolver: Any) -> list[Member]:
     return sorted(members, key=lambda m: m.id)
 
 
-def _addresses(resolver: Any, name: str, response: Any = None) -> list[str]:
-    """The IPv4 then IPv6 addresses of ``name``: from a response's additional section
-    when it has them (CoreDNS sends a headless Service's pod addresses there), else
-    queried."""
-    import dns.exception
-    import dns.name
+class _Lookups:
+    """DNS queries of one resolution, each bounded by what is left of its deadline."""
+
+    def __init__(self, resolver: Any, deadline: float, pool: concurrent.futures.Executor | None):
+        self.resolver = resolver
+        self.deadline = deadline
+        self.pool = pool
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def query(self, qname: Any, rdtype: str) -> Any:
+        """One query, its lifetime the time left (raises LifetimeTimeout when none is)."""
+        import dns.resolver
+
+        left = self.left()
+        if left <= 0:
+            raise dns.resolver.LifetimeTimeout(timeout=0.0, errors=[])
+        return self.resolver.resolve(qname, rdtype, search=False, lifetime=left)
+
+    def addresses(self, qname: Any, rdtype: str) -> list[str]:
+        """The addresses of one A or AAAA query; [] when it failed or found none."""
+        import dns.exception
+
+        try:
+            return [r.address for r in self.query(qname, rdtype)]
+        except dns.exception.DNSException:
+            return []
+
+    def start(self, qname: Any, rdtype: str) -> concurrent.futures.Future:
+        """:meth:`addresses` on the pool (or now, without one)."""
+        if self.pool is not None:
+            try:
+                return self.pool.submit(self.addresses, qname, rdtype)
+            except RuntimeError:  # the pool was shut down: close() is under way
+                pass
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(self.addresses(qname, rdtype))
+        return done
+
+    def result(self, future: concurrent.futures.Future) -> list[str] | None:
+        """A started lookup's addresses, None if it is still unanswered at the deadline."""
+        try:
+            return future.result(timeout=max(0.0, self.left()))
+        except concurrent.futures.TimeoutError:
+            return None
+
+
+def _from_additional(name: Any, response: Any) -> list[str]:
+    """The addresses of ``name`` in a response's additional section (CoreDNS sends a
+    headless Service's pod addresses there)."""
     import dns.rdatatype
 
-    qname = dns.name.from_text(name)
     found: list[str] = []
-    if response is not None:
-        for rrset in response.additional:
-            if rrset.name == qname and rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
-                found += [r.address for r in rrset]
-        if found:
-            return _ordered(found)
-    for rdtype in ("A", "AAAA"):
-        try:
-            answer = resolver.resolve(qname, rdtype, search=False)
-        except dns.exception.DNSException:
-            continue
-        found += [r.address for r in answer]
-    return _ordered(found)
+    for rrset in response.additional:
+        if rrset.name == name and rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
+            found += [r.address for r in rrset]
+    return found
 
 
 def _positive(value: Any) -> bool:
@@ -301,49 +363,110 @@ def _ordered(addresses: list[str]) -> list[str]:
     return [str(a) for a in sorted(unique, key=lambda a: (a.version, a))]
 
 
-def _resolve_srv(query: DnsQuery, resolver: Any) -> list[Member]:
+_CAP_WARNED: set[str] = set()
+
+
+def _capped(query: DnsQuery, ids: list[str]) -> list[str]:
+    """The first :data:`MAX_DNS_MEMBERS` of ``ids`` (sorted: every client takes the same)."""
+    ids = sorted(ids)
+    if len(ids) > MAX_DNS_MEMBERS:
+        # A warning the first time per entry, not every refresh.
+        level = logging.DEBUG if str(query) in _CAP_WARNED else logging.WARNING
+        _CAP_WARNED.add(str(query))
+        log.log(
+            level,
+            "eg-kv: %s names %d servers; taking the first %d by id (MAX_DNS_MEMBERS)",
+            query, len(ids), MAX_DNS_MEMBERS,
+        )  # fmt: skip
+    return ids[:MAX_DNS_MEMBERS]
+
+
+def _resolve_srv(query: DnsQuery, lookups: _Lookups) -> list[Member]:
     import dns.name
 
-    answer = resolver.resolve(dns.name.from_text(query.name), "SRV", search=False)
+    answer = lookups.query(dns.name.from_text(query.name), "SRV")
     records = [r for r in answer if r.target != dns.name.root]  # "." means no service
     if not records:
         return []
     # RFC 2782: only the lowest priority is used; the others are standbys. (A headless
     # Service publishes every ready pod at priority 0.)
     best = min(r.priority for r in records)
-    members = {}
+    chosen: dict[str, Any] = {}
     for r in records:
-        if r.priority != best:
-            continue
+        if r.priority == best:
+            target = r.target.to_text(omit_final_dot=True).lower()
+            chosen.setdefault(format_hostport(target, r.port), r)
+    # Every target's addresses: from the additional section, else its A and AAAA
+    # lookups, all started at once and all bounded by the one deadline.
+    pending: dict[str, tuple[concurrent.futures.Future, ...]] = {}
+    known: dict[str, list[str]] = {}
+    for member_id in _capped(query, list(chosen)):
+        name = chosen[member_id].target
+        known[member_id] = _from_additional(name, answer.response)
+        if not known[member_id]:
+            pending[member_id] = (lookups.start(name, "A"), lookups.start(name, "AAAA"))
+    for member_id, (v4, v6) in pending.items():
+        # IPv4 is preferred (connected first), so once A answered the AAAA lookup is not
+        # waited for: a DNS server that drops AAAA queries costs nothing here.
+        known[member_id] = lookups.result(v4) or lookups.result(v6) or []
+    members = []
+    for member_id, found in known.items():
+        r = chosen[member_id]
         target = r.target.to_text(omit_final_dot=True).lower()
-        member_id = format_hostport(target, r.port)
-        addresses = _addresses(resolver, target, answer.response)
+        addresses = _ordered(found)
         host = addresses[0] if addresses else target  # else the system resolves it
-        members[member_id] = Member(
-            member_id, query.scheme, host, r.port, query.path, target, float(r.weight or 1)
+        members.append(
+            Member(member_id, query.scheme, host, r.port, query.path, target, float(r.weight or 1))
         )
-    return list(members.values())
+    return members
 
 
-def _resolve_a(query: DnsQuery, resolver: Any) -> list[Member]:
+def _resolve_a(query: DnsQuery, lookups: _Lookups) -> list[Member]:
     import dns.exception
     import dns.name
 
     qname = dns.name.from_text(query.name)
+    # Both lookups at once, each bounded by the one deadline; the first failure's error
+    # is kept for when neither finds anything.
+    futures = {rdtype: _start_raising(lookups, qname, rdtype) for rdtype in ("A", "AAAA")}
     found: list[str] = []
-    errors: list[Exception] = []
-    for rdtype in ("A", "AAAA"):
+    errors: list[BaseException] = []
+    for future in futures.values():
         try:
-            found += [r.address for r in resolver.resolve(qname, rdtype, search=False)]
-        except dns.exception.DNSException as e:
+            found += future.result(timeout=max(0.0, lookups.left()))
+        except concurrent.futures.TimeoutError:
+            errors.append(dns.exception.Timeout(timeout=0.0))
+        except Exception as e:
             errors.append(e)
     if not found and errors:
         raise errors[0]
     assert query.port is not None
-    return [
-        Member(format_hostport(a, query.port), query.scheme, a, query.port, query.path, query.name)
+    members = {
+        format_hostport(a, query.port): Member(
+            format_hostport(a, query.port), query.scheme, a, query.port, query.path, query.name
+        )
         for a in _ordered(found)
-    ]
+    }
+    return [members[m] for m in _capped(query, list(members))]
+
+
+def _start_raising(lookups: _Lookups, qname: Any, rdtype: str) -> concurrent.futures.Future:
+    """One A or AAAA query started on the pool; its future raises what the query raised."""
+
+    def run() -> list[str]:
+        return [r.address for r in lookups.query(qname, rdtype)]
+
+    if lookups.pool is not None:
+        try:
+            return lookups.pool.submit(run)
+        except RuntimeError:  # the pool was shut down: close() is under way
+            pass
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        done.set_result(run())
+    except Exception as e:
+        done.set_exception(e)
+    return done
 
 
 # --------------------------------------------------------------------------- membership
@@ -408,18 +531,25 @@ class Membership:
         query_timeout_s: the bound on each DNS resolution.
         nameservers, dns_port: the DNS servers to ask (default: the system's).
         weigh: ``weigh(member) -> weight | None``, called from a worker thread for each
-            member not yet weighed (the client reads ``capacity_bytes`` from
-            ``/kv/stats``); None or an exception leaves the member unweighed, to be
-            retried at the next refresh. An unweighed member counts as the mean of the
-            weighed ones, so it takes an equal share meanwhile.
+            member at each refresh (the client reads ``capacity_bytes`` from
+            ``/kv/stats``); None or an exception leaves the member's last weight (or
+            unweighed), to be retried at the next refresh. An unweighed member counts as
+            the mean of the weighed ones, so it takes an equal share meanwhile. No
+            weight counts for more than :data:`~eg_kv.placement.WEIGHT_CAP_FACTOR`
+            times the (lower) median (:func:`~eg_kv.placement.cap_weights`); a member
+            held by the cap, or whose weight moves by more than that factor, is logged.
         weigh_timeout_s: the bound on one round of weighing, all members in parallel.
         on_change: called with the new :class:`View` after each change (from the thread
             that made it; keep it short).
 
-    The first resolution runs in the constructor. If every DNS entry fails then, the set
-    starts empty (every address a miss) and fills at a later refresh. The thread runs
-    only when there is something to refresh (a DNS entry or a ``weigh`` hook) and stops
-    on :meth:`close`.
+    The first resolution and weighing run as the constructor starts, and it waits for
+    them at most :attr:`start_bound_s` (``query_timeout_s``, plus ``weigh_timeout_s``
+    with a ``weigh`` hook, plus 0.25 s): all DNS entries together, every SRV target's A and AAAA
+    lookups concurrently, under one ``query_timeout_s`` deadline. Past the bound it
+    returns with what is known (the listed URLs) and the members fill in when the
+    resolution ends. If every DNS entry fails, the set starts empty (every address a
+    miss) and fills at a later refresh. The thread runs only when there is something to
+    refresh (a DNS entry or a ``weigh`` hook) and stops on :meth:`close`.
 
     Raises:
         ConfigError: the setting does not parse, or a bound is not a positive number.
@@ -443,26 +573,43 @@ class Membership:
                 raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}")
         self.servers = setting if isinstance(setting, ServerSet) else parse_server_set(setting)
         self.refresh_s = float(refresh_s)
+        self._query_timeout_s = float(query_timeout_s)
         self._weigh = weigh
         self._weigh_timeout_s = float(weigh_timeout_s)
+        #: The longest the constructor waits for the first resolution and weighing.
+        self.start_bound_s = (
+            self._query_timeout_s * bool(self.servers.queries)
+            + (self._weigh_timeout_s if weigh is not None else 0.0)
+            + _START_SLACK_S
+        )
         self._on_change = on_change
         self._resolver = None
+        self._dns_pool: concurrent.futures.ThreadPoolExecutor | None = None
         if self.servers.queries:
             self._resolver = make_resolver(nameservers, dns_port, query_timeout_s)
+            self._dns_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=_DNS_THREADS, thread_name_prefix="eg-kv-dns"
+            )
         self._found: dict[DnsQuery, list[Member]] = {}  # last good answer of each entry
         self._failing: set[DnsQuery] = set()
         self._weights: dict[str, float] = {}  # measured weights, by member id
         self._weighing: dict[str, concurrent.futures.Future] = {}  # weighings under way
         self._weigh_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._capped: set[tuple[str, float]] = set()  # (member, capacity) the cap held: logged
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()  # one refresh at a time
         self._view = View({}, Placement({}), None, time.monotonic(), self.refresh_s)
         self._stop = threading.Event()
+        self._started = threading.Event()  # the first refresh is done
         self._thread: threading.Thread | None = None
-        self.refresh()
-        if self.servers.queries or weigh is not None:
-            self._thread = threading.Thread(target=self._run, name="eg-kv-membership", daemon=True)
-            self._thread.start()
+        if not (self.servers.queries or weigh is not None):
+            self.refresh()  # listed URLs only: nothing to wait for
+            return
+        self._thread = threading.Thread(target=self._run, name="eg-kv-membership", daemon=True)
+        self._thread.start()
+        if not self._started.wait(self.start_bound_s):
+            # Start with what is known; the first refresh publishes the rest when it ends.
+            self._publish(self._candidates(), only_if_empty=True)
 
     def __repr__(self) -> str:
         return f"Membership({len(self._view.members)} members)"
@@ -490,8 +637,11 @@ class Membership:
             True when the member list or a weight changed.
         """
         with self._refresh_lock:
+            # One deadline for every entry: a DNS server that drops some queries costs
+            # the refresh query_timeout_s at most, never that much per target.
+            deadline = time.monotonic() + self._query_timeout_s
             for query in self.servers.queries:
-                self._resolve_one(query)
+                self._resolve_one(query, deadline)
             candidates = self._candidates()
             self._weigh_new(candidates)
             return self._publish(candidates)
@@ -502,26 +652,31 @@ class Membership:
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=self._join_bound())
-        pool, self._weigh_pool = self._weigh_pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        for name in ("_weigh_pool", "_dns_pool"):
+            pool = getattr(self, name)
+            setattr(self, name, None)
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def _join_bound(self) -> float:
-        resolver = self._resolver
-        return (resolver.lifetime * 3 if resolver is not None else 0.0) + self._weigh_timeout_s
+        return self.start_bound_s + self._query_timeout_s
 
     # -- internals
 
     def _run(self) -> None:
-        while not self._stop.wait(self.refresh_s):
+        first = True
+        while first or not self._stop.wait(self.refresh_s):
             try:
                 self.refresh()
             except Exception:  # the thread must outlive any surprise; the set stays as it is
                 log.exception("eg-kv membership refresh failed; keeping the current set")
+            if first:
+                first = False
+                self._started.set()
 
-    def _resolve_one(self, query: DnsQuery) -> None:
+    def _resolve_one(self, query: DnsQuery, deadline: float) -> None:
         try:
-            members = resolve(query, self._resolver)
+            members = resolve(query, self._resolver, deadline, self._dns_pool)
         except DiscoveryError as e:
             if query not in self._failing:  # once per outage, not every refresh
                 kept = len(self._found.get(query, ()))
@@ -552,6 +707,9 @@ class Membership:
         return out
 
     def _weigh_new(self, candidates: dict[str, Member]) -> None:
+        """Weigh every member (again: a capacity that changes is seen within a refresh),
+        all at once, bounded by ``weigh_timeout_s``; a member whose weighing fails keeps
+        its last weight."""
         # Forget members that left: one that comes back may have another capacity.
         for member_id in list(self._weights):
             if member_id not in candidates:
@@ -565,8 +723,11 @@ class Membership:
         # A member whose last weighing still runs (a hook that hangs) is not asked again:
         # the threads stay bounded however long the hook takes.
         for m in candidates.values():
-            if m.id not in self._weights and m.id not in self._weighing:
-                self._weighing[m.id] = self._weigh_pool.submit(self._weigh, m)
+            if m.id not in self._weighing:
+                try:
+                    self._weighing[m.id] = self._weigh_pool.submit(self._weigh, m)
+                except RuntimeError:  # close() shut the pool down meanwhile
+                    return
         if not self._weighing:
             return
         concurrent.futures.wait(self._weighing.values(), timeout=self._weigh_timeout_s)
@@ -577,18 +738,51 @@ class Membership:
             try:
                 weight = future.result()
             except Exception as e:
-                log.info("eg-kv: cannot weigh %s yet: %s", member_id, e)
+                level = logging.DEBUG if member_id in self._weights else logging.INFO
+                log.log(level, "eg-kv: cannot weigh %s yet: %s", member_id, e)
                 continue
             if member_id in candidates and _positive(weight):
-                self._weights[member_id] = float(weight)
+                self._reweighed(member_id, float(weight))
 
-    def _publish(self, candidates: dict[str, Member]) -> bool:
-        weighed = [self._weights[m] for m in candidates if m in self._weights]
-        stand_in = sum(weighed) / len(weighed) if weighed else None
+    def _reweighed(self, member_id: str, weight: float) -> None:
+        """Keep a member's new weight; log one that moved by more than the cap allows
+        (a capacity that jumps so far is a misconfigured or lying server)."""
+        before = self._weights.get(member_id)
+        if before is not None and max(weight / before, before / weight) > WEIGHT_CAP_FACTOR:
+            log.warning(
+                "eg-kv: member %s now reports capacity %.0f bytes, was %.0f (over %gx apart);"
+                " check its --capacity",
+                member_id, weight, before, WEIGHT_CAP_FACTOR,
+            )  # fmt: skip
+        self._weights[member_id] = weight
+
+    def _publish(self, candidates: dict[str, Member], only_if_empty: bool = False) -> bool:
+        """Make the candidates (with their weights) the current view if anything changed.
+
+        Args:
+            candidates: ``{member_id: Member}`` from :meth:`_candidates`.
+            only_if_empty: publish only if no view has members yet (the constructor's
+                fallback must not replace a refresh that ended meanwhile).
+
+        Returns:
+            True when the view changed.
+        """
+        measured = {m: self._weights[m] for m in candidates if m in self._weights}
+        weights = cap_weights(measured, WEIGHT_CAP_FACTOR)
+        for member_id, weight in weights.items():
+            held = (member_id, measured[member_id])
+            if weight < measured[member_id] and held not in self._capped:
+                self._capped.add(held)
+                log.warning(
+                    "eg-kv: member %s reports capacity %.0f bytes, over %gx the median; "
+                    "weighted as %.0f (WEIGHT_CAP_FACTOR)",
+                    member_id, measured[member_id], WEIGHT_CAP_FACTOR, weight,
+                )  # fmt: skip
+        stand_in = sum(weights.values()) / len(weights) if weights else None
         members = {}
         for member_id, m in candidates.items():
-            if member_id in self._weights:
-                weight = self._weights[member_id]
+            if member_id in weights:
+                weight = weights[member_id]
             elif stand_in is not None:
                 weight = stand_in
             else:
@@ -596,7 +790,7 @@ class Membership:
             members[member_id] = dataclasses.replace(m, weight=weight)
         with self._lock:
             old = self._view
-            if members == dict(old.members):
+            if members == dict(old.members) or (only_if_empty and old.members):
                 return False
             placement = Placement({m.id: m.weight for m in members.values()})
             previous = old.placement if old.members else None
@@ -623,12 +817,16 @@ class Membership:
 class Health:
     """Which members are down, each with its back-off; thread-safe.
 
-    A member that failed (refused connection, timeout) is down until a probe finds it up:
-    pass :meth:`down` as ``skip`` to :meth:`Placement.home` / :meth:`Placement.group`, so
-    its addresses go to their next-ranked member and no request waits on it. A background
-    prober asks :meth:`due` which members to probe now, probes each (``/healthz``, with a
-    short timeout) and reports :meth:`succeeded` or :meth:`failed`; every failure doubles
-    the member's back-off, from ``first_s`` up to ``max_s``.
+    A member that failed (refused connection, timeout, a batch's deadline missed) is down
+    until a probe finds it up: pass :meth:`down` as ``skip`` to :meth:`Placement.home` /
+    :meth:`Placement.group`, so its addresses go to their next-ranked member and no
+    request waits on it. A background prober asks :meth:`due` which members to probe
+    now, probes each (``/healthz`` and a data route, with a short timeout) and reports
+    :meth:`succeeded` or :meth:`failed`; every failure doubles the member's back-off,
+    from ``first_s`` up to ``max_s``. A member that fails again within ``max_s`` of
+    coming back resumes doubling from where it was (a member that passes its probes and
+    then stalls requests is retried less and less often), and starts over from
+    ``first_s`` only after ``max_s`` up without a failure.
 
     Args:
         first_s: the back-off after a first failure.
@@ -650,6 +848,7 @@ class Health:
         self._lock = threading.Lock()
         self._backoff: dict[str, float] = {}  # member id -> its current back-off
         self._next_probe: dict[str, float] = {}  # member id -> when to probe it
+        self._recovered: dict[str, tuple[float, float]] = {}  # id -> (back-off, up since)
         self._down: frozenset[str] = frozenset()
 
     def failed(self, member_id: str) -> float:
@@ -659,21 +858,27 @@ class Health:
             Seconds until it is due for a probe.
         """
         with self._lock:
+            now = self._clock()
             backoff = self._backoff.get(member_id)
+            if backoff is None:
+                last, up_since = self._recovered.pop(member_id, (0.0, now - self.max_s))
+                # Back within max_s of recovering: it did not stay up, keep doubling.
+                backoff = last if now - up_since < self.max_s else None
             backoff = self.first_s if backoff is None else min(backoff * 2, self.max_s)
             self._backoff[member_id] = backoff
-            self._next_probe[member_id] = self._clock() + backoff
+            self._next_probe[member_id] = now + backoff
             self._down = frozenset(self._backoff)
             return backoff
 
     def succeeded(self, member_id: str) -> bool:
         """A probe (or a request) reached the member: it is up. Returns True if it was down."""
         with self._lock:
-            was_down = self._backoff.pop(member_id, None) is not None
+            backoff = self._backoff.pop(member_id, None)
             self._next_probe.pop(member_id, None)
-            if was_down:
+            if backoff is not None:
+                self._recovered[member_id] = (backoff, self._clock())
                 self._down = frozenset(self._backoff)
-            return was_down
+            return backoff is not None
 
     def down(self) -> frozenset[str]:
         """The ids of the members that are down now (one atomic read, no lock)."""
@@ -696,4 +901,6 @@ class Health:
             for m in [m for m in self._backoff if m not in keep]:
                 del self._backoff[m]
                 self._next_probe.pop(m, None)
+            for m in [m for m in self._recovered if m not in keep]:
+                del self._recovered[m]
             self._down = frozenset(self._backoff)

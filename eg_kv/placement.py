@@ -35,6 +35,12 @@ _U_BITS = 52
 _U_SHIFT = 64 - _U_BITS
 _U_SCALE = float(1 << _U_BITS)
 
+#: No member's weight counts for more than this many times the (lower) median weight of
+#: the set: a member that reports ``capacity_bytes = 2**62`` (a bug or a lie) takes at most
+#: ``4 / (4 + K - 1)`` of the addresses among K-1 equal others, not all of them. Real
+#: fleets mix hosts a few times apart; a larger host beyond 4x is under-used, not wrong.
+WEIGHT_CAP_FACTOR = 4.0
+
 
 def unit_hash(member_id: str, address: str) -> float:
     """The uniform draw ``u`` in (0, 1) of one (member, address) pair.
@@ -172,6 +178,31 @@ class Placement:
             if member is not None:
                 groups.setdefault(member, []).append(i)
         return groups
+
+
+def cap_weights(weights: Mapping[K, float], factor: float = WEIGHT_CAP_FACTOR) -> dict[K, float]:
+    """Each weight, held to at most ``factor`` times the lower median of them all.
+
+    The lower median (not the mean, which one huge value drags along) is taken, so that
+    in a set of two an outlier is held by the other member, not by itself.
+
+    Args:
+        weights: ``{member: weight}``, positive and finite.
+        factor: the cap, a multiple of the median (>= 1).
+
+    Returns:
+        A new dict with the same keys; weights at or under the cap unchanged.
+
+    Raises:
+        ConfigError: ``factor`` below 1.
+    """
+    if not factor >= 1:
+        raise ConfigError(f"the weight cap factor must be at least 1, not {factor!r}")
+    if not weights:
+        return {}
+    ordered = sorted(weights.values())
+    cap = factor * ordered[(len(ordered) - 1) // 2]
+    return {m: min(w, cap) for m, w in weights.items()}
 
 
 def _rank_key(entry: tuple[float, str]) -> tuple[float, str]:

@@ -310,3 +310,188 @@ def test_a_list_of_urls_needs_only_the_standard_library(server_factory):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- bad members
+
+
+class FakeMember:
+    """A member on loopback whose ``/healthz`` answers at once while its data routes
+    (``POST /kv/batch/exists``, ``GET``/``PUT``/``HEAD`` of a block) answer after
+    ``delay_s`` (None: never, until stopped); ``/kv/stats`` reports ``capacity``.
+
+    Attributes:
+        url: its base URL.
+        member_id: its id in a set (``127.0.0.1:port``).
+        data_requests: how many data-route requests it received.
+    """
+
+    def __init__(self, delay_s: float | None, capacity: int = 32 << 20) -> None:
+        import http.server
+        import json
+        import threading
+
+        release = self._release = threading.Event()
+        owner = self
+        self.data_requests = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _answer(self, status: int, doc: object) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def _data(self) -> None:
+                owner.data_requests += 1
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                release.wait(delay_s)  # None: until the test ends
+                self._answer(503, {"error": "slow member"})
+
+            def do_GET(self) -> None:
+                if self.path == "/healthz":
+                    self._answer(200, {"status": "ok"})
+                elif self.path == "/kv/stats":
+                    self._answer(200, {"capacity_bytes": capacity, "page_size": 4096})
+                else:
+                    self._data()
+
+            do_POST = do_PUT = do_HEAD = do_DELETE = _data
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        port = self._server.server_address[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.member_id = f"127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> FakeMember:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+SLOW_TIMEOUT_S = 2.0
+#: Just under timeout_s (the request never times out: HEAD waited for it every batch),
+#: or never (its health check answers: HEAD let it back in after each probe).
+SLOW_DELAYS = {"just_under_timeout": 0.9 * SLOW_TIMEOUT_S, "hangs": None}
+#: One batch stops waiting for a straggler STRAGGLER_FLOOR_S (0.25 s) after the others
+#: answered; the margin is for a loaded 2-core machine.
+ONE_BATCH_BOUND_S = 1.0
+
+
+def _keys_off(kv, member_id: str, n: int, prefix: str) -> tuple[list[str], list[str]]:
+    """(keys whose home is elsewhere, keys whose home is ``member_id``), ``n`` in all."""
+    keys = [f"{prefix}{i:04d}" for i in range(n)]
+    on = [k for k in keys if kv.router.home(k)[1] == member_id]
+    return [k for k in keys if k not in on], on
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", sorted(SLOW_DELAYS))
+def test_a_slow_member_costs_its_share_of_one_batch_sync(server_factory, how):
+    servers = start_set(server_factory, n=2)
+    with (
+        FakeMember(SLOW_DELAYS[how]) as slow,
+        RemoteKVConnector(
+            base_url=f"{set_url(servers)},{slow.url}", timeout_s=SLOW_TIMEOUT_S, local_reads=False
+        ) as kv,
+    ):
+        elsewhere, on_slow = _keys_off(kv, slow.member_id, 90, f"slow-{how}-")
+        assert elsewhere and on_slow
+        for k in elsewhere:
+            assert kv.put(k, b"v")
+        keys = elsewhere + on_slow
+        want = [True] * len(elsewhere) + [False] * len(on_slow)
+
+        t = time.perf_counter()
+        assert kv.exists_many(keys) == want, "the others' hits are answered"
+        first = time.perf_counter() - t
+        assert first < ONE_BATCH_BOUND_S, f"the batch waited {first:.2f} s for the slow member"
+        assert slow.member_id in kv.router.down(), "a member that stalls a batch is down"
+
+        # Later batches do not pay for it, also after its /healthz-answering probes (the
+        # prober's data-route probe still stalls, so it stays down, backing off).
+        sent = slow.data_requests
+        t_end = time.monotonic() + 3.0  # past the first back-off (1 s) and its probe
+        worst = 0.0
+        while time.monotonic() < t_end:
+            t = time.perf_counter()
+            assert kv.exists_many(elsewhere) == [True] * len(elsewhere)
+            worst = max(worst, time.perf_counter() - t)
+            time.sleep(0.05)
+        assert worst < ONE_BATCH_BOUND_S / 2, f"a later batch took {worst:.2f} s"
+        assert slow.member_id in kv.router.down()
+        assert slow.data_requests - sent <= 2, "only probes reached it, a few of them"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", sorted(SLOW_DELAYS))
+def test_a_slow_member_costs_its_share_of_one_batch_async(server_factory, how):
+    servers = start_set(server_factory, n=2)
+
+    async def run(slow: FakeMember) -> None:
+        kv = AsyncRemoteKVConnector(
+            base_url=f"{set_url(servers)},{slow.url}", timeout_s=SLOW_TIMEOUT_S,
+            local_reads=False,
+        )  # fmt: skip
+        try:
+            elsewhere, on_slow = _keys_off(kv, slow.member_id, 90, f"aslow-{how}-")
+            for k in elsewhere:
+                assert await kv.put(k, b"v")
+            keys = elsewhere + on_slow
+            t = time.perf_counter()
+            found = await kv.exists_many(keys)
+            first = time.perf_counter() - t
+            assert found == [True] * len(elsewhere) + [False] * len(on_slow)
+            assert first < ONE_BATCH_BOUND_S, f"the batch waited {first:.2f} s"
+            assert slow.member_id in kv.router.down()
+            t_end = time.monotonic() + 3.0
+            worst = 0.0
+            while time.monotonic() < t_end:
+                t = time.perf_counter()
+                assert await kv.exists_many(elsewhere) == [True] * len(elsewhere)
+                worst = max(worst, time.perf_counter() - t)
+                await asyncio.sleep(0.05)
+            assert worst < ONE_BATCH_BOUND_S / 2, f"a later batch took {worst:.2f} s"
+            assert slow.member_id in kv.router.down()
+        finally:
+            await kv.close()
+
+    with FakeMember(SLOW_DELAYS[how]) as slow:
+        asyncio.run(run(slow))
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_reports_a_huge_capacity_takes_a_capped_share(server_factory, caplog):
+    servers = start_set(server_factory, n=2)
+    liar = FakeMember(None, capacity=2**62)
+    with (
+        liar,
+        caplog.at_level("WARNING", "eg_kv"),
+        RemoteKVConnector(base_url=f"{set_url(servers)},{liar.url}") as kv,
+    ):
+        weights = kv.router.view().placement.weights
+        assert weights[liar.member_id] == 4 * weights[f"127.0.0.1:{servers[0].port}"]
+        n = 3000
+        share = sum(kv.router.home(f"{i:x}")[1] == liar.member_id for i in range(n)) / n
+        # Capped at 4x the median of 32 MiB members: 4 / (4 + 1 + 1) of the addresses.
+        assert share < 4 / 6 + 0.04, f"the member reporting 2**62 bytes took {share:.1%}"
+    said = [r.getMessage() for r in caplog.records if liar.member_id in r.getMessage()]
+    assert any("over 4x the median" in line for line in said), said

@@ -202,3 +202,19 @@ def test_merge_refuses_answers_that_do_not_fit():
         merge(3, groups, {"c:1": []}, False)
     with pytest.raises(ValueError, match="outside"):
         merge(2, groups, {"a:1": [True, True]}, False)
+
+
+def test_weights_are_capped_at_a_few_times_the_lower_median():
+    from eg_kv.placement import WEIGHT_CAP_FACTOR, cap_weights
+
+    assert WEIGHT_CAP_FACTOR == 4.0
+    gib = float(1 << 30)
+    assert cap_weights({"a": gib, "b": gib, "liar": 2.0**62}) == {"a": gib, "b": gib,
+                                                                 "liar": 4 * gib}  # fmt: skip
+    # In a set of two the lower median is the honest member, not the mean of the pair.
+    assert cap_weights({"a": gib, "liar": 2.0**62})["liar"] == 4 * gib
+    # Weights within the cap are left alone (2:1 stays 2:1).
+    assert cap_weights({"a": 2.0, "b": 1.0, "c": 1.0}) == {"a": 2.0, "b": 1.0, "c": 1.0}
+    assert cap_weights({}) == {}
+    with pytest.raises(ConfigError):
+        cap_weights({"a": 1.0}, 0.5)
