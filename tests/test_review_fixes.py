@@ -274,8 +274,9 @@ def test_lookups_while_the_set_closes_return_misses_never_raise(server_factory):
     threads = [threading.Thread(target=lookup) for _ in range(4)]
     for t in threads:
         t.start()
-    # 64 - 16 running blockers queued, and two groups of each lookup.
-    wait_for(lambda: kv._fanout._work_queue.qsize() == 64 - 16 + 2 * 4, timeout=20,
+    # 64 - 16 running blockers queued, and every group of each lookup (a batch over
+    # several members sends all its groups through the pool).
+    wait_for(lambda: kv._fanout._work_queue.qsize() == 64 - 16 + 3 * 4, timeout=20,
              what="the lookups' groups queued")  # fmt: skip
     kv.close()
     hold.set()
