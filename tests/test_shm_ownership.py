@@ -114,6 +114,17 @@ def refusal(srv_or_log: str) -> str:
 # ---------------------------------------------------------------- item 1: ownership
 
 
+def refused_start(server_factory, shm_name: str) -> str:
+    """Start a server on ``shm_name``; assert that it exits 1; return its refusal line."""
+    srv = server_factory(workers=1, capacity="1MiB", slab_name=shm_name, wait=False,
+                         extra=("--max-block-size", "1MiB"))  # fmt: skip
+    wait_for(lambda: srv.proc.poll() is not None or srv.healthz(), timeout=60,
+             what="the server to refuse or serve")  # fmt: skip
+    code = srv.proc.poll()
+    assert code == 1, f"it served on another user's segment (exit {code}):\n{srv.log()}"
+    return refusal(srv.log())
+
+
 @pytest.mark.timeout(90)
 def test_a_slab_another_user_left_is_refused_not_adopted(server_factory, shm_name):
     """`eg-kv serve --keep` under another uid, then chmod 0666: HEAD re-attached it, and
@@ -128,13 +139,7 @@ def test_a_slab_another_user_left_is_refused_not_adopted(server_factory, shm_nam
     as_nobody(left_by_another_user)  # its owner pid (the child) is gone: "warm restart"
     theirs = os.stat(SHM + shm_name)
     before = data(SHM + shm_name)
-    srv = server_factory(workers=1, capacity="1MiB", slab_name=shm_name, wait=False,
-                         extra=("--max-block-size", "1MiB"))  # fmt: skip
-    wait_for(lambda: srv.proc.poll() is not None or srv.healthz(), timeout=60,
-             what="the server to refuse or serve")  # fmt: skip
-    code = srv.proc.poll()
-    assert code == 1, f"it served on another user's segment (exit {code}):\n{srv.log()}"
-    line = refusal(srv.log())
+    line = refused_start(server_factory, shm_name)
     assert f"{shm_name} (/dev/shm{shm_name}) is owned by uid 65534 (nobody) with mode 0666" in line
     assert "another --slab-name" in line and f"remove /dev/shm{shm_name}" in line
     # Neither used nor removed: the same file, not a byte changed (no claim, no retire).
@@ -154,13 +159,9 @@ def test_a_readers_segment_another_user_made_first_is_refused(server_factory, sh
     made is removed again; the other user's file is untouched."""
     readers = shm_name + L.READERS_SUFFIX
     theirs = foreign_segment(readers, b"x" * 4096)
-    srv = server_factory(workers=1, capacity="1MiB", slab_name=shm_name, wait=False,
-                         extra=("--max-block-size", "1MiB"))  # fmt: skip
-    wait_for(lambda: srv.proc.poll() is not None or srv.healthz(), timeout=60,
-             what="the server to refuse or serve")  # fmt: skip
-    code = srv.proc.poll()
-    assert code == 1, f"it served on another user's segment (exit {code}):\n{srv.log()}"
-    assert f"{readers} (/dev/shm{readers}) is owned by uid 65534" in refusal(srv.log())
+    assert f"{readers} (/dev/shm{readers}) is owned by uid 65534" in refused_start(
+        server_factory, shm_name
+    )
     assert not os.path.exists(SHM + shm_name), "the half-made slab was left behind"
     assert same_file(theirs, SHM + readers)
     assert data(SHM + readers) == b"x" * 4096
