@@ -7,7 +7,7 @@ import re
 
 from .errors import InvalidAddress
 
-#: The longest address, in ASCII characters (a slot holds it whole: eg_kv/layout.py).
+#: The longest address, in ASCII characters (a slot holds it whole: eg_kv/slab/layout.py).
 ADDRESS_MAX = 256
 
 #: The characters an address may hold: letters, digits and ``. _ : @ + = -``.

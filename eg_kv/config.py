@@ -138,7 +138,7 @@ class Settings:
     keep: bool = False
     fresh: bool = False
     token: str | None = dataclasses.field(default=None, repr=False)
-    #: a TOML file of tenants (eg_kv.tenants); replaces ``token`` when given
+    #: a TOML file of tenants (eg_kv.server.tenants); replaces ``token`` when given
     tokens_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -153,7 +153,7 @@ class Settings:
     #: Bytes a second a request body must average after the body timeout; 0: no minimum.
     min_upload_rate: int = DEFAULT_MIN_UPLOAD_RATE
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
-    #: Open connections per worker; 0: derived from the fd limit (eg_kv.connections).
+    #: Open connections per worker; 0: derived from the fd limit (eg_kv.server.connections).
     max_connections: int = 0
 
     def __post_init__(self) -> None:

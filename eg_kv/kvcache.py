@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .client import KvCacheConfig, KvCacheStats, RemoteKVConnector, to_address
-from .lmcache_l2 import RemoteKVL2Connector
+from .client.sync import KvCacheConfig, KvCacheStats, RemoteKVConnector, to_address
+from .lmcache.l2 import RemoteKVL2Connector
 
 if TYPE_CHECKING:
-    from .aio import AsyncRemoteKVConnector
-    from .lmcache_adapter import EgKvConnectorAdapter
-    from .lmcache_remote import EgKvRemoteConnector
+    from .client.aio import AsyncRemoteKVConnector
+    from .lmcache.adapter import EgKvConnectorAdapter
+    from .lmcache.remote import EgKvRemoteConnector
 
 __all__ = [
     "AsyncRemoteKVConnector",
@@ -46,15 +46,15 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # Lazy: keep the base import free of aiohttp and of lmcache/torch.
     if name == "AsyncRemoteKVConnector":
-        from .aio import AsyncRemoteKVConnector
+        from .client.aio import AsyncRemoteKVConnector
 
         return AsyncRemoteKVConnector
     if name == "EgKvRemoteConnector":
-        from .lmcache_remote import EgKvRemoteConnector
+        from .lmcache.remote import EgKvRemoteConnector
 
         return EgKvRemoteConnector
     if name == "EgKvConnectorAdapter":
-        from .lmcache_adapter import EgKvConnectorAdapter
+        from .lmcache.adapter import EgKvConnectorAdapter
 
         return EgKvConnectorAdapter
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

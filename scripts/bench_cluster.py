@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
-from eg_kv.client import KvCacheConfig, RemoteKVConnector  # noqa: E402
-from eg_kv.cluster import ClusterConnector  # noqa: E402
-from eg_kv.placement import Placement  # noqa: E402
-from eg_kv.slab import Slab  # noqa: E402
+from eg_kv.client.placement import Placement  # noqa: E402
+from eg_kv.client.sets import ClusterConnector  # noqa: E402
+from eg_kv.client.sync import KvCacheConfig, RemoteKVConnector  # noqa: E402
+from eg_kv.slab.store import Slab  # noqa: E402
 
 
 def free_port() -> int:

@@ -46,7 +46,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eg_kv.slab import Slab  # noqa: E402
+from eg_kv.slab.store import Slab  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_server import free_port, tokens_file  # noqa: E402

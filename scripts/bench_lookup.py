@@ -12,7 +12,7 @@ to 10 µs), with the rate (keys/s) and the ratio ours / redis: the median over
 repetitions and the ratio of every repetition.
 
 The split (eg-kv only, measured in this process against the same server, the same
-:class:`~eg_kv.lmcache_l2.RemoteKVL2Connector` LMCache loads, fresh keys each batch):
+:class:`~eg_kv.lmcache.l2.RemoteKVL2Connector` LMCache loads, fresh keys each batch):
 
 * adapter: submit to the eventfd turning readable, with no LMCache around it;
 * hashing: ``address_for_key`` of every key (what a cold digest cache costs);
@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_lmcache import MiB, egkv_server, egkv_spec, redis_server, redis_spec, run_bench
 
 from eg_kv.address import address_for_key
-from eg_kv.clientcore import batch_answer, batch_body, json_answer
-from eg_kv.lmcache_l2 import RemoteKVL2Connector
-from eg_kv.slab import Slab
+from eg_kv.client.core import batch_answer, batch_body, json_answer
+from eg_kv.lmcache.l2 import RemoteKVL2Connector
+from eg_kv.slab.store import Slab
 
 SIZES = (1, 16, 256, 1024)
 
@@ -77,9 +77,9 @@ def _us(f, reps: int) -> list[float]:
 
 def split_egkv(url: str, slab_name: str, n: int, reps: int) -> dict[str, float]:
     """Median µs of each part of one eg-kv lookup of ``n`` fresh keys (see the module doc)."""
-    from eg_kv import app as server_app
-    from eg_kv import batchwire
-    from eg_kv.clientcore import compact_answer
+    from eg_kv import wire
+    from eg_kv.client.core import compact_answer
+    from eg_kv.server import app as server_app
 
     conn = RemoteKVL2Connector(base_url=url, num_workers=4, timeout_s=60)
     slab = Slab.attach(slab_name)
@@ -106,11 +106,11 @@ def split_egkv(url: str, slab_name: str, n: int, reps: int) -> dict[str, float]:
         addrs = fresh[0]
         found = slab.exists_many(addrs)
         if client._compact_batches:  # the format the client speaks to this server
-            ctype, encode = batchwire.ADDRESSES_TYPE, batchwire.encode_addresses
-            answer = batchwire.encode_flags(found)
+            ctype, encode = wire.ADDRESSES_TYPE, wire.encode_addresses
+            answer = wire.encode_flags(found)
 
             def parse(_r: int) -> None:
-                compact_answer(200, batchwire.FLAGS_TYPE.encode(), answer, n)
+                compact_answer(200, wire.FLAGS_TYPE.encode(), answer, n)
         else:
             ctype, encode = "application/json", batch_body
             answer = server_app.batch_answer_body(found, ctype)[0]

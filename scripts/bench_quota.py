@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eg_kv.slab import Slab
+from eg_kv.slab.store import Slab
 
 KiB, MiB = 1024, 1024 * 1024
 

@@ -245,7 +245,7 @@ class EgKv(Server):
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
-        from eg_kv.slab import Slab
+        from eg_kv.slab.store import Slab
 
         Slab.unlink_named(self.slab)
 

@@ -19,7 +19,7 @@ import random
 import time
 
 from eg_kv.config import DEFAULT_CAPACITY, DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, MiB
-from eg_kv.slab import Slab
+from eg_kv.slab.store import Slab
 
 SEED = 1234
 SIZES = {"4 KiB": 4096, "14 MiB": 14 * MiB}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from eg_kv.slab import Slab
+from eg_kv.slab.store import Slab
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")

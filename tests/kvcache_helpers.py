@@ -332,14 +332,14 @@ class RawServer:
 
 
 class AsyncAsSync:
-    """An :class:`~eg_kv.aio.AsyncRemoteKVConnector` driven from synchronous test code.
+    """An :class:`~eg_kv.client.aio.AsyncRemoteKVConnector` driven from synchronous test code.
 
     Each method call runs the coroutine to completion on one private event loop, so one
     test body can drive the sync and the async client alike.
     """
 
     def __init__(self, **settings: Any) -> None:
-        from eg_kv.aio import AsyncRemoteKVConnector
+        from eg_kv.client.aio import AsyncRemoteKVConnector
 
         self._loop = asyncio.new_event_loop()
         self._kv = AsyncRemoteKVConnector(**settings)
@@ -357,7 +357,7 @@ class AsyncAsSync:
 def open_client(kind: str, **settings: Any) -> Iterator[Any]:
     """A ``"sync"`` :class:`RemoteKVConnector` or an ``"async"`` one behind
     :class:`AsyncAsSync`, closed on exit."""
-    from eg_kv.client import RemoteKVConnector
+    from eg_kv.client.sync import RemoteKVConnector
 
     kv = RemoteKVConnector(**settings) if kind == "sync" else AsyncAsSync(**settings)
     try:

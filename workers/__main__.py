@@ -227,8 +227,8 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _set_stats(url: str, args: argparse.Namespace) -> int:
     """``eg-kv stats`` of a server set: the sum, then one line per member."""
-    from eg_kv.client import KvCacheConfig
-    from eg_kv.cluster import ClusterConnector, sum_stats
+    from eg_kv.client.sets import ClusterConnector, sum_stats
+    from eg_kv.client.sync import KvCacheConfig
 
     verify = None if not args.insecure else False
     config = KvCacheConfig.from_env(base_url=url, timeout_s=args.timeout, verify_tls=verify)
@@ -270,7 +270,7 @@ def _set_stats(url: str, args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from eg_kv.slab import Slab
+    from eg_kv.slab.store import Slab
 
     settings = settings_from_env(addr=args.addr, slab_name=args.slab_name)
     name = settings.slab_name

@@ -10,7 +10,7 @@ Modelled on uvicorn's multiprocess supervisor and gunicorn's arbiter:
   the dead worker left in the slab is released (its uploads in flight, its counters; a
   full repair only if it died inside the critical section) and a replacement is forked
   at once; workers that keep dying before they serve also stop it;
-* a watchdog finds the wedged: a worker whose heartbeat (see :mod:`eg_kv.runstate`)
+* a watchdog finds the wedged: a worker whose heartbeat (see :mod:`eg_kv.server.runstate`)
   stopped for ``--heartbeat-timeout`` is killed with SIGKILL, and so is a worker that has
   held the slab lock for ``--lock-timeout``. Workers that wait on a lock someone holds
   stop beating too: they are the victims, not the culprit, and are spared while the lock
@@ -36,14 +36,14 @@ import sys
 import time
 import traceback
 
-from eg_kv import layout as L
-from eg_kv import runstate, tenants
 from eg_kv.config import Settings, format_size
 from eg_kv.errors import ConfigError, EgKvError, SlabError
-from eg_kv.hints import tick as tick_hints
-from eg_kv.metrics import forget_process
 from eg_kv.procs import pid_alive
-from eg_kv.slab import ForeignSegment, LockTimeout, Slab
+from eg_kv.server import runstate, tenants
+from eg_kv.server.hints import tick as tick_hints
+from eg_kv.server.metrics import forget_process
+from eg_kv.slab import layout as L
+from eg_kv.slab.store import ForeignSegment, LockTimeout, Slab
 
 from . import worker as worker_mod
 from .worker import BOOT_ERROR, make_ssl_context
@@ -272,7 +272,7 @@ class Supervisor:
         # Import the worker's modules once here, so each fork starts serving at once.
         import aiohttp.web  # noqa: F401
 
-        import eg_kv.app  # noqa: F401
+        import eg_kv.server.app  # noqa: F401
 
         with contextlib.suppress(ImportError):
             import uvloop  # noqa: F401

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 
 from eg_kv.config import Settings
-from eg_kv.runstate import beat_interval
+from eg_kv.server.runstate import beat_interval
 
 log = logging.getLogger("eg_kv.worker")
 
@@ -68,7 +68,7 @@ def run(
 ) -> int:  # fmt: skip
     """Serve until SIGTERM. Returns the exit status (0, or BOOT_ERROR).
 
-    ``heartbeat`` is called every :func:`eg_kv.runstate.beat_interval` seconds from the
+    ``heartbeat`` is called every :func:`eg_kv.server.runstate.beat_interval` seconds from the
     event loop, for as long as it runs (the supervisor's watchdog reads the beats).
     """
     _die_with_parent(parent)
@@ -100,8 +100,8 @@ def _beat_every(loop: asyncio.AbstractEventLoop, beat: Callable[[], None], inter
 async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
     from aiohttp import web
 
-    from eg_kv.app import AUTH, DRAIN, SLAB, AppRunner, make_app, tokens_path
-    from eg_kv.connections import raise_fd_limit
+    from eg_kv.server.app import AUTH, DRAIN, SLAB, AppRunner, make_app, tokens_path
+    from eg_kv.server.connections import raise_fd_limit
 
     raise_fd_limit()  # before make_app, which derives the connection cap from it
     loop = asyncio.get_running_loop()

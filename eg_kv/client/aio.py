@@ -1,0 +1,444 @@
+"""The asyncio eg-kv client: :class:`AsyncRemoteKVConnector` on an ``aiohttp`` session.
+
+The same methods as :class:`eg_kv.client.sync.RemoteKVConnector`, as coroutines, with the same
+rules (:mod:`eg_kv.client.core`): the hot path (``get``, ``put``, ``contains``, ``exists``,
+``delete``, ``contains_prefix``, ``exists_many``) turns every transport or protocol error
+into a miss and never waits past the timeout; ``stats()`` raises a clear error.
+
+What aiohttp would do on its own and a client that trusts nothing must not: follow
+redirects (``allow_redirects=False``), decompress (``auto_decompress=False``), resend a
+``PUT`` or ``DELETE`` after a dropped connection (a per-request middleware stops its
+retry), and send a body after the server answered its head (the connection is closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+from aiohttp.payload import Payload
+
+from ..errors import EgKvError, RemoteError
+from ..slab.local import LocalSlab
+from ..slab.view import BlockReader
+from .core import (
+    BLOCK_TYPE,
+    JSON_TYPE,
+    OVER_HTTP,
+    SMALL_ANSWER_MAX,
+    ClientCore,
+    KvCacheConfig,
+    KvCacheStats,
+    Miss,
+    batch_answer,
+    batch_body,
+    batches,
+    block_to_read,
+    check_final,
+    exists_answer,
+    json_answer,
+    leading_hits,
+    may_resend,
+    resolve_config,
+    to_address,
+    wants_continue,
+)
+from .localreads import ROUTE as LOCAL_ROUTE
+
+T = TypeVar("T")
+
+
+class _NotResent(aiohttp.ClientError):
+    """A request that changes state lost its connection after it went out."""
+
+
+async def _never_resend(
+    request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
+) -> aiohttp.ClientResponse:
+    # aiohttp resends PUT and DELETE once when the connection drops (it counts them
+    # idempotent); a DELETE the server applied before dropping would release two
+    # references. Its retry catches only these two errors, so renaming them stops it.
+    try:
+        return await handler(request)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        raise _NotResent(f"{type(exc).__name__}: {exc}") from None
+
+
+class _Parts(Payload):
+    """A PUT body made of several buffers, written in order without a copy.
+
+    ``started`` tells whether aiohttp began writing it: with ``Expect: 100-continue`` a
+    final answer may come first, and then the body was never sent.
+    """
+
+    def __init__(self, parts: list[memoryview]) -> None:
+        super().__init__(parts, content_type=BLOCK_TYPE)
+        self._size = sum(len(p) for p in parts)
+        self.started = False
+
+    async def write(self, writer: Any) -> None:
+        self.started = True
+        for part in self._value:
+            await writer.write(part)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        await self.write(writer)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._value).decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return b"".join(self._value)
+
+
+async def _read_small(resp: aiohttp.ClientResponse) -> bytes:
+    """A non-block body, at most :data:`SMALL_ANSWER_MAX` bytes however it is framed.
+
+    Raises:
+        Miss: it is longer.
+    """
+    if resp.method == "HEAD":
+        return b""  # its Content-Length is the block's, and no body follows
+    if resp.content_length is not None:
+        if resp.content_length > SMALL_ANSWER_MAX:
+            raise Miss(f"answer of {resp.content_length} bytes is over {SMALL_ANSWER_MAX}")
+        return await resp.read()
+    out = bytearray()
+    async for chunk in resp.content.iter_any():
+        out += chunk
+        if len(out) > SMALL_ANSWER_MAX:
+            raise Miss(f"answer is over {SMALL_ANSWER_MAX} bytes")
+    return bytes(out)
+
+
+async def _drained(resp: aiohttp.ClientResponse) -> int:
+    await _read_small(resp)
+    return resp.status
+
+
+async def _checked_status(resp: aiohttp.ClientResponse) -> int:
+    check_final(resp.status)
+    return await _drained(resp)
+
+
+async def _small(resp: aiohttp.ClientResponse) -> tuple[int, bytes]:
+    return resp.status, await _read_small(resp)
+
+
+#: Local reads of blocks up to this many bytes are copied in the event loop; larger ones
+#: on a thread, whose copy releases the GIL. A hop to a thread and back costs about what
+#: copying 1 MiB does.
+LOCAL_COPY_IN_LOOP = 1024 * 1024
+
+
+def _into_bytes(length: int, read_exact: Callable[[memoryview], None]) -> bytes:
+    buf = bytearray(length)
+    read_exact(memoryview(buf))
+    return bytes(buf)
+
+
+async def _json(resp: aiohttp.ClientResponse) -> Any:
+    check_final(resp.status)
+    return json_answer(resp.status, await _read_small(resp))
+
+
+class AsyncRemoteKVConnector:
+    """Asyncio eg-kv client. An async context manager.
+
+    Pass ``session=`` to share a caller-owned ``aiohttp.ClientSession`` (the caller keeps
+    owning it: :meth:`close` leaves it open); otherwise the connector opens its own on
+    first use, in the running loop, and closes it in :meth:`close`. Requests set their own
+    redirect, decompression and (for PUT and DELETE) middleware options, whatever the
+    session's defaults.
+
+    A ``base_url`` that names a server set builds an
+    :class:`eg_kv.client.sets.AsyncClusterConnector` instead, with the same coroutines.
+    """
+
+    def __new__(
+        cls,
+        config: KvCacheConfig | None = None,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        **settings: Any,
+    ) -> Any:
+        resolved = resolve_config(config, settings)
+        if cls is AsyncRemoteKVConnector and not resolved.single:
+            from .sets import AsyncClusterConnector
+
+            return AsyncClusterConnector(resolved, session=session)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        config: KvCacheConfig | None = None,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        **settings: Any,
+    ) -> None:
+        """Args:
+            config: a ready config, or leave it out and pass ``settings``.
+            session: a caller-owned session to send requests on.
+            **settings: ``base_url``, ``addr``, ``token``, ``timeout_s``,
+                ``max_connections``, ``verify_tls``, ``max_block_size`` (others are
+                accepted and unused); what is left out comes from the environment.
+
+        Raises:
+            ConfigError: a setting cannot be used.
+        """
+        self.config = resolve_config(config, settings)
+        self._core = ClientCore(self.config)
+        self._session = session
+        self._owns_session = session is None
+        self._timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+        self._base = self.config.base_url
+        # Request targets carry the base URL's path prefix; this is what goes before them.
+        self._origin = urllib.parse.urlsplit(self._base)._replace(path="").geturl()
+        # A member found through DNS: connected at its address, TLS checks its name.
+        self._tls_name = {"server_hostname": self.config.server_name} if (
+            self.config.server_name and self._base.startswith("https")) else {}  # fmt: skip
+        self._closed = False
+
+    @classmethod
+    def from_env(
+        cls, *, session: aiohttp.ClientSession | None = None, **settings: Any
+    ) -> AsyncRemoteKVConnector:
+        """A connector configured from ``EPISTEMIC_GRAPH_KVCACHE_*`` (keywords override).
+
+        Raises:
+            ConfigError: a setting cannot be used.
+        """
+        return cls(KvCacheConfig.from_env(**settings), session=session)
+
+    def __repr__(self) -> str:
+        return f"AsyncRemoteKVConnector({self._base!r})"
+
+    async def __aenter__(self) -> AsyncRemoteKVConnector:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the session if this connector opened it. Idempotent."""
+        self._closed = True
+        self._core.local.close()
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RemoteError("the connector is closed")
+        if self._session is None:
+            ssl_arg: Any = None if self.config.verify_tls else False
+            connector = aiohttp.TCPConnector(limit=self.config.max_connections, ssl=ssl_arg)
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        return self._session
+
+    async def _exchange(
+        self,
+        method: str,
+        target: str,
+        on_response: Callable[[aiohttp.ClientResponse], Awaitable[T]],
+        *,
+        body: _Parts | bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> T:
+        """One request; ``on_response`` reads and checks the final answer. Raises on error.
+
+        A request that changes nothing (:func:`~eg_kv.client.core.may_resend`) is sent once
+        more when a pooled connection turns out closed; a PUT or DELETE never is.
+        """
+        session = self._get_session()
+        resend = may_resend(method, target)
+        expect = isinstance(body, _Parts) and wants_continue(method, body.size or 0)
+        kw: dict[str, Any] = {
+            "headers": {**self._core.headers, **headers} if headers else self._core.headers,
+            "timeout": self._timeout,
+            "allow_redirects": False,
+            "auto_decompress": False,
+            "expect100": expect,
+            **self._tls_name,
+        }
+        if not resend:
+            kw["middlewares"] = (_never_resend,)
+        for attempt in (0, 1):
+            try:
+                async with session.request(method, self._origin + target, data=body, **kw) as resp:
+                    try:
+                        result = await on_response(resp)
+                    except BaseException:
+                        resp.close()  # an answer left unread or unusable: framing in doubt
+                        raise
+                    if isinstance(body, _Parts) and not body.started:
+                        # A final answer came before 100 Continue: the body was never sent
+                        # and whether the server waits for it is unknown.
+                        resp.close()
+                    return result
+            except aiohttp.ServerDisconnectedError:
+                if attempt or not resend:
+                    raise
+        raise RemoteError("unreachable")  # pragma: no cover
+
+    async def _local(self) -> LocalSlab | None:
+        """The server's slab mapped here, when this client is on its host (else None)."""
+        local = self._core.local
+        if local.due():
+            try:
+                answer = await self._exchange("GET", self._core.path(LOCAL_ROUTE), _small)
+            except Exception as exc:  # asyncio.TimeoutError included
+                self._core.miss("GET", LOCAL_ROUTE, exc)
+            else:
+                local.adopt(*answer)
+        return local.slab
+
+    async def get(self, key: str | bytes) -> bytes | None:
+        """``GET /kv/<addr>``: the block's bytes, or None on a miss or any error.
+
+        A body shorter than its ``Content-Length`` (block evicted mid-stream), longer than
+        ``max_block_size``, unframed or encoded is a miss. On the server's host the block
+        is copied from its slab: in the event loop up to :data:`LOCAL_COPY_IN_LOOP` bytes,
+        on the loop's default executor beyond (a 14 MiB copy held the loop 0.4 ms).
+        """
+        address = to_address(key)
+        limit = self.config.max_block_size
+        slab, core = await self._local(), self._core
+        local = core.local_open(slab, address)
+        if slab is not None and isinstance(local, BlockReader):
+            if local.length > LOCAL_COPY_IN_LOOP:
+                local = await asyncio.get_running_loop().run_in_executor(
+                    None, core.local_copy, slab, local, address, _into_bytes
+                )
+            else:
+                local = core.local_copy(slab, local, address, _into_bytes)
+        if local is not OVER_HTTP:
+            return local  # type: ignore[no-any-return]
+
+        async def on_response(resp: aiohttp.ClientResponse) -> bytes | None:
+            length = resp.content_length
+            encoding = resp.headers.get("Content-Encoding")
+            if not block_to_read(resp.status, length, encoding, limit):
+                await _read_small(resp)
+                return None
+            body = await resp.read()
+            if len(body) != length:
+                raise Miss(f"body of {len(body)} bytes, {length} announced")
+            return body
+
+        try:
+            return await self._exchange("GET", self._core.block_path(address), on_response)
+        except Exception as exc:  # asyncio.TimeoutError included
+            self._core.miss("GET", address, exc)
+            return None
+
+    async def put(self, key: str | bytes, data: Any) -> bool:
+        """``PUT /kv/<addr>``. True when stored (201) or deduplicated (200); else False."""
+        return await self.put_status(key, (data,)) in (200, 201)
+
+    async def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
+        """``PUT /kv/<addr>`` of the concatenation of ``parts`` (bytes-like, no copy).
+
+        Returns:
+            The final HTTP status, or None when no usable answer came. See
+            :meth:`eg_kv.client.sync.RemoteKVConnector.put_status`.
+        """
+        address = to_address(key)
+        try:
+            payload = _Parts([memoryview(p).cast("B") for p in parts])
+            status = await self._exchange(
+                "PUT", self._core.block_path(address), _drained, body=payload
+            )
+        except Exception as exc:  # asyncio.TimeoutError included
+            self._core.miss("PUT", address, exc)
+            return None
+        if status == 401:
+            self._core.warn_unauthorized()
+        return status
+
+    async def _status(self, method: str, address: str) -> int | None:
+        try:
+            return await self._exchange(method, self._core.block_path(address), _checked_status)
+        except Exception as exc:  # asyncio.TimeoutError included
+            self._core.miss(method, address, exc)
+            return None
+
+    async def contains(self, key: str | bytes) -> bool:
+        """``HEAD /kv/<addr>``: True when resident; False on a miss or any error."""
+        address = to_address(key)
+        found = self._core.local_has(await self._local(), "HEAD", address)
+        return found if found is not None else await self._status("HEAD", address) == 200
+
+    async def delete(self, key: str | bytes) -> bool:
+        """``DELETE /kv/<addr>``: True on 204; False otherwise. Never sent twice."""
+        return await self._status("DELETE", to_address(key)) == 204
+
+    async def exists(self, key: str | bytes) -> bool:
+        """``GET /kv/<addr>/exists``: True when resident; False on a miss or any error."""
+        address = to_address(key)
+        found = self._core.local_has(await self._local(), "exists", address)
+        if found is not None:
+            return found
+        try:
+            return exists_answer(
+                await self._exchange("GET", self._core.block_path(address, "/exists"), _json)
+            )
+        except Exception as exc:  # asyncio.TimeoutError included
+            self._core.miss("exists", address, exc)
+            return False
+
+    async def _batch(self, addresses: list[str]) -> tuple[list[bool], int]:
+        found = self._core.local_exists(await self._local(), addresses)
+        if found is not None:
+            return found, leading_hits(found)
+        doc = await self._exchange(
+            "POST",
+            self._core.path("/kv/batch/exists"),
+            _json,
+            body=batch_body(addresses),
+            headers={"Content-Type": JSON_TYPE},
+        )
+        return batch_answer(doc, len(addresses))
+
+    async def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
+        """One bool per key (one batch request per 1024 keys); False where a batch failed."""
+        out: list[bool] = []
+        for chunk in batches([to_address(k) for k in keys]):
+            try:
+                out.extend((await self._batch(chunk))[0])
+            except Exception as exc:  # asyncio.TimeoutError included
+                self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
+                out.extend([False] * len(chunk))
+        return out
+
+    async def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
+        """How many keys, from the first, are resident without a gap; 0 on any error."""
+        total = 0
+        for chunk in batches([to_address(k) for k in keys]):
+            try:
+                prefix = (await self._batch(chunk))[1]
+            except Exception as exc:  # asyncio.TimeoutError included
+                self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
+                return total
+            total += prefix
+            if prefix < len(chunk):
+                break
+        return total
+
+    async def stats(self) -> KvCacheStats:
+        """``GET /kv/stats``.
+
+        Raises:
+            Unauthorized: the server refused the token.
+            RemoteError: the server is unreachable or answered something unusable.
+        """
+        try:
+            doc = await self._exchange("GET", self._core.path("/kv/stats"), _json)
+        except EgKvError:
+            raise
+        except Exception as exc:  # asyncio.TimeoutError included
+            raise self._core.unreachable("/kv/stats", exc) from None
+        return KvCacheStats.from_json(doc)

@@ -1,0 +1,734 @@
+"""A server set as one cache: per-member connectors behind placement, health and membership.
+
+Both :class:`ClusterConnector` (sync) and :class:`AsyncClusterConnector` (asyncio) have the
+methods of the single-server clients and are built by them when ``base_url`` names a set
+(a list, a ``dns+`` or ``dnssrv+`` URL; :mod:`eg_kv.client.members`). A set of one plain URL never
+comes here: the direct client serves it at today's cost.
+
+What the two share is :class:`Router` (no request I/O of its own):
+
+* every address goes to its home, the best-ranked member of weighted HRW
+  (:mod:`eg_kv.client.placement`) that is not down; a batch is split by member, the groups are
+  sent in parallel (one round trip per member) and the answers merged in the caller's
+  order, so prefix hits count over the merged order;
+* a batch lookup has one deadline, ``timeout_s`` for all of it; once some members
+  answered, the others get at most :data:`STRAGGLER_FACTOR` times as long again (at
+  least :data:`STRAGGLER_FLOOR_S`), and the batch is answered without them: their
+  addresses are misses and they are marked down, so a slow or hung member costs its
+  share of one batch, not every batch's wait;
+* a transport error (refused, reset, timed out) of a member's connector marks it down
+  (:class:`eg_kv.client.members.Health`: 1 s doubling to 30 s); while down, its addresses go to
+  their next-ranked member and no request waits on it; a background thread probes it
+  when its back-off runs out (``/healthz`` and a one-address batch lookup, each bounded
+  by 1 s: a member whose health check answers while its data routes stall stays down),
+  and when both answer its addresses go home again;
+* for one refresh window after a membership change, a miss at an address's new home asks
+  its previous home once (:meth:`eg_kv.client.members.View.previous_home`), so a scale-out is
+  not a miss storm;
+* member weights are each member's ``capacity_bytes`` (its ``/kv/stats``), re-read at
+  each refresh and capped at :data:`eg_kv.client.placement.WEIGHT_CAP_FACTOR` times the median.
+
+Standard library only for a list of URLs; dnspython only for a DNS entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ..config import parse_addr
+from ..errors import RemoteError
+from .core import KvCacheConfig, KvCacheStats, batches, to_address
+from .members import Health, Member, Membership, View, parse_server_set
+from .placement import merge, prefix_hits
+from .sync import RemoteKVConnector
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+#: How often the prober looks for members whose back-off ran out.
+PROBE_TICK_S = 0.1
+#: The bound on one probe or weighing of a member (a dead member costs the prober this).
+PROBE_TIMEOUT_S = 1.0
+#: Threads of the sync connector that send a batch's groups in parallel.
+MAX_FANOUT_THREADS = 16
+#: Once some members of a batch answered, the others get at most this many times the
+#: time taken so far (from the batch's start) ...
+STRAGGLER_FACTOR = 4.0
+#: ... and never less than this (a loaded host answers in tens of ms, not hundreds);
+#: always within the batch's one deadline, ``timeout_s``.
+STRAGGLER_FLOOR_S = 0.25
+#: The address a probe looks up: any valid address will do, it need not exist.
+PROBE_ADDRESS = to_address("eg-kv:probe")
+#: Per-member limits: the set's value is the smallest, not the sum.
+_LIMIT_FIELDS = ("page_size", "max_block_size")
+
+Groups = dict[str, list[int]]
+
+
+def connect(config: KvCacheConfig) -> RemoteKVConnector | ClusterConnector:
+    """The sync client of a config: the direct client for one plain URL (today's path, at
+    today's cost), else a :class:`ClusterConnector`. Every sync user (the LMCache plugins
+    included) is built here."""
+    return RemoteKVConnector(config) if config.single else ClusterConnector(config)
+
+
+def member_config(config: KvCacheConfig, member: Member, **changes: Any) -> KvCacheConfig:
+    """The single-server config of one member (its URL, its TLS name)."""
+    tls_name = member.server_name if member.server_name != member.host else None
+    return dataclasses.replace(config, base_url=member.base_url, server_name=tls_name, **changes)
+
+
+def _member_key(member: Member) -> tuple:
+    # A member whose address changed (a restarted pod's new IP) gets a new connector.
+    return (member.id, member.scheme, member.host, member.port, member.path, member.server_name)
+
+
+def _nameservers(dns_server: str | None) -> tuple[list[str] | None, int]:
+    if not dns_server:
+        return None, 53
+    host, port = parse_addr(dns_server if ":" in dns_server else f"{dns_server}:53")
+    return [host], port
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberStats:
+    """One member's line of a set's stats: up or down, and its stats when it answered."""
+
+    member: Member
+    up: bool
+    stats: KvCacheStats | None
+    error: str = ""
+
+    @property
+    def hit_rate(self) -> float | None:
+        s = self.stats
+        if s is None or s.get_hits + s.get_misses == 0:
+            return None
+        return s.get_hits / (s.get_hits + s.get_misses)
+
+
+def sum_stats(parts: Sequence[KvCacheStats]) -> KvCacheStats:
+    """The stats of a set: every numeric field summed over the members that answered;
+    per-member limits (``page_size``, ``max_block_size``) are the smallest."""
+    names = [f.name for f in dataclasses.fields(KvCacheStats) if f.name != "extra"]
+    totals = {n: sum(getattr(s, n) for s in parts) for n in names}
+    extra: dict[str, Any] = {}
+    for s in parts:
+        for key, value in s.extra.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if key in _LIMIT_FIELDS:
+                extra[key] = min(extra.get(key, value), value)
+            else:
+                extra[key] = extra.get(key, 0) + value
+    return KvCacheStats(**totals, extra=extra)
+
+
+class Router:
+    """Membership, health and placement of a set; shared by the sync and async clients.
+
+    Args:
+        config: the set's config (``base_url`` is the server setting).
+
+    Raises:
+        ConfigError: the setting does not parse.
+    """
+
+    def __init__(self, config: KvCacheConfig) -> None:
+        self.config = config
+        self.health = Health()
+        #: Called with each new view after a membership change (from the refresh thread).
+        self.listeners: list[Callable[[View], None]] = []
+        nameservers, dns_port = _nameservers(config.dns_server)
+        self._stop = threading.Event()
+        self.membership = Membership(
+            parse_server_set(config.base_url),
+            refresh_s=config.refresh_s,
+            nameservers=nameservers,
+            dns_port=dns_port,
+            weigh=self._weigh,
+            weigh_timeout_s=PROBE_TIMEOUT_S * 2,
+            on_change=self._changed,
+        )
+        self._prober = threading.Thread(target=self._probe_loop, name="eg-kv-prober", daemon=True)
+        self._prober.start()
+
+    # -- placement
+
+    def view(self) -> View:
+        return self.membership.view()
+
+    def down(self) -> frozenset[str]:
+        return self.health.down()
+
+    def home(self, address: str) -> tuple[View, str | None]:
+        """The current view and ``address``'s home in it (None: no member up)."""
+        view = self.membership.view()
+        return view, view.placement.home(address, self.health.down())
+
+    def previous(self, view: View, address: str, home: str | None) -> str | None:
+        """Where to ask once after a miss at ``home``: the previous home, in the window."""
+        down = self.health.down()
+        before = view.previous_home(address, down)
+        return before if before is not None and before != home and before not in down else None
+
+    def plan(self, addresses: Sequence[str]) -> tuple[View, Groups]:
+        """A batch split by member, down members skipped."""
+        view = self.membership.view()
+        return view, view.placement.group(addresses, self.health.down())
+
+    def second_plan(self, view: View, addresses: Sequence[str], found: Sequence[bool],
+                    groups: Groups) -> Groups:  # fmt: skip
+        """The misses to ask their previous home once, grouped by that member."""
+        if view.previous is None:
+            return {}
+        home_of = {i: m for m, idx in groups.items() for i in idx}
+        out: Groups = {}
+        for i, hit in enumerate(found):
+            if not hit:
+                before = self.previous(view, addresses[i], home_of.get(i))
+                if before is not None:
+                    out.setdefault(before, []).append(i)
+        return out
+
+    # -- health
+
+    def failed(self, member_id: str) -> None:
+        """A request to the member failed to reach it: down (once; the prober doubles)."""
+        if member_id not in self.health.down():
+            self.health.failed(member_id)
+
+    def late(self, member_ids: Iterable[str], waited_s: float) -> None:
+        """Members that had not answered a batch when it was answered without them: down,
+        whatever their ``/healthz`` says (a data route that stalls is what costs)."""
+        for member_id in member_ids:
+            if member_id not in self.health.down():
+                backoff = self.health.failed(member_id)
+                log.warning(
+                    "eg-kv: member %s did not answer a batch lookup within %.3f s; its "
+                    "addresses are misses and it is down for %.1f s (then probed)",
+                    member_id, waited_s, backoff,
+                )  # fmt: skip
+
+    def cut(self, started: float, deadline: float) -> float:
+        """When a batch stops waiting for the members that have not answered, given that
+        another member just answered (``time.monotonic()`` values)."""
+        elapsed = time.monotonic() - started
+        return min(deadline, started + max(STRAGGLER_FLOOR_S, STRAGGLER_FACTOR * elapsed))
+
+    def _changed(self, view: View) -> None:
+        self.health.forget(view.members)
+        for listener in self.listeners:
+            listener(view)
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(PROBE_TICK_S):
+            view = self.membership.view()
+            for member_id in self.health.due():
+                member = view.members.get(member_id)
+                if member is None:
+                    continue
+                if self._probe(member):
+                    self.health.succeeded(member_id)
+                else:
+                    self.health.failed(member_id)
+
+    def _probe(self, member: Member) -> bool:
+        """Whether a down member is up again: ``/healthz`` answers and so does a data
+        route (a one-address batch lookup), each within the probe's bound. Any HTTP
+        answer to the lookup counts (even a refusal of the token): it is the wait that
+        is being probed."""
+        cfg = member_config(
+            self.config, member, timeout_s=min(self.config.timeout_s, PROBE_TIMEOUT_S),
+            local_reads=False,
+        )  # fmt: skip
+        with RemoteKVConnector(cfg) as probe:
+            if probe.healthz() is None:
+                return False
+            try:
+                probe._batch_exists([PROBE_ADDRESS])
+            except OSError:  # refused, reset, timed out: the data route does not answer
+                return False
+            except Exception:  # an answer, if not a usable one
+                return True
+            return True
+
+    def _weigh(self, member: Member) -> float | None:
+        cfg = member_config(
+            self.config, member, timeout_s=min(self.config.timeout_s, PROBE_TIMEOUT_S)
+        )
+        with RemoteKVConnector(cfg) as conn:
+            capacity = conn.stats().extra.get("capacity_bytes")
+        return float(capacity) if isinstance(capacity, int) and capacity > 0 else None
+
+    def close(self) -> None:
+        self._stop.set()
+        self.membership.close()
+        if self._prober is not threading.current_thread():
+            self._prober.join(timeout=PROBE_TIMEOUT_S * 3)
+
+
+class _Members:
+    """One connector per member, built on first use, dropped when the member leaves.
+
+    Args:
+        router: the set's router (its config, its health).
+        build: ``build(member_config) -> connector``.
+        dispose: ``dispose(connector)`` closes a dropped connector (default: ``close()``).
+    """
+
+    def __init__(self, router: Router, build: Callable[[KvCacheConfig], Any],
+                 dispose: Callable[[Any], None] | None = None) -> None:  # fmt: skip
+        self._router = router
+        self._build = build
+        self._dispose = dispose or (lambda conn: conn.close())
+        self._lock = threading.Lock()
+        self._conns: dict[tuple, Any] = {}
+
+    def get(self, view: View, member_id: str) -> Any:
+        member = view.members[member_id]
+        key = _member_key(member)
+        conn = self._conns.get(key)
+        if conn is not None:
+            return conn
+        with self._lock:
+            conn = self._conns.get(key)
+            if conn is None:
+                conn = self._build(member_config(self._router.config, member))
+                conn._core.on_unreachable = lambda _exc, m=member_id: self._router.failed(m)
+                self._conns[key] = conn
+            return conn
+
+    def prune(self, view: View) -> None:
+        """Close the connectors of members that left (or moved to another address);
+        a request still running on one finishes, its connection is then closed."""
+        keep = {_member_key(m) for m in view.members.values()}
+        with self._lock:
+            gone = [k for k in self._conns if k not in keep]
+            stale = [self._conns.pop(k) for k in gone]
+        for conn in stale:
+            self._dispose(conn)
+
+    def take_all(self) -> list[Any]:
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        return conns
+
+
+def _absent(status: int | None) -> bool:
+    # Only a definite 404 sends a DELETE on to the previous home; a lost answer (None)
+    # may have been applied.
+    return status == 404
+
+
+class ClusterConnector:
+    """A server set behind the :class:`~eg_kv.client.sync.RemoteKVConnector` interface.
+
+    Thread-safe, a context manager. Hot-path methods never raise (a miss); ``stats()``
+    sums the members that answered and raises :class:`RemoteError` when none did.
+    """
+
+    def __init__(self, config: KvCacheConfig) -> None:
+        """Args:
+            config: the set's config (``base_url`` a list or DNS URL).
+
+        Raises:
+            ConfigError: the setting does not parse.
+        """
+        self.config = config
+        self._router = Router(config)
+        self._members = _Members(self._router, RemoteKVConnector)
+        self._router.listeners.append(self._members.prune)
+        self._fanout = ThreadPoolExecutor(MAX_FANOUT_THREADS, thread_name_prefix="eg-kv-fanout")
+        self._closed = False
+
+    def __repr__(self) -> str:
+        members = len(self._router.view().members)
+        return f"ClusterConnector({self.config.base_url!r}, {members} members)"
+
+    def __enter__(self) -> ClusterConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def router(self) -> Router:
+        return self._router
+
+    def close(self) -> None:
+        """Stop the background threads and close every member's connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._router.close()
+        self._fanout.shutdown(wait=False, cancel_futures=True)
+        for conn in self._members.take_all():
+            conn.close()
+
+    # -- one address
+
+    def _one(self, key: str | bytes, op: Callable[[Any, str], T], miss: Callable[[T], bool],
+             ask_previous: bool = True,
+             may_start: Callable[[float], bool] | None = None) -> T | None:  # fmt: skip
+        address = to_address(key)
+        if self._closed:
+            return None
+        view, home = self._router.home(address)
+        if home is None:
+            return None
+        result = op(self._members.get(view, home), address)
+        if ask_previous and miss(result):
+            before = self._router.previous(view, address, home)
+            # The second request gets a fresh timeout_s: it starts only if the caller's
+            # deadline still has room for all of it.
+            if before is not None and (may_start is None or may_start(self.config.timeout_s)):
+                return op(self._members.get(view, before), address)
+        return result
+
+    def fetch(self, key: str | bytes, sink: Callable[..., T],
+              may_start: Callable[[float], bool] | None = None) -> T | None:  # fmt: skip
+        """``GET`` the block from its home (see :meth:`RemoteKVConnector.fetch`).
+
+        Args:
+            key: the block's key or address.
+            sink: the body's reader.
+            may_start: ``may_start(timeout_s)``: whether a request bounded by ``timeout_s``
+                may still start now (:meth:`eg_kv.lmcache.write_gate.WriteGate.can_start`); asked
+                before the previous home is, after a miss at the home.
+        """
+        return self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None,
+                         may_start=may_start)  # fmt: skip
+
+    get = RemoteKVConnector.get
+    get_into = RemoteKVConnector.get_into
+    put = RemoteKVConnector.put
+    put_parts = RemoteKVConnector.put_parts
+
+    def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
+        """``PUT`` at the address's home (its next-ranked member while it is down)."""
+        parts = list(parts)
+        return self._one(key, lambda c, a: c.put_status(a, parts), lambda _r: False, False)
+
+    def contains(self, key: str | bytes) -> bool:
+        """``HEAD`` at the home (and the previous home once, right after a change)."""
+        return bool(self._one(key, lambda c, a: c.contains(a), lambda r: not r))
+
+    def exists(self, key: str | bytes) -> bool:
+        """``GET /exists`` at the home (and the previous home once after a change)."""
+        return bool(self._one(key, lambda c, a: c.exists(a), lambda r: not r))
+
+    def delete(self, key: str | bytes) -> bool:
+        """``DELETE`` one reference where the block lives: its home, else (right after a
+        change, and only when the home answered 404) its previous home. A lost answer at
+        the home is not sent on: the home may have applied it, and one DELETE releases
+        one reference, never two."""
+        status = self._one(key, lambda c, a: c._status("DELETE", a), _absent)
+        return status == 204
+
+    # -- batches
+
+    def _ask(self, view: View, member_id: str, part: list[str], deadline: float) -> Any:
+        """One member's share of a batch: a request per 1,024 addresses, the later ones
+        bounded by what is left of the batch's deadline. None when one failed."""
+        conn = self._members.get(view, member_id)
+        out: list[bool] = []
+        for n, chunk in enumerate(batches(part)):
+            left = deadline - time.monotonic()
+            if n and left <= 0:
+                return None
+            found = conn.try_exists_addresses(chunk, timeout_s=left) if n else (
+                conn.try_exists_addresses(chunk))  # fmt: skip
+            if found is None:
+                return None
+            out.extend(found)
+        return out
+
+    def _parallel(
+        self, view: View, groups: Groups, addresses: Sequence[str], deadline: float
+    ) -> dict[str, list[bool] | None]:
+        """Each group's lookup, one request per member, in parallel, all answered by
+        ``deadline``; a member still out when the batch stops waiting for it
+        (:meth:`Router.cut`) is missing from the answer and marked down.
+
+        One group is sent from the caller's thread (nothing to wait for beside it)."""
+        jobs = [(m, [addresses[i] for i in idx]) for m, idx in groups.items()]
+        if len(jobs) <= 1:
+            return {m: self._ask(view, m, part, deadline) for m, part in jobs}
+        started = time.monotonic()
+        pending = {self._fanout.submit(self._ask, view, m, part, deadline): m for m, part in jobs}
+        out: dict[str, list[bool] | None] = {}
+        cut = deadline
+        while pending:
+            done, _ = concurrent.futures.wait(
+                pending, timeout=max(0.0, cut - time.monotonic()),
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )  # fmt: skip
+            if not done:
+                break
+            for future in done:
+                out[pending.pop(future)] = future.result()
+            cut = self._router.cut(started, deadline)
+        if pending:
+            for future in pending:
+                future.cancel()  # one still queued is never sent
+            self._router.late(pending.values(), time.monotonic() - started)
+        return out
+
+    def _lookup(self, addresses: Sequence[str]) -> tuple[list[bool], bool]:
+        """(one bool per address in the caller's order, whether any member answered)."""
+        if self._closed or not addresses:
+            return [False] * len(addresses), not self._closed
+        deadline = time.monotonic() + self.config.timeout_s
+        try:
+            view, groups = self._router.plan(addresses)
+            answers = self._parallel(view, groups, addresses, deadline)
+            ok = {m: a for m, a in answers.items() if a is not None}
+            found = merge(len(addresses), groups, ok, False)
+            again = self._router.second_plan(view, addresses, found, groups)
+            if again and time.monotonic() < deadline:
+                for m, a in self._parallel(view, again, addresses, deadline).items():
+                    if a is not None:
+                        for i, hit in zip(again[m], a, strict=True):
+                            found[i] = found[i] or hit
+        except (RuntimeError, concurrent.futures.CancelledError):
+            # close() shut the fan-out pool down (submit raises RuntimeError) or cancelled
+            # a group still queued (its result() raises CancelledError): all misses.
+            return [False] * len(addresses), False
+        return found, bool(ok)
+
+    def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
+        """One bool per key; each member asked once (per 1024 keys), in parallel."""
+        return self._lookup([to_address(k) for k in keys])[0]
+
+    def try_exists_many(self, keys: Sequence[str | bytes]) -> list[bool] | None:
+        """:meth:`exists_many`, or None when no member could be asked."""
+        return self.try_exists_addresses([to_address(k) for k in keys])
+
+    def try_exists_addresses(self, addresses: Sequence[str]) -> list[bool] | None:
+        """Like :meth:`RemoteKVConnector.try_exists_addresses`; a member that failed costs
+        its share (its addresses are misses); None only when no member answered."""
+        found, answered = self._lookup(list(addresses))
+        return found if answered else None
+
+    def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
+        """Prefix hits over the merged answer, whichever member holds each key."""
+        return prefix_hits(self._lookup([to_address(k) for k in keys])[0])
+
+    # -- the set
+
+    def member_stats(self) -> list[MemberStats]:
+        """Each member's stats (in parallel), sorted by member id."""
+        view = self._router.view()
+
+        def one(member_id: str) -> MemberStats:
+            member = view.members[member_id]
+            try:
+                stats = self._members.get(view, member_id).stats()
+            except Exception as e:  # one line per member; the set goes on
+                return MemberStats(member, False, None, str(e))
+            return MemberStats(member, True, stats)
+
+        ids = list(view.placement.members)
+        return list(self._fanout.map(one, ids)) if ids else []
+
+    def stats(self) -> KvCacheStats:
+        """The sum over the members that answered.
+
+        Raises:
+            RemoteError: no member answered (the first member's error is named).
+        """
+        lines = self.member_stats()
+        parts = [line.stats for line in lines if line.stats is not None]
+        if not parts:
+            why = lines[0].error if lines else "the set has no member"
+            raise RemoteError(f"cannot read /kv/stats from any member of the set: {why}")
+        return sum_stats(parts)
+
+    def healthz(self) -> dict[str, Any] | None:
+        """``{"status": "ok", "members": K, "members_up": k}`` while a member is up."""
+        view = self._router.view()
+        down = self._router.down()
+        up = [m for m in view.placement.members if m not in down]
+        for member_id in up:
+            if self._members.get(view, member_id).healthz() is not None:
+                return {"status": "ok", "members": len(view.members), "members_up": len(up)}
+        return None
+
+
+class AsyncClusterConnector:
+    """A server set behind the :class:`~eg_kv.client.aio.AsyncRemoteKVConnector` interface.
+
+    Membership, health probes and weighing run in :class:`Router`'s threads; requests run
+    on the caller's loop, a batch's groups gathered in parallel.
+    """
+
+    def __init__(self, config: KvCacheConfig, *, session: Any = None) -> None:
+        """Args:
+            config: the set's config.
+            session: a caller-owned ``aiohttp.ClientSession`` every member shares.
+
+        Raises:
+            ConfigError: the setting does not parse.
+        """
+        from .aio import AsyncRemoteKVConnector
+
+        self.config = config
+        self._router = Router(config)
+        #: The loop the member connectors (their aiohttp sessions) were built on.
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+        def build(cfg: KvCacheConfig) -> AsyncRemoteKVConnector:
+            self._loop = asyncio.get_running_loop()
+            return AsyncRemoteKVConnector(cfg, session=session)
+
+        self._members = _Members(self._router, build, self._dispose)
+        self._router.listeners.append(self._members.prune)
+        self._closed = False
+
+    def _dispose(self, conn: Any) -> None:
+        """Close a departed member's connector on the loop its session lives on (prune
+        runs in the membership thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # no session was opened on a loop that still runs
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            asyncio.run_coroutine_threadsafe(conn.close(), loop)
+
+    def __repr__(self) -> str:
+        return f"AsyncClusterConnector({self.config.base_url!r})"
+
+    async def __aenter__(self) -> AsyncClusterConnector:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def router(self) -> Router:
+        return self._router
+
+    async def close(self) -> None:
+        """Stop the background threads and close every member's session. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.get_running_loop().run_in_executor(None, self._router.close)
+        for conn in self._members.take_all():
+            await conn.close()
+
+    async def _one(self, key: str | bytes, op: Callable[[Any, str], Any],
+                   miss: Callable[[Any], bool], ask_previous: bool = True) -> Any:  # fmt: skip
+        address = to_address(key)
+        if self._closed:
+            return None
+        view, home = self._router.home(address)
+        if home is None:
+            return None
+        result = await op(self._members.get(view, home), address)
+        if ask_previous and miss(result):
+            before = self._router.previous(view, address, home)
+            if before is not None:
+                return await op(self._members.get(view, before), address)
+        return result
+
+    async def get(self, key: str | bytes) -> bytes | None:
+        return await self._one(key, lambda c, a: c.get(a), lambda r: r is None)
+
+    async def put(self, key: str | bytes, data: Any) -> bool:
+        return await self.put_status(key, (data,)) in (200, 201)
+
+    async def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
+        parts = list(parts)
+        return await self._one(key, lambda c, a: c.put_status(a, parts), lambda _r: False, False)
+
+    async def contains(self, key: str | bytes) -> bool:
+        return bool(await self._one(key, lambda c, a: c.contains(a), lambda r: not r))
+
+    async def exists(self, key: str | bytes) -> bool:
+        return bool(await self._one(key, lambda c, a: c.exists(a), lambda r: not r))
+
+    async def delete(self, key: str | bytes) -> bool:
+        """Like :meth:`ClusterConnector.delete`: the previous home only after a 404."""
+        return await self._one(key, lambda c, a: c._status("DELETE", a), _absent) == 204
+
+    async def _parallel(
+        self, view: View, groups: Groups, addresses: Sequence[str], deadline: float
+    ) -> dict[str, list[bool] | None]:
+        """Like :meth:`ClusterConnector._parallel`: every group at once, all answered by
+        ``deadline``; a member still out when the batch stops waiting for it is
+        cancelled, missing from the answer and marked down."""
+
+        async def one(m: str, idx: list[int]) -> list[bool] | None:
+            # A failed group is all misses (its share); its error marks the member down.
+            return await self._members.get(view, m).exists_many([addresses[i] for i in idx])
+
+        started = time.monotonic()
+        pending = {asyncio.ensure_future(one(m, idx)): m for m, idx in groups.items()}
+        out: dict[str, list[bool] | None] = {}
+        cut = deadline
+        try:
+            while pending:
+                done, _ = await asyncio.wait(
+                    pending, timeout=max(0.0, cut - time.monotonic()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )  # fmt: skip
+                if not done:
+                    break
+                for task in done:
+                    out[pending.pop(task)] = task.result()
+                cut = self._router.cut(started, deadline)
+        finally:
+            for task in pending:
+                task.cancel()
+        if pending:
+            self._router.late(pending.values(), time.monotonic() - started)
+        return out
+
+    async def _lookup(self, addresses: Sequence[str]) -> list[bool]:
+        if self._closed or not addresses:
+            return [False] * len(addresses)
+        deadline = time.monotonic() + self.config.timeout_s
+        view, groups = self._router.plan(addresses)
+        answers = await self._parallel(view, groups, addresses, deadline)
+        found = merge(
+            len(addresses), groups, {m: a for m, a in answers.items() if a is not None}, False
+        )
+        again = self._router.second_plan(view, addresses, found, groups)
+        if again and time.monotonic() < deadline:
+            for m, a in (await self._parallel(view, again, addresses, deadline)).items():
+                if a is not None:
+                    for i, hit in zip(again[m], a, strict=True):
+                        found[i] = found[i] or hit
+        return found
+
+    async def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
+        return await self._lookup([to_address(k) for k in keys])
+
+    async def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
+        return prefix_hits(await self._lookup([to_address(k) for k in keys]))
+
+    async def stats(self) -> KvCacheStats:
+        view = self._router.view()
+        ids = list(view.placement.members)
+
+        async def one(m: str) -> KvCacheStats | None:
+            try:
+                return await self._members.get(view, m).stats()
+            except Exception:  # the sum goes on without it
+                return None
+
+        parts = [s for s in await asyncio.gather(*(one(m) for m in ids)) if s is not None]
+        if not parts:
+            raise RemoteError("cannot read /kv/stats from any member of the set")
+        return sum_stats(parts)

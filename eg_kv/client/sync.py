@@ -1,0 +1,592 @@
+"""The synchronous eg-kv client: standard library only, kept-alive pooled connections.
+
+:class:`RemoteKVConnector` speaks the HTTP contract (``GET/PUT/HEAD/DELETE /kv/<addr>``,
+``GET /kv/<addr>/exists``, ``POST /kv/batch/exists``, ``GET /kv/stats``) over HTTP/1.1
+connections (:mod:`eg_kv.client.http11`, standard library only) that are kept alive and reused
+from a small thread-safe pool.
+
+The hot path (``get``, ``get_into``, ``put``, ``contains``, ``exists``, ``delete``,
+``contains_prefix``, ``exists_many``) never raises: any transport or protocol error is a
+miss (``None`` / ``False`` / ``0``), and no call waits longer than about the configured
+timeout. ``stats()`` raises :class:`~eg_kv.errors.RemoteError` (or
+:class:`~eg_kv.errors.Unauthorized`) with a one-line message instead.
+
+The bearer token is sent in a header only; it never appears in a URL, a log line, a
+``repr`` or an error message.
+"""
+
+from __future__ import annotations
+
+import ssl
+import threading
+import urllib.parse
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+from ..config import DEFAULT_HOST
+from ..errors import EgKvError, RemoteError
+from ..slab.local import LocalSlab
+from ..wire import ADDRESSES_TYPE, encode_addresses
+from .core import (
+    BATCH_EXISTS_MAX,
+    BLOCK_TYPE,
+    CONFIG_KEYWORDS,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_NUM_WORKERS,
+    DEFAULT_TIMEOUT_S,
+    JSON_TYPE,
+    OVER_HTTP,
+    SMALL_ANSWER_MAX,
+    ClientCore,
+    CompactRefused,
+    KvCacheConfig,
+    KvCacheStats,
+    Miss,
+    PoolWaitTimeout,
+    batch_answer,
+    batch_body,
+    batches,
+    block_to_read,
+    check_final,
+    compact_answer,
+    exists_answer,
+    json_answer,
+    leading_hits,
+    may_resend,
+    resolve_config,
+    to_address,
+    wants_continue,
+)
+from .http11 import Connection, Deadline, Response, StaleConnection, host_header
+from .localreads import ROUTE as LOCAL_ROUTE
+
+__all__ = [
+    "BATCH_EXISTS_MAX",
+    "CONFIG_KEYWORDS",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_NUM_WORKERS",
+    "DEFAULT_TIMEOUT_S",
+    "KvCacheConfig",
+    "KvCacheStats",
+    "RemoteKVConnector",
+    "batch_answer",
+    "resolve_config",
+    "to_address",
+]
+
+T = TypeVar("T")
+
+# The name the LMCache plugins knew before the core module existed.
+_Miss = Miss
+
+
+class _Pool:
+    """A LIFO pool of kept-alive connections, bounded by ``max_connections``.
+
+    Thread-safe: a connection is used by one thread at a time. At most ``max_connections``
+    exist at once; a caller beyond that waits for one (within its deadline). An idle
+    connection is checked before reuse (:meth:`Connection.dropped`), so a request goes
+    out on one the server closed only when it closed in the last microseconds.
+    """
+
+    def __init__(self, config: KvCacheConfig) -> None:
+        parts = urllib.parse.urlsplit(config.base_url)
+        self.host = parts.hostname or DEFAULT_HOST
+        self.https = parts.scheme == "https"
+        self.port = parts.port or (443 if self.https else 80)
+        # A member found through DNS is connected at its address but named (Host, TLS
+        # name and SNI) by its server_name.
+        self.server_name = config.server_name or self.host
+        self.host_header = host_header(self.server_name, self.port, self.https)
+        self.ssl_context: ssl.SSLContext | None = None
+        if self.https:
+            self.ssl_context = ssl.create_default_context()
+            if not config.verify_tls:
+                self.ssl_context.check_hostname = False
+                self.ssl_context.verify_mode = ssl.CERT_NONE
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(config.max_connections)
+        self._closed = False
+
+    def acquire(self, deadline: Deadline) -> Connection:
+        if not self._slots.acquire(timeout=deadline.left()):
+            raise PoolWaitTimeout(
+                "no free eg-kv connection within the timeout: raise max_connections"
+            )
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return Connection(
+                    self.host, self.port, self.host_header, self.ssl_context, self.server_name
+                )
+            if not conn.dropped():
+                return conn
+            conn.close()
+
+    def release(self, conn: Connection, reusable: bool) -> None:
+        if reusable and not self._closed:
+            with self._lock:
+                self._idle.append(conn)
+        else:
+            conn.close()
+        self._slots.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+Sink = Callable[[int, Callable[[memoryview], None]], T]
+
+
+class RemoteKVConnector:
+    """Synchronous eg-kv client (standard library only). Thread-safe; a context manager.
+
+    Build it with keywords (``RemoteKVConnector(base_url=..., token=...)``), with a
+    :class:`KvCacheConfig`, or from the environment with :meth:`from_env`.
+
+    Keys: a string that is a valid address (a token hash) is used verbatim; any other key
+    (an LMCache key with ``/``, bytes) is mapped to a stable digest (:func:`to_address`).
+
+    A ``base_url`` that names a server set (a list, a ``dns+`` or ``dnssrv+`` URL) builds
+    an :class:`eg_kv.client.sets.ClusterConnector` instead, with the same methods.
+    """
+
+    def __new__(cls, config: KvCacheConfig | None = None, **settings: Any) -> Any:
+        resolved = resolve_config(config, settings)
+        if cls is RemoteKVConnector and not resolved.single:
+            from .sets import ClusterConnector
+
+            return ClusterConnector(resolved)
+        return super().__new__(cls)
+
+    def __init__(self, config: KvCacheConfig | None = None, **settings: Any) -> None:
+        """Args:
+            config: a ready config; or leave it out and pass ``settings``.
+            **settings: ``base_url``, ``addr``, ``token``, ``timeout_s``, ``num_workers``,
+                ``max_connections``, ``verify_tls``, ``max_block_size``; what is left out
+                comes from the environment (:meth:`KvCacheConfig.from_env`).
+
+        Raises:
+            ConfigError: a setting cannot be used.
+        """
+        self.config = resolve_config(config, settings)
+        self._core = ClientCore(self.config)
+        self._pool = _Pool(self.config)
+        # The header lines every request carries (the token among them), encoded once.
+        self._head = b"".join(
+            b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in self._core.headers.items()
+        )
+        self._put_head = b"Content-Type: %s\r\n" % BLOCK_TYPE.encode()
+        self._batch_head = b"Content-Type: %s\r\n" % JSON_TYPE.encode()
+        self._compact_head = b"Content-Type: %s\r\n" % ADDRESSES_TYPE.encode()
+        self._compact_batches = True
+        self._closed = False
+
+    @classmethod
+    def from_env(cls, **settings: Any) -> RemoteKVConnector:
+        """A connector configured from ``EPISTEMIC_GRAPH_KVCACHE_*`` (keywords override);
+        a :class:`~eg_kv.client.sets.ClusterConnector` when they name a server set.
+
+        Raises:
+            ConfigError: a setting cannot be used.
+        """
+        return cls(KvCacheConfig.from_env(**settings))
+
+    def __repr__(self) -> str:
+        return f"RemoteKVConnector({self.config.base_url!r})"
+
+    def __enter__(self) -> RemoteKVConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every idle connection. Idempotent; later calls are misses."""
+        self._closed = True
+        self._pool.close()
+        self._core.local.close()
+
+    # ------------------------------------------------------------------ the engine
+
+    def _exchange(
+        self,
+        method: str,
+        target: str,
+        on_response: Callable[[Response], T],
+        body: Sequence[Any] = (),
+        headers: bytes = b"",
+        timeout_s: float | None = None,
+    ) -> T:
+        """Send one request and hand the final response to ``on_response``.
+
+        ``on_response`` must read the body fully (the connection is then kept) or raise
+        (the connection is closed: its framing is in doubt). A kept-alive connection the
+        server closed fails before any answer; a request that changes nothing
+        (:func:`~eg_kv.client.core.may_resend`) is then sent once more on a fresh one.
+
+        Raises:
+            Any transport error, TimeoutError, PoolWaitTimeout (no pooled connection
+            freed up), ProtocolError, or what ``on_response``
+            raises.
+
+        ``timeout_s``: this exchange's deadline, when shorter than the config's.
+        """
+        if self._closed:
+            raise RemoteError("the connector is closed")
+        deadline = Deadline(timeout_s or self.config.timeout_s)
+        parts = [memoryview(b).cast("B") for b in body]
+        head = self._head + headers
+        expect = False
+        if method in ("PUT", "POST"):
+            size = sum(len(p) for p in parts)
+            head += b"Content-Length: %d\r\n" % size
+            if wants_continue(method, size):
+                expect = True
+                head += b"Expect: 100-continue\r\n"
+        resend = may_resend(method, target)
+        for attempt in (0, 1):
+            conn = self._pool.acquire(deadline)
+            keep = False
+            try:
+                resp = conn.request(
+                    method, target, head, parts, deadline, may_resend=resend, expect_continue=expect
+                )
+                result = on_response(resp)
+                keep = conn.reusable(resp)
+                return result
+            except StaleConnection:
+                # The server closed this idle connection; a fresh one gets a real answer.
+                if attempt == 0:
+                    continue
+                raise
+            finally:
+                self._pool.release(conn, keep)
+        raise RemoteError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    def _drained(resp: Response) -> int:
+        """Read a small body to its end (so the connection can be kept); its status."""
+        resp.read_all(SMALL_ANSWER_MAX)
+        return resp.status
+
+    @staticmethod
+    def _json(resp: Response) -> Any:
+        check_final(resp.status)
+        return json_answer(resp.status, resp.read_all(SMALL_ANSWER_MAX))
+
+    def fetch(self, key: str | bytes, sink: Sink[T]) -> T | None:
+        """GET a block and hand its body to ``sink(length, read_exact)``; None on a miss.
+
+        ``sink`` must call ``read_exact(view)`` with views that add up to ``length`` bytes
+        (in order) and return its result; if it raises, the block is a miss. A body cut
+        short (the server evicted the block mid-stream) is a miss, never partial bytes;
+        so is one over ``max_block_size`` or without a Content-Length, before ``sink``
+        is called (nothing is allocated for it).
+
+        Never raises on a transport or protocol error.
+        """
+        address = to_address(key)
+        limit = self.config.max_block_size
+        local = self._core.local_fetch(self._local(), address, sink)
+        if local is not OVER_HTTP:
+            return local  # type: ignore[no-any-return]
+
+        def on_response(resp: Response) -> T | None:
+            raw = resp.headers.get(b"content-encoding")
+            encoding = None if raw is None else raw.decode("latin-1")
+            if not block_to_read(resp.status, resp.length, encoding, limit):
+                resp.read_all(SMALL_ANSWER_MAX)
+                return None
+
+            def read_exact(view: memoryview) -> None:
+                resp.read_exact(memoryview(view).cast("B"))
+
+            result = sink(resp.length or 0, read_exact)
+            if not resp.complete:
+                raise Miss("sink left part of the body unread")
+            return result
+
+        try:
+            return self._exchange("GET", self._core.block_path(address), on_response)
+        except Exception as exc:
+            self._core.miss("GET", address, exc)
+            return None
+
+    def _local(self, probe: bool = True) -> LocalSlab | None:
+        """The server's slab mapped here, when this client is on its host (else None).
+
+        Args:
+            probe: ask the server where its slab is now if that is due; False for a call
+                with a deadline shorter than the config's (an inline lookup): the probe
+                is not its to pay, and runs on a thread of its own instead.
+        """
+        local = self._core.local
+        if local.due():
+            if probe:
+                self._probe()
+            else:
+                threading.Thread(target=self._probe, name="eg-kv-local-probe", daemon=True).start()
+        return local.slab
+
+    def _probe(self) -> None:
+        """Ask the server where its slab is (``GET /kv/local/slab``) and map it if it can."""
+        try:
+            answer = self._exchange("GET", self._core.path(LOCAL_ROUTE), self._small)
+        except Exception as exc:
+            self._core.miss("GET", LOCAL_ROUTE, exc)
+        else:
+            self._core.local.adopt(*answer)
+
+    @staticmethod
+    def _small(resp: Response) -> tuple[int, bytes]:
+        return resp.status, resp.read_all(SMALL_ANSWER_MAX)
+
+    # ------------------------------------------------------------------ the API
+
+    def get(self, key: str | bytes) -> bytes | None:
+        """``GET /kv/<addr>``: the block's bytes, or None on a miss or any error."""
+
+        def sink(length: int, read_exact: Callable[[memoryview], None]) -> bytes:
+            buf = bytearray(length)
+            read_exact(memoryview(buf))
+            return bytes(buf)
+
+        return self.fetch(key, sink)
+
+    def get_into(self, key: str | bytes, buffer: Any) -> int | None:
+        """``GET /kv/<addr>`` straight into ``buffer`` (a writable buffer, no extra copy).
+
+        Returns:
+            The block's length when it fits in ``buffer`` (the first bytes of ``buffer``
+            now hold it); None on a miss, an error, or a block larger than ``buffer``.
+        """
+        view = memoryview(buffer).cast("B")
+
+        def sink(length: int, read_exact: Callable[[memoryview], None]) -> int:
+            if length > len(view):
+                raise Miss(f"block of {length} bytes does not fit a {len(view)}-byte buffer")
+            read_exact(view[:length])
+            return length
+
+        return self.fetch(key, sink)
+
+    def put(self, key: str | bytes, data: Any) -> bool:
+        """``PUT /kv/<addr>``: store ``data`` (any bytes-like object; sent without a copy).
+
+        Returns:
+            True when the server holds the block (201 new, 200 deduplicated); False on any
+            refusal or error.
+        """
+        return self.put_status(key, (data,)) in (200, 201)
+
+    def put_parts(self, key: str | bytes, parts: Iterable[Any]) -> bool:
+        """``PUT /kv/<addr>`` of the concatenation of ``parts``, each sent without a copy.
+
+        Returns:
+            True on 200/201, False on any refusal or error.
+        """
+        return self.put_status(key, parts) in (200, 201)
+
+    def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
+        """``PUT /kv/<addr>`` of the concatenation of ``parts`` (bytes-like, no copy).
+
+        A body over 64 KiB asks ``Expect: 100-continue`` first: a server that answers from
+        the head alone (a dedup hit, a refusal) is never sent it. A PUT is never sent
+        twice.
+
+        Returns:
+            The final HTTP status (201 stored, 200 deduplicated, 409, 413, 503, 507, 401,
+            ...), or None when no usable answer came (transport or protocol failure).
+        """
+        address = to_address(key)
+        try:
+            views = [memoryview(p).cast("B") for p in parts]
+            status = self._exchange(
+                "PUT",
+                self._core.block_path(address),
+                self._drained,
+                body=views,
+                headers=self._put_head,
+            )
+        except Exception as exc:
+            self._core.miss("PUT", address, exc)
+            return None
+        if status == 401:
+            self._core.warn_unauthorized()
+        return status
+
+    def _status(self, method: str, address: str) -> int | None:
+        def on_response(resp: Response) -> int:
+            check_final(resp.status)
+            return self._drained(resp)
+
+        try:
+            return self._exchange(method, self._core.block_path(address), on_response)
+        except Exception as exc:
+            self._core.miss(method, address, exc)
+            return None
+
+    def contains(self, key: str | bytes) -> bool:
+        """``HEAD /kv/<addr>``: True when the block is resident; False on a miss or error."""
+        address = to_address(key)
+        found = self._core.local_has(self._local(), "HEAD", address)
+        return found if found is not None else self._status("HEAD", address) == 200
+
+    def delete(self, key: str | bytes) -> bool:
+        """``DELETE /kv/<addr>``: release one reference. True on 204; False otherwise.
+
+        Never sent twice: a connection lost after the request went out is a False."""
+        return self._status("DELETE", to_address(key)) == 204
+
+    def exists(self, key: str | bytes) -> bool:
+        """``GET /kv/<addr>/exists``: True when resident; False on a miss or any error."""
+        address = to_address(key)
+        found = self._core.local_has(self._local(), "exists", address)
+        if found is not None:
+            return found
+        try:
+            doc = self._exchange("GET", self._core.block_path(address, "/exists"), self._json)
+            return exists_answer(doc)
+        except Exception as exc:
+            self._core.miss("exists", address, exc)
+            return False
+
+    def _batch_exists(
+        self, addresses: list[str], timeout_s: float | None = None
+    ) -> tuple[list[bool], int]:
+        """One ``POST /kv/batch/exists`` for at most 1024 addresses. Raises on error.
+
+        Sent in the compact format (:mod:`eg_kv.wire`); a server that refuses it
+        (one that predates it) is asked again in JSON, and in JSON from then on. On the
+        server's host, answered from its slab instead.
+        """
+        found = self._core.local_exists(self._local(probe=timeout_s is None), addresses)
+        if found is not None:
+            return found, leading_hits(found)
+        if self._compact_batches:
+            try:
+                found = self._exchange(
+                    "POST",
+                    self._core.path("/kv/batch/exists"),
+                    partial(self._flags, len(addresses)),
+                    body=(encode_addresses(addresses),),
+                    headers=self._compact_head,
+                    timeout_s=timeout_s,
+                )
+                return found, leading_hits(found)
+            except CompactRefused:
+                answer = self._json_batch(addresses, timeout_s)
+                self._compact_batches = False  # JSON worked where the compact body did not
+                return answer
+        return self._json_batch(addresses, timeout_s)
+
+    def _json_batch(
+        self, addresses: list[str], timeout_s: float | None = None
+    ) -> tuple[list[bool], int]:
+        doc = self._exchange(
+            "POST",
+            self._core.path("/kv/batch/exists"),
+            self._json,
+            body=(batch_body(addresses),),
+            headers=self._batch_head,
+            timeout_s=timeout_s,
+        )
+        return batch_answer(doc, len(addresses))
+
+    @staticmethod
+    def _flags(n: int, resp: Response) -> list[bool]:
+        check_final(resp.status)
+        body = resp.read_all(SMALL_ANSWER_MAX)
+        return compact_answer(resp.status, resp.headers.get(b"content-type"), body, n)
+
+    def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
+        """Which keys are resident: one batch request per 1024 keys.
+
+        Returns:
+            One bool per key; all False for a batch that failed.
+        """
+        out: list[bool] = []
+        for chunk in batches([to_address(k) for k in keys]):
+            found = self._try_batch(chunk)
+            out.extend(found if found is not None else [False] * len(chunk))
+        return out
+
+    def try_exists_many(self, keys: Sequence[str | bytes]) -> list[bool] | None:
+        """Like :meth:`exists_many`, but None when any batch request failed (so a caller
+        can tell "absent" from "could not ask"). Never raises."""
+        return self.try_exists_addresses([to_address(k) for k in keys])
+
+    def try_exists_addresses(
+        self, addresses: Sequence[str], timeout_s: float | None = None
+    ) -> list[bool] | None:
+        """:meth:`try_exists_many` for ready-made addresses (no per-key mapping: the L2
+        connector's lookups are latency-bound). Never raises.
+
+        Args:
+            timeout_s: the deadline of each request, when shorter than the config's.
+        """
+        out: list[bool] = []
+        for chunk in batches(addresses):
+            found = self._try_batch(chunk, timeout_s)
+            if found is None:
+                return None
+            out.extend(found)
+        return out
+
+    def _try_batch(self, chunk: list[str], timeout_s: float | None = None) -> list[bool] | None:
+        try:
+            return self._batch_exists(chunk, timeout_s)[0]
+        except Exception as exc:
+            self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
+            return None
+
+    def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
+        """How many of ``keys``, from the first, are resident without a gap (prefix hits).
+
+        Returns:
+            The prefix length; 0 on any error.
+        """
+        total = 0
+        for chunk in batches([to_address(k) for k in keys]):
+            try:
+                prefix = self._batch_exists(chunk)[1]
+            except Exception as exc:
+                self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
+                return total
+            total += prefix
+            if prefix < len(chunk):
+                break
+        return total
+
+    def stats(self) -> KvCacheStats:
+        """``GET /kv/stats``.
+
+        Raises:
+            Unauthorized: the server refused the token.
+            RemoteError: the server is unreachable or answered something unusable.
+        """
+        try:
+            doc = self._exchange("GET", self._core.path("/kv/stats"), self._json)
+        except EgKvError:
+            raise
+        except Exception as exc:
+            raise self._core.unreachable("/kv/stats", exc) from None
+        return KvCacheStats.from_json(doc)
+
+    def healthz(self) -> dict[str, Any] | None:
+        """``GET /healthz``: the decoded answer, or None when the server is not healthy."""
+        try:
+            doc = self._exchange("GET", self._core.path("/healthz"), self._json)
+        except Exception as exc:
+            self._core.miss("healthz", "-", exc)
+            return None
+        return doc if isinstance(doc, dict) else None

@@ -1,0 +1,300 @@
+"""LMCache in-engine remote backend: :class:`EgKvRemoteConnector`.
+
+LMCache's ``RemoteBackend`` builds it through a connector adapter, preferably ours
+(:class:`eg_kv.lmcache.adapter.EgKvConnectorAdapter`), which hands over what LMCache gives
+an adapter: its config, its metadata and the plugin's name::
+
+    remote_storage_plugins: ["egkv"]            # or ["egkv.a", "egkv.b"]: one per server
+    extra_config:
+      remote_storage_plugin.egkv.module_path: eg_kv.kvcache
+      remote_storage_plugin.egkv.class_name: EgKvConnectorAdapter
+      remote_storage_plugin.egkv.base_url: http://127.0.0.1:9130   # optional
+      remote_storage_plugin.egkv.token: ...                         # optional
+
+``class_name: EgKvRemoteConnector`` also works for one instance with a CPU backend:
+LMCache then builds the connector itself and tells it neither its name nor its metadata,
+so the name is found from the config (refused when several instances use this class).
+
+``base_url``, ``addr``, ``token``, ``timeout_s``, ``num_workers``, ``max_connections`` and
+``verify_tls`` are read from ``remote_storage_plugin.<name>.*``; what is missing comes from
+the ``EPISTEMIC_GRAPH_KVCACHE_*`` environment. Underneath is the same
+:class:`~eg_kv.client.sync.RemoteKVConnector` as everywhere else, run on a small thread pool so
+LMCache's event loop never blocks on the network.
+
+Each chunk is stored as LMCache's ``RemoteMetadata`` header (shapes, dtypes, format, so a
+partial last chunk loads with its real shape) followed by the KV bytes, under
+:func:`eg_kv.address.address_for_key` of ``CacheEngineKey.to_string()`` and of what
+changes a chunk's bytes (:attr:`EgKvRemoteConnector.layout_tag`: serde, chunk header on or
+off, memory format, dtypes, shapes), so differently configured engines never collide on
+an address and identically configured ones share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from ..address import address_for_key
+from ..client.core import Miss as _Miss
+from ..client.sets import connect
+from ..client.sync import CONFIG_KEYWORDS, KvCacheConfig
+from ..errors import ConfigError
+from .store_warnings import StoreWarnings
+from .write_gate import GateClosed, GateSet, read_through
+
+log = logging.getLogger("eg_kv.kvcache")
+
+_SETTINGS = CONFIG_KEYWORDS
+#: ``class_name`` values that build this connector.
+_OUR_CLASSES = ("EgKvRemoteConnector", "EgKvConnectorAdapter")
+
+
+def plugin_name_from_config(config: Any) -> str | None:
+    """The plugin instance that builds eg-kv, when LMCache did not say which.
+
+    Returns:
+        The one name in ``remote_storage_plugins`` whose ``class_name`` is ours (or the
+        only plugin configured); None when there is none.
+
+    Raises:
+        ConfigError: several instances use eg-kv, so which one is being built is unknown.
+    """
+    extra = (getattr(config, "extra_config", None) or {}) if config is not None else {}
+    names = list(getattr(config, "remote_storage_plugins", None) or [])
+    mine = [n for n in names if extra.get(f"remote_storage_plugin.{n}.class_name") in _OUR_CLASSES]
+    if len(mine) > 1:
+        raise ConfigError(
+            f"remote_storage_plugins {mine} all use eg-kv, and LMCache does not tell "
+            "EgKvRemoteConnector which one it builds: set "
+            "remote_storage_plugin.<name>.class_name to EgKvConnectorAdapter"
+        )
+    if mine:
+        return mine[0]
+    return names[0] if len(names) == 1 else None
+
+
+def plugin_settings(config: Any, plugin_name: str | None) -> dict[str, Any]:
+    """``remote_storage_plugin.<name>.<setting>`` values from LMCache's ``extra_config``."""
+    extra = (getattr(config, "extra_config", None) or {}) if config is not None else {}
+    if plugin_name is None:
+        return {}
+    out: dict[str, Any] = {}
+    for setting in _SETTINGS:
+        value = extra.get(f"remote_storage_plugin.{plugin_name}.{setting}")
+        if value is not None and value != "":
+            out[setting] = value
+    return out
+
+
+class EgKvRemoteConnector(RemoteConnector):
+    """An LMCache ``RemoteConnector`` over eg-kv (loaded via ``remote_storage_plugins``)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        local_cpu_backend: Any,
+        config: Any = None,
+        plugin_name: str | None = None,
+        metadata: Any = None,
+    ) -> None:
+        """Args:
+            loop: LMCache's event loop (the coroutines below run on it).
+            local_cpu_backend: LMCache's CPU allocator for loaded chunks (a stand-in
+                without ``.config``/``.metadata`` where LMCache has none: lookups work,
+                loads are misses).
+            config: the LMCache engine config (``extra_config`` holds our settings);
+                default the CPU backend's.
+            plugin_name: the plugin instance name (``egkv``, ``egkv.a``); when None it is
+                found from ``config`` (:func:`plugin_name_from_config`).
+            metadata: the LMCache engine metadata; default the CPU backend's.
+
+        Raises:
+            ConfigError: a setting cannot be used, the instance is ambiguous, or LMCache
+                handed no metadata.
+        """
+        config = config if config is not None else getattr(local_cpu_backend, "config", None)
+        if metadata is None:
+            metadata = getattr(local_cpu_backend, "metadata", None)
+        if config is None or metadata is None:
+            raise ConfigError(
+                "LMCache handed EgKvRemoteConnector no config or metadata (no CPU backend): "
+                "set remote_storage_plugin.<name>.class_name to EgKvConnectorAdapter"
+            )
+        super().__init__(config, metadata)
+        if plugin_name is None:
+            plugin_name = plugin_name_from_config(config)
+        if plugin_name is None:
+            # One connector, once: LMCache builds it once per backend.
+            log.warning(
+                "eg-kv: cannot tell which remote_storage_plugins entry builds "
+                "EgKvRemoteConnector, so no remote_storage_plugin.<name>.* setting is read "
+                "(only EPISTEMIC_GRAPH_KVCACHE_*): set class_name to EgKvConnectorAdapter"
+            )
+        self.plugin_name = plugin_name
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.kv_config = KvCacheConfig.from_env(**plugin_settings(config, plugin_name))
+        self.client = connect(self.kv_config)  # one server, or a set (eg_kv.client.sets)
+        self.layout_tag = self._layout_tag(config)
+        self._pool = ThreadPoolExecutor(
+            max_workers=self.kv_config.num_workers, thread_name_prefix="eg-kv-remote"
+        )
+        self._gates = GateSet()
+        self._warn = StoreWarnings(self.client, f"eg-kv LMCache plugin {plugin_name}")
+        log.info("eg-kv remote connector %s on %s", plugin_name, self.kv_config.base_url)
+
+    def _layout_tag(self, config: Any) -> str:
+        """What changes a stored chunk's bytes besides its key: it goes into the address."""
+        shapes = ";".join("x".join(map(str, s)) for s in self.meta_shapes)
+        dtypes = ";".join(str(d).removeprefix("torch.") for d in self.meta_dtypes)
+        serde = getattr(config, "remote_serde", None) or "naive"
+        return (
+            f"serde={serde}|meta={int(bool(self.save_chunk_meta))}|fmt={self.meta_fmt.name}"
+            f"|dtypes={dtypes}|shapes={shapes}"
+        )
+
+    def __repr__(self) -> str:
+        return f"<EgKvRemoteConnector {self.plugin_name} {self.kv_config.base_url}>"
+
+    def _address(self, key: CacheEngineKey) -> str:
+        return address_for_key(f"{key.to_string()}\x00{self.layout_tag}")
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------------------ existence
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        """``HEAD`` the chunk; False on a miss or any error."""
+        return await self._run(self.client.contains, self._address(key))
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        """``HEAD`` the chunk from the calling thread; False on a miss or any error."""
+        return self.client.contains(self._address(key))
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        """Prefix hits of ``keys`` with one ``POST /kv/batch/exists`` per 1024 keys."""
+        return self.client.contains_prefix([self._address(k) for k in keys])
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(
+        self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
+    ) -> int:
+        """Prefix hits of ``keys`` (one batch request), off the event loop."""
+        return await self._run(self.batched_contains, keys)
+
+    # ------------------------------------------------------------------ data
+
+    def _get_sync(self, key: CacheEngineKey) -> MemoryObj | None:
+        meta_len = self.remote_metadata_bytes if self.save_chunk_meta else 0
+        gate = self._gates.open(time.monotonic() + self.kv_config.timeout_s)
+
+        def sink(length: int, read_exact: Callable[[memoryview], None]) -> MemoryObj:
+            if self.save_chunk_meta:
+                if length < meta_len:
+                    raise _Miss("stored chunk is shorter than its header")
+                head = bytearray(meta_len)
+                read_exact(memoryview(head))
+                meta = RemoteMetadata.deserialize(bytes(head))
+                shapes, dtypes, fmt = meta.shapes, meta.dtypes, meta.fmt
+            else:
+                shapes, dtypes, fmt = self.meta_shapes, self.meta_dtypes, self.meta_fmt
+            if not gate.is_open:
+                raise GateClosed("the connector is closed")
+            obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt)
+            if obj is None:
+                raise _Miss("LMCache's CPU backend has no room for the chunk")
+            try:
+                view = memoryview(obj.byte_array).cast("B")
+                body = length - meta_len
+                if self.save_chunk_meta and body != len(view):
+                    raise _Miss(f"chunk body is {body} bytes, its header says {len(view)}")
+                if body > len(view) or body == 0:
+                    raise _Miss(f"chunk body of {body} bytes does not fit {len(view)}")
+                # In slices, checking the gate: close() stops it at the next one.
+                read_through(read_exact, view[:body], gate)
+                if not self.save_chunk_meta:
+                    obj = self.reshape_partial_chunk(obj, body)
+                return obj
+            except BaseException:
+                obj.ref_count_down()  # give the buffer back: the chunk is a miss
+                raise
+
+        try:
+            return self.client.fetch(self._address(key), sink)
+        finally:
+            self._gates.release(gate)
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        """Load a chunk into a fresh LMCache buffer; None on a miss or any error."""
+        return await self._run(self._get_sync, key)
+
+    def _put_sync(self, key: CacheEngineKey, memory_obj: MemoryObj) -> bool:
+        data = memory_obj.byte_array
+        parts: list[Any] = []
+        if self.save_chunk_meta:
+            meta = RemoteMetadata(
+                len(data),
+                memory_obj.get_shapes(),
+                memory_obj.get_dtypes(),
+                memory_obj.get_memory_format(),
+            )
+            parts.append(meta.serialize())
+        parts.append(data)
+        status = self.client.put_status(self._address(key), parts)
+        if status == 413:
+            self._warn.too_large(sum(memoryview(p).nbytes for p in parts))
+        elif status == 409:
+            self._warn.conflict(
+                sum(memoryview(p).nbytes for p in parts),
+                "This chunk is not stored (an engine with this plugin's settings never "
+                "shares an address with another layout, so this is another writer).",
+            )
+        return status in (200, 201)
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        """Store a chunk (header + bytes, no copy of the bytes). Never raises: a failed
+        store is only a later miss."""
+        if not await self._run(self._put_sync, key, memory_obj):
+            log.debug("eg-kv put of %s failed; it will be a miss", key)
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        """``DELETE`` the chunk (release one reference); False when it was not there."""
+        return self.client.delete(self._address(key))
+
+    async def list(self) -> list[str]:
+        """eg-kv stores addresses (digests), not LMCache keys: there is nothing to list."""
+        return []
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 when ``/healthz`` answers, 1 otherwise."""
+        return 0 if await self._run(self.client.healthz) is not None else 1
+
+    async def close(self) -> None:
+        """Stop writing into LMCache's memory, end the transfers, close connections.
+
+        No thread writes into a buffer LMCache handed out once this returns; transfers
+        still running end within about ``timeout_s`` (their deadline) and are waited for
+        off the event loop. Idempotent.
+        """
+        self._gates.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        self.client.close()

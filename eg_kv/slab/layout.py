@@ -1,0 +1,311 @@
+"""The byte layout of the shared-memory slab, and the geometry that sizes it.
+
+One POSIX shared-memory segment holds everything; every offset is fixed at creation and
+recorded in the header, so a process that attaches needs nothing but the name::
+
+    0        4096           +1 MiB              resv_off+R*32      slots_off+S*312
+    ┌────────┬──────────────┬───────────────────┬──────────────────┬────────┬────────┬───────┐
+    │ header │ namespaces   │ reservations      │ slot table       │ next   │ tag    │ pages │
+    │        │ 4096 × 256 B │ R × RESV (32 B)   │ S × SLOT (312 B) │ P × q  │ P × Q  │ P × ps│
+    └────────┴──────────────┴───────────────────┴──────────────────┴────────┴────────┴───────┘
+    header:  [0, 128)      GEOMETRY, written once at creation
+             [128, 144)    the slab id (16 random bytes): local readers check it
+             [256, ..)     STATE: one native int64 per field (lock holder, free list, clock
+                           hand, block ids, counters), changed only under the slab lock
+             [1024, 4096)  PROCS: 96 x (pid, get hits, get misses, spare) int64: each
+                           process counts its lock-free reads in its own entry
+
+* **namespaces**: one entry per namespace (NS_* words: in use, quota, its own CLOCK hand,
+  its counters, the pages its uploads in flight hold, then its name). Entry 0 is the
+  default namespace. Every slot carries its namespace id, mixed into its fingerprint, so
+  the same address in two namespaces is two blocks on two homes.
+* **slot table**: open addressing with linear probing (home = fingerprint & (S - 1)) and
+  backward-shift deletion, so there are no tombstones. It is the one source of truth for
+  which pages hold published blocks.
+* **reservations**: pages taken by puts still being written, with the writer's pid, so
+  the pages of a writer that died can be given back, and the namespace they are charged
+  to (its quota counts them while they are written). One entry per page (R = P).
+* **next**: the page chain (a FAT): ``next[p]`` is the page after ``p`` in its block or in
+  the free list, -1 at the end. A block of n bytes owns ceil(n / page_size) pages, wherever
+  they lie, so there is no external fragmentation.
+* **tag**: ``tag[first page of a block] = block id`` while the block is resident, else 0.
+  Block ids only grow, so a reader that copied bytes outside the lock checks the tag
+  afterwards: unchanged means the bytes it copied were the block's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+from ..address import ADDRESS_MAX
+
+MAGIC = b"EGKVSLB1"
+VERSION = 5  # 4: namespaces (a namespace id per slot, the namespace table); 5: quotas
+# count pages, uploads in flight included (NS_RESV_PAGES, a namespace per reservation)
+HEADER_SIZE = 4096
+STATE_OFFSET = 256
+ALIGN = 4096
+
+# magic, version, header size, page size, pages, slots, reservations, max block size,
+# offsets of reservations / slots / next / tag / data, total size, creation time
+GEOMETRY = struct.Struct("<8sIIQQQQQQQQQQQd")
+
+#: The slab's id: 16 random bytes written at creation, after the geometry. A client that
+#: maps a slab by name reads it locally only if this matches what its server said (a slab
+#: of the same name on another host, or a newer one, has another id). Zeros: none yet (a
+#: slab made before ids; the owner writes one when it attaches).
+SLAB_ID_OFFSET = 128
+SLAB_ID_SIZE = 16
+assert GEOMETRY.size <= SLAB_ID_OFFSET
+
+# State words (native int64, index into the STATE region).
+(
+    ST_LOCK_HOLDER,  # pid inside the critical section, 0 when none
+    ST_OWNER_PID,  # pid of the supervisor (or creator) that owns the slab
+    ST_FREE_HEAD,  # first free page, -1 when none
+    ST_FREE_COUNT,
+    ST_CLOCK_HAND,  # slot index where the eviction sweep resumes
+    ST_NEXT_BLOCK_ID,
+    ST_RESV_HINT,  # where the search for a free reservation entry starts
+    ST_REPAIRS,
+    # counters derived from the slots (check() recomputes them)
+    ST_UNIQUE_BLOCKS,
+    ST_TOTAL_REFS,
+    ST_RESIDENT_BYTES,
+    ST_LOGICAL_BYTES,
+    ST_SLOT_PAGES,  # pages owned by published blocks
+    ST_RESV_PAGES,  # pages owned by reservations
+    # event counters
+    ST_DEDUP_HITS,
+    ST_GET_HITS,
+    ST_GET_MISSES,
+    ST_EVICTIONS,
+    ST_EVICTED_BYTES,
+    ST_PUTS_CREATED,
+    ST_DELETES,
+    ST_SEQ,  # odd while a process is inside a writing critical section (a seqlock for readers)
+    ST_LOCK_ENTRIES,  # bumped on every entry into the critical section (the watchdog's clock)
+    ST_RETIRED,  # 1 once the slab's name was removed: local readers must let it go
+    STATE_WORDS,
+) = range(25)
+
+#: Byte offset of the owner pid (state word ST_OWNER_PID, a native int64) in EVERY layout
+#: version so far. It must never move: ``--fresh`` reads it from a slab of another
+#: version to refuse to remove one whose server still runs.
+OWNER_PID_OFFSET = STATE_OFFSET + 8 * ST_OWNER_PID
+assert OWNER_PID_OFFSET == 264
+
+DERIVED_COUNTERS = {
+    "unique_blocks": ST_UNIQUE_BLOCKS,
+    "total_refs": ST_TOTAL_REFS,
+    "resident_bytes": ST_RESIDENT_BYTES,
+    "logical_bytes": ST_LOGICAL_BYTES,
+    "slot_pages": ST_SLOT_PAGES,
+    "reserved_pages": ST_RESV_PAGES,
+}
+EVENT_COUNTERS = {
+    "dedup_hits": ST_DEDUP_HITS,
+    "get_hits": ST_GET_HITS,
+    "get_misses": ST_GET_MISSES,
+    "evictions": ST_EVICTIONS,
+    "evicted_bytes": ST_EVICTED_BYTES,
+    "puts_created": ST_PUTS_CREATED,
+    "deletes": ST_DELETES,
+    "repairs": ST_REPAIRS,
+}
+
+# Per-process read counters (see the header picture): one writer each, summed by stats().
+PROCS_OFFSET = 1024
+PROC_WORDS = 4  # pid, get hits, get misses, spare
+NPROCS = (HEADER_SIZE - PROCS_OFFSET) // (8 * PROC_WORDS)  # 96
+
+# Slot: state, clock reference bit, address length, refcount, block length, first page,
+# page count, block id, fingerprint (of the address, mixed with the namespace id), namespace
+# id; the address itself follows (ASCII, padded).
+SLOT = struct.Struct("<BBHIQqQQQI4x")
+# Where each field lies in a tuple unpacked with SLOT. Plain ints, imported by slab.py as
+# module globals: scripts/bench_slab.py (one process) read the same with them as with
+# literal indexes (4 KiB put/dedup/get within 1%, exists within 4%: run-to-run noise).
+(
+    F_STATE,  # SLOT_EMPTY or SLOT_READY
+    F_REFBIT,  # CLOCK reference bit
+    F_ALEN,  # address length in bytes
+    F_REFS,  # refcount
+    F_LENGTH,  # block length in bytes
+    F_FIRST,  # first page
+    F_NPAGES,  # page count
+    F_BLOCK_ID,
+    F_FP,  # the address's 64-bit fingerprint, mixed with the namespace id (ns_fingerprint)
+    F_NS,  # namespace id (0: the default namespace)
+    SLOT_FIELDS,
+) = range(11)
+#: A slot's fields as SLOT unpacks them (index with the F_* constants).
+SlotFields = tuple[int, ...]
+SLOT_SIZE = SLOT.size + ADDRESS_MAX  # 312
+SLOT_EMPTY = 0
+SLOT_READY = 1
+SLOT_REF_OFFSET = 1  # byte offset of the reference bit inside a slot
+
+# The namespace table, right after the header: NS_COUNT entries of NS_WORDS int64 words.
+# Entry 0 is the default namespace. An entry is in use while its NS_USED word is 1; its
+# id never changes while it is (names are bound to ids under the slab lock, so every
+# process and every restart agrees). The counters are kept under the lock like the state
+# words; check() recomputes the derived ones from the slots.
+NS_COUNT = 4096
+(
+    NS_USED,
+    NS_QUOTA,  # bytes; 0 = none
+    NS_HAND,  # where this namespace's own CLOCK sweep resumes (a slot index)
+    NS_NAME_LEN,
+    # derived from the slots (check() recomputes them)
+    NS_BLOCKS,
+    NS_REFS,
+    NS_RESIDENT_BYTES,
+    NS_LOGICAL_BYTES,
+    NS_PAGES,
+    # events
+    NS_DEDUP_HITS,
+    NS_EVICTIONS,
+    NS_EVICTED_BYTES,
+    NS_GET_HITS,  # counted without the lock: may lose a count under concurrent readers
+    NS_GET_MISSES,
+    NS_PUTS_CREATED,
+    NS_DELETES,
+    # derived from the reservations (check() recomputes it): pages its uploads in flight
+    # hold. The quota counts them with NS_PAGES, so uploads cannot overrun it unseen.
+    NS_RESV_PAGES,
+) = range(17)
+#: Counters check() recomputes: from the slots, then (the last) from the reservations.
+NS_DERIVED = {
+    "unique_blocks": NS_BLOCKS,
+    "total_refs": NS_REFS,
+    "resident_bytes": NS_RESIDENT_BYTES,
+    "logical_bytes": NS_LOGICAL_BYTES,
+    "slot_pages": NS_PAGES,
+    "reserved_pages": NS_RESV_PAGES,
+}
+NS_EVENTS = {
+    "dedup_hits": NS_DEDUP_HITS,
+    "get_hits": NS_GET_HITS,
+    "get_misses": NS_GET_MISSES,
+    "evictions": NS_EVICTIONS,
+    "evicted_bytes": NS_EVICTED_BYTES,
+    "puts_created": NS_PUTS_CREATED,
+    "deletes": NS_DELETES,
+}
+NS_NAME_MAX = 64
+NS_NAME_WORD = 24  # the name's bytes start at this word (17-23: spare, zero)
+NS_WORDS = NS_NAME_WORD + NS_NAME_MAX // 8  # 32
+NS_ENTRY_SIZE = 8 * NS_WORDS  # 256
+NS_OFFSET = HEADER_SIZE
+NS_TABLE_SIZE = NS_COUNT * NS_ENTRY_SIZE  # 1 MiB
+SLOT_NS_OFFSET = 48  # byte offset of the namespace id inside a slot (a uint32)
+NS_MIX = 0x9E3779B97F4A7C15
+
+
+def ns_fingerprint(fp: int, ns: int) -> int:
+    """The slot fingerprint of an address whose own fingerprint is ``fp``, in namespace
+    ``ns``: the same address in two namespaces lands on two homes and never matches."""
+    return fp ^ ((ns * NS_MIX) & 0xFFFFFFFFFFFFFFFF) if ns else fp
+
+
+# The readers segment, ``<slab name>.readers``: what clients that read the slab locally
+# (read-only) may write. Mode 0600 like the slab; created with it and removed with it.
+#
+#     0        64                          64 + NREADERS * 64
+#     ┌────────┬───────────────────────────┬──────────────────────┐
+#     │ header │ entries: NREADERS × 8 q   │ hit hints: S bytes   │
+#     └────────┴───────────────────────────┴──────────────────────┘
+#     header:  READERS_HEAD: magic, slab id, entries, slots
+#     entry:   pid (informational), namespace id, get hits, get misses, 4 spare. An entry
+#              is owned by whoever holds an OFD write lock on its first byte (the kernel
+#              drops it when the owner dies, in any pid namespace); its counts only grow
+#              and stay when the owner dies, so the slab's stats add every entry.
+#     hints:   hint[i] = 1: a local reader hit slot i; the owner folds it into the slot's
+#              CLOCK reference bit and clears it (a moved slot's hint is a second chance
+#              it did not earn, as a lock-free reference bit may be).
+READERS_MAGIC = b"EGKVRDR1"
+READERS_HEAD = struct.Struct("<8s16sQQ")  # magic, slab id, entries, slots
+READERS_HEADER_SIZE = 64
+NREADERS = 1024
+READER_WORDS = 8
+READER_ENTRY_SIZE = 8 * READER_WORDS
+(R_PID, R_NS, R_HITS, R_MISSES) = range(4)
+READERS_HINTS_OFFSET = READERS_HEADER_SIZE + NREADERS * READER_ENTRY_SIZE
+READERS_SUFFIX = ".readers"
+
+
+def readers_size(nslots: int) -> int:
+    """Bytes of the readers segment of a slab with ``nslots`` slots."""
+    return READERS_HINTS_OFFSET + nslots
+
+
+# Reservation: writer pid (0 = entry free), first page, page count, namespace id (charged
+# with the pages: its quota counts them), block length. The page count and namespace share
+# a word as two uint32 (a slab has under 2**32 pages), so an entry stays 32 bytes.
+RESV = struct.Struct("<QqIIQ")
+RESV_SIZE = RESV.size  # 32
+
+NO_PAGE = -1
+
+
+def _align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Where everything lies in a slab of a given capacity; derived once, then recorded."""
+
+    page_size: int
+    npages: int
+    nslots: int
+    nresv: int
+    max_block_size: int
+    resv_off: int
+    slots_off: int
+    next_off: int
+    tag_off: int
+    data_off: int
+    total_size: int
+
+    @classmethod
+    def plan(cls, capacity: int, page_size: int, max_block_size: int) -> Geometry:
+        """Lay out a slab whose data area holds ``capacity`` bytes (rounded down to pages).
+
+        There are at least twice as many slots as pages (every block owns at least one
+        page, empty blocks aside), so the table's load factor stays at or under one half.
+        There is one reservation entry per page: every put in flight holds at least one
+        page, so the table can never fill before the pages do (a fixed 1024 entries was
+        full of 1,024 stalled two-page uploads while the slab was 87% free). At 32 bytes
+        per page it costs 0.05% of 64 KiB pages, 0.8% of 4 KiB ones.
+        """
+        npages = capacity // page_size
+        nresv = max(1, npages)
+        nslots = 1 << max(4, (2 * npages - 1).bit_length())
+        resv_off = NS_OFFSET + NS_TABLE_SIZE
+        slots_off = _align(resv_off + nresv * RESV_SIZE)
+        next_off = _align(slots_off + nslots * SLOT_SIZE)
+        tag_off = _align(next_off + npages * 8)
+        data_off = _align(tag_off + npages * 8, max(ALIGN, min(page_size, 2 * 1024 * 1024)))
+        total = data_off + npages * page_size
+        return cls(
+            page_size, npages, nslots, nresv, max_block_size,
+            resv_off, slots_off, next_off, tag_off, data_off, total,
+        )  # fmt: skip
+
+    def pack(self, created_at: float) -> bytes:
+        return GEOMETRY.pack(
+            MAGIC, VERSION, HEADER_SIZE, self.page_size, self.npages, self.nslots,
+            self.nresv, self.max_block_size, self.resv_off, self.slots_off,
+            self.next_off, self.tag_off, self.data_off, self.total_size, created_at,
+        )  # fmt: skip
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> tuple[bytes, int, Geometry]:
+        """Return (magic, version, geometry) from the first GEOMETRY.size header bytes."""
+        (magic, version, _hdr, ps, np_, ns, nr, mb, ro, so, no, to, do, total, _t) = (
+            GEOMETRY.unpack_from(raw)
+        )
+        return magic, version, cls(ps, np_, ns, nr, mb, ro, so, no, to, do, total)

@@ -1,0 +1,481 @@
+"""A client's read-only mapping of its server's slab: same-host loads at memory speed.
+
+A client on the slab's host (same IPC namespace or a shared ``/dev/shm``, same user: the
+slab is mode 0600) asks its server where the slab is (``GET /kv/local/slab``, an admin's
+right), maps it here **read-only**, and serves GETs and existence from it with the slab's
+own lock-free lookup (:meth:`~eg_kv.slab.view.SlabView._read`) and tag check: a block
+evicted, deleted or overwritten while it is copied is a miss, exactly as over HTTP.
+
+What a local read must record it writes into the slab's *readers* segment (the only
+thing it may write, see :mod:`eg_kv.slab.layout`): its get hits and misses, in an entry it
+owns through an OFD lock, which the server adds to ``/kv/stats`` and ``/metrics``; and a
+hint per slot hit, which the server folds into the CLOCK reference bits.
+
+Anything that keeps a local read from being exact raises :class:`LocalUnavailable` and
+the client asks over HTTP instead: another host's slab (its id differs), no permission,
+another layout, a CPU without the ordering lock-free reads need, a slab a writer keeps
+busy, or one that was retired (:class:`LocalRetired`: the server removed it, or this
+process forked).
+
+Only the standard library: a client needs neither ``posix_ipc`` nor the server's packages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import fcntl
+import mmap
+import os
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..errors import SlabError
+from . import layout as L
+from .view import LOCKFREE_READS, BlockGone, BlockReader, SlabView
+
+#: Where Linux keeps POSIX shared memory: segment ``/name`` is the file ``/dev/shm/name``.
+SHM_DIR = "/dev/shm"
+#: Lock-free attempts at one lookup before it goes over HTTP instead (a writer kept the
+#: slot table busy through all of them; each attempt is a few microseconds).
+LOOKUP_ATTEMPTS = 64
+#: How often a reader checks that the slab still has its name (a removed one that no
+#: server retired: ``rm /dev/shm/...``).
+NAME_CHECK_S = 1.0
+#: Runs at least this long are copied by ``memmove`` without the GIL (see _Copier).
+MEMMOVE_MIN = 64 * 1024
+_T = TypeVar("_T")
+
+
+class _Torn(Exception):
+    """A lock-free lookup a writer got in the way of (:meth:`LocalSlab._read` retries)."""
+
+
+# struct flock for F_OFD_SETLK: l_type, l_whence, l_start, l_len, l_pid (must be 0).
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def _libc_mmap() -> tuple[Any, Any] | None:
+    """libc's ``mmap`` and ``munmap`` through ctypes, or None where they cannot be had."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mm, unmap = libc.mmap, libc.munmap
+    except (OSError, AttributeError):
+        return None
+    mm.restype = ctypes.c_void_p
+    mm.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_long]  # fmt: skip
+    unmap.restype = ctypes.c_int
+    unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return mm, unmap
+
+
+_LIBC_MMAP = _libc_mmap()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class LocalUnavailable(SlabError):
+    """This read cannot be served locally (the message says why): ask over HTTP."""
+
+
+class LocalRetired(LocalUnavailable):
+    """The mapping must be let go: the slab was retired, or this process forked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalInfo:
+    """Where a server's slab is, as ``GET /kv/local/slab`` answers.
+
+    Attributes:
+        slab: the segment's name (``/eg-kv-9130``).
+        readers: the readers segment's name.
+        slab_id: the slab's 16 id bytes.
+        layout_version: the slab's layout version.
+        total_size: the segment's size in bytes.
+        ns: the namespace id of the token's tenant.
+        uid: the server's effective uid, which must own both segments (None from a
+            server that does not say: then this process's own uid must).
+    """
+
+    slab: str
+    readers: str
+    slab_id: bytes
+    layout_version: int
+    total_size: int
+    ns: int
+    uid: int | None = None
+
+    @classmethod
+    def from_json(cls, doc: Any) -> LocalInfo:
+        """Parse the server's answer.
+
+        Raises:
+            LocalUnavailable: not an answer of this shape.
+        """
+        try:
+            info = cls(
+                slab=str(doc["slab"]),
+                readers=str(doc["readers"]),
+                slab_id=bytes.fromhex(str(doc["slab_id"])),
+                layout_version=int(doc["layout_version"]),
+                total_size=int(doc["total_size"]),
+                ns=int(doc["namespace_id"]),
+                uid=None if doc.get("uid") is None else int(doc["uid"]),
+            )
+        except (TypeError, KeyError, ValueError) as e:
+            raise LocalUnavailable(f"the server's slab description is malformed ({e})") from None
+        for name in (info.slab, info.readers):
+            if not name.startswith("/") or "/" in name[1:] or name in ("/", "/.", "/.."):
+                raise LocalUnavailable(f"the server named no shared-memory segment: {name!r}")
+        return info
+
+    @classmethod
+    def of(cls, slab_name: str, slab_id: bytes, total_size: int, ns: int) -> dict[str, Any]:
+        """The JSON a server answers for its slab (the inverse of :meth:`from_json`)."""
+        return {
+            "slab": slab_name,
+            "readers": slab_name + L.READERS_SUFFIX,
+            "slab_id": slab_id.hex(),
+            "layout_version": L.VERSION,
+            "total_size": total_size,
+            "namespace_id": ns,
+            "uid": os.geteuid(),  # the server's: a client trusts no other user's segment
+        }
+
+
+def _open(path: str, flags: int) -> int:
+    try:
+        return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        raise LocalUnavailable(f"cannot open {path}: {e.strerror}") from None
+
+
+def _check_owner(fd: int, name: str, uid: int) -> None:
+    """Refuse segment ``name`` (open on ``fd``) unless ``uid`` owns it, alone (mode 0600).
+
+    On the descriptor about to be mapped, not the name: a name can change hands between
+    a check and a mapping. Explicit, because root opens anything: another user's segment
+    of the name (made before the server's, or after it stopped) could hold any bytes.
+
+    Raises:
+        LocalUnavailable: another owner, or group/other mode bits.
+    """
+    st = os.fstat(fd)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != uid or mode & 0o077:
+        raise LocalUnavailable(
+            f"{name} here is owned by uid {st.st_uid} with mode {mode:04o}, not by the "
+            f"server's uid {uid} with mode 0600: it is not the server's, so it is not read"
+        )
+
+
+class LocalSlab(SlabView):
+    """A read-only mapping of a server's slab. Open with :meth:`open`; thread-safe.
+
+    Not shared across ``fork``: a child's reads raise :class:`LocalRetired` (its parent
+    owns the counters entry), and the client maps the slab anew.
+    """
+
+    def __init__(
+        self, info: LocalInfo, fd: int, mm: mmap.mmap, geometry: L.Geometry, rfd: int
+    ) -> None:
+        super().__init__(info.slab, mm, geometry)
+        self.info = info
+        self._fd, self._rfd = fd, rfd
+        self._rmm = mmap.mmap(rfd, L.readers_size(geometry.nslots))
+        rmv = memoryview(self._rmm)
+        self._entries = rmv[L.READERS_HEADER_SIZE : L.READERS_HINTS_OFFSET].cast("q")
+        self._hints = rmv[L.READERS_HINTS_OFFSET :]
+        rmv.release()
+        self._lock = threading.Lock()
+        self._copying = 0  # fetches copying now (close() leaves the unmapping to the last)
+        self._pid = os.getpid()
+        self._named_at = time.monotonic()
+        # A second read-only mapping whose address ctypes knows, for bulk copies.
+        self._base, self._size = 0, geometry.total_size
+        if _LIBC_MMAP is not None:
+            addr = _LIBC_MMAP[0](None, self._size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr not in (None, _MAP_FAILED):
+                self._base = addr
+        try:
+            self._me = self._claim_entry(info.ns)
+        except BaseException:
+            for view in (self._entries, self._hints):
+                view.release()
+            self._rmm.close()
+            self._release_views()
+            self._unmap_base()
+            raise  # open() closes the slab's mapping and both descriptors
+        self.closed = False
+
+    @classmethod
+    def open(cls, info: LocalInfo, shm_dir: str = SHM_DIR) -> LocalSlab:
+        """Map the slab ``info`` describes, read-only, and take a counters entry.
+
+        Raises:
+            LocalUnavailable: it cannot be read here, and why (no such segment or no
+                permission: another host, container or user; a segment that is not the
+                server's user's alone (mode 0600); another slab of that name;
+                another layout; no lock-free reads on this CPU; no counters entry free).
+        """
+        if not LOCKFREE_READS:
+            raise LocalUnavailable("local reads need x86's memory ordering (lock-free lookups)")
+        if info.layout_version != L.VERSION:
+            raise LocalUnavailable(
+                f"the slab has layout version {info.layout_version}; this client reads {L.VERSION}"
+            )
+        uid = os.geteuid() if info.uid is None else info.uid
+        fd = _open(shm_dir + info.slab, os.O_RDONLY)
+        rfd = -1
+        try:
+            _check_owner(fd, info.slab, uid)
+            size = os.fstat(fd).st_size
+            if size != info.total_size or size < L.HEADER_SIZE:
+                raise LocalUnavailable(f"{info.slab} here is not the server's slab (its size)")
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            try:
+                magic, version, g = L.Geometry.unpack(mm[: L.GEOMETRY.size])
+                slab_id = mm[L.SLAB_ID_OFFSET : L.SLAB_ID_OFFSET + L.SLAB_ID_SIZE]
+                if (magic, version, g.total_size) != (L.MAGIC, L.VERSION, size):
+                    raise LocalUnavailable(f"{info.slab} here is not an eg-kv slab of this layout")
+                if slab_id != info.slab_id:
+                    raise LocalUnavailable(f"{info.slab} here is another slab (its id differs)")
+                rfd = _open(shm_dir + info.readers, os.O_RDWR)
+                _check_owner(rfd, info.readers, uid)
+                head = os.pread(rfd, L.READERS_HEAD.size, 0)
+                if head != L.READERS_HEAD.pack(L.READERS_MAGIC, slab_id, L.NREADERS, g.nslots):
+                    raise LocalUnavailable(f"{info.readers} is not this slab's readers segment")
+                if os.fstat(rfd).st_size < L.readers_size(g.nslots):
+                    raise LocalUnavailable(f"{info.readers} is too short")
+                return cls(info, fd, mm, g, rfd)
+            except BaseException:
+                mm.close()
+                raise
+        except BaseException:
+            os.close(fd)
+            if rfd != -1:
+                os.close(rfd)
+            raise
+
+    def _claim_entry(self, ns: int) -> int:
+        """Take a counters entry: one whose lock nobody holds (its owner, if any, died)
+        and whose counts are this namespace's or none. Returns its first word's index.
+
+        Raises:
+            LocalUnavailable: every entry is taken.
+        """
+        entries = self._entries
+        for e in range(L.NREADERS):
+            w = e * L.READER_WORDS
+            if entries[w + L.R_NS] != ns and (entries[w + L.R_HITS] or entries[w + L.R_MISSES]):
+                continue  # another namespace's counts: they stay where the stats add them
+            start = L.READERS_HEADER_SIZE + e * L.READER_ENTRY_SIZE
+            lock = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, 1, 0)
+            try:
+                fcntl.fcntl(self._rfd, fcntl.F_OFD_SETLK, lock)
+            except OSError:
+                continue  # a live reader owns it
+            entries[w + L.R_NS] = ns
+            entries[w + L.R_PID] = self._pid
+            return w
+        raise LocalUnavailable(f"all {L.NREADERS} local reader entries are taken")
+
+    # ------------------------------------------------------------------ SlabView hooks
+
+    def _read(self, lookup: Callable[..., _T], *args: object) -> _T:
+        """:meth:`SlabView._read` on a mapping still this process's server's, a few times
+        at most (a reader cannot take the lock).
+
+        Raises:
+            LocalRetired: the slab was retired, or this process forked.
+            LocalUnavailable: writers kept the table busy through every attempt.
+        """
+        self._still_mine()
+        for _ in range(LOOKUP_ATTEMPTS):
+            try:
+                return super()._read(lookup, *args)
+            except _Torn:
+                os.sched_yield()  # let the writer finish
+        raise LocalUnavailable("writers kept the slot table busy")
+
+    def _torn(self, lookup: Callable[..., _T], *args: object) -> _T:
+        raise _Torn
+
+    def _touch(self, i: int) -> None:
+        self._hints[i] = 1
+
+    def _count_read(self, hit: int, miss: int, ns: int = 0) -> None:
+        entries, me = self._entries, self._me
+        with self._lock:  # threads share the entry; the entry has one writer process
+            entries[me + L.R_HITS] += hit
+            entries[me + L.R_MISSES] += miss
+
+    # ------------------------------------------------------------------ reads
+
+    def _still_mine(self) -> None:
+        """Raise :class:`LocalRetired` once this mapping must not be used any more."""
+        if self.closed:
+            raise LocalRetired("the local slab mapping is closed")
+        if os.getpid() != self._pid:
+            raise LocalRetired("this process forked: the parent owns the mapping")
+        if self._state[L.ST_RETIRED]:
+            raise LocalRetired(f"{self.name} was retired by its server")
+        now = time.monotonic()
+        if now - self._named_at > NAME_CHECK_S:
+            if os.fstat(self._fd).st_nlink == 0:
+                raise LocalRetired(f"{self.name} was removed")
+            self._named_at = now
+
+    def fetch(
+        self, address: str, limit: int, sink: Callable[[int, Callable[[memoryview], None]], _T]
+    ) -> _T | None:
+        """Hand a block to ``sink(length, read_exact)`` as the HTTP clients do; None on a
+        miss (absent, over ``limit`` bytes, or gone while it was copied: counted a miss).
+        :meth:`open_to_fetch` then :meth:`copy_out`.
+
+        Raises:
+            LocalUnavailable: ask over HTTP instead (nothing was counted).
+            Exception: what ``sink`` raises (the caller's miss).
+        """
+        reader = self.open_to_fetch(address, limit)
+        return None if reader is None else self.copy_out(reader, sink)
+
+    def open_to_fetch(self, address: str, limit: int) -> BlockReader | None:
+        """The block to copy out (a counted hit); None: a counted miss (absent, or over
+        ``limit`` bytes: as over HTTP, the server counted a hit and the client a miss).
+
+        Raises:
+            LocalUnavailable: ask over HTTP instead (nothing was counted).
+        """
+        reader = self.open_block(address, self.info.ns)
+        if reader is None or reader.length > limit:
+            return None
+        return reader
+
+    def copy_out(
+        self, reader: BlockReader, sink: Callable[[int, Callable[[memoryview], None]], _T]
+    ) -> _T | None:
+        """Hand ``reader``'s block to ``sink(length, read_exact)``; None if it went while
+        it was copied (a counted miss). Any thread may run it.
+
+        Raises:
+            LocalRetired: the mapping was closed.
+            Exception: what ``sink`` raises (the caller's miss).
+        """
+        with self._lock:  # the mapping must outlive the copy, whatever thread closes it
+            if self.closed:
+                raise LocalRetired("the local slab mapping is closed")
+            self._copying += 1
+        try:
+            copier = _Copier(self, reader)
+            result = sink(reader.length, copier.read_exact)
+            copier.finish()
+        except BlockGone:
+            return None
+        finally:
+            with self._lock:
+                self._copying -= 1
+                last_out = self.closed and not self._copying
+            if last_out:  # closed meanwhile: close() left the unmapping to the last copy
+                self._release_maps()
+        return result
+
+    def exists_addresses(self, addresses: list[str]) -> list[bool]:
+        """Existence of each address in the token's namespace (no counts, as over HTTP).
+
+        Raises:
+            LocalUnavailable: ask over HTTP instead.
+        """
+        return self.exists_many(addresses, self.info.ns)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _unmap_base(self) -> None:
+        if self._base and _LIBC_MMAP is not None:
+            _LIBC_MMAP[1](self._base, self._size)
+            self._base = 0
+
+    def _release_maps(self) -> None:
+        for view in (self._entries, self._hints):
+            view.release()
+        self._rmm.close()
+        self._unmap_base()
+        self._release_views()
+        self._mm.close()
+        os.close(self._rfd)  # drops the entry's lock
+        os.close(self._fd)
+
+    def __enter__(self) -> LocalSlab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unmap the slab and give the counters entry back (its counts stay). Idempotent.
+
+        A copy in flight on another thread keeps the mappings until it ends (unmapping
+        under a ``memmove`` would crash the process); the last one out unmaps.
+        """
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self._copying:
+                return
+        # In a forked child these are its own copies: closing them leaves the parent's
+        # entry lock (an OFD lock lasts while any descriptor of it is open) and mapping.
+        self._release_maps()
+
+
+class _Copier:
+    """Feeds a block's bytes to ``read_exact`` calls in order, straight from the slab.
+
+    A run of at least :data:`MEMMOVE_MIN` bytes into a writable buffer is copied by
+    ``ctypes.memmove``, which releases the GIL: the threads of a loader (the L2 adapter's
+    pool) then copy on every core at once (a memoryview slice assignment holds the GIL:
+    four threads loaded 14 MiB chunks at one core's speed). A shorter one is copied from
+    the mapping. Either way the tag check afterwards decides (:meth:`finish`).
+    """
+
+    def __init__(self, slab: LocalSlab, reader: BlockReader) -> None:
+        self._base, self._mv = slab._base, slab._mv
+        self._reader = reader
+        self._runs = reader.runs(reader.length)
+        self._off = self._left = 0  # the current run: where it goes on, what is left
+        self._done = 0
+
+    def read_exact(self, dest: memoryview) -> None:
+        dest = memoryview(dest).cast("B")
+        pos, n = 0, len(dest)
+        to = 0
+        if self._base and n >= MEMMOVE_MIN and not dest.readonly:
+            to = ctypes.addressof(ctypes.c_char.from_buffer(dest))
+        while pos < n:
+            if not self._left:
+                self._off, self._left = next(self._runs, (0, 0))
+                if not self._left:
+                    raise self._reader._gone()
+            k = min(n - pos, self._left)
+            if to and k >= MEMMOVE_MIN:
+                ctypes.memmove(to + pos, self._base + self._off, k)
+            else:
+                dest[pos : pos + k] = self._mv[self._off : self._off + k]
+            self._off += k
+            self._left -= k
+            pos += k
+        self._done += n
+
+    def finish(self) -> None:
+        """Check the copy was the block's (tag unchanged) and whole.
+
+        Raises:
+            BlockGone: it was not (a counted miss).
+        """
+        if self._done != self._reader.length:
+            raise self._reader._gone()  # the sink left part of it unread
+        self._reader.verify()

@@ -1,0 +1,195 @@
+"""Every assumption eg_kv.server._compat makes about aiohttp and prometheus_client, checked.
+
+An upgrade that renames a private field or changes what it means fails here, with the
+assumption named, rather than as a server that silently stops timing out connections.
+A real aiohttp server on loopback, real sockets, the installed libraries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import re
+import sys
+
+import pytest
+from aiohttp import web
+from conftest import ROOT
+from prometheus_client import Histogram
+
+from eg_kv.server import _compat
+
+
+def test_installed_versions_are_the_tested_ones():
+    tomllib = pytest.importorskip("tomllib")
+    specifiers = pytest.importorskip("packaging.specifiers")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = next(d for d in deps if d.startswith("aiohttp"))
+    assert declared == f"aiohttp{_compat.AIOHTTP_TESTED}", "keep pyproject and _compat in step"
+    installed = importlib.metadata.version("aiohttp")
+    assert installed in specifiers.SpecifierSet(_compat.AIOHTTP_TESTED), (
+        f"aiohttp {installed} is outside the tested range {_compat.AIOHTTP_TESTED}: "
+        "run this file and tests/server/test_server_hostile.py, then widen the range"
+    )
+
+
+def test_aiohttp_bounds_pipelined_requests():
+    assert _compat.PIPELINE_QUEUE_MAX is not None and 0 < _compat.PIPELINE_QUEUE_MAX <= 64, (
+        "aiohttp no longer bounds the requests it queues per connection: pause reading "
+        "in eg_kv.server._compat.StampedHandler.data_received past a bound"
+    )
+
+
+def test_sent_response_looks_finished_to_aiohttp():
+    resp = _compat.SentResponse(201, keep_alive=False, body_length=17)
+    assert resp.prepared and resp.status == 201
+    assert resp.keep_alive is False and resp.body_length == 17
+
+
+def test_prometheus_histogram_parts():
+    h = Histogram("compat_probe", "probe", buckets=(0.1, 1.0), registry=None)
+    parts = _compat.histogram_parts(h)
+    assert parts is not None, "prometheus_client moved a histogram's _buckets/_sum"
+    buckets, total = parts
+    assert len(buckets) == 3  # two bounds and +Inf
+    buckets[1].inc(2)
+    total.inc(1.5)
+    samples = {(s.name, s.labels.get("le")): s.value for s in h.collect()[0].samples}
+    assert (
+        samples[("compat_probe_bucket", "1.0")] == 2 and samples[("compat_probe_sum", None)] == 1.5
+    )
+
+
+class _Probe(_compat.StampedHandler):
+    """Records every handler the runner makes, to look at their state from outside."""
+
+    __slots__ = ()
+    made: list[_compat.StampedHandler] = []
+
+    def __init__(self, manager, *, tag: str, **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        assert tag == "probe"  # the runner's handler_kwargs reach the handler
+        _Probe.made.append(self)
+
+
+class _Runner(_compat.HandlerRunner):
+    handler_class = _Probe
+
+    def handler_kwargs(self) -> dict:
+        return {"tag": "probe"}
+
+
+async def _exercise_a_connection() -> None:
+    gate = asyncio.Event()
+    body_started = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        body_started.set()
+        await gate.wait()
+        return web.Response(text="ok")
+
+    async def upload(request: web.Request) -> web.Response:
+        body_started.set()
+        return web.Response(text=str(len(await request.read())))
+
+    async def held(request: web.Request) -> web.Response:
+        body_started.set()
+        await gate.wait()  # not consuming the body: aiohttp holds reading past its buffer
+        return web.Response(text=str(len(await request.read())))
+
+    app = web.Application(handler_args={"read_bufsize": 4096})
+    app.router.add_get("/slow", slow)
+    app.router.add_put("/up", upload)
+    app.router.add_put("/held", held)
+    runner = _Runner(app, keepalive_timeout=100)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for _ in range(200):
+            if _Probe.made:
+                break
+            await asyncio.sleep(0.01)
+        (h,) = _Probe.made
+        for name in _compat.HANDLER_PRIVATE:
+            assert hasattr(h, name), f"aiohttp's RequestHandler has no {name} any more"
+        assert h.waiting() and not h.head_arriving()
+        opened = h.idle_since()
+        assert abs(opened - loop.time()) < 1, "_next_keepalive_close_time - timeout != open"
+
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n")  # a partial head
+        await writer.drain()
+        await _until(lambda: h.head_arriving())
+        assert h.waiting() and h.head_at >= opened
+
+        writer.write(b"\r\n")  # the head completes; the handler waits on the gate
+        await body_started.wait()
+        assert not h.waiting(), "_waiter is set while a request is handled"
+        assert h.body_stalled_since(loop.time()) is None  # a GET: its (empty) body is complete
+        before_answer = loop.time()
+        gate.set()
+        assert await _response(reader) == (200, b"ok")
+        await _until(lambda: h.waiting())
+        assert not h.head_arriving() and h.idle_since() >= before_answer - 0.01
+
+        body_started.clear()
+        writer.write(b"PUT /up HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345")
+        await body_started.wait()
+        await _until(lambda: h.body_stalled_since(loop.time()) is not None)
+        assert h.body_stalled_since(loop.time()) == h.rx_at, "_current_request moved"
+        writer.write(b"67890")
+        assert await _response(reader) == (200, b"10")
+        await _until(lambda: h.waiting() and h.body_stalled_since(loop.time()) is None)
+
+        body_started.clear()
+        gate.clear()
+        writer.write(b"PUT /held HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n")
+        writer.write(b"x" * 65536)
+        await body_started.wait()
+        await _until(lambda: h._reading_paused)  # the server holds reading, not the client
+        now = loop.time()
+        assert h.body_stalled_since(now) is None and h.held_at == now
+        gate.set()
+        assert await _response(reader) == (200, b"65536")
+    finally:
+        writer.close()
+        await runner.cleanup()
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One whole response: its status and body (framed by Content-Length; reading up to
+    an expected body instead stopped inside the Date header whenever the clock said 10)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(re.search(rb"(?im)^content-length: *(\d+)\r$", head).group(1))
+    return int(head[9:12]), await reader.readexactly(length)
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.timeout(30)
+def test_handler_state_reads_mean_what_eg_kv_assumes():
+    _Probe.made.clear()
+    asyncio.run(_exercise_a_connection())
+
+
+def test_handler_runner_builds_our_handlers_on_uvloop_too():
+    uvloop = pytest.importorskip("uvloop")
+    _Probe.made.clear()
+    if sys.version_info >= (3, 12):
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+        with runner:
+            runner.run(_exercise_a_connection())
+    else:
+        loop = uvloop.new_event_loop()
+        try:
+            loop.run_until_complete(_exercise_a_connection())
+        finally:
+            loop.close()

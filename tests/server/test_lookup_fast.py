@@ -1,0 +1,116 @@
+"""The fast lookup path: the compact ``POST /kv/batch/exists`` body beside JSON, the
+client's fallback to JSON, and LMCache lookups answered on the submitting thread within
+a bound.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import pytest
+from kvcache_helpers import RawServer
+
+from eg_kv import wire
+from eg_kv.address import address_for_key
+from eg_kv.client.sync import RemoteKVConnector
+from eg_kv.lmcache import l2 as lmcache_l2
+from eg_kv.lmcache.l2 import RemoteKVL2Connector
+
+
+def _post(srv, body: bytes, content_type: str) -> tuple[int, str, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    try:
+        conn.request("POST", "/kv/batch/exists", body, {"Content-Type": content_type})
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type", ""), resp.read()
+    finally:
+        conn.close()
+
+
+def test_compact_batch_answers_one_byte_per_address_and_json_still_works(server_factory):
+    srv = server_factory(workers=1)
+    with RemoteKVConnector(base_url=srv.url) as kv:
+        assert kv.put("a1", b"x") and kv.put("a3", b"y")
+    asked = ["a1", "a2", "a3"]
+    status, ctype, body = _post(srv, b"a1\na2\na3", wire.ADDRESSES_TYPE)
+    assert (status, ctype, body) == (200, wire.FLAGS_TYPE, b"\x01\x00\x01")
+    status, ctype, body = _post(srv, json.dumps({"addresses": asked}).encode(), "application/json")
+    assert status == 200 and ctype.startswith("application/json")
+    assert json.loads(body) == {"exists": [True, False, True], "prefix_hits": 1}
+    # Parameters on the type are fine; an empty compact body asks about nothing.
+    assert _post(srv, b"a1", wire.ADDRESSES_TYPE + "; charset=ascii")[2] == b"\x01"
+    assert _post(srv, b"", wire.ADDRESSES_TYPE)[:3] == (200, wire.FLAGS_TYPE, b"")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "reason"),
+    [
+        ("é".encode(), 400, b"ASCII"),
+        (b"a1\n\na2", 400, b"invalid address"),
+        (b"a1\nkv/x", 400, b"invalid address"),
+        (b"\n".join(b"a%d" % i for i in range(1025)), 413, b"at most 1024"),
+    ],
+    ids=["not-ascii", "empty-line", "slash", "too-many"],
+)
+def test_a_bad_compact_body_gets_a_4xx_with_its_reason(server_factory, body, status, reason):
+    srv = server_factory(workers=1)
+    got, _ctype, text = _post(srv, body, wire.ADDRESSES_TYPE)
+    assert got == status and reason in text, text
+    assert srv.healthz()["workers_up"] == 1  # nothing crashed
+
+
+def test_the_client_falls_back_to_json_once_for_a_server_that_only_speaks_it():
+    with (
+        RawServer("early_hints") as srv,
+        RemoteKVConnector(base_url=srv.url, local_reads=False) as kv,
+    ):  # every request's head is read below
+        assert kv.exists_many(["a", "b"]) == [True, True]
+        assert kv.exists_many(["c"]) == [True]
+    types = [h.lower().split(b"content-type: ", 1)[1].split(b"\r\n")[0] for h in srv.heads]
+    # Compact first (refused with a 400), JSON at once, and JSON from then on.
+    assert types == [wire.ADDRESSES_TYPE.encode(), b"application/json", b"application/json"]
+
+
+def test_a_small_lmcache_lookup_is_answered_before_submit_returns(server_factory):
+    srv = server_factory(workers=1)
+    conn = RemoteKVL2Connector(base_url=srv.url, num_workers=2)
+    try:
+        keys = [f"m@0@0@{i:064x}" for i in range(16)]
+        with RemoteKVConnector(base_url=srv.url) as kv:
+            assert kv.put(address_for_key(keys[3]), b"z")
+        fid = conn.submit_batch_exists(keys)
+        # Inline: the completion is already queued (no pool thread, no wait).
+        assert conn.drain_completions() == [(fid, True, "", [i == 3 for i in range(16)])]
+        big = [f"m@0@0@{i:064x}" for i in range(lmcache_l2.INLINE_MAX_KEYS + 1)]
+        fid = conn.submit_batch_exists(big)
+        got: list = []
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            got = conn.drain_completions()
+            time.sleep(0.005)
+        assert got == [(fid, True, "", [i == 3 for i in range(len(big))])]
+    finally:
+        conn.close()
+
+
+def test_an_inline_lookup_never_holds_lmcache_for_the_whole_timeout():
+    # A server that never answers: the inline attempt gives up after INLINE_TIMEOUT_S and
+    # the batch goes to the pool; the next submit goes straight to the pool (back-off).
+    with RawServer("silent") as srv:
+        # local_reads off: the silent server's requests are counted (no slab probe).
+        conn = RemoteKVL2Connector(base_url=srv.url, num_workers=2, timeout_s=6, local_reads=False)
+        try:
+            keys = [f"m@0@0@{i:064x}" for i in range(16)]
+            for _ in range(2):
+                t0 = time.monotonic()
+                conn.submit_batch_exists(keys)
+                assert time.monotonic() - t0 < 3.0  # well under timeout_s (6 s)
+            # One inline attempt, then one request per batch from the pool.
+            wait_deadline = time.monotonic() + 5
+            while len(srv.requests) < 3 and time.monotonic() < wait_deadline:
+                time.sleep(0.01)
+            assert len(srv.requests) == 3
+        finally:
+            conn.close()

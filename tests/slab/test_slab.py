@@ -1,0 +1,461 @@
+"""Unit tests of the slab: every operation and every error, on a real shared segment."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import posix_ipc
+import pytest
+
+from eg_kv.address import fingerprint
+from eg_kv.errors import (
+    BadRequest,
+    Busy,
+    Conflict,
+    InsufficientStorage,
+    InvalidAddress,
+    SlabError,
+    TooLarge,
+)
+from eg_kv.procs import pid_alive
+from eg_kv.slab import layout as L
+from eg_kv.slab import store as slab_module
+from eg_kv.slab.store import BlockGone, Slab
+
+KiB, MiB = 1024, 1024 * 1024
+PAGE = 64 * KiB
+
+
+def data(n: int, seed: int = 0) -> bytes:
+    return bytes((i * 31 + seed) & 0xFF for i in range(256)) * (n // 256) + bytes(n % 256)
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def test_create_attach_share_close_unlink(slab_name):
+    a = Slab.create(slab_name, 2 * MiB, page_size=PAGE, max_block_size=MiB)
+    b = Slab.attach(slab_name)
+    assert a.put("x", data(1000)) is True
+    assert b.get("x") == data(1000)
+    assert b.geometry == a.geometry
+    assert b.owner_pid == os.getpid()
+    b.close()
+    b.close()  # idempotent
+    a.unlink()
+    assert not Slab.exists_named(slab_name)
+    assert a.get("x") == data(1000)  # an unlinked segment stays mapped where it is attached
+    a.close()
+    with pytest.raises(SlabError, match="start the server"):
+        Slab.attach(slab_name)
+
+
+def test_create_refuses_existing_name(slab):
+    with pytest.raises(SlabError, match=r"exists already.*--fresh"):
+        Slab.create(slab.name, 2 * MiB)
+
+
+def test_attach_refuses_foreign_segment(slab_name):
+    shm = posix_ipc.SharedMemory(slab_name, posix_ipc.O_CREX, size=8192)
+    os.pwrite(shm.fd, b"NOTOURS!" + bytes(100), 0)
+    shm.close_fd()
+    with pytest.raises(SlabError, match="not an eg-kv slab"):
+        Slab.attach(slab_name)
+
+
+def test_attach_refuses_other_layout_version(slab):
+    os.pwrite(slab._fd, (L.VERSION + 1).to_bytes(4, "little"), 8)
+    with pytest.raises(SlabError, match=r"layout version.*--fresh"):
+        Slab.attach(slab.name)
+
+
+def test_create_checks_shm_room_first(slab_name):
+    with pytest.raises(SlabError, match=r"free but the slab needs.*lower --capacity"):
+        Slab.create(slab_name, 1 << 50)
+    assert not Slab.exists_named(slab_name)
+
+
+@pytest.mark.parametrize("page", [1000, 2048, 3 * 4096])
+def test_page_size_must_be_power_of_two(slab_name, page):
+    with pytest.raises(SlabError, match="power of two"):
+        Slab.create(slab_name, 2 * MiB, page_size=page)
+
+
+def test_header_records_geometry_and_prefaults(slab):
+    magic, version, g = L.Geometry.unpack(bytes(slab._mm[: L.GEOMETRY.size]))
+    assert (magic, version) == (L.MAGIC, L.VERSION)
+    assert g == slab.geometry
+    assert g.npages == 4 * MiB // PAGE and g.nslots >= 2 * g.npages
+    assert g.data_off % 4096 == 0 and g.total_size == g.data_off + g.npages * PAGE
+    st = os.fstat(slab._fd)
+    assert st.st_blocks * 512 >= g.total_size  # every byte allocated up front: no SIGBUS later
+
+
+# ---------------------------------------------------------------- addresses
+
+
+@pytest.mark.parametrize(
+    "address", ["a", "Z9", "model@0100@0@" + "f" * 64, "a.b_c:d@e+f=g-h", "x" * 256]
+)
+def test_valid_addresses(slab, address):
+    assert slab.put(address, b"v") is True
+    assert slab.get(address) == b"v"
+
+
+@pytest.mark.parametrize(
+    "address", ["", "x" * 257, "a/b", "a b", "é", "a\n", "a?b", "%2F", "stats", "batch", "exists"]
+)
+def test_invalid_addresses_are_rejected_everywhere(slab, address):
+    for op in (slab.exists, slab.get, slab.delete, slab.length, lambda a: slab.put(a, b"v")):
+        with pytest.raises(InvalidAddress):
+            op(address)
+    assert slab.stats()["unique_blocks"] == 0
+
+
+# ---------------------------------------------------------------- put
+
+
+def test_put_creates_then_dedups_across_handles(slab):
+    other = Slab.attach(slab.name)
+    try:
+        assert slab.put("blk", data(200 * KiB)) is True
+        assert other.put("blk", data(200 * KiB)) is False
+        assert slab.put("blk", data(200 * KiB)) is False
+        st = slab.stats()
+        assert (st["unique_blocks"], st["total_refs"], st["dedup_hits"]) == (1, 3, 2)
+        assert st["resident_bytes"] == 200 * KiB
+        assert st["logical_bytes"] == 600 * KiB
+        assert st["dedup_savings_bytes"] == 400 * KiB
+    finally:
+        other.close()
+
+
+def test_streaming_put_in_odd_chunks(slab):
+    body = data(300 * KiB + 7, seed=3)
+    h = slab.begin_put("s", len(body))
+    for i in range(0, len(body), 9999):
+        h.write(body[i : i + 9999])
+    assert h.commit() is True
+    assert slab.get("s") == body
+
+
+def test_put_of_other_length_conflicts(slab):
+    slab.put("c", b"abc")
+    with pytest.raises(Conflict, match="resident with 3 bytes, not 4"):
+        slab.put("c", b"abcd")
+    assert slab.get("c") == b"abc"
+    assert slab.stats()["total_refs"] == 1
+
+
+def test_concurrent_new_puts_one_creates_other_dedups(slab):
+    h1 = slab.begin_put("race", 5000)
+    h2 = slab.begin_put("race", 5000)
+    h1.write(data(5000))
+    h2.write(data(5000))
+    assert not slab.exists("race")  # nothing is visible before a commit
+    assert h2.commit() is True
+    assert h1.commit() is False
+    st = slab.stats()
+    assert (st["unique_blocks"], st["total_refs"], st["reserved_pages"]) == (1, 2, 0)
+    assert slab.check() == []
+
+
+def test_abort_and_short_body_publish_nothing_and_return_pages(slab):
+    free0 = slab.stats()["free_bytes"]
+    h = slab.begin_put("a", 200 * KiB)
+    assert slab.stats()["free_bytes"] == free0 - 4 * PAGE
+    h.write(data(100 * KiB))
+    with pytest.raises(BadRequest, match="cut short: 102400 of 204800"):
+        h.commit()
+    h.abort()  # idempotent
+    assert not slab.exists("a")
+    with pytest.raises(BadRequest, match="longer than its announced length"):
+        slab.begin_put("b", 10).write(b"x" * 11)
+    slab.begin_put("c", 10).abort()
+    st = slab.stats()
+    assert st["free_bytes"] == free0 - PAGE and st["reserved_pages"] == 1  # "b" still open
+    assert slab.check() == []
+
+
+def test_too_large_is_refused_before_anything_is_stored(slab):
+    free0 = slab.stats()["free_bytes"]
+    with pytest.raises(TooLarge, match="over the maximum block size"):
+        slab.begin_put("big", slab.max_block_size + 1)
+    with pytest.raises(BadRequest, match="empty block"):
+        slab.begin_put("empty", 0)
+    assert slab.stats()["free_bytes"] == free0
+
+
+def test_insufficient_storage_when_uploads_hold_the_room(slab):
+    handles = [slab.begin_put(f"h{i}", MiB) for i in range(4)]  # all 4 MiB reserved
+    with pytest.raises(InsufficientStorage, match="held by uploads in flight"):
+        slab.put("one-more", b"x")
+    handles[0].abort()
+    assert slab.put("one-more", b"x") is True
+    for h in handles[1:]:
+        h.abort()
+
+
+def test_reservation_table_never_fills_before_the_pages(slab_name):
+    """One entry per page: 2,048 one-page puts in flight (the old table held 1,024) all
+    reserve, and the next one finds no room (507), not a full table (503)."""
+    with Slab.create(slab_name, 8 * MiB, page_size=4 * KiB, max_block_size=MiB) as s:
+        assert s.geometry.nresv == s.geometry.npages == 2048
+        handles = [s.begin_put(f"p{i}", 4 * KiB) for i in range(2048)]
+        with pytest.raises(InsufficientStorage):
+            s.begin_put("one-more", 4 * KiB)
+        assert s.stats()["reserved_pages"] == 2048 and s.check() == []
+        for h in handles[::2]:
+            h.abort()
+        handles = [s.begin_put(f"q{i}", 4 * KiB) for i in range(1024)]  # entries reused
+        assert s.check() == []
+
+
+def test_upload_share_bounds_what_puts_in_flight_hold(slab):
+    """Half of the 4 MiB slab for uploads in flight: the third 1 MiB put is told to retry,
+    small puts still find room, and one upload alone may be larger than the share."""
+    handles = [slab.begin_put(f"h{i}", MiB, upload_share=0.5) for i in range(2)]
+    with pytest.raises(Busy, match=r"--upload-share 0.5"):
+        slab.begin_put("third", MiB, upload_share=0.5)
+    assert slab.put("small", data(1000)) is True
+    for h in handles:
+        h.abort()
+    alone = slab.begin_put("alone", MiB, upload_share=0.2)  # 16 pages, over a share of 12
+    with pytest.raises(Busy):
+        slab.begin_put("next", 100 * KiB, upload_share=0.2)
+    alone.write(data(MiB))
+    assert alone.commit() is True
+    assert slab.stats()["reserved_pages"] == 0 and slab.check() == []
+
+
+def test_add_ref_counts_a_dedup_hit_from_the_headers(slab):
+    assert slab.add_ref("absent", 10) is False
+    slab.put("here", data(300 * KiB))
+    assert slab.add_ref("here", 300 * KiB) is True
+    with pytest.raises(Conflict, match="resident with 307200 bytes, not 5"):
+        slab.add_ref("here", 5)
+    st = slab.stats()
+    assert (st["total_refs"], st["dedup_hits"], st["logical_bytes"]) == (2, 1, 600 * KiB)
+
+
+def test_streamed_dedup_hit_takes_its_reference_at_once_and_back_on_abort(slab):
+    slab.put("d", data(200 * KiB))
+    h = slab.begin_put("d", 200 * KiB)
+    assert h.dedup and slab.stats()["total_refs"] == 2 and slab.stats()["dedup_hits"] == 1
+    h.write(data(100 * KiB))
+    with pytest.raises(BadRequest, match="cut short"):
+        h.commit()  # aborts: the reference goes back
+    st = slab.stats()
+    assert (st["total_refs"], st["dedup_hits"], st["reserved_pages"]) == (1, 0, 0)
+    # Evicted (deleted here) and stored anew while the dedup body arrived: the abort must
+    # not take a reference of the new block.
+    h = slab.begin_put("d", 200 * KiB)
+    assert slab.delete("d") and slab.delete("d")
+    slab.put("d", data(200 * KiB, seed=1))
+    h.abort()
+    st = slab.stats()
+    assert (st["unique_blocks"], st["total_refs"], st["dedup_hits"]) == (1, 1, 0)
+    # A completed dedup hit stores nothing and keeps its reference.
+    h = slab.begin_put("d", 200 * KiB)
+    h.write(b"anything: the address names the content".ljust(200 * KiB))
+    assert h.commit() is False
+    assert slab.get("d") == data(200 * KiB, seed=1)
+    assert (slab.stats()["total_refs"], slab.stats()["dedup_hits"]) == (2, 1)
+    assert slab.check() == []
+
+
+def test_prefault_of_an_attached_slab_never_writes(slab, monkeypatch):
+    """Without MADV_POPULATE_WRITE (forced here with an advice the kernel rejects), the
+    fallback faults an attached slab in by reading, never by writing zeros into it."""
+    blocks = {f"b{i}": bytes([0xA5 + i]) * (300 * KiB) for i in range(4)}
+    for address, block in blocks.items():
+        slab.put(address, block)
+    monkeypatch.setattr(slab_module, "_MADV_POPULATE_WRITE", 0x7FFF)
+    with Slab.attach(slab.name, prefault=True) as other:
+        for address, block in blocks.items():
+            assert other.get(address) == block
+    assert slab.check() == []
+
+
+def test_is_eg_kv_segment(slab, slab_name):
+    assert Slab.is_eg_kv_segment(slab.name)
+    assert not Slab.is_eg_kv_segment(slab_name + "-none")
+    shm = posix_ipc.SharedMemory(slab_name + "-x", posix_ipc.O_CREX, size=8192)
+    try:
+        os.pwrite(shm.fd, b"NOTOURS!", 0)
+        assert not Slab.is_eg_kv_segment(slab_name + "-x")
+    finally:
+        shm.close_fd()
+        Slab.unlink_named(slab_name + "-x")
+
+
+# ---------------------------------------------------------------- get / exists / delete
+
+
+def test_get_exists_length_and_counters(slab):
+    assert slab.get("nope") is None
+    slab.put("k", data(70 * KiB))
+    assert slab.exists("k") and slab.length("k") == 70 * KiB
+    assert not slab.exists("nope") and slab.length("nope") is None
+    assert slab.get("k") == data(70 * KiB)
+    st = slab.stats()
+    assert (st["get_hits"], st["get_misses"]) == (1, 1)  # exists/length count nothing
+    assert slab.exists_many(["k", "nope", "k"]) == [True, False, True]
+
+
+def test_delete_releases_one_reference_then_frees(slab):
+    free0 = slab.stats()["free_bytes"]
+    slab.put("d", data(100 * KiB))
+    slab.put("d", data(100 * KiB))
+    assert slab.delete("d") is True
+    assert slab.get("d") == data(100 * KiB)
+    assert slab.delete("d") is True
+    assert slab.delete("d") is False
+    st = slab.stats()
+    assert (st["unique_blocks"], st["total_refs"], st["free_bytes"]) == (0, 0, free0)
+    assert slab.check() == []
+
+
+def test_reader_of_a_released_block_gets_a_miss_not_wrong_bytes(slab):
+    slab.put("r", data(MiB))
+    reader = slab.open_block("r")
+    it = reader.slices(PAGE)
+    assert next(it) == data(MiB)[:PAGE]
+    slab.delete("r")
+    slab.put("other", data(MiB, seed=9))  # likely reuses the same pages
+    with pytest.raises(BlockGone):
+        list(it)
+    st = slab.stats()
+    assert (st["get_hits"], st["get_misses"]) == (0, 1)
+
+
+# ---------------------------------------------------------------- eviction
+
+
+def test_clock_evicts_unreferenced_blocks_first(slab):
+    for i in range(8):  # 8 x 512 KiB fills the 4 MiB slab
+        slab.put(f"b{i}", data(512 * KiB, seed=i))
+    assert slab.stats()["free_bytes"] == 0
+    slab.get("b0")  # read since the last sweep: survives it
+    slab.put("new", data(512 * KiB, seed=99))
+    assert slab.exists("b0") and slab.exists("new")
+    st = slab.stats()
+    assert (st["evictions"], st["evicted_bytes"], st["unique_blocks"]) == (1, 512 * KiB, 8)
+    assert slab.check() == []
+
+
+def test_big_block_fits_in_scattered_free_pages(slab):
+    for i in range(64):  # one page each: the whole slab
+        slab.put(f"p{i}", b"x" * PAGE)
+    for i in range(0, 64, 2):  # free every other page: no two free pages are adjacent
+        slab.delete(f"p{i}")
+    assert slab.put("big", data(MiB)) is True  # 16 scattered pages
+    assert slab.get("big") == data(MiB)
+    assert slab.stats()["evictions"] == 0
+    assert slab.check() == []
+
+
+# ---------------------------------------------------------------- check / repair
+
+
+def test_check_finds_and_repair_fixes_damage(slab):
+    for i in range(5):
+        slab.put(f"k{i}", data(100 * KiB, seed=i))
+    slab._state[L.ST_FREE_COUNT] += 3
+    slab._state[L.ST_TOTAL_REFS] += 1
+    problems = slab.check()
+    assert any("free count" in p for p in problems)
+    assert any("counter total_refs" in p for p in problems)
+    assert slab.repair() == problems
+    assert slab.check() == []
+    assert all(slab.get(f"k{i}") == data(100 * KiB, seed=i) for i in range(5))
+
+
+def test_repair_drops_a_slot_whose_chain_is_broken(slab):
+    slab.put("good", data(100 * KiB))
+    slab.put("bad", data(100 * KiB, seed=1))
+    s = slab._find(b"bad", fingerprint(b"bad"))[1]
+    assert s is not None
+    slab._tag[s[5]] = 12345  # the block's tag no longer matches: its memory is suspect
+    assert any("tag 12345" in p for p in slab.check())
+    slab.repair()
+    assert slab.check() == []
+    assert slab.get("bad") is None and slab.get("good") == data(100 * KiB)
+    st = slab.stats()
+    assert (st["evictions"], st["repairs"]) == (1, 1)
+
+
+def _die_inside_the_lock(name):
+    s = Slab.attach(name)
+    with s._locked():
+        s._state[L.ST_FREE_COUNT] -= 7  # half-done work
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_with_a_reservation(name, ready):
+    s = Slab.attach(name)
+    h = s.begin_put("orphan", 300 * KiB)
+    h.write(b"x" * 1000)
+    ready.set()
+    signal.pause()
+
+
+def test_holder_killed_inside_the_lock_is_repaired_by_the_next_taker(slab):
+    slab.put("keep", data(100 * KiB))
+    p = mp.get_context("fork").Process(target=_die_inside_the_lock, args=(slab.name,))
+    p.start()
+    p.join(10)
+    assert p.exitcode == -signal.SIGKILL
+    assert slab.get("keep") == data(100 * KiB)  # the lock was free; repair ran first
+    assert slab.stats()["repairs"] == 1
+    assert slab.check() == []
+
+
+def kill_a_writer_holding_a_reservation(slab) -> int:
+    """Start a process that reserves 5 pages for a put, SIGKILL it; return the free bytes
+    seen while it was alive."""
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_die_with_a_reservation, args=(slab.name, ready), daemon=True)
+    p.start()
+    assert ready.wait(10)
+    free_during = slab.stats()["free_bytes"]
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    assert not pid_alive(p.pid)
+    return free_during
+
+
+def test_reservation_of_a_killed_writer_is_reclaimed(slab):
+    free_during = kill_a_writer_holding_a_reservation(slab)
+    assert any("writer is dead" in x for x in slab.check())
+    slab.repair()
+    assert slab.check() == []
+    assert slab.stats()["free_bytes"] == free_during + 5 * PAGE
+    assert not slab.exists("orphan")
+
+
+def test_dead_reservations_are_reclaimed_when_room_runs_out(slab):
+    kill_a_writer_holding_a_reservation(slab)
+    handles = [slab.begin_put(f"h{i}", 900 * KiB) for i in range(4)]  # needs the orphan's pages
+    for h in handles:
+        h.abort()
+    assert slab.check() == []
+
+
+def test_get_counts_stay_exact_when_every_process_entry_is_taken(slab):
+    handles = [Slab.attach(slab.name) for _ in range(L.NPROCS + 2)]
+    try:
+        slab.put("k", b"v")
+        for h in handles:  # the last handles find no free entry and count under the lock
+            assert h.get("k") == b"v" and h.get("nope") is None
+        assert slab.get("k") == b"v"
+        st = slab.stats()
+        assert (st["get_hits"], st["get_misses"]) == (len(handles) + 1, len(handles))
+    finally:
+        for h in handles:
+            h.close()
+    st = slab.stats()  # closing folds each entry's counts into the totals
+    assert (st["get_hits"], st["get_misses"]) == (len(handles) + 1, len(handles))
