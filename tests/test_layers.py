@@ -1,5 +1,11 @@
-"""Imports point one way: base, then the store, then the server and the clients, then the
-integrations (docs/design.md has the table). And the clients need none of the server's
+"""Imports point one way, and the folders say which way (docs/design.md, "Folders").
+
+A module's layer is its folder: ``eg_kv/*.py`` is the base (``kvcache.py`` and
+``__init__.py`` are the public face, above everything), ``eg_kv/slab/`` the slab,
+``eg_kv/server/`` the server, ``eg_kv/client/`` the clients, ``eg_kv/lmcache/`` the LMCache
+plugins. Every import is read from the source (at any depth: inside functions and
+``TYPE_CHECKING`` blocks too), so an upward edge or a cycle fails here even when it is
+written to dodge Python's import order. And the clients need none of the server's
 packages: the sync client runs with aiohttp, posix_ipc and prometheus_client unimportable.
 """
 
@@ -17,81 +23,175 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "eg_kv"
 
-#: Every module of eg_kv and its layer. A new module must be placed here.
-LAYERS = {
-    "base": {"errors", "units", "address", "procs", "config", "tenants", "batchwire"},
-    # The slab's layout and its read side, which clients on the slab's host map read-only.
-    "slab reading": {"layout", "slabview", "localslab"},
-    "store": {"slab"},
-    "server": {"_compat", "connections", "replies", "metrics", "runstate", "app", "hints"},
-    "clients": {"http11", "clientcore", "localreads", "client", "aio", "placement", "members",
-                "cluster"},
-    "integrations": {"kvcache", "lmcache_l2", "lmcache_remote", "lmcache_adapter",
-                     "store_warnings", "write_gate"},
-}  # fmt: skip
-#: What each layer may import from eg_kv (besides itself).
+#: The layers, bottom up, and what each may import from eg_kv besides itself.
 MAY_IMPORT = {
-    "base": {"base"},
-    "slab reading": {"base", "slab reading"},
-    "store": {"base", "slab reading", "store"},
-    "server": {"base", "slab reading", "store", "server"},
-    "clients": {"base", "slab reading", "clients"},
-    "integrations": {"base", "clients", "integrations"},
+    "base": set(),
+    "slab": {"base"},
+    "server": {"base", "slab"},
+    "client": {"base", "slab-read"},
+    "lmcache": {"base", "client"},
+    "public": {"base", "client", "lmcache"},
 }
-#: Base modules a layer must not use all the same: the store takes its sizes as arguments,
+#: The slab's read side: what a client on the slab's host maps (no posix_ipc). The clients
+#: may import these and nothing else of the slab; they import nothing else of the slab.
+SLAB_READ_SIDE = {"eg_kv.slab", "eg_kv.slab.layout", "eg_kv.slab.view", "eg_kv.slab.local"}
+#: Base modules a layer must not use all the same: the slab takes its sizes as arguments,
 #: never the server's settings.
-MAY_NOT_IMPORT = {"store": {"config"}, "slab reading": {"config"}}
-LAYER_OF = {mod: layer for layer, mods in LAYERS.items() for mod in mods}
+MAY_NOT_IMPORT = {"slab": {"eg_kv.config"}}
+#: Over this many lines a module is a bag, unless its docstring says why it is a hot path.
+MAX_LINES = 900
 
 
-def _eg_kv_imports(path: Path) -> set[str]:
-    """The eg_kv modules a file imports (relative or absolute, at any depth)."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level == 1 or base.startswith("eg_kv"):
-                base = base.removeprefix("eg_kv").lstrip(".")
-                if base:
-                    out.add(base.split(".")[0])
-                else:  # from . import x, y
-                    out.update(alias.name for alias in node.names)
-            elif base.startswith("workers") or (node.level and base.startswith("workers")):
-                out.add("workers")
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith("eg_kv."):
-                    out.add(alias.name.split(".")[1])
-                elif alias.name.startswith("workers"):
-                    out.add("workers")
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if module in {"eg_kv", "eg_kv.kvcache"}:
+        return "public"
+    if len(parts) == 2 and not (PACKAGE / parts[1]).is_dir():
+        return "base"
+    return parts[1]
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> list[str]:
+    """The eg_kv modules (or packages) one ``from ... import ...`` names."""
+    if node.level:
+        package = module.split(".")
+        if MODULES[module].name != "__init__.py":
+            package = package[:-1]
+        base = package[: len(package) - (node.level - 1)]
+        target = ".".join([*base, node.module] if node.module else base)
+    else:
+        target = node.module or ""
+    if target.split(".")[0] not in {"eg_kv", "workers"}:
+        return []
+    out = []
+    for alias in node.names:  # `from pkg import module` names a module, else a name in it
+        sub = f"{target}.{alias.name}"
+        out.append(sub if sub in MODULES else target)
     return out
 
 
-def test_every_module_has_a_layer():
-    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
-    assert modules == set(LAYER_OF), (
-        f"place new modules in LAYERS: {sorted(modules - set(LAYER_OF))}; "
-        f"gone: {sorted(set(LAYER_OF) - modules)}"
-    )
+def imports_of(module: str, source: str | None = None) -> set[str]:
+    """Every eg_kv (or workers) module ``module`` imports, at any depth."""
+    tree = ast.parse(source if source is not None else MODULES[module].read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            out.update(_resolve(module, node))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] in {"eg_kv", "workers"})
+    return out - {module}
 
 
-@pytest.mark.parametrize("module", sorted(LAYER_OF))
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def _allowed(module: str, target: str) -> bool:
+    if target.split(".")[0] == "workers":
+        return False
+    if target not in MODULES:  # a name that is no module: a typo, or a package that went
+        return False
+    mine, theirs = layer_of(module), layer_of(target)
+    if target in MAY_NOT_IMPORT.get(mine, set()):
+        return False
+    if mine == theirs:
+        # The slab's read side never reaches into the store (posix_ipc).
+        return not (module in SLAB_READ_SIDE and target not in SLAB_READ_SIDE)
+    if theirs == "slab" and "slab-read" in MAY_IMPORT[mine]:
+        return target in SLAB_READ_SIDE
+    return theirs in MAY_IMPORT[mine]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_downwards(module):
-    layer = LAYER_OF[module]
-    imported = _eg_kv_imports(PACKAGE / f"{module}.py") - {module}
-    assert "workers" not in imported, f"eg_kv.{module} imports workers"
-    wrong = {m for m in imported if LAYER_OF.get(m) not in MAY_IMPORT[layer]}
-    wrong |= imported & MAY_NOT_IMPORT.get(layer, set())
+    wrong = sorted(t for t in GRAPH[module] if not _allowed(module, t))
     assert not wrong, (
-        f"eg_kv.{module} ({layer}) imports {sorted(wrong)} "
-        f"({', '.join(sorted({LAYER_OF.get(m, '?') for m in wrong}))})"
+        f"{module} ({layer_of(module)}) imports {wrong} "
+        f"({', '.join(layer_of(t) if t in MODULES else '?' for t in wrong)}); "
+        "docs/design.md says what each folder may import"
     )
 
 
-def test_the_import_checker_sees_a_wrong_import(tmp_path):
-    bad = tmp_path / "bad.py"
-    bad.write_text("from .slab import Slab\nfrom eg_kv import app\nimport workers.worker\n")
-    assert _eg_kv_imports(bad) == {"slab", "app", "workers"}
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path (first node repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_even_within_a_layer():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_checker_sees_a_cycle_and_a_wrong_import():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    source = textwrap.dedent(
+        """
+        from .store import Slab
+        from .. import wire
+        from ..server import app
+        import workers.worker
+
+        def later():
+            from ..client.sync import RemoteKVConnector
+        """
+    )
+    got = imports_of("eg_kv.slab.view", source)
+    assert got == {
+        "eg_kv.slab.store", "eg_kv.wire", "eg_kv.server.app", "workers.worker",
+        "eg_kv.client.sync",
+    }  # fmt: skip
+    assert not _allowed("eg_kv.slab.view", "eg_kv.slab.store")  # the read side, into the store
+    assert not _allowed("eg_kv.client.sync", "eg_kv.slab.store")
+    assert _allowed("eg_kv.client.sync", "eg_kv.slab.view")
+    assert not _allowed("eg_kv.slab.store", "eg_kv.config")
+    assert not _allowed("eg_kv.client.sets", "eg_kv.lmcache.l2")
+    assert not _allowed("eg_kv.errors", "workers.worker")
+
+
+def test_every_folder_is_a_layer():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders <= set(MAY_IMPORT), f"a new folder needs a row in MAY_IMPORT: {folders}"
+    assert not [p for p in PACKAGE.rglob("*.py") if not (p.parent / "__init__.py").exists()]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_is_a_bag(module):
+    """Every module says its one job; none is over MAX_LINES unless it says it is a hot
+    path kept whole (and why)."""
+    source = MODULES[module].read_text()
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    assert doc.strip(), f"{module} has no docstring saying its job"
+    lines = source.count("\n")
+    assert lines <= MAX_LINES or "hot path" in doc.lower(), (
+        f"{module} is {lines} lines: split it along its jobs, or say in its docstring why "
+        "it is a hot path kept whole"
+    )
 
 
 _BLOCKED_CLIENT = textwrap.dedent(
@@ -105,6 +205,7 @@ _BLOCKED_CLIENT = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Block())
+    import eg_kv
     from eg_kv.kvcache import RemoteKVConnector
 
     with RemoteKVConnector(base_url=sys.argv[1]) as kv:
@@ -112,7 +213,8 @@ _BLOCKED_CLIENT = textwrap.dedent(
         assert kv.get("layered") == b"x" * 100_000
         assert kv.exists_many(["layered", "nope"]) == [True, False]
         assert kv.delete("layered")
-    blocked = ("aiohttp", "posix_ipc", "prometheus_client", "eg_kv.slab.store", "eg_kv.server.app")
+    assert eg_kv.RemoteKVConnector is RemoteKVConnector
+    blocked = ("aiohttp", "posix_ipc", "prometheus_client", "eg_kv.slab.store", "eg_kv.server")
     for name in blocked:
         assert name not in sys.modules, name
     print("ok")
