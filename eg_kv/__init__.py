@@ -57,7 +57,32 @@ _EXPORTS = {
     "settings_from_env": "eg_kv.config",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [
+    "AsyncRemoteKVConnector",
+    "BadRequest",
+    "Busy",
+    "ConfigError",
+    "Conflict",
+    "EgKvConnectorAdapter",
+    "EgKvError",
+    "EgKvRemoteConnector",
+    "Forbidden",
+    "InsufficientStorage",
+    "InvalidAddress",
+    "KvCacheConfig",
+    "KvCacheStats",
+    "NotFound",
+    "RemoteError",
+    "RemoteKVConnector",
+    "RemoteKVL2Connector",
+    "Settings",
+    "SlabError",
+    "TooLarge",
+    "Unauthorized",
+    "__version__",
+    "settings_from_env",
+    "to_address",
+]  # the same names as _EXPORTS (tests/test_public_api.py)
 
 if TYPE_CHECKING:
     from .config import Settings, settings_from_env
