@@ -43,7 +43,9 @@ from eg_kv.server import runstate, tenants
 from eg_kv.server.hints import tick as tick_hints
 from eg_kv.server.metrics import forget_process
 from eg_kv.slab import layout as L
-from eg_kv.slab.store import ForeignSegment, LockTimeout, Slab
+from eg_kv.slab.lock import LockTimeout
+from eg_kv.slab.segment import ForeignSegment
+from eg_kv.slab.store import Slab
 
 from . import worker as worker_mod
 from .worker import BOOT_ERROR, make_ssl_context

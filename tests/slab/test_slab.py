@@ -21,7 +21,7 @@ from eg_kv.errors import (
 )
 from eg_kv.procs import pid_alive
 from eg_kv.slab import layout as L
-from eg_kv.slab import store as slab_module
+from eg_kv.slab import segment as slab_module
 from eg_kv.slab.store import BlockGone, Slab
 
 KiB, MiB = 1024, 1024 * 1024

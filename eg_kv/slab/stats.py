@@ -1,0 +1,43 @@
+"""The slab's counters: exact totals over the whole slab, read under the lock."""
+
+from __future__ import annotations
+
+from . import layout as L
+from .segment import SlabSegment
+
+
+class SlabStats(SlabSegment):
+    """The counters' part of :class:`eg_kv.slab.store.Slab`."""
+
+    def stats(self, timeout: float | None = None) -> dict[str, int]:
+        """Exact counters over the whole slab (the contract's eight fields and more).
+
+        Args:
+            timeout: wait at most this long for the lock (the supervisor never blocks).
+
+        Raises:
+            LockTimeout: the lock stayed taken for ``timeout`` seconds.
+        """
+        st, ps = self._state, self.page_size
+        with self._locked(timeout, write=False):
+            out = {k: st[i] for k, i in L.DERIVED_COUNTERS.items()}
+            out.update({k: st[i] for k, i in L.EVENT_COUNTERS.items()})
+            free = st[L.ST_FREE_COUNT]
+            procs = self._procs
+            for e in range(0, L.NPROCS * L.PROC_WORDS, L.PROC_WORDS):
+                out["get_hits"] += procs[e + 1]
+                out["get_misses"] += procs[e + 2]
+        # Local readers' counts, as if their reads had come over HTTP.
+        for hits, misses in self._reader_counts().values():
+            out["get_hits"] += hits
+            out["get_misses"] += misses
+        out["dedup_savings_bytes"] = out["logical_bytes"] - out["resident_bytes"]
+        out["capacity_bytes"] = self.geometry.npages * ps
+        out["free_bytes"] = free * ps
+        out["page_size"] = ps
+        out["max_block_size"] = self.max_block_size
+        # Every block takes whole pages: what its last page leaves empty is lost. Small
+        # blocks in big pages waste most of the slab (1 KiB chunks in 64 KiB pages: 98%).
+        out["pages_used_bytes"] = out["slot_pages"] * ps
+        out["page_waste_bytes"] = out["pages_used_bytes"] - out["resident_bytes"]
+        return out
