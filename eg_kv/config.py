@@ -1,23 +1,31 @@
-"""Settings in one place: the environment grammar of the contract, size parsing, defaults.
+"""Server settings in one place: each declared once, with the environment grammar and defaults.
 
-Everything a process needs is built once into a frozen :class:`Settings` and passed down.
+Every ``eg-kv serve`` setting is one :class:`ServerSetting` in :data:`SERVER_SETTINGS` (its
+flag, environment variable, kind, help and how its default reads); from that one list come
+the command's flags (``workers/__main__.py`` loops over it), the environment parsing of
+:func:`settings_from_env`, and the README's settings table (``python -m eg_kv.config
+--markdown``; tests/deploy/test_settings.py fails when the README differs). The values
+themselves are built once into a frozen :class:`Settings` and passed down; its field
+defaults are the defaults, the declarations only say how to show them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping
+from typing import Any, Literal
 
 from .errors import ConfigError
-from .units import (  # re-exported: sizes are part of the settings' grammar
-    DEFAULT_MAX_BLOCK_SIZE,
-    DEFAULT_PAGE_SIZE,
-    GiB,
-    MiB,
-    format_size,
-    parse_size,
-)
+
+# Re-exported (``as`` says so to strict mypy): sizes are part of the settings' grammar.
+from .units import DEFAULT_MAX_BLOCK_SIZE as DEFAULT_MAX_BLOCK_SIZE
+from .units import DEFAULT_PAGE_SIZE as DEFAULT_PAGE_SIZE
+from .units import GiB as GiB
+from .units import MiB as MiB
+from .units import format_size as format_size
+from .units import parse_size as parse_size
 
 ENV_ADDR = "EPISTEMIC_GRAPH_KVCACHE_ADDR"
 ENV_TOKEN = "EPISTEMIC_GRAPH_KVCACHE_TOKEN"
@@ -203,28 +211,222 @@ class Settings:
         return "https" if self.tls_cert else "http"
 
 
-def settings_from_env(env: Mapping[str, str] | None = None, **overrides) -> Settings:
+#: How a setting's text (a flag's argument or a variable's value) becomes its value:
+#: ``text`` as written; ``int`` and ``float`` converted by argparse for a flag (a bad number
+#: exits 2 there); ``size`` by :func:`parse_size` in :func:`settings_from_env` (``8GiB``; a
+#: bad one is a ConfigError, exit 1); ``switch`` a flag without argument (a variable would
+#: take ``1``/``0``...); ``addr`` the contract's address grammar, into ``host`` and ``port``.
+SettingKind = Literal["text", "int", "float", "size", "switch", "addr"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSetting:
+    """One ``eg-kv serve`` setting: what its flag, its variable, ``--help`` and the README need.
+
+    The value's type and default are the :class:`Settings` field's (``name``); this says
+    how the setting is given and shown.
+    """
+
+    #: The :class:`Settings` field, and the flag's argparse ``dest``; ``addr`` fills
+    #: ``host`` and ``port``.
+    name: str
+    #: The ``eg-kv serve`` flag; None: the setting is read from the environment only.
+    flag: str | None
+    #: The variable a flag not given falls back to; None: the flag only.
+    env: str | None
+    kind: SettingKind
+    #: What it does, in light Markdown (``--help`` shows it without the backticks).
+    help: str
+    #: The flag's argument as help and the README name it (``SIZE``, ``S``).
+    metavar: str | None = None
+    #: Written after a default shown from the value: ``s`` for seconds.
+    unit: str = ""
+    #: The default in words (Markdown), where the field's default is not the value itself
+    #: (0, "" or None standing for one derived at start); empty: shown from the field.
+    default_text: str = ""
+    #: README only: why this default, what the setting bounds.
+    more: str = ""
+
+
+_S = ServerSetting  # the table below reads as a table
+#: Every ``eg-kv serve`` setting, in the order of ``--help`` and the README's table.
+SERVER_SETTINGS: tuple[ServerSetting, ...] = (
+    _S("addr", "--addr", ENV_ADDR, "addr", metavar="ADDR",
+       help="bind address: `1`/`true`/`yes`/`on` → `127.0.0.1:9130`; a bare port → "
+       "`127.0.0.1:<port>`; `host:port` verbatim (IPv6 as `[::1]:9130`)",
+       default_text=f"`{format_hostport(DEFAULT_HOST, DEFAULT_PORT)}`"),
+    _S("token", None, ENV_TOKEN, "text",
+       help="when set, every route but `/healthz` needs `Authorization: Bearer <token>` "
+       "(compared in constant time, never logged)",
+       default_text="none: every client is a token holder"),
+    _S("tokens_file", "--tokens", ENV_TOKENS_FILE, "text", metavar="FILE",
+       help="TOML file of tenants (tokens' sha256, roles, namespaces, quotas), in place of "
+       "the single token; `SIGHUP` reloads it",
+       default_text="none"),
+    _S("tls_cert", "--tls-cert", ENV_TLS_CERT, "text", metavar="PEM",
+       help="PEM certificate: serve HTTPS with it and `--tls-key`", default_text="none: HTTP"),
+    _S("tls_key", "--tls-key", ENV_TLS_KEY, "text", metavar="PEM",
+       help="PEM private key of `--tls-cert`", default_text="none"),
+    _S("workers", "--workers", None, "int", metavar="N",
+       help="worker processes sharing the port", default_text="one per core"),
+    _S("capacity", "--capacity", None, "size", metavar="SIZE",
+       help="slab data capacity, e.g. `8GiB`; `/dev/shm` needs about 2% more"),
+    _S("page_size", "--page-size", None, "size", metavar="SIZE",
+       help="slab page size: a block takes whole pages"),
+    _S("max_block_size", "--max-block-size", None, "size", metavar="SIZE",
+       help="largest block accepted (a larger PUT gets `413` before its body is read), at "
+       "most `--capacity`",
+       default_text=f"`{format_size(DEFAULT_MAX_BLOCK_SIZE)}`, or the capacity if smaller"),
+    _S("keep", "--keep", None, "switch",
+       help="leave the slab in `/dev/shm` at exit, for a warm restart"),
+    _S("fresh", "--fresh", None, "switch",
+       help="discard a slab left by a previous server instead of re-attaching (only a "
+       "segment that carries eg-kv's magic)"),
+    _S("slab_name", "--slab-name", None, "text", metavar="NAME",
+       help="POSIX shared-memory name of the slab", default_text="`/eg-kv-<port>`"),
+    _S("drain_timeout_s", "--drain-timeout", None, "float", metavar="S", unit="s",
+       help="seconds in-flight requests get on `SIGTERM`"),
+    _S("access_log", "--access-log", None, "switch",
+       help="log every request (it costs throughput)"),
+    _S("upload_share", "--upload-share", None, "float", metavar="F",
+       help="fraction of the slab that uploads in flight may reserve together; a new upload "
+       "beyond it gets `503` + `Retry-After`",
+       more="Half keeps the other half for resident blocks, and 512 MiB of the default slab "
+       "is 36 uploads of 14 MiB at once."),
+    _S("chunked_spool", "--chunked-spool", None, "size", metavar="SIZE",
+       help="memory one worker may hold spooling chunked PUT bodies (their length is unknown "
+       "until they end); beyond it a chunked PUT gets `503` + `Retry-After` (`413` for one "
+       "body over the block size)",
+       more="The default is four of the default maximum block."),
+    _S("header_timeout_s", "--header-timeout", None, "float", metavar="S", unit="s",
+       help="seconds a request head may take from its first byte"),
+    _S("body_timeout_s", "--body-timeout", None, "float", metavar="S", unit="s",
+       help="seconds an upload, or an answer being sent, may move no byte before it is cut"),
+    _S("min_upload_rate", "--min-upload-rate", None, "size", metavar="RATE",
+       unit="a second",
+       help="bytes a second a request body must average once `--body-timeout` has passed "
+       "since it began, else it is cut and its pages freed; `0`: no minimum",
+       more="As Apache's `mod_reqtimeout` `MinRate`: an upload may take the body timeout "
+       "plus a second per 64 KiB received. One that falls behind is cut, its pages freed at "
+       'once (`eg_kv_connection_timeouts_total{limit="rate"}`).'),
+    _S("keepalive_timeout_s", "--keepalive-timeout", None, "float", metavar="S", unit="s",
+       help="seconds an idle keep-alive connection is kept"),
+    _S("max_connections", "--max-connections", None, "int", metavar="N",
+       help="open connections per worker; beyond it the oldest idle ones are closed",
+       # eg_kv.server.connections.DEFAULT_MAX_CONNECTIONS (test_settings checks the number)
+       default_text="from the fd limit, at most 10000"),
+    _S("heartbeat_timeout_s", "--heartbeat-timeout", None, "float", metavar="S", unit="s",
+       help="seconds a worker may go without a heartbeat (stopped, stuck) before the "
+       "supervisor kills and replaces it"),
+    _S("lock_timeout_s", "--lock-timeout", None, "float", metavar="S",
+       unit="s, plus the time a full repair of the slab takes",
+       help="seconds a worker may hold the slab lock before the supervisor kills it"),
+)  # fmt: skip
+del _S
+
+
+#: Each Settings field's default, as :func:`default_markdown` shows it.
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
+
+
+def show_value(setting: ServerSetting, value: object) -> str:
+    """``value`` of ``setting`` as it would be typed: ``1GiB``, ``0.5``, ``off``."""
+    if setting.kind == "size" and isinstance(value, int):
+        return format_size(value)
+    if setting.kind == "float" and isinstance(value, float):
+        return f"{value:g}"
+    if setting.kind == "switch":
+        return "on" if value else "off"
+    return str(value)
+
+
+def default_markdown(setting: ServerSetting) -> str:
+    """How the README shows ``setting``'s default (Markdown): from the field, or in words."""
+    if setting.default_text:
+        return setting.default_text
+    shown = f"`{show_value(setting, _FIELD_DEFAULTS[setting.name])}`"
+    return f"{shown} {setting.unit}" if setting.unit else shown
+
+
+def help_text(setting: ServerSetting) -> str:
+    """``setting``'s line in ``eg-kv serve --help``: what it does, its default, its variable.
+
+    A setting without a flag is named by its variable first (the help's epilog lists them).
+    """
+    if not setting.flag:
+        return f"{setting.env}: {setting.help} (default {default_markdown(setting)})".replace(
+            "`", ""
+        )
+    tail = f"default {default_markdown(setting)}"
+    if setting.env:
+        tail += f"; env {setting.env}"
+    return f"{setting.help} ({tail})".replace("`", "")
+
+
+def settings_markdown() -> str:
+    """The README's table of server settings (flag, variable, default, meaning), generated."""
+    rows = ["| Flag | Environment variable | Default | Meaning |", "|---|---|---|---|"]
+    for setting in SERVER_SETTINGS:
+        flag = setting.flag and " ".join(filter(None, (setting.flag, setting.metavar)))
+        cells = (
+            f"`{flag}`" if flag else "—",
+            f"`{setting.env}`" if setting.env else "—",
+            default_markdown(setting),
+            f"{setting.help}. {setting.more}" if setting.more else setting.help,
+        )
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _typed(setting: ServerSetting, given: object) -> object:
+    """A flag's or variable's ``given`` value of ``setting`` as its Settings field holds it."""
+    if setting.kind == "size":
+        return parse_size(given if isinstance(given, int) else str(given))
+    if not isinstance(given, str) or setting.kind == "text":
+        return given  # argparse already converted it, or a caller passed the value
+    if setting.kind == "switch":
+        return parse_bool(given, setting.env or setting.name)
+    try:
+        return int(given) if setting.kind == "int" else float(given)
+    except ValueError:
+        raise ConfigError(f"{setting.env or setting.flag}={given!r} is not a number") from None
+
+
+def settings_from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
     """Build :class:`Settings` from the environment, then apply explicit overrides.
 
-    ``overrides`` whose value is None are ignored, so CLI flags that were not given fall
-    back to the environment and then to the defaults. An ``addr`` override is parsed with
-    the same grammar as ``EPISTEMIC_GRAPH_KVCACHE_ADDR``.
+    ``overrides`` are named as :data:`SERVER_SETTINGS` name them (``addr``, ``capacity``...,
+    with a size as text or bytes) or as :class:`Settings` fields; those whose value is None
+    are ignored, so CLI flags that were not given fall back to the environment and then to
+    the defaults. An ``addr`` override is parsed with the same grammar as
+    ``EPISTEMIC_GRAPH_KVCACHE_ADDR``.
     """
     env = os.environ if env is None else env
-    values: dict = {}
-    addr = overrides.pop("addr", None) or env.get(ENV_ADDR)
-    if addr:
-        values["host"], values["port"] = parse_addr(addr)
-    token = env.get(ENV_TOKEN)
-    if token:
-        values["token"] = token
-    if env.get(ENV_TOKENS_FILE):
-        values["tokens_file"] = env[ENV_TOKENS_FILE]
-    for key, var in (("tls_cert", ENV_TLS_CERT), ("tls_key", ENV_TLS_KEY)):
-        if env.get(var):
-            values[key] = env[var]
-    for key in ("capacity", "page_size", "max_block_size", "chunked_spool", "min_upload_rate"):
-        if overrides.get(key) is not None:
-            overrides[key] = parse_size(overrides[key])
+    values: dict[str, Any] = {}
+    for setting in SERVER_SETTINGS:
+        given = overrides.pop(setting.name, None)
+        # A flag not given falls back to the variable; an empty address is no address
+        # either (the grammar has none), and an empty variable is an unset one.
+        if setting.env and (given is None or (setting.kind == "addr" and not given)):
+            given = env.get(setting.env) or None
+        if given is None:
+            continue
+        if setting.kind == "addr":
+            values["host"], values["port"] = parse_addr(str(given))
+        else:
+            values[setting.name] = _typed(setting, given)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eg_kv.config --markdown``: print the README's settings table."""
+    if (sys.argv[1:] if argv is None else argv) != ["--markdown"]:
+        print("usage: python -m eg_kv.config --markdown", file=sys.stderr)
+        return 2
+    sys.stdout.write(settings_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,19 +15,11 @@ import urllib.error
 import urllib.request
 
 from eg_kv.config import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_CHUNKED_SPOOL,
-    DEFAULT_DRAIN_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    DEFAULT_KEEPALIVE_TIMEOUT_S,
-    DEFAULT_LOCK_TIMEOUT_S,
-    DEFAULT_MIN_UPLOAD_RATE,
-    DEFAULT_UPLOAD_SHARE,
     ENV_TLS_VERIFY,
     ENV_TOKEN,
     ENV_URL,
-    format_size,
+    SERVER_SETTINGS,
+    help_text,
     parse_bool,
     settings_from_env,
 )
@@ -36,11 +28,11 @@ from eg_kv.errors import EgKvError
 #: How long ``eg-kv check`` waits for the slab lock at a time (a supervisor kills a holder
 #: that hangs within --lock-timeout, 2 s by default).
 CHECK_LOCK_WAIT_S = 30.0
-SERVE_FLAGS = ("addr", "workers", "capacity", "page_size", "max_block_size", "keep", "fresh",
-               "slab_name", "tls_cert", "tls_key", "drain_timeout_s", "access_log",
-               "upload_share", "chunked_spool", "heartbeat_timeout_s", "lock_timeout_s",
-               "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
-               "max_connections", "tokens_file", "min_upload_rate")  # fmt: skip
+#: The ``serve`` arguments that become settings: one per declared setting with a flag.
+SERVE_FLAGS = tuple(setting.name for setting in SERVER_SETTINGS if setting.flag)
+#: argparse's conversion of a flag's argument, by kind; sizes and addresses stay text for
+#: settings_from_env to parse (a bad one is a ConfigError naming the grammar, exit 1).
+_ARG_TYPES: dict[str, type[int] | type[float]] = {"int": int, "float": float}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,107 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the server (supervisor + workers)",
         description="Run the server: a supervisor that owns the shared-memory slab and N "
-        "worker processes sharing one port. Flags override the environment "
-        "(EPISTEMIC_GRAPH_KVCACHE_ADDR, _TOKEN, _TLS_CERT, _TLS_KEY).",
+        "worker processes sharing one port. A flag overrides its environment variable.",
+        epilog="From the environment only: "
+        + "; ".join(help_text(one) for one in SERVER_SETTINGS if not one.flag),
     )
-    s.add_argument(
-        "--addr",
-        help="bind address: 1/true/yes/on, a port, host:port or "
-        "[v6]:port (default: $EPISTEMIC_GRAPH_KVCACHE_ADDR, else 127.0.0.1:9130)",
-    )
-    s.add_argument("--workers", type=int, help="worker processes (default: one per core)")
-    s.add_argument("--capacity", help="slab data capacity, e.g. 8GiB (default 1GiB)")
-    s.add_argument("--page-size", dest="page_size", help="slab page size (default 64KiB)")
-    s.add_argument(
-        "--max-block-size", dest="max_block_size",
-        help="largest block accepted, at most --capacity (default 64MiB, or the capacity)",
-    )  # fmt: skip
-    s.add_argument(
-        "--upload-share", dest="upload_share", type=float,
-        help="fraction of the slab that uploads in flight may reserve; a new upload beyond "
-        f"it gets 503 + Retry-After (default {DEFAULT_UPLOAD_SHARE:g})",
-    )  # fmt: skip
-    s.add_argument(
-        "--chunked-spool", dest="chunked_spool",
-        help="memory one worker may hold spooling chunked PUT bodies; beyond it a chunked "
-        f"PUT gets 503 + Retry-After (default {format_size(DEFAULT_CHUNKED_SPOOL)})",
-    )  # fmt: skip
-    s.add_argument(
-        "--keep",
-        action="store_true",
-        default=None,
-        help="leave the slab in /dev/shm at exit, for a warm restart",
-    )
-    s.add_argument(
-        "--fresh",
-        action="store_true",
-        default=None,
-        help="discard a slab left by a previous server instead of re-attaching",
-    )
-    s.add_argument(
-        "--slab-name", dest="slab_name", help="POSIX shared-memory name (default /eg-kv-<port>)"
-    )
-    s.add_argument(
-        "--tokens",
-        dest="tokens_file",
-        help="TOML file of tenants (tokens' sha256, roles, namespaces, quotas); SIGHUP "
-        "reloads it (env EPISTEMIC_GRAPH_KVCACHE_TOKENS_FILE)",
-    )
-    s.add_argument("--tls-cert", dest="tls_cert", help="PEM certificate: serve HTTPS")
-    s.add_argument("--tls-key", dest="tls_key", help="PEM private key of --tls-cert")
-    s.add_argument(
-        "--drain-timeout",
-        dest="drain_timeout_s",
-        type=float,
-        help=f"seconds in-flight requests get on SIGTERM (default {DEFAULT_DRAIN_TIMEOUT_S:g})",
-    )
-    s.add_argument(
-        "--access-log",
-        dest="access_log",
-        action="store_true",
-        default=None,
-        help="log every request (off by default: it costs throughput)",
-    )
-    s.add_argument(
-        "--header-timeout", dest="header_timeout_s", metavar="S", type=float,
-        help="seconds a request head may take from its first byte "
-        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})",
-    )  # fmt: skip
-    s.add_argument(
-        "--body-timeout", dest="body_timeout_s", metavar="S", type=float,
-        help="seconds an upload, or an answer being sent, may move no byte before it is cut "
-        f"(default {DEFAULT_BODY_TIMEOUT_S:g})",
-    )  # fmt: skip
-    s.add_argument(
-        "--min-upload-rate", dest="min_upload_rate", metavar="RATE",
-        help="bytes a second a request body must average once --body-timeout has passed "
-        "since it began, else it is cut and its pages freed; 0: no minimum "
-        f"(default {format_size(DEFAULT_MIN_UPLOAD_RATE)}, i.e. per second)",
-    )  # fmt: skip
-    s.add_argument(
-        "--keepalive-timeout", dest="keepalive_timeout_s", metavar="S", type=float,
-        help=f"seconds an idle connection is kept (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})",
-    )  # fmt: skip
-    s.add_argument(
-        "--max-connections", dest="max_connections", metavar="N", type=int,
-        help="open connections per worker; beyond it the oldest idle ones are closed "
-        "(default: from the fd limit, at most 10000)",
-    )  # fmt: skip
-
-    s.add_argument(
-        "--heartbeat-timeout",
-        dest="heartbeat_timeout_s",
-        type=float,
-        help="seconds a worker may go without a heartbeat (stopped, stuck) before the "
-        f"supervisor kills and replaces it (default {DEFAULT_HEARTBEAT_TIMEOUT_S:g})",
-    )
-    s.add_argument(
-        "--lock-timeout",
-        dest="lock_timeout_s",
-        type=float,
-        help="seconds a worker may hold the slab lock before the supervisor kills it "
-        f"(default {DEFAULT_LOCK_TIMEOUT_S:g}, plus the time a full repair of the slab takes)",
-    )
+    _add_serve_flags(s)
 
     st = sub.add_parser("stats", help="print a running server's (or a server set's) /kv/stats")
     st.add_argument(
@@ -175,6 +71,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--addr", help="the server's address (names the slab /eg-kv-<port>)")
     c.add_argument("--slab-name", dest="slab_name", help="the slab's name, if not the default")
     return p
+
+
+def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """One flag per declared setting (eg_kv.config.SERVER_SETTINGS), in its order."""
+    for setting in SERVER_SETTINGS:
+        if not setting.flag:
+            continue
+        # Not given, a flag is None, so settings_from_env falls back to the variable.
+        help_line = help_text(setting).replace("%", "%%")  # argparse formats help with %
+        if setting.kind == "switch":
+            serve.add_argument(
+                setting.flag, dest=setting.name, help=help_line, action="store_true", default=None
+            )
+        elif setting.kind in _ARG_TYPES:
+            serve.add_argument(
+                setting.flag, dest=setting.name, help=help_line, metavar=setting.metavar,
+                type=_ARG_TYPES[setting.kind],
+            )  # fmt: skip
+        else:
+            serve.add_argument(
+                setting.flag, dest=setting.name, help=help_line, metavar=setting.metavar
+            )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -227,8 +145,8 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _set_stats(url: str, args: argparse.Namespace) -> int:
     """``eg-kv stats`` of a server set: the sum, then one line per member."""
+    from eg_kv.client.core import KvCacheConfig
     from eg_kv.client.sets import ClusterConnector, sum_stats
-    from eg_kv.client.sync import KvCacheConfig
 
     verify = None if not args.insecure else False
     config = KvCacheConfig.from_env(base_url=url, timeout_s=args.timeout, verify_tls=verify)
