@@ -15,9 +15,8 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, wait_for
-from kvcache_helpers import RawServer, bad_server, open_client
-from test_kvcache_l2 import lm_keys, wait_completions
+from helpers.common import ROOT, wait_for
+from helpers.kvcache import RawServer, bad_server, lm_keys, open_client, wait_completions
 
 from eg_kv.address import address_for_key
 from eg_kv.errors import RemoteError
@@ -188,7 +187,7 @@ def test_the_lmcache_l2_adapter_loads_the_right_bytes_or_misses(mode):
 _MEASURE = r"""
 import json, sys, time
 sys.path.insert(0, "tests")
-from kvcache_helpers import open_client
+from helpers.kvcache import open_client
 
 kind, urls, timeout = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
 

@@ -13,24 +13,17 @@ import time
 
 import pytest
 import trustme
-from conftest import ROOT, wait_for
-from server_procs import gone, workers_of
-from test_members import dns_server, pod  # noqa: F401  (dns_server: a fixture)
+from helpers.common import ROOT, wait_for
+from helpers.dns_zone import pod
+from helpers.server_procs import gone, workers_of
+from helpers.server_sets import SRV_NAME, set_url, start_set
 
-from eg_kv.client.aio import AsyncRemoteKVConnector
-from eg_kv.client.sets import AsyncClusterConnector, ClusterConnector
-from eg_kv.client.sync import KvCacheConfig, RemoteKVConnector
+from eg_kv.client.aio_connectors import AsyncRemoteKVConnector
+from eg_kv.client.aio_sets import AsyncClusterConnector
+from eg_kv.client.connectors import RemoteKVConnector
+from eg_kv.client.core import KvCacheConfig
+from eg_kv.client.sets import ClusterConnector
 from eg_kv.errors import ConfigError
-
-SRV_NAME = "_http._tcp.eg-kv.test.svc.cluster.local"
-
-
-def start_set(server_factory, n: int = 3, extra: tuple[str, ...] = ()) -> list:
-    return [server_factory(workers=1, capacity="32MiB", extra=extra) for _ in range(n)]
-
-
-def set_url(servers) -> str:
-    return ",".join(s.url for s in servers)
 
 
 def sigkill(srv) -> None:
@@ -134,7 +127,7 @@ def test_a_killed_member_costs_its_share_never_a_wait(server_factory):
 
 
 @pytest.mark.timeout(120)
-def test_after_a_member_is_added_a_miss_asks_the_previous_home_once(server_factory, dns_server):  # noqa: F811
+def test_after_a_member_is_added_a_miss_asks_the_previous_home_once(server_factory, dns_server):
     zone, dns_port = dns_server
     servers = start_set(server_factory, n=4)
     zone.set(
@@ -249,7 +242,7 @@ def test_stats_of_a_set_print_the_sum_and_each_member(server_factory):
 
 def test_https_members_found_through_dns_verify_their_own_name(
     server_factory,
-    dns_server,  # noqa: F811
+    dns_server,
     tmp_path,
     monkeypatch,
 ):
@@ -293,7 +286,7 @@ sys.meta_path.insert(0, Block())
 from eg_kv.kvcache import RemoteKVConnector
 
 with RemoteKVConnector(base_url=sys.argv[1]) as kv:
-    assert type(kv).__name__ == "ClusterConnector"
+    assert type(kv).__name__ == "SetConnector"
     assert all(kv.put(f"std{i}", b"s") for i in range(20))
     assert kv.exists_many([f"std{i}" for i in range(21)]) == [True] * 20 + [False]
 for name in ("aiohttp", "dns", "posix_ipc", "eg_kv.slab.store", "eg_kv.server.app"):

@@ -15,12 +15,11 @@ import urllib.request
 
 import aiohttp
 import pytest
-from conftest import wait_for
-from kvcache_helpers import RawServer
+from helpers.common import wait_for
+from helpers.kvcache import RawServer
 
 from eg_kv.address import address_for_key, validate
-from eg_kv.client.core import Miss, block_to_read, may_resend
-from eg_kv.client.sync import CONFIG_KEYWORDS
+from eg_kv.client.core import CONFIG_KEYWORDS, Miss, block_to_read, may_resend
 from eg_kv.errors import ConfigError, InvalidAddress, RemoteError, Unauthorized
 from eg_kv.kvcache import (
     AsyncRemoteKVConnector,

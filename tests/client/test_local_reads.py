@@ -26,12 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
-from kvcache_helpers import wait_completions
-from server_procs import workers_of
-from tenant_helpers import token_of, write_tokens
+from helpers.common import wait_for
+from helpers.kvcache import wait_completions
+from helpers.server_procs import workers_of
+from helpers.tenants import token_of, write_tokens
 
-from eg_kv.client.aio import AsyncRemoteKVConnector
+from eg_kv.client.aio_connectors import AsyncRemoteKVConnector
 from eg_kv.kvcache import RemoteKVConnector, RemoteKVL2Connector
 from eg_kv.slab import layout as L
 from eg_kv.slab.local import LocalInfo, LocalRetired, LocalSlab, LocalUnavailable

@@ -1,10 +1,10 @@
 """Server sets (eg_kv/client/members.py): the setting grammar, and discovery against a real DNS
-server on loopback (dnslib's, started here) whose SRV, A and AAAA answers change during
-the tests. dnspython asks it over real UDP (and TCP) sockets; nothing is patched."""
+server on loopback (dnslib's: the dns_server fixture, tests/client/conftest.py) whose SRV,
+A and AAAA answers change during the tests. dnspython asks it over real UDP (and TCP)
+sockets; nothing is patched."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -12,7 +12,7 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import ROOT, wait_for
+from helpers.common import ROOT, wait_for
 
 from eg_kv.client.members import (
     DnsQuery,
@@ -24,118 +24,17 @@ from eg_kv.client.members import (
 from eg_kv.client.placement import Placement
 from eg_kv.errors import ConfigError
 
-dnslib = pytest.importorskip("dnslib")
-from dnslib import AAAA, QTYPE, RCODE, RR, SRV, A, DNSError  # noqa: E402
-from dnslib.server import DNSLogger, DNSServer  # noqa: E402
+pytest.importorskip("dnslib", reason="the DNS discovery tests need dnslib (the dev extra)")
+from helpers.dns_zone import NS, pod
 
-NS = "test"
 SRV_NAME = f"_http._tcp.eg-kv.{NS}.svc.cluster.local"
 SVC_NAME = f"eg-kv.{NS}.svc"
-
-
-def pod(i: int) -> str:
-    return f"eg-kv-{i}.eg-kv.{NS}.svc.cluster.local"
 
 
 # Short periods keep the tests fast; every wait below is on a condition with margins
 # for a loaded 2-core machine.
 REFRESH_S = 0.3
 QUERY_TIMEOUT_S = 0.5
-
-
-class Zone:
-    """The records the test DNS server answers with; the tests change them live.
-
-    ``mode``: ``"answer"``, ``"silent"`` (receives and never replies), ``"servfail"``.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.srv: dict[str, list[tuple[int, int, int, str]]] = {}
-        self.a: dict[str, list[str]] = {}
-        self.aaaa: dict[str, list[str]] = {}
-        self.mode = "answer"
-        self.additional = True  # put the targets' addresses in the SRV answer, as CoreDNS
-        self.drop: set[str] = set()  # query types received and never answered
-        self.queries: Counter = Counter()
-
-    def set(self, **changes) -> None:
-        with self.lock:
-            for key, value in changes.items():
-                setattr(self, key, value)
-
-    def resolve(self, request, handler):  # dnslib's resolver interface
-        qname = str(request.q.qname).rstrip(".").lower()
-        qtype = QTYPE[request.q.qtype]
-        with self.lock:
-            self.queries[(qname, qtype)] += 1
-            if self.mode == "silent" or qtype in self.drop:
-                raise DNSError("silent: the test server drops this query")
-            reply = request.reply()
-            if self.mode == "servfail":
-                reply.header.rcode = RCODE.SERVFAIL
-                return reply
-            known = qname in self.srv or qname in self.a or qname in self.aaaa
-            if not known:
-                reply.header.rcode = RCODE.NXDOMAIN
-            if qtype == "SRV":
-                for prio, weight, port, target in self.srv.get(qname, []):
-                    reply.add_answer(
-                        RR(qname, QTYPE.SRV, ttl=5, rdata=SRV(prio, weight, port, target))
-                    )
-                    if self.additional:
-                        for ip in self.a.get(target, []):
-                            reply.add_ar(RR(target, QTYPE.A, ttl=5, rdata=A(ip)))
-            elif qtype == "A":
-                for ip in self.a.get(qname, []):
-                    reply.add_answer(RR(qname, QTYPE.A, ttl=5, rdata=A(ip)))
-            elif qtype == "AAAA":
-                for ip in self.aaaa.get(qname, []):
-                    reply.add_answer(RR(qname, QTYPE.AAAA, ttl=5, rdata=AAAA(ip)))
-            return reply
-
-    def count(self, qname: str, qtype: str) -> int:
-        with self.lock:
-            return self.queries[(qname.lower(), qtype)]
-
-
-def _free_udp_and_tcp_port() -> int:
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            udp.bind(("127.0.0.1", 0))
-            port = udp.getsockname()[1]
-            with socket.socket() as tcp:
-                try:
-                    tcp.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no port free for both UDP and TCP")
-
-
-@pytest.fixture
-def dns_server():
-    """A DNS server on 127.0.0.1 (UDP and TCP, same port): ``(zone, port)``."""
-    zone = Zone()
-    quiet = DNSLogger(log="-request,-reply,-truncated,-error", logf=lambda *_: None)
-    port = _free_udp_and_tcp_port()
-    servers = [
-        DNSServer(zone, address="127.0.0.1", port=port, tcp=tcp, logger=quiet)
-        for tcp in (False, True)
-    ]
-    for server in servers:
-        server.start_thread()
-    try:
-        yield zone, port
-    finally:
-        # Both at once: each shutdown waits up to socketserver's 0.5 s poll.
-        stoppers = [threading.Thread(target=server.stop) for server in servers]
-        for t in stoppers:
-            t.start()
-        for t, server in zip(stoppers, servers, strict=True):
-            t.join(timeout=10)
-            server.thread.join(timeout=10)
-            server.server.server_close()
 
 
 def membership(setting: str, port: int, **kw) -> Membership:

@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 
 import pytest
-from conftest import ROOT
+from helpers.common import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

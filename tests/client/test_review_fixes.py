@@ -8,15 +8,16 @@ import threading
 import time
 
 import pytest
-from conftest import wait_for
-from kvcache_helpers import RawServer
-from test_cluster import SRV_NAME, set_url, start_set
-from test_members import dns_server, pod  # noqa: F401  (dns_server: a fixture)
+from helpers.common import wait_for
+from helpers.dns_zone import pod
+from helpers.kvcache import RawServer
+from helpers.server_sets import SRV_NAME, set_url, start_set
 
 from eg_kv.address import address_for_key
-from eg_kv.client.aio import AsyncRemoteKVConnector
+from eg_kv.client.aio_connectors import AsyncRemoteKVConnector
+from eg_kv.client.connectors import RemoteKVConnector
+from eg_kv.client.core import KvCacheConfig
 from eg_kv.client.sets import ClusterConnector
-from eg_kv.client.sync import KvCacheConfig, RemoteKVConnector
 from eg_kv.kvcache import RemoteKVL2Connector
 from eg_kv.lmcache.l2 import sized_address
 from eg_kv.lmcache.write_gate import WriteGate
@@ -145,7 +146,7 @@ def test_a_full_connection_pool_does_not_mark_a_live_member_down(server_factory)
 
 
 @pytest.mark.timeout(90)
-def test_the_async_set_closes_the_session_of_a_member_that_left(server_factory, dns_server):  # noqa: F811
+def test_the_async_set_closes_the_session_of_a_member_that_left(server_factory, dns_server):
     zone, dns_port = dns_server
     servers = start_set(server_factory, n=2)
     config = dns_set(zone, dns_port, [s.port for s in servers], timeout_s=5)
@@ -180,7 +181,7 @@ def test_the_async_set_closes_the_session_of_a_member_that_left(server_factory, 
 
 
 @pytest.mark.timeout(90)
-def test_an_l2_load_asks_the_previous_home_only_within_its_deadline(server_factory, dns_server):  # noqa: F811
+def test_an_l2_load_asks_the_previous_home_only_within_its_deadline(server_factory, dns_server):
     zone, dns_port = dns_server
     old, new = start_set(server_factory, n=2)
     timeout_s = 2.0
@@ -210,7 +211,7 @@ def test_an_l2_load_asks_the_previous_home_only_within_its_deadline(server_facto
 
 
 @pytest.mark.timeout(90)
-def test_a_delete_whose_answer_was_lost_is_not_sent_on(server_factory, dns_server):  # noqa: F811
+def test_a_delete_whose_answer_was_lost_is_not_sent_on(server_factory, dns_server):
     zone, dns_port = dns_server
     old = server_factory(workers=1, capacity="16MiB")
     with RawServer("dropwrite") as dropper:  # applies a DELETE, then drops the connection
@@ -230,7 +231,7 @@ def test_a_delete_whose_answer_was_lost_is_not_sent_on(server_factory, dns_serve
                 assert direct.exists(moved[0]), "a lost DELETE was sent to the previous home"
 
 
-def test_a_delete_absent_at_the_home_goes_to_the_previous_home(server_factory, dns_server):  # noqa: F811
+def test_a_delete_absent_at_the_home_goes_to_the_previous_home(server_factory, dns_server):
     zone, dns_port = dns_server
     old, new = start_set(server_factory, n=2)
     config = dns_set(zone, dns_port, [old.port], timeout_s=5)

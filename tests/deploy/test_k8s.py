@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
+from helpers.common import ROOT
 
 K8S = ROOT / "services" / "k8s"
 BASE = K8S / "base"
@@ -356,7 +356,7 @@ def assert_our_adapter_without_url_or_token(args: list[str]) -> None:
     )  # fmt: skip
     # No base_url: the set comes from the environment; no token: LMCache logs this JSON.
     assert not {"base_url", "addr", "token"} & set(spec["adapter_params"])
-    from eg_kv.client.sync import CONFIG_KEYWORDS
+    from eg_kv.client.core import CONFIG_KEYWORDS
 
     assert set(spec["adapter_params"]) <= set(CONFIG_KEYWORDS)
     import importlib
@@ -1034,7 +1034,8 @@ def test_the_tls_checks_catch_a_broken_shape(tls, breakage):
 
 _TLS_CLIENT = """
 import os, sys
-from eg_kv.client.sync import KvCacheConfig, RemoteKVConnector
+from eg_kv.client.connectors import RemoteKVConnector
+from eg_kv.client.core import KvCacheConfig
 port, name = sys.argv[1], sys.argv[2]
 config = KvCacheConfig(base_url=f"https://127.0.0.1:{port}", server_name=name,
                        token=os.environ["EPISTEMIC_GRAPH_KVCACHE_TOKEN"], timeout_s=10,
@@ -1113,7 +1114,7 @@ def wait_for_https(srv, ctx) -> None:
     """Wait until the server answers /healthz over HTTPS (it may exit instead)."""
     import urllib.request
 
-    from conftest import wait_for
+    from helpers.common import wait_for
 
     def healthy() -> bool:
         if srv.proc.poll() is not None:

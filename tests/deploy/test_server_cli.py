@@ -11,8 +11,8 @@ import sys
 import urllib.request
 
 import pytest
-from conftest import ROOT, free_port, unique_slab_name, wait_for
-from server_http import request
+from helpers.common import ROOT, free_port, unique_slab_name, wait_for
+from helpers.server_http import request
 
 from eg_kv.config import settings_from_env
 from eg_kv.slab import layout as L

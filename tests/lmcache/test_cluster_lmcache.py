@@ -13,35 +13,29 @@ import pytest
 pytest.importorskip("lmcache")
 torch = pytest.importorskip("torch")
 
-from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
-from lmcache_helpers import (  # noqa: E402
+from helpers.lmcache_engine import (  # noqa: E402
     connector_of,
     engine_config,
     engine_key,
     engine_metadata,
     filled,
-    lmcache_loop_fixture,  # noqa: F401  (lmcache_loop)
     plugin_extra,
 )
-from test_lmcache_integration import (  # noqa: E402
-    CHUNK,
-    HERE,
-    LMCACHE_ENV,
-    our_json,
-)
+from helpers.lmcache_l2 import CHUNK, LMCACHE_ENV, TESTS, our_json  # noqa: E402
+from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
 
+from eg_kv.client.connectors import RemoteKVConnector  # noqa: E402
 from eg_kv.client.sets import ClusterConnector  # noqa: E402
-from eg_kv.client.sync import RemoteKVConnector  # noqa: E402
 
 pytestmark = pytest.mark.lmcache
 
 
 def run_proc(op: str, url: str, seed: int) -> dict:
     """tests/lmcache_l2_proc.py with this checkout's eg_kv first on the path."""
-    env = {**LMCACHE_ENV, "PYTHONPATH": str(HERE.parent)}
+    env = {**LMCACHE_ENV, "PYTHONPATH": str(TESTS.parent)}
     out = subprocess.run(
-        [sys.executable, str(HERE / "lmcache_l2_proc.py"), op, url, str(CHUNK), str(seed)],
-        capture_output=True, text=True, timeout=90, env=env, cwd=HERE.parent,
+        [sys.executable, str(TESTS / "lmcache_l2_proc.py"), op, url, str(CHUNK), str(seed)],
+        capture_output=True, text=True, timeout=90, env=env, cwd=TESTS.parent,
     )  # fmt: skip
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -73,7 +67,7 @@ def test_lmcache_bench_l2_verifies_over_a_set_of_three(server_factory):
         "--rounds", "2", "--warmup-rounds", "1", "--lookup-max-hit-rate", "1.0",
     ]  # fmt: skip
     out = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=200, env=LMCACHE_ENV, cwd=HERE.parent
+        cmd, capture_output=True, text=True, timeout=200, env=LMCACHE_ENV, cwd=TESTS.parent
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]

@@ -9,17 +9,10 @@ from __future__ import annotations
 import os
 import time
 
-from kvcache_helpers import RawServer, wait_completions
+from helpers.kvcache import RawServer, lm_keys, wait_completions
 
 from eg_kv.address import address_for_key
 from eg_kv.kvcache import RemoteKVConnector, RemoteKVL2Connector
-
-MODEL = "Qwen/Qwen2.5-7B-Instruct"
-
-
-def lm_keys(n: int, start: int = 0) -> list[str]:
-    """Keys in LMCache's native-connector format (they hold ``/``)."""
-    return [f"{MODEL}@{1:08x}@0@{(start + i).to_bytes(32, 'big').hex()}" for i in range(n)]
 
 
 def test_l2_connector_store_lookup_load_delete(server_factory):

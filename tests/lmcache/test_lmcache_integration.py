@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lmcache")
 torch = pytest.importorskip("torch")
 
+from helpers.lmcache_l2 import CHUNK, LMCACHE_ENV, TESTS, our_json  # noqa: E402
 from lmcache.cli.commands.bench.l2_adapter_bench.data import (  # noqa: E402
     create_l1_memory_desc,
     make_aligned_tensor,
@@ -39,28 +38,13 @@ from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (  # 
     NativeConnectorL2Adapter,
     _object_key_to_string,
 )
-from lmcache_helpers import lmcache_loop_fixture  # noqa: E402, F401  (lmcache_loop)
 
 from eg_kv.address import address_for_key  # noqa: E402
 from eg_kv.kvcache import EgKvRemoteConnector, RemoteKVConnector, RemoteKVL2Connector  # noqa: E402
 
 pytestmark = pytest.mark.lmcache
 
-HERE = Path(__file__).resolve().parents[1]  # tests/
-CHUNK = 14 * 1024 * 1024
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
-LMCACHE_ENV = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
-
-
-def our_json(base_url: str, **params) -> str:
-    return json.dumps(
-        {
-            "type": "native_plugin",
-            "module_path": "eg_kv.kvcache",
-            "class_name": "RemoteKVL2Connector",
-            "adapter_params": {"base_url": base_url, **params},
-        }
-    )
 
 
 # --------------------------------------------------------------------------- (a)
@@ -126,7 +110,7 @@ def test_b_lmcache_bench_l2_verifies_our_plugin(server_factory):
         "--rounds", "2", "--warmup-rounds", "1", "--lookup-max-hit-rate", "1.0",
     ]  # fmt: skip
     out = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=150, env=LMCACHE_ENV, cwd=HERE.parent
+        cmd, capture_output=True, text=True, timeout=150, env=LMCACHE_ENV, cwd=TESTS.parent
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
@@ -217,8 +201,8 @@ def test_c_remote_storage_plugin_round_trips_through_remote_backend(server_facto
 
 def run_proc(op: str, url: str, seed: int) -> dict:
     out = subprocess.run(
-        [sys.executable, str(HERE / "lmcache_l2_proc.py"), op, url, str(CHUNK), str(seed)],
-        capture_output=True, text=True, timeout=90, env=LMCACHE_ENV, cwd=HERE.parent,
+        [sys.executable, str(TESTS / "lmcache_l2_proc.py"), op, url, str(CHUNK), str(seed)],
+        capture_output=True, text=True, timeout=90, env=LMCACHE_ENV, cwd=TESTS.parent,
     )  # fmt: skip
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

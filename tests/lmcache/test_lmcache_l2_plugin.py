@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("lmcache")
 torch = pytest.importorskip("torch")
 
-from conftest import wait_for  # noqa: E402
+from helpers.common import wait_for  # noqa: E402
 from lmcache.cli.commands.bench.l2_adapter_bench.data import (  # noqa: E402
     create_l1_memory_desc,
     make_aligned_tensor,

@@ -16,22 +16,21 @@ import pytest
 pytest.importorskip("lmcache")
 torch = pytest.importorskip("torch")
 
-from conftest import wait_for  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
-from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info  # noqa: E402
-from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
-from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
-from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
-from lmcache_helpers import (  # noqa: E402
+from helpers.common import wait_for  # noqa: E402
+from helpers.lmcache_engine import (  # noqa: E402
     SMALL_CHUNK,
     connector_of,
     engine_config,
     engine_key,
     engine_metadata,
     filled,
-    lmcache_loop_fixture,  # noqa: F401  (lmcache_loop)
     plugin_extra,
 )
+from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info  # noqa: E402
+from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
+from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 
 from eg_kv.kvcache import EgKvRemoteConnector, RemoteKVConnector  # noqa: E402
 

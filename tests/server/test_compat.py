@@ -14,7 +14,7 @@ import sys
 
 import pytest
 from aiohttp import web
-from conftest import ROOT
+from helpers.common import ROOT
 from prometheus_client import Histogram
 
 from eg_kv.server import _compat

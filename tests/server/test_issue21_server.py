@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
-from server_http import WORKER_HEADER, request
-from server_procs import workers_of
-from tenant_helpers import token_of, write_tokens
+from helpers.common import wait_for
+from helpers.server_http import WORKER_HEADER, request
+from helpers.server_procs import workers_of
+from helpers.tenants import token_of, write_tokens
 
 from eg_kv.server import runstate
 

@@ -10,11 +10,11 @@ import json
 import time
 
 import pytest
-from kvcache_helpers import RawServer
+from helpers.kvcache import RawServer
 
 from eg_kv import wire
 from eg_kv.address import address_for_key
-from eg_kv.client.sync import RemoteKVConnector
+from eg_kv.client.connectors import RemoteKVConnector
 from eg_kv.lmcache import l2 as lmcache_l2
 from eg_kv.lmcache.l2 import RemoteKVL2Connector
 

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("lmcache")
 
-from conftest import ROOT
+from helpers.common import ROOT
 from lmcache.cli.commands.bench.l2_adapter_bench.data import (
     create_l1_memory_desc,
     make_aligned_tensor,

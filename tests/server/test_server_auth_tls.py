@@ -12,8 +12,8 @@ import urllib.request
 import psutil
 import pytest
 import trustme
-from conftest import wait_for
-from server_http import raw_exchange, request, status_of
+from helpers.common import wait_for
+from helpers.server_http import raw_exchange, request, status_of
 
 TOKEN = "s3cr3t-T0ken-which-must-never-leak"
 AUTH_ENV = {"EPISTEMIC_GRAPH_KVCACHE_TOKEN": TOKEN}

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-from conftest import wait_for
-from server_http import raw_exchange, request, stats, status_of
+from helpers.common import wait_for
+from helpers.server_http import raw_exchange, request, stats, status_of
 
 MiB = 1024 * 1024
 

@@ -11,8 +11,8 @@ import threading
 import time
 
 import pytest
-from conftest import wait_for
-from server_http import WORKER_HEADER, request, stats
+from helpers.common import wait_for
+from helpers.server_http import WORKER_HEADER, request, stats
 
 from eg_kv.address import RESERVED
 

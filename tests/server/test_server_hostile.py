@@ -23,9 +23,9 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT, wait_for
-from server_http import raw_exchange, request, stats, status_of
-from server_procs import gone
+from helpers.common import ROOT, wait_for
+from helpers.server_http import raw_exchange, request, stats, status_of
+from helpers.server_procs import gone
 
 from eg_kv.server.connections import (
     DEFAULT_MAX_CONNECTIONS,
@@ -457,7 +457,7 @@ def test_malformed_request_answer_and_log_never_echo_the_request(server_factory)
 
 
 def test_every_503_carries_retry_after():
-    from eg_kv.server.app import error_response
+    from eg_kv.server.answers import error_response
 
     assert error_response(503, "busy").headers["Retry-After"] == "1"
     assert error_response(503, "busy", {"Retry-After": "5"}).headers["Retry-After"] == "5"

@@ -19,9 +19,9 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT, free_port, unique_slab_name, wait_for
-from server_http import request, stats
-from server_procs import eg_kv_check, gone, upload_in_flight, workers_of
+from helpers.common import ROOT, free_port, unique_slab_name, wait_for
+from helpers.server_http import request, stats
+from helpers.server_procs import eg_kv_check, gone, upload_in_flight, workers_of
 
 from eg_kv.slab.store import Slab
 

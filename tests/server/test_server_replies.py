@@ -12,7 +12,7 @@ import os
 import socket
 
 import pytest
-from server_http import WORKER_HEADER
+from helpers.server_http import WORKER_HEADER
 
 pytestmark = pytest.mark.timeout(60)
 

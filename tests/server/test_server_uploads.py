@@ -15,8 +15,8 @@ import sys
 
 import posix_ipc
 import pytest
-from conftest import ROOT, free_port, unique_slab_name, wait_for
-from server_http import request, stats, status_of
+from helpers.common import ROOT, free_port, unique_slab_name, wait_for
+from helpers.server_http import request, stats, status_of
 
 from eg_kv.slab.store import Slab
 

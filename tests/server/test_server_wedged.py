@@ -13,9 +13,9 @@ import time
 import urllib.request
 
 import pytest
-from conftest import wait_for
-from server_http import request, stats
-from server_procs import eg_kv_check, gone, stop_a_lock_holder, upload_in_flight, workers_of
+from helpers.common import wait_for
+from helpers.server_http import request, stats
+from helpers.server_procs import eg_kv_check, gone, stop_a_lock_holder, upload_in_flight, workers_of
 
 from eg_kv.slab import layout as L
 from eg_kv.slab.store import Slab

@@ -12,10 +12,10 @@ import threading
 import time
 
 import pytest
-from conftest import wait_for
-from server_http import request, status_of
-from server_procs import eg_kv_check, workers_of
-from tenant_helpers import token_of, write_tokens
+from helpers.common import wait_for
+from helpers.server_http import request, status_of
+from helpers.server_procs import eg_kv_check, workers_of
+from helpers.tenants import token_of, write_tokens
 
 KiB, MiB = 1024, 1024 * 1024
 TENANTS = [
@@ -310,7 +310,7 @@ def test_remembered_headers_are_bounded_and_forgotten_on_reload(tmp_path):
     refused from the next request on; a wrong token is never remembered."""
     from aiohttp.test_utils import make_mocked_request
 
-    from eg_kv.server.app import SEEN_HEADERS_PER_TENANT, Auth
+    from eg_kv.server.auth import SEEN_HEADERS_PER_TENANT, Auth
     from eg_kv.server.tenants import load
 
     path = write_tokens(tmp_path / "tokens.toml", TENANTS)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port, unique_slab_name, wait_for
+from helpers.common import ROOT, free_port, unique_slab_name, wait_for
 
 from eg_kv.errors import SlabError
 from eg_kv.slab import layout as L

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import ROOT, wait_for
+from helpers.common import ROOT, wait_for
 
 from eg_kv.errors import SlabError
 from eg_kv.slab import layout as L

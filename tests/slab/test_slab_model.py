@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
-from conftest import unique_slab_name
+from helpers.common import unique_slab_name
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

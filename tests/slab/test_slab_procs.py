@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import os
 import random
@@ -12,20 +11,14 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, wait_for
+from helpers.block_content import content
+from helpers.common import ROOT, wait_for
 
 from eg_kv.errors import Busy, InsufficientStorage
 from eg_kv.slab.store import Slab
 
 KiB, MiB = 1024, 1024 * 1024
 FORK = mp.get_context("fork")
-
-
-def content(address: str) -> bytes:
-    """The bytes an address always names: its length and fill follow from its digest."""
-    digest = hashlib.blake2b(address.encode(), digest_size=32).digest()
-    length = 1 + int.from_bytes(digest[:4], "little") % (48 * KiB)
-    return (digest * (length // 32 + 1))[:length]
 
 
 # ---------------------------------------------------------------- 4 x 1,000 puts
@@ -221,7 +214,7 @@ _FILL = """
 import sys
 from eg_kv.slab.store import Slab
 sys.path.insert(0, "tests")
-from test_slab_procs import content
+from helpers.block_content import content
 s = Slab.create(sys.argv[1], 16 * 1024 * 1024, page_size=16 * 1024, max_block_size=1 << 20)
 for i in range(150):
     s.put(f"warm-{i}", content(f"warm-{i}"))

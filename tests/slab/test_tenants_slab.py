@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
-from tenant_helpers import token_of, tokens_toml
+from helpers.common import ROOT
+from helpers.tenants import token_of, tokens_toml
 
 from eg_kv.errors import Busy, ConfigError, InsufficientStorage
 from eg_kv.server import tenants

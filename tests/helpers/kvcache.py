@@ -4,7 +4,8 @@
 (never, with garbage, with a short body, dripping, with bad JSON, unframed, compressed,
 with interim answers, redirected, reset, or correctly but closing the connection after
 each answer). Everything it starts is stopped by :meth:`stop`; every loop it runs is
-bounded in bytes and time.
+bounded in bytes and time. Also: opening any client kind, waiting on an L2 connector's
+completions, and keys in LMCache's format.
 """
 
 from __future__ import annotations
@@ -339,7 +340,7 @@ class AsyncAsSync:
     """
 
     def __init__(self, **settings: Any) -> None:
-        from eg_kv.client.aio import AsyncRemoteKVConnector
+        from eg_kv.client.aio_connectors import AsyncRemoteKVConnector
 
         self._loop = asyncio.new_event_loop()
         self._kv = AsyncRemoteKVConnector(**settings)
@@ -357,7 +358,7 @@ class AsyncAsSync:
 def open_client(kind: str, **settings: Any) -> Iterator[Any]:
     """A ``"sync"`` :class:`RemoteKVConnector` or an ``"async"`` one behind
     :class:`AsyncAsSync`, closed on exit."""
-    from eg_kv.client.sync import RemoteKVConnector
+    from eg_kv.client.connectors import RemoteKVConnector
 
     kv = RemoteKVConnector(**settings) if kind == "sync" else AsyncAsSync(**settings)
     try:
@@ -392,3 +393,12 @@ def wait_completions(conn: Any, fids: set[int], timeout: float = 30.0) -> dict:
             for c in conn.drain_completions():
                 got[c[0]] = c
     return got
+
+
+#: The model name in the LMCache-format keys of the tests.
+LM_MODEL = "Qwen/Qwen2.5-7B-Instruct"
+
+
+def lm_keys(n: int, start: int = 0) -> list[str]:
+    """Keys in LMCache's native-connector format (they hold ``/``)."""
+    return [f"{LM_MODEL}@{1:08x}@0@{(start + i).to_bytes(32, 'big').hex()}" for i in range(n)]

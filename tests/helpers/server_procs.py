@@ -11,7 +11,8 @@ import sys
 import time
 
 import psutil
-from conftest import ROOT, wait_for
+
+from helpers.common import ROOT, wait_for
 
 MiB = 1024 * 1024
 

@@ -3,10 +3,6 @@ around eg-kv for the tests: the real ``lmcache`` 0.5.6, nothing mocked."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
-import pytest
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
@@ -16,18 +12,6 @@ MODEL = "Qwen/Qwen2.5-7B-Instruct"
 #: A small model shape: 2 layers x (K, V) x 256 tokens x 2 heads x 64 dims in bf16.
 SMALL_SHAPE = (2, 2, 256, 2, 64)
 SMALL_CHUNK = 2 * 2 * 256 * 2 * 64 * 2  # 256 KiB
-
-
-@pytest.fixture(name="lmcache_loop")
-def lmcache_loop_fixture():
-    """LMCache's event loop on its own thread, as the engine runs it."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="lmcache-loop", daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
 
 
 def plugin_extra(name: str, url: str, class_name: str = "EgKvConnectorAdapter", **more) -> dict:
