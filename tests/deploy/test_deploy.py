@@ -685,6 +685,7 @@ def test_lmcache_servers_run_the_same_command(compose):
     assert a["command"] == b["command"]
 
 
+@pytest.mark.lmcache  # skipped, with the reason, where lmcache is absent
 def test_l2_adapter_json_is_accepted_by_lmcache_and_builds_our_adapter(compose, monkeypatch):
     from lmcache.v1.distributed.config import parse_args_to_config
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter
@@ -723,6 +724,7 @@ def test_l2_adapter_json_is_accepted_by_lmcache_and_builds_our_adapter(compose, 
         adapter.close()
 
 
+@pytest.mark.lmcache  # skipped, with the reason, where lmcache is absent
 def test_lmcache_rejects_a_broken_adapter_json(compose):
     """LMCache's parser really checks the JSON: the same spec without class_name fails."""
     from lmcache.v1.distributed.config import parse_args_to_config
@@ -736,6 +738,7 @@ def test_lmcache_rejects_a_broken_adapter_json(compose):
         parse_args_to_config(lmcache_args(cmd))
 
 
+@pytest.mark.lmcache  # skipped, with the reason, where lmcache is absent
 def test_vllm_connects_to_its_own_lmcache_server_with_matching_settings(compose):
     from lmcache.integration.vllm.vllm_multi_process_adapter import _resolve_extra_config
     from lmcache.v1.multiprocess.config import (
@@ -793,7 +796,8 @@ def test_dockerfile_server_stage_installs_the_tested_package():
     where = where.rstrip("/")
     placed = {dest[len(where) + 1 :].rstrip("/"): src for dest, src in tree.items()}
     needed = {"pyproject.toml", PYPROJECT["project"]["readme"]}
-    needed |= set(PYPROJECT["tool"]["setuptools"]["packages"])
+    # The image copies each top-level package's folder; subpackages come inside it.
+    needed |= {p.split(".")[0] for p in PYPROJECT["tool"]["setuptools"]["packages"]}
     assert set(placed) == needed, f"install dir gets {set(placed)}, needs {needed}"
     assert all(placed[k].rstrip("/") == k for k in placed)
     # The extras: the server's ("fast"), which scripts/setup installs for the tests too.
@@ -918,6 +922,7 @@ def _wait_completion(client, future_id: int, timeout: float = 20.0):
     raise AssertionError(f"future {future_id} did not complete in {timeout}s")
 
 
+@pytest.mark.lmcache  # skipped, with the reason, where lmcache is absent
 def test_the_compose_adapter_settings_reach_a_token_protected_server(
     compose, server_factory, monkeypatch
 ):
