@@ -1,10 +1,16 @@
-"""The compact body of ``POST /kv/batch/exists``, beside its JSON one (both sides use it).
+"""What both sides of the wire agree on: routes, limits, content types, header names, and
+the compact body of ``POST /kv/batch/exists``.
 
-A request with ``Content-Type: application/x-eg-kv-addresses`` carries its addresses as
-ASCII, one per line (``\\n`` between them, none after the last); the server answers it
-with ``Content-Type: application/x-eg-kv-exists``: one byte per address, in order,
-``\\x01`` resident and ``\\x00`` absent. Any other request keeps the JSON contract
-(``{"addresses": [...]}`` in, ``{"exists": [...], "prefix_hits": n}`` out).
+The server (:mod:`eg_kv.server`) and both clients (:mod:`eg_kv.client`) import these
+rather than spell them: a route, a limit or a header name written once cannot drift
+apart between the side that sends it and the side that reads it. Standard library only
+(the sync client imports it).
+
+The compact batch body: a request with ``Content-Type: application/x-eg-kv-addresses``
+carries its addresses as ASCII, one per line (``\\n`` between them, none after the last);
+the server answers it with ``Content-Type: application/x-eg-kv-exists``: one byte per
+address, in order, ``\\x01`` resident and ``\\x00`` absent. Any other request keeps the
+JSON contract (``{"addresses": [...]}`` in, ``{"exists": [...], "prefix_hits": n}`` out).
 
 Why: for 1,024 addresses, encoding and parsing the request and the answer on both sides
 took 200-290 µs in JSON and 83-89 µs in this format (measured in one process); these
@@ -17,10 +23,49 @@ from collections.abc import Sequence
 
 from .errors import BadRequest
 
+# ---------------------------------------------------------------------------- routes
+
+#: A block's path is this prefix and its address (``/kv/<hash>``); the reserved words
+#: under it never name a block (:data:`eg_kv.address.RESERVED`).
+BLOCK_PREFIX = "/kv/"
+#: Appended to a block's path: ``GET /kv/<hash>/exists``.
+EXISTS_SUFFIX = "/exists"
+#: ``POST``: which of up to :data:`BATCH_EXISTS_MAX` addresses are resident.
+BATCH_EXISTS_PATH = "/kv/batch/exists"
+#: ``GET``: the slab's counters.
+STATS_PATH = "/kv/stats"
+#: ``GET``: where the slab is, for a client on the server's host that reads it itself.
+LOCAL_SLAB_PATH = "/kv/local/slab"
+#: ``GET``: liveness, no token needed.
+HEALTHZ_PATH = "/healthz"
+#: ``GET``: Prometheus text.
+METRICS_PATH = "/metrics"
+
+# ---------------------------------------------------------------------------- limits
+
+#: Largest number of addresses one ``POST /kv/batch/exists`` may carry (the clients
+#: split longer lists).
+BATCH_EXISTS_MAX = 1024
+#: Largest batch request body: 1024 addresses of 256 characters, quoted, with room to spare.
+BATCH_EXISTS_MAX_BYTES = 512 * 1024
+
+# ---------------------------------------------------------------------------- content types
+
+#: A block's bytes (a PUT's body, a GET's answer).
+BLOCK_TYPE = "application/octet-stream"
+#: A JSON body (the server adds ``; charset=utf-8`` to its answers).
+JSON_TYPE = "application/json"
 #: The request body type of a compact batch: addresses, one per line.
 ADDRESSES_TYPE = "application/x-eg-kv-addresses"
 #: The answer body type to a compact batch: one byte (0 or 1) per address.
 FLAGS_TYPE = "application/x-eg-kv-exists"
+
+# ---------------------------------------------------------------------------- headers
+
+#: Carries ``Bearer <token>``.
+AUTHORIZATION = "Authorization"
+#: Every answer names the worker process that gave it (its pid).
+WORKER_HEADER = "X-EgKv-Worker"
 
 
 def is_compact(content_type: str | None) -> bool:

@@ -79,7 +79,7 @@ def split_egkv(url: str, slab_name: str, n: int, reps: int) -> dict[str, float]:
     """Median µs of each part of one eg-kv lookup of ``n`` fresh keys (see the module doc)."""
     from eg_kv import wire
     from eg_kv.client.core import compact_answer
-    from eg_kv.server import app as server_app
+    from eg_kv.server import lookups
 
     conn = RemoteKVL2Connector(base_url=url, num_workers=4, timeout_s=60)
     slab = Slab.attach(slab_name)
@@ -113,7 +113,7 @@ def split_egkv(url: str, slab_name: str, n: int, reps: int) -> dict[str, float]:
                 compact_answer(200, wire.FLAGS_TYPE.encode(), answer, n)
         else:
             ctype, encode = "application/json", batch_body
-            answer = server_app.batch_answer_body(found, ctype)[0]
+            answer = lookups.batch_answer_body(found, ctype)[0]
 
             def parse(_r: int) -> None:
                 batch_answer(json_answer(200, answer), n)
@@ -121,8 +121,8 @@ def split_egkv(url: str, slab_name: str, n: int, reps: int) -> dict[str, float]:
         reqs = [encode(a) for a in fresh]
 
         def handler_once(r: int) -> None:
-            found = slab.exists_many(server_app.batch_addresses(ctype, reqs[r]))
-            server_app.batch_answer_body(found, ctype)
+            found = slab.exists_many(lookups.batch_addresses(ctype, reqs[r]))
+            lookups.batch_answer_body(found, ctype)
 
         handler = _us(handler_once, reps)
         parsing = _us(parse, reps)

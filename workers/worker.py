@@ -100,8 +100,11 @@ def _beat_every(loop: asyncio.AbstractEventLoop, beat: Callable[[], None], inter
 async def _serve(settings: Settings, run_dir: str, notify_fd: int, parent: int) -> int:
     from aiohttp import web
 
-    from eg_kv.server.app import AUTH, DRAIN, SLAB, AppRunner, make_app, tokens_path
+    from eg_kv.server.app import make_app
+    from eg_kv.server.auth import tokens_path
     from eg_kv.server.connections import raise_fd_limit
+    from eg_kv.server.keys import AUTH, DRAIN, SLAB
+    from eg_kv.server.protocol import AppRunner
 
     raise_fd_limit()  # before make_app, which derives the connection cap from it
     loop = asyncio.get_running_loop()

@@ -18,8 +18,8 @@ A head looks like this (``Connection`` only where the version's default does not
     Date: Sun, 29 Nov 2026 15:30:00 GMT\\r\\n    cached per second
     \\r\\n
 
-Errors and the service routes keep aiohttp's ``Response``: they are rare, and the
-middleware-free wrapper in :mod:`eg_kv.server.app` adds the same ``Server`` and worker headers.
+Errors and the service routes keep aiohttp's ``Response``: they are rare, and
+:func:`eg_kv.server.answers.label` gives them the same ``Server`` and worker headers.
 """
 
 from __future__ import annotations
@@ -31,13 +31,15 @@ import time
 
 from aiohttp import web
 
+from ..wire import JSON_TYPE, WORKER_HEADER
 from ._compat import SentResponse, count_sent
 
-WORKER_HEADER = "X-EgKv-Worker"
+#: The ``Server`` header of every answer.
 SERVER = "eg-kv"
-OCTETS = "application/octet-stream"
+#: The type of error lines and other plain answers.
 TEXT = "text/plain; charset=utf-8"
-JSON = "application/json; charset=utf-8"
+#: The type of the server's JSON answers.
+JSON = f"{JSON_TYPE}; charset=utf-8"
 
 _HEADS: dict[tuple[tuple[int, int], int, str, bool], bytes] = {}
 _PID = [str(os.getpid())]

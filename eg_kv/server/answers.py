@@ -1,0 +1,66 @@
+"""The answers every route shares: one-line errors, eg-kv's headers on aiohttp's
+responses, and the block routes' written replies (closing the connection while the worker
+drains).
+
+Every error is ``text/plain``, one line that says what was wrong; a 503 always says when
+to retry. The block routes write their answers themselves (:mod:`eg_kv.server.replies`);
+the rest are aiohttp's, labelled here with the headers every answer carries.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..wire import WORKER_HEADER
+from . import replies
+from .connections import RETRY_AFTER_S
+from .keys import DRAIN
+from .replies import TEXT, Written
+from .replies import reply as write_reply
+
+
+def one_line(text: str) -> str:
+    """One line of text: an error body never spans lines."""
+    return " ".join(str(text).split()) + "\n"
+
+
+def error_response(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
+    """A ``text/plain`` one-line error response; a 503 always carries ``Retry-After``."""
+    if status == 503 and not (headers and "Retry-After" in headers):
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
+    return web.Response(status=status, text=one_line(reason), headers=headers)
+
+
+def unauthorized(message: str) -> web.Response:
+    """A 401 that names the scheme to use (Bearer)."""
+    return error_response(401, message, {"WWW-Authenticate": 'Bearer realm="eg-kv"'})
+
+
+def label(resp: web.StreamResponse) -> web.StreamResponse:
+    """Give an aiohttp response the headers every eg-kv response carries."""
+    resp.headers[WORKER_HEADER] = replies.worker_pid()
+    resp.headers["Server"] = replies.SERVER
+    return resp
+
+
+def closing(request: web.Request) -> bool:
+    """Whether this worker is draining: answers then close their connections."""
+    return request.app[DRAIN].draining
+
+
+def reply(
+    request: web.Request,
+    status: int,
+    body: bytes = b"",
+    content_type: str = TEXT,
+    *,
+    length: int | None = None,
+) -> Written:
+    """:func:`eg_kv.server.replies.reply`, closing the connection while this worker drains."""
+    return write_reply(request, status, body, content_type, length=length, close=closing(request))
+
+
+def why(e: BaseException) -> str:
+    """What went wrong, short enough for an error line."""
+    text = str(e) or type(e).__name__
+    return text[:200]

@@ -1,0 +1,170 @@
+"""Who a request is and what it may do: tokens, tenants and roles, for one worker.
+
+:class:`Auth` finds a request's tenant from its ``Authorization`` header (remembering the
+spellings that authenticated, so the token is not hashed per request), :func:`authorize`
+says whether the tenant's role allows the method on the route, and :func:`auth_from`
+reads the tenants a worker starts with (a tokens file, the single token, or nobody).
+Reloads (SIGHUP) swap the table whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from aiohttp import web
+
+from ..config import Settings
+from ..errors import ConfigError, EgKvError, Forbidden
+from ..slab.store import Slab
+from ..wire import AUTHORIZATION
+from . import runstate
+from .tenants import ANONYMOUS, ROLES, Tenant, TenantTable, single_token
+from .tenants import load as load_tenants
+
+log = logging.getLogger("eg_kv.server.auth")
+
+#: Spellings of a tenant's Authorization header a worker remembers (see Auth.authenticate).
+SEEN_HEADERS_PER_TENANT = 4
+
+
+class Auth:
+    """Who may do what. ``table`` None: no token configured, anyone is an admin of the
+    default namespace (as before tenants). Swapped whole on a reload (SIGHUP).
+
+    Args:
+        table: the tenants (namespace ids not yet bound to the slab).
+        tokens_file: where the table came from; None for the single token or none.
+    """
+
+    def __init__(self, table: TenantTable | None, tokens_file: str | None = None) -> None:
+        self.tokens_file = tokens_file
+        #: Whether a tokens file is in use (per-namespace stats, admin-only metrics).
+        self.tenants_mode = tokens_file is not None
+        self.table = table
+
+    @property
+    def table(self) -> TenantTable | None:
+        return self._table
+
+    @table.setter
+    def table(self, table: TenantTable | None) -> None:
+        # A new table (bound to the slab, or reloaded) forgets every header it had seen,
+        # so a token the reload removed is refused from the next request on.
+        self._table = table
+        self._seen: dict[str, Tenant] = {}
+        self._seen_max = SEEN_HEADERS_PER_TENANT * (len(table.by_digest) if table else 0)
+
+    def authenticate(self, request: web.BaseRequest) -> Tenant | str:
+        """The request's tenant, or why there is none (never the token).
+
+        A token is found by its sha256 digest: the lookup compares digests, so how long
+        it takes tells nothing about any token. An ``Authorization`` header that has
+        found its tenant once is remembered (at most :data:`SEEN_HEADERS_PER_TENANT`
+        spellings per tenant) and found again without the digest: hashing the token was
+        a tenth of a small GET's CPU in a busy worker. That dict holds only headers that
+        authenticated; Python's string hash is keyed per process, so a lookup of any other
+        header compares no bytes with a stored one and takes the digest path as before.
+        """
+        if self._table is None:
+            return ANONYMOUS
+        header = request.headers.get(AUTHORIZATION)
+        if header is not None and (known := self._seen.get(header)) is not None:
+            return known
+        found = _authenticate(header, self._table)
+        if isinstance(found, Tenant) and header is not None:
+            if len(self._seen) >= self._seen_max:
+                self._seen.clear()  # a client cycling spellings costs itself the digest
+            self._seen[header] = found
+        return found
+
+    def bind(self, slab: Slab, table: TenantTable) -> TenantTable:
+        """``table`` with its namespaces' ids from the slab (quotas set there too).
+
+        The handle's per-namespace address memos are sized for these namespaces and
+        emptied (:meth:`eg_kv.slab.view.SlabView.share_key_cache`).
+        """
+        ids = slab.bind_namespaces(table.quotas)
+        slab.share_key_cache(len(ids))
+        return table.with_ids(ids)
+
+    def reload(self, slab: Slab, path: str, capacity: int) -> bool:
+        """Load the tokens file at ``path`` again; keep the old tenants if it is bad.
+
+        Returns:
+            Whether the new tenants are in force. Logs tenant counts and reasons, never
+            a token (the file holds none).
+        """
+        try:
+            table = self.bind(slab, load_tenants(path, capacity))
+        except (ConfigError, EgKvError) as e:
+            log.error("tokens file not reloaded, the old tenants stay: %s", e)
+            return False
+        self.table = table
+        log.info("tokens file %s reloaded: %d tenants in %d namespaces", path,
+                 len(table.by_digest), len(table.quotas))  # fmt: skip
+        return True
+
+
+def _authenticate(header: str | None, table: TenantTable) -> Tenant | str:
+    """The tenant whose token ``header`` (an ``Authorization`` value) carries, or why
+    there is none (never the token)."""
+    if header is None:
+        return "authorization required: send Authorization: Bearer <token>"
+    scheme, _, cred = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return "authorization required: use the Bearer scheme"
+    tenant = table.find(cred.strip().encode("utf-8", "surrogateescape"))
+    if tenant is None:
+        return "wrong bearer token"
+    return tenant
+
+
+def authorize(route: str, method: str, tenant: Tenant, tenants_mode: bool) -> None:
+    """Raise :class:`Forbidden` unless ``tenant``'s role allows ``method`` on ``route``."""
+    if route == "block" and method in ("PUT", "DELETE") and not tenant.can_write:
+        raise Forbidden(f"tenant {tenant.name} is readonly: {method} needs role readwrite")
+    if route == "metrics" and tenants_mode and not tenant.is_admin:
+        raise Forbidden(f"tenant {tenant.name} may not read /metrics: it needs role admin")
+    if route == "local" and not tenant.is_admin:
+        # A local reader maps the whole slab and no token check stands between it and any
+        # namespace's blocks: only a tenant the server would let read everything.
+        raise Forbidden(f"tenant {tenant.name} may not read the slab locally: it needs role admin")
+
+
+def roles_refused(route: str, tenants_mode: bool) -> frozenset[str]:
+    """The roles :func:`authorize` refuses some method on ``route`` (asked of it)."""
+    refused = set()
+    for role in ROLES:
+        for method in ("GET", "HEAD", "PUT", "DELETE", "POST"):
+            try:
+                authorize(route, method, Tenant("-", role), tenants_mode)
+            except Forbidden:
+                refused.add(role)
+    return frozenset(refused)
+
+
+def tokens_path(settings: Settings, run_dir: str | None) -> str | None:
+    """The tokens file a worker reads: the supervisor's validated copy in the run
+    directory if there is one, else the configured file (None without one)."""
+    if not settings.tokens_file:
+        return None
+    if run_dir is not None:
+        copy = runstate.tokens_copy(run_dir)
+        if os.path.exists(copy):
+            return copy
+    return settings.tokens_file
+
+
+def auth_from(settings: Settings, run_dir: str | None) -> Auth:
+    """The tenants at start-up: a tokens file, the single token, or nobody (anonymous).
+
+    Raises:
+        ConfigError: the tokens file is bad (the message names the line).
+    """
+    path = tokens_path(settings, run_dir)
+    if path is not None:
+        return Auth(load_tenants(path, settings.capacity), path)
+    if settings.token:
+        return Auth(single_token(settings.token))
+    return Auth(None)

@@ -1,0 +1,169 @@
+"""The block routes that read or release: ``GET``, ``HEAD`` and ``DELETE /kv/<hash>``.
+
+A GET up to :data:`READ_SLICE` (1 MiB) is one copy and one write; a larger one hands the
+block's pages to the socket straight from the slab (:func:`_send_zero_copy`), so no body
+larger than one slice ever sits whole in Python memory, and a block released during the
+send can only ever reach the client as a short body (a miss). These handlers are the hot
+path: they write their answers themselves (:mod:`eg_kv.server.replies`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+
+from ..errors import NotFound
+from ..slab.store import BlockGone
+from ..slab.view import BlockReader
+from ..wire import BLOCK_TYPE
+from . import replies
+from .answers import closing, reply
+from .keys import SLAB
+from .replies import written
+from .tenants import Tenant
+
+log = logging.getLogger("eg_kv.server.blocks")
+
+#: Blocks up to this size go out in one copy and one write; larger ones are streamed.
+#: Also the slice size of the copies a TLS connection is sent.
+READ_SLICE = 1024 * 1024
+#: Bytes of slab pages handed to the socket per ``writelines`` call of a large GET.
+SEND_BATCH = 4 * 1024 * 1024
+#: Bytes of a large GET that are copied, and sent only after the block's tag is checked.
+ZERO_COPY_TAIL = 64 * 1024
+
+
+async def get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
+    """``GET /kv/<hash>``: the block's bytes; 404 if absent."""
+    address = request.match_info["hash"]
+    try:
+        reader = request.app[SLAB].read_or_open(address, tenant.ns)
+        if reader is None:
+            raise NotFound(f"no block {address}")
+        if isinstance(reader, bytes):  # one page, copied: the fast path for small blocks
+            return reply(request, 200, reader, BLOCK_TYPE)
+        n = reader.length
+        if n <= READ_SLICE:
+            # One copy, one write, for blocks of a few pages too.
+            return reply(request, 200, reader.read(), BLOCK_TYPE)
+    except BlockGone:
+        raise NotFound(f"no block {address} (evicted while read)") from None
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client went away before the response")
+    head, keep = replies.head(request, 200, BLOCK_TYPE, n, closing(request))
+    transport.write(head)
+    replies.sent(request, len(head))
+    try:
+        if transport.get_extra_info("sslcontext") is None:
+            await _send_zero_copy(request.writer, transport, reader)
+        else:  # TLS buffers plaintext we cannot watch: send copies
+            for chunk in reader.slices(READ_SLICE):
+                transport.write(chunk)
+                await request.writer.drain()
+    except BaseException as e:
+        # The head is out: cut the connection, so the client sees a short body (a miss),
+        # never a complete-looking response with wrong bytes, nor an error after a body.
+        transport.abort()
+        if not isinstance(e, BlockGone):
+            raise
+        log.info("block %s evicted while it was sent; aborting the response", address)
+        return written(200, False, 0)
+    replies.sent(request, n)
+    return written(200, keep, n)
+
+
+async def _send_zero_copy(
+    writer: AbstractStreamWriter, transport: asyncio.Transport, reader: BlockReader
+) -> None:
+    """Send a block straight from slab memory, withholding its tail until that is safe.
+
+    A transport keeps a reference to bytes the kernel has not taken yet, so slab memory
+    reused meanwhile could go out as the new owner's bytes. The last ``ZERO_COPY_TAIL``
+    bytes are therefore copied out first; once everything before them has been taken by
+    the kernel, the block's tag is checked, and only then does the tail go. Had the block
+    been released during the send, the check fails before the body is complete and the
+    connection is cut: the client sees a short body (a miss), never a whole body with
+    wrong bytes. The pages go out in ``writelines`` batches, one scatter-gather ``writev``
+    each under uvloop, however scattered they lie (scripts/bench_server.py).
+
+    Args:
+        writer: aiohttp's writer of this request (its ``drain()`` waits out back-pressure).
+
+    Raises:
+        BlockGone: the block was evicted or released during the send.
+        ConnectionResetError: the client went away.
+    """
+    head = reader.length - min(ZERO_COPY_TAIL, reader.length)
+    sent, tail, batch, batched = 0, [], [], 0
+    for view in reader.views(READ_SLICE):
+        cut = max(0, min(len(view), head - sent))
+        if cut:
+            batch.append(view[:cut])
+            batched += cut
+        if cut < len(view):
+            tail.append(view[cut:])
+        sent += len(view)
+        if batched >= SEND_BATCH:
+            _write_views(transport, batch)
+            batch, batched = [], 0
+            await writer.drain()
+    if batch:
+        _write_views(transport, batch)
+    tail_bytes = b"".join(tail)  # the copy, taken before the check that vouches for it
+    await _flushed(transport, writer)
+    reader.verify()
+    transport.write(tail_bytes)
+
+
+def _write_views(transport: asyncio.Transport, views: list[memoryview]) -> None:
+    """One ``writelines``; a closed uvloop transport raises RuntimeError, so check first.
+
+    Raises:
+        ConnectionResetError: the connection is closing.
+    """
+    if transport.is_closing():
+        raise ConnectionResetError("the client went away during the send")
+    transport.writelines(views)
+
+
+async def _flushed(transport: asyncio.Transport, writer: AbstractStreamWriter) -> None:
+    """Wait until the transport has handed every byte written so far to the kernel.
+
+    Raises:
+        ConnectionResetError: the connection closed first.
+    """
+    if transport.is_closing():
+        raise ConnectionResetError("the client went away during the send")
+    low, high = transport.get_write_buffer_limits()
+    transport.set_write_buffer_limits(high=0, low=0)  # pause writing until the buffer is empty
+    try:
+        while transport.get_write_buffer_size() and not transport.is_closing():
+            await writer.drain()
+            if transport.get_write_buffer_size():
+                await asyncio.sleep(0.001)  # not paused yet: poll, briefly
+    finally:
+        if not transport.is_closing():
+            transport.set_write_buffer_limits(high=high, low=low)
+    if transport.is_closing():
+        raise ConnectionResetError("the client went away during the send")
+
+
+async def head_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
+    """``HEAD /kv/<hash>``: 200 with the block's Content-Length, 404 if absent."""
+    address = request.match_info["hash"]
+    n = request.app[SLAB].length(address, tenant.ns)
+    if n is None:
+        raise NotFound(f"no block {address}")
+    return reply(request, 200, b"", BLOCK_TYPE, length=n)
+
+
+async def delete_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
+    """``DELETE /kv/<hash>``: release one reference; 204, or 404 if absent."""
+    address = request.match_info["hash"]
+    if not request.app[SLAB].delete(address, tenant.ns):
+        raise NotFound(f"no block {address}")
+    return reply(request, 204)

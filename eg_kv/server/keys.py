@@ -1,0 +1,33 @@
+"""The typed keys of what one worker's application holds (``app[KEY]``).
+
+Apart from the modules that make what they hold, so that every handler module can read
+them without importing the app that assembles the handlers (no import cycle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from aiohttp import web
+
+from ..config import Settings
+from ..slab.store import Slab
+from .auth import Auth
+from .connections import Connections
+from .inflight import Drain, SpoolBudget
+from .metrics import Metrics
+
+SETTINGS = web.AppKey("settings", Settings)
+SLAB = web.AppKey("slab", Slab)
+METRICS = web.AppKey("metrics", Metrics)
+#: How /healthz counts workers: () -> (up, configured).
+HealthProbe = Callable[[], tuple[int, int]]
+HEALTH: web.AppKey[HealthProbe] = web.AppKey("health")
+AUTH = web.AppKey("auth", Auth)
+CONNECTIONS = web.AppKey("connections", Connections)
+DRAIN = web.AppKey("drain", Drain)
+SPOOL = web.AppKey("spool", SpoolBudget)
+#: The background tasks a worker runs (:mod:`eg_kv.server.app`).
+FLUSH_TASK = web.AppKey("metrics_flush", asyncio.Task)
+SWEEP_TASK = web.AppKey("connection_sweep", asyncio.Task)
