@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .client.sync import KvCacheConfig, KvCacheStats, RemoteKVConnector, to_address
+from .client.connectors import RemoteKVConnector
+from .client.core import KvCacheConfig, KvCacheStats, to_address
 from .lmcache.l2 import RemoteKVL2Connector
 
 if TYPE_CHECKING:
-    from .client.aio import AsyncRemoteKVConnector
+    from .client.aio_connectors import AsyncRemoteKVConnector
     from .lmcache.adapter import EgKvConnectorAdapter
     from .lmcache.remote import EgKvRemoteConnector
 
@@ -46,7 +47,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # Lazy: keep the base import free of aiohttp and of lmcache/torch.
     if name == "AsyncRemoteKVConnector":
-        from .client.aio import AsyncRemoteKVConnector
+        from .client.aio_connectors import AsyncRemoteKVConnector
 
         return AsyncRemoteKVConnector
     if name == "EgKvRemoteConnector":

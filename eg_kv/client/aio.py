@@ -1,6 +1,6 @@
-"""The asyncio eg-kv client: :class:`AsyncRemoteKVConnector` on an ``aiohttp`` session.
+"""The asyncio client of one server: :class:`AsyncServerConnector` on an ``aiohttp`` session.
 
-The same methods as :class:`eg_kv.client.sync.RemoteKVConnector`, as coroutines, with the same
+The same methods as :class:`eg_kv.client.sync.ServerConnector`, as coroutines, with the same
 rules (:mod:`eg_kv.client.core`): the hot path (``get``, ``put``, ``contains``, ``exists``,
 ``delete``, ``contains_prefix``, ``exists_many``) turns every transport or protocol error
 into a miss and never waits past the timeout; ``stats()`` raises a clear error.
@@ -9,6 +9,10 @@ What aiohttp would do on its own and a client that trusts nothing must not: foll
 redirects (``allow_redirects=False``), decompress (``auto_decompress=False``), resend a
 ``PUT`` or ``DELETE`` after a dropped connection (a per-request middleware stops its
 retry), and send a body after the server answered its head (the connection is closed).
+
+The public name, :class:`eg_kv.client.aio_connectors.AsyncRemoteKVConnector`, is this class
+when ``base_url`` names one server and :class:`eg_kv.client.aio_sets.AsyncSetConnector`
+otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp.payload import Payload
 
-from ..errors import EgKvError, RemoteError
+from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
 from ..slab.view import BlockReader
 from .core import (
@@ -49,6 +53,7 @@ from .core import (
 from .localreads import ROUTE as LOCAL_ROUTE
 
 T = TypeVar("T")
+C = TypeVar("C", bound="AsyncServerConnector")
 
 
 class _NotResent(aiohttp.ClientError):
@@ -145,32 +150,15 @@ async def _json(resp: aiohttp.ClientResponse) -> Any:
     return json_answer(resp.status, await _read_small(resp))
 
 
-class AsyncRemoteKVConnector:
-    """Asyncio eg-kv client. An async context manager.
+class AsyncServerConnector:
+    """Asyncio client of one eg-kv server. An async context manager.
 
     Pass ``session=`` to share a caller-owned ``aiohttp.ClientSession`` (the caller keeps
     owning it: :meth:`close` leaves it open); otherwise the connector opens its own on
     first use, in the running loop, and closes it in :meth:`close`. Requests set their own
     redirect, decompression and (for PUT and DELETE) middleware options, whatever the
     session's defaults.
-
-    A ``base_url`` that names a server set builds an
-    :class:`eg_kv.client.sets.AsyncClusterConnector` instead, with the same coroutines.
     """
-
-    def __new__(
-        cls,
-        config: KvCacheConfig | None = None,
-        *,
-        session: aiohttp.ClientSession | None = None,
-        **settings: Any,
-    ) -> Any:
-        resolved = resolve_config(config, settings)
-        if cls is AsyncRemoteKVConnector and not resolved.single:
-            from .sets import AsyncClusterConnector
-
-            return AsyncClusterConnector(resolved, session=session)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -187,9 +175,14 @@ class AsyncRemoteKVConnector:
                 accepted and unused); what is left out comes from the environment.
 
         Raises:
-            ConfigError: a setting cannot be used.
+            ConfigError: a setting cannot be used, or it names a server set.
         """
         self.config = resolve_config(config, settings)
+        if not self.config.single:
+            raise ConfigError(
+                f"{type(self).__name__} serves one server; a server set needs "
+                "AsyncRemoteKVConnector or AsyncSetConnector"
+            )
         self._core = ClientCore(self.config)
         self._session = session
         self._owns_session = session is None
@@ -204,8 +197,8 @@ class AsyncRemoteKVConnector:
 
     @classmethod
     def from_env(
-        cls, *, session: aiohttp.ClientSession | None = None, **settings: Any
-    ) -> AsyncRemoteKVConnector:
+        cls: type[C], *, session: aiohttp.ClientSession | None = None, **settings: Any
+    ) -> C:
         """A connector configured from ``EPISTEMIC_GRAPH_KVCACHE_*`` (keywords override).
 
         Raises:
@@ -214,9 +207,9 @@ class AsyncRemoteKVConnector:
         return cls(KvCacheConfig.from_env(**settings), session=session)
 
     def __repr__(self) -> str:
-        return f"AsyncRemoteKVConnector({self._base!r})"
+        return f"{type(self).__name__}({self._base!r})"
 
-    async def __aenter__(self) -> AsyncRemoteKVConnector:
+    async def __aenter__(self: C) -> C:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -344,7 +337,7 @@ class AsyncRemoteKVConnector:
 
         Returns:
             The final HTTP status, or None when no usable answer came. See
-            :meth:`eg_kv.client.sync.RemoteKVConnector.put_status`.
+            :meth:`eg_kv.client.sync.ServerConnector.put_status`.
         """
         address = to_address(key)
         try:

@@ -1,9 +1,10 @@
 """A server set as one cache: per-member connectors behind placement, health and membership.
 
-Both :class:`ClusterConnector` (sync) and :class:`AsyncClusterConnector` (asyncio) have the
-methods of the single-server clients and are built by them when ``base_url`` names a set
-(a list, a ``dns+`` or ``dnssrv+`` URL; :mod:`eg_kv.client.members`). A set of one plain URL never
-comes here: the direct client serves it at today's cost.
+:class:`SetConnector` (sync) and :class:`eg_kv.client.aio_sets.AsyncSetConnector` (asyncio)
+have the methods of the single-server clients; ``RemoteKVConnector`` /
+``AsyncRemoteKVConnector`` (:mod:`eg_kv.client.connectors`) build them when ``base_url``
+names a set (a list, a ``dns+`` or ``dnssrv+`` URL; :mod:`eg_kv.client.members`). A set of
+one plain URL never comes here: the direct client serves it at today's cost.
 
 What the two share is :class:`Router` (no request I/O of its own):
 
@@ -33,9 +34,7 @@ Standard library only for a list of URLs; dnspython only for a DNS entry.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -49,7 +48,7 @@ from ..errors import RemoteError
 from .core import KvCacheConfig, KvCacheStats, batches, to_address
 from .members import Health, Member, Membership, View, parse_server_set
 from .placement import merge, prefix_hits
-from .sync import RemoteKVConnector
+from .sync import ServerConnector
 
 T = TypeVar("T")
 
@@ -73,13 +72,6 @@ PROBE_ADDRESS = to_address("eg-kv:probe")
 _LIMIT_FIELDS = ("page_size", "max_block_size")
 
 Groups = dict[str, list[int]]
-
-
-def connect(config: KvCacheConfig) -> RemoteKVConnector | ClusterConnector:
-    """The sync client of a config: the direct client for one plain URL (today's path, at
-    today's cost), else a :class:`ClusterConnector`. Every sync user (the LMCache plugins
-    included) is built here."""
-    return RemoteKVConnector(config) if config.single else ClusterConnector(config)
 
 
 def member_config(config: KvCacheConfig, member: Member, **changes: Any) -> KvCacheConfig:
@@ -252,7 +244,7 @@ class Router:
             self.config, member, timeout_s=min(self.config.timeout_s, PROBE_TIMEOUT_S),
             local_reads=False,
         )  # fmt: skip
-        with RemoteKVConnector(cfg) as probe:
+        with ServerConnector(cfg) as probe:
             if probe.healthz() is None:
                 return False
             try:
@@ -267,7 +259,7 @@ class Router:
         cfg = member_config(
             self.config, member, timeout_s=min(self.config.timeout_s, PROBE_TIMEOUT_S)
         )
-        with RemoteKVConnector(cfg) as conn:
+        with ServerConnector(cfg) as conn:
             capacity = conn.stats().extra.get("capacity_bytes")
         return float(capacity) if isinstance(capacity, int) and capacity > 0 else None
 
@@ -278,7 +270,7 @@ class Router:
             self._prober.join(timeout=PROBE_TIMEOUT_S * 3)
 
 
-class _Members:
+class MemberConnectors:
     """One connector per member, built on first use, dropped when the member leaves.
 
     Args:
@@ -325,14 +317,14 @@ class _Members:
         return conns
 
 
-def _absent(status: int | None) -> bool:
+def absent(status: int | None) -> bool:
     # Only a definite 404 sends a DELETE on to the previous home; a lost answer (None)
     # may have been applied.
     return status == 404
 
 
-class ClusterConnector:
-    """A server set behind the :class:`~eg_kv.client.sync.RemoteKVConnector` interface.
+class SetConnector:
+    """A server set behind the :class:`~eg_kv.client.sync.ServerConnector` interface.
 
     Thread-safe, a context manager. Hot-path methods never raise (a miss); ``stats()``
     sums the members that answered and raises :class:`RemoteError` when none did.
@@ -347,16 +339,16 @@ class ClusterConnector:
         """
         self.config = config
         self._router = Router(config)
-        self._members = _Members(self._router, RemoteKVConnector)
+        self._members = MemberConnectors(self._router, ServerConnector)
         self._router.listeners.append(self._members.prune)
         self._fanout = ThreadPoolExecutor(MAX_FANOUT_THREADS, thread_name_prefix="eg-kv-fanout")
         self._closed = False
 
     def __repr__(self) -> str:
         members = len(self._router.view().members)
-        return f"ClusterConnector({self.config.base_url!r}, {members} members)"
+        return f"SetConnector({self.config.base_url!r}, {members} members)"
 
-    def __enter__(self) -> ClusterConnector:
+    def __enter__(self) -> SetConnector:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -398,7 +390,7 @@ class ClusterConnector:
 
     def fetch(self, key: str | bytes, sink: Callable[..., T],
               may_start: Callable[[float], bool] | None = None) -> T | None:  # fmt: skip
-        """``GET`` the block from its home (see :meth:`RemoteKVConnector.fetch`).
+        """``GET`` the block from its home (see :meth:`ServerConnector.fetch`).
 
         Args:
             key: the block's key or address.
@@ -410,10 +402,10 @@ class ClusterConnector:
         return self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None,
                          may_start=may_start)  # fmt: skip
 
-    get = RemoteKVConnector.get
-    get_into = RemoteKVConnector.get_into
-    put = RemoteKVConnector.put
-    put_parts = RemoteKVConnector.put_parts
+    get = ServerConnector.get
+    get_into = ServerConnector.get_into
+    put = ServerConnector.put
+    put_parts = ServerConnector.put_parts
 
     def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
         """``PUT`` at the address's home (its next-ranked member while it is down)."""
@@ -433,7 +425,7 @@ class ClusterConnector:
         change, and only when the home answered 404) its previous home. A lost answer at
         the home is not sent on: the home may have applied it, and one DELETE releases
         one reference, never two."""
-        status = self._one(key, lambda c, a: c._status("DELETE", a), _absent)
+        status = self._one(key, lambda c, a: c._status("DELETE", a), absent)
         return status == 204
 
     # -- batches
@@ -516,7 +508,7 @@ class ClusterConnector:
         return self.try_exists_addresses([to_address(k) for k in keys])
 
     def try_exists_addresses(self, addresses: Sequence[str]) -> list[bool] | None:
-        """Like :meth:`RemoteKVConnector.try_exists_addresses`; a member that failed costs
+        """Like :meth:`ServerConnector.try_exists_addresses`; a member that failed costs
         its share (its addresses are misses); None only when no member answered."""
         found, answered = self._lookup(list(addresses))
         return found if answered else None
@@ -566,169 +558,5 @@ class ClusterConnector:
         return None
 
 
-class AsyncClusterConnector:
-    """A server set behind the :class:`~eg_kv.client.aio.AsyncRemoteKVConnector` interface.
-
-    Membership, health probes and weighing run in :class:`Router`'s threads; requests run
-    on the caller's loop, a batch's groups gathered in parallel.
-    """
-
-    def __init__(self, config: KvCacheConfig, *, session: Any = None) -> None:
-        """Args:
-            config: the set's config.
-            session: a caller-owned ``aiohttp.ClientSession`` every member shares.
-
-        Raises:
-            ConfigError: the setting does not parse.
-        """
-        from .aio import AsyncRemoteKVConnector
-
-        self.config = config
-        self._router = Router(config)
-        #: The loop the member connectors (their aiohttp sessions) were built on.
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-        def build(cfg: KvCacheConfig) -> AsyncRemoteKVConnector:
-            self._loop = asyncio.get_running_loop()
-            return AsyncRemoteKVConnector(cfg, session=session)
-
-        self._members = _Members(self._router, build, self._dispose)
-        self._router.listeners.append(self._members.prune)
-        self._closed = False
-
-    def _dispose(self, conn: Any) -> None:
-        """Close a departed member's connector on the loop its session lives on (prune
-        runs in the membership thread)."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return  # no session was opened on a loop that still runs
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            asyncio.run_coroutine_threadsafe(conn.close(), loop)
-
-    def __repr__(self) -> str:
-        return f"AsyncClusterConnector({self.config.base_url!r})"
-
-    async def __aenter__(self) -> AsyncClusterConnector:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    @property
-    def router(self) -> Router:
-        return self._router
-
-    async def close(self) -> None:
-        """Stop the background threads and close every member's session. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.get_running_loop().run_in_executor(None, self._router.close)
-        for conn in self._members.take_all():
-            await conn.close()
-
-    async def _one(self, key: str | bytes, op: Callable[[Any, str], Any],
-                   miss: Callable[[Any], bool], ask_previous: bool = True) -> Any:  # fmt: skip
-        address = to_address(key)
-        if self._closed:
-            return None
-        view, home = self._router.home(address)
-        if home is None:
-            return None
-        result = await op(self._members.get(view, home), address)
-        if ask_previous and miss(result):
-            before = self._router.previous(view, address, home)
-            if before is not None:
-                return await op(self._members.get(view, before), address)
-        return result
-
-    async def get(self, key: str | bytes) -> bytes | None:
-        return await self._one(key, lambda c, a: c.get(a), lambda r: r is None)
-
-    async def put(self, key: str | bytes, data: Any) -> bool:
-        return await self.put_status(key, (data,)) in (200, 201)
-
-    async def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
-        parts = list(parts)
-        return await self._one(key, lambda c, a: c.put_status(a, parts), lambda _r: False, False)
-
-    async def contains(self, key: str | bytes) -> bool:
-        return bool(await self._one(key, lambda c, a: c.contains(a), lambda r: not r))
-
-    async def exists(self, key: str | bytes) -> bool:
-        return bool(await self._one(key, lambda c, a: c.exists(a), lambda r: not r))
-
-    async def delete(self, key: str | bytes) -> bool:
-        """Like :meth:`ClusterConnector.delete`: the previous home only after a 404."""
-        return await self._one(key, lambda c, a: c._status("DELETE", a), _absent) == 204
-
-    async def _parallel(
-        self, view: View, groups: Groups, addresses: Sequence[str], deadline: float
-    ) -> dict[str, list[bool] | None]:
-        """Like :meth:`ClusterConnector._parallel`: every group at once, all answered by
-        ``deadline``; a member still out when the batch stops waiting for it is
-        cancelled, missing from the answer and marked down."""
-
-        async def one(m: str, idx: list[int]) -> list[bool] | None:
-            # A failed group is all misses (its share); its error marks the member down.
-            return await self._members.get(view, m).exists_many([addresses[i] for i in idx])
-
-        started = time.monotonic()
-        pending = {asyncio.ensure_future(one(m, idx)): m for m, idx in groups.items()}
-        out: dict[str, list[bool] | None] = {}
-        cut = deadline
-        try:
-            while pending:
-                done, _ = await asyncio.wait(
-                    pending, timeout=max(0.0, cut - time.monotonic()),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )  # fmt: skip
-                if not done:
-                    break
-                for task in done:
-                    out[pending.pop(task)] = task.result()
-                cut = self._router.cut(started, deadline)
-        finally:
-            for task in pending:
-                task.cancel()
-        if pending:
-            self._router.late(pending.values(), time.monotonic() - started)
-        return out
-
-    async def _lookup(self, addresses: Sequence[str]) -> list[bool]:
-        if self._closed or not addresses:
-            return [False] * len(addresses)
-        deadline = time.monotonic() + self.config.timeout_s
-        view, groups = self._router.plan(addresses)
-        answers = await self._parallel(view, groups, addresses, deadline)
-        found = merge(
-            len(addresses), groups, {m: a for m, a in answers.items() if a is not None}, False
-        )
-        again = self._router.second_plan(view, addresses, found, groups)
-        if again and time.monotonic() < deadline:
-            for m, a in (await self._parallel(view, again, addresses, deadline)).items():
-                if a is not None:
-                    for i, hit in zip(again[m], a, strict=True):
-                        found[i] = found[i] or hit
-        return found
-
-    async def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
-        return await self._lookup([to_address(k) for k in keys])
-
-    async def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
-        return prefix_hits(await self._lookup([to_address(k) for k in keys]))
-
-    async def stats(self) -> KvCacheStats:
-        view = self._router.view()
-        ids = list(view.placement.members)
-
-        async def one(m: str) -> KvCacheStats | None:
-            try:
-                return await self._members.get(view, m).stats()
-            except Exception:  # the sum goes on without it
-                return None
-
-        parts = [s for s in await asyncio.gather(*(one(m) for m in ids)) if s is not None]
-        if not parts:
-            raise RemoteError("cannot read /kv/stats from any member of the set")
-        return sum_stats(parts)
+#: The name this class had before the set connectors were named for what they serve.
+ClusterConnector = SetConnector

@@ -1,6 +1,6 @@
-"""The synchronous eg-kv client: standard library only, kept-alive pooled connections.
+"""The synchronous client of one server: standard library only, kept-alive pooled connections.
 
-:class:`RemoteKVConnector` speaks the HTTP contract (``GET/PUT/HEAD/DELETE /kv/<addr>``,
+:class:`ServerConnector` speaks the HTTP contract (``GET/PUT/HEAD/DELETE /kv/<addr>``,
 ``GET /kv/<addr>/exists``, ``POST /kv/batch/exists``, ``GET /kv/stats``) over HTTP/1.1
 connections (:mod:`eg_kv.client.http11`, standard library only) that are kept alive and reused
 from a small thread-safe pool.
@@ -13,6 +13,9 @@ timeout. ``stats()`` raises :class:`~eg_kv.errors.RemoteError` (or
 
 The bearer token is sent in a header only; it never appears in a URL, a log line, a
 ``repr`` or an error message.
+
+The public name, :class:`eg_kv.client.connectors.RemoteKVConnector`, is this class when
+``base_url`` names one server and a set connector (:mod:`eg_kv.client.sets`) otherwise.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from ..config import DEFAULT_HOST
-from ..errors import EgKvError, RemoteError
+from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
 from ..wire import ADDRESSES_TYPE, encode_addresses
 from .core import (
@@ -69,16 +72,14 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "KvCacheConfig",
     "KvCacheStats",
-    "RemoteKVConnector",
+    "ServerConnector",
     "batch_answer",
     "resolve_config",
     "to_address",
 ]
 
 T = TypeVar("T")
-
-# The name the LMCache plugins knew before the core module existed.
-_Miss = Miss
+C = TypeVar("C", bound="ServerConnector")
 
 
 class _Pool:
@@ -145,26 +146,16 @@ class _Pool:
 Sink = Callable[[int, Callable[[memoryview], None]], T]
 
 
-class RemoteKVConnector:
-    """Synchronous eg-kv client (standard library only). Thread-safe; a context manager.
+class ServerConnector:
+    """Synchronous client of one eg-kv server (standard library only). Thread-safe; a
+    context manager.
 
-    Build it with keywords (``RemoteKVConnector(base_url=..., token=...)``), with a
+    Build it with keywords (``ServerConnector(base_url=..., token=...)``), with a
     :class:`KvCacheConfig`, or from the environment with :meth:`from_env`.
 
     Keys: a string that is a valid address (a token hash) is used verbatim; any other key
     (an LMCache key with ``/``, bytes) is mapped to a stable digest (:func:`to_address`).
-
-    A ``base_url`` that names a server set (a list, a ``dns+`` or ``dnssrv+`` URL) builds
-    an :class:`eg_kv.client.sets.ClusterConnector` instead, with the same methods.
     """
-
-    def __new__(cls, config: KvCacheConfig | None = None, **settings: Any) -> Any:
-        resolved = resolve_config(config, settings)
-        if cls is RemoteKVConnector and not resolved.single:
-            from .sets import ClusterConnector
-
-            return ClusterConnector(resolved)
-        return super().__new__(cls)
 
     def __init__(self, config: KvCacheConfig | None = None, **settings: Any) -> None:
         """Args:
@@ -174,9 +165,14 @@ class RemoteKVConnector:
                 comes from the environment (:meth:`KvCacheConfig.from_env`).
 
         Raises:
-            ConfigError: a setting cannot be used.
+            ConfigError: a setting cannot be used, or it names a server set.
         """
         self.config = resolve_config(config, settings)
+        if not self.config.single:
+            raise ConfigError(
+                f"{type(self).__name__} serves one server; a server set needs "
+                "RemoteKVConnector or SetConnector"
+            )
         self._core = ClientCore(self.config)
         self._pool = _Pool(self.config)
         # The header lines every request carries (the token among them), encoded once.
@@ -191,9 +187,8 @@ class RemoteKVConnector:
         self._closed = False
 
     @classmethod
-    def from_env(cls, **settings: Any) -> RemoteKVConnector:
-        """A connector configured from ``EPISTEMIC_GRAPH_KVCACHE_*`` (keywords override);
-        a :class:`~eg_kv.client.sets.ClusterConnector` when they name a server set.
+    def from_env(cls: type[C], **settings: Any) -> C:
+        """A connector configured from ``EPISTEMIC_GRAPH_KVCACHE_*`` (keywords override).
 
         Raises:
             ConfigError: a setting cannot be used.
@@ -201,9 +196,9 @@ class RemoteKVConnector:
         return cls(KvCacheConfig.from_env(**settings))
 
     def __repr__(self) -> str:
-        return f"RemoteKVConnector({self.config.base_url!r})"
+        return f"{type(self).__name__}({self.config.base_url!r})"
 
-    def __enter__(self) -> RemoteKVConnector:
+    def __enter__(self: C) -> C:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,7 +8,7 @@ LMCache 0.5.x's multiprocess server loads it from::
 and wraps it in ``NativeConnectorL2Adapter``, which calls the ``submit_batch_*`` methods
 under its own lock and polls :meth:`RemoteKVL2Connector.event_fd` from a demux thread.
 So every ``submit_batch_*`` only queues work and returns a fresh future id; the network
-I/O runs on a thread pool over one shared :class:`~eg_kv.client.sync.RemoteKVConnector`
+I/O runs on a thread pool over one shared :class:`~eg_kv.client.sync.ServerConnector`
 (standard library only), and each finished batch is queued for
 :meth:`RemoteKVL2Connector.drain_completions` with one write to a Linux eventfd.
 
@@ -48,8 +48,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..address import address_for_key
-from ..client.sets import ClusterConnector, connect
-from ..client.sync import KvCacheConfig, RemoteKVConnector, resolve_config
+from ..client.connectors import connect
+from ..client.core import KvCacheConfig, resolve_config
+from ..client.sets import SetConnector
+from ..client.sync import ServerConnector
 from .store_warnings import StoreWarnings
 from .write_gate import GateSet, WriteGate, read_through
 
@@ -227,7 +229,7 @@ class RemoteKVL2Connector:
         return False
 
     def _fetch(self, address: str, sink: Callable[..., bool], gate: WriteGate) -> bool | None:
-        if isinstance(self._client, ClusterConnector):
+        if isinstance(self._client, SetConnector):
             # Over a set a miss may ask the previous home with a fresh timeout_s: only
             # while the batch's deadline still has room for it (the same gate).
             return self._client.fetch(address, sink, may_start=gate.can_start)
@@ -273,7 +275,7 @@ class RemoteKVL2Connector:
         client = self._client
         # Inline only against one server: a set's lookup fans out over several members.
         if (
-            isinstance(client, RemoteKVConnector)
+            isinstance(client, ServerConnector)
             and len(keys) <= INLINE_MAX_KEYS
             and time.monotonic() >= self._inline_after
         ):

@@ -18,7 +18,7 @@ so the name is found from the config (refused when several instances use this cl
 ``base_url``, ``addr``, ``token``, ``timeout_s``, ``num_workers``, ``max_connections`` and
 ``verify_tls`` are read from ``remote_storage_plugin.<name>.*``; what is missing comes from
 the ``EPISTEMIC_GRAPH_KVCACHE_*`` environment. Underneath is the same
-:class:`~eg_kv.client.sync.RemoteKVConnector` as everywhere else, run on a small thread pool so
+:class:`~eg_kv.client.sync.ServerConnector` as everywhere else, run on a small thread pool so
 LMCache's event loop never blocks on the network.
 
 Each chunk is stored as LMCache's ``RemoteMetadata`` header (shapes, dtypes, format, so a
@@ -44,9 +44,9 @@ from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from ..address import address_for_key
+from ..client.connectors import connect
+from ..client.core import CONFIG_KEYWORDS, KvCacheConfig
 from ..client.core import Miss as _Miss
-from ..client.sets import connect
-from ..client.sync import CONFIG_KEYWORDS, KvCacheConfig
 from ..errors import ConfigError
 from .store_warnings import StoreWarnings
 from .write_gate import GateClosed, GateSet, read_through

@@ -26,11 +26,11 @@ import time
 import pytest
 
 from eg_kv.address import address_for_key
-from eg_kv.client.sync import RemoteKVConnector
+from eg_kv.client.connectors import RemoteKVConnector
 
 CHURN = r"""
 import json, sys, time
-from eg_kv.client.sync import RemoteKVConnector
+from eg_kv.client.connectors import RemoteKVConnector
 url, me, n, filler, seconds, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), \
     int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
 mine = [f"churn-{me}-{i}" for i in range(n)]
