@@ -353,14 +353,14 @@ def help_text(setting: ServerSetting) -> str:
 
     A setting without a flag is named by its variable first (the help's epilog lists them).
     """
+    default = f"default {default_markdown(setting)}"
     if not setting.flag:
-        return f"{setting.env}: {setting.help} (default {default_markdown(setting)})".replace(
-            "`", ""
-        )
-    tail = f"default {default_markdown(setting)}"
-    if setting.env:
-        tail += f"; env {setting.env}"
-    return f"{setting.help} ({tail})".replace("`", "")
+        line = f"{setting.env}: {setting.help} ({default})"
+    elif setting.env:
+        line = f"{setting.help} ({default}; env {setting.env})"
+    else:
+        line = f"{setting.help} ({default})"
+    return line.replace("`", "")
 
 
 def settings_markdown() -> str:
