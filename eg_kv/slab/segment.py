@@ -599,7 +599,11 @@ class SlabSegment(SlabLocking):
         self._rebuild_free_list(bytearray(g.npages))
 
     def _rebuild_free_list(self, owned: bytearray) -> None:
-        """Link every page not marked in ``owned`` into the free list, in page order."""
+        """Link every page not marked in ``owned`` into the free list, in page order.
+
+        Here rather than with the page allocator (:mod:`eg_kv.slab.store`): it builds a new
+        slab's list (:meth:`_format`), and repair (:mod:`eg_kv.slab.check`) rebuilds it.
+        """
         nxt, tag, head, count = self._next, self._tag, L.NO_PAGE, 0
         for p in range(self.geometry.npages - 1, -1, -1):
             if not owned[p]:
