@@ -19,6 +19,12 @@ from eg_kv.lmcache import l2 as lmcache_l2
 from eg_kv.lmcache.l2 import RemoteKVL2Connector
 
 
+@pytest.fixture(scope="module")
+def srv(module_server_factory):
+    """One server for the module: each test asks about its own addresses only."""
+    return module_server_factory(workers=1)
+
+
 def _post(srv, body: bytes, content_type: str) -> tuple[int, str, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
     try:
@@ -29,8 +35,7 @@ def _post(srv, body: bytes, content_type: str) -> tuple[int, str, bytes]:
         conn.close()
 
 
-def test_compact_batch_answers_one_byte_per_address_and_json_still_works(server_factory):
-    srv = server_factory(workers=1)
+def test_compact_batch_answers_one_byte_per_address_and_json_still_works(srv):
     with RemoteKVConnector(base_url=srv.url) as kv:
         assert kv.put("a1", b"x") and kv.put("a3", b"y")
     asked = ["a1", "a2", "a3"]
@@ -54,8 +59,7 @@ def test_compact_batch_answers_one_byte_per_address_and_json_still_works(server_
     ],
     ids=["not-ascii", "empty-line", "slash", "too-many"],
 )
-def test_a_bad_compact_body_gets_a_4xx_with_its_reason(server_factory, body, status, reason):
-    srv = server_factory(workers=1)
+def test_a_bad_compact_body_gets_a_4xx_with_its_reason(srv, body, status, reason):
     got, _ctype, text = _post(srv, body, wire.ADDRESSES_TYPE)
     assert got == status and reason in text, text
     assert srv.healthz()["workers_up"] == 1  # nothing crashed
@@ -73,8 +77,7 @@ def test_the_client_falls_back_to_json_once_for_a_server_that_only_speaks_it():
     assert types == [wire.ADDRESSES_TYPE.encode(), b"application/json", b"application/json"]
 
 
-def test_a_small_lmcache_lookup_is_answered_before_submit_returns(server_factory):
-    srv = server_factory(workers=1)
+def test_a_small_lmcache_lookup_is_answered_before_submit_returns(srv):
     conn = RemoteKVL2Connector(base_url=srv.url, num_workers=2)
     try:
         keys = [f"m@0@0@{i:064x}" for i in range(16)]

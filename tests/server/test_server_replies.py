@@ -17,9 +17,11 @@ from helpers.server_http import WORKER_HEADER
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def srv(server_factory):
-    return server_factory(workers=1)
+@pytest.fixture(scope="module")
+def srv(module_server_factory):
+    """One server for the module: each test writes its own addresses (or rewrites the same
+    bytes) and checks replies, never counters."""
+    return module_server_factory(workers=1)
 
 
 class Conn:
@@ -128,9 +130,9 @@ def test_pipelined_block_requests_are_framed_in_order(srv):
 def test_http10_without_keep_alive_is_answered_then_closed(srv, size):
     data = os.urandom(size)
     with Conn(srv) as conn:
-        _put(conn, "v10", data)
+        _put(conn, f"v10-{size}", data)  # one address per size
         assert conn.response()[0] == "HTTP/1.1 201 Created"
-        conn.send(b"GET /kv/v10 HTTP/1.0\r\n\r\n")
+        conn.send(b"GET /kv/v10-%d HTTP/1.0\r\n\r\n" % size)
         line, h, body = conn.response()
         assert (line, body == data) == ("HTTP/1.0 200 OK", True)
         assert "connection" not in h  # HTTP/1.0 closes by default
