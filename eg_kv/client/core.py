@@ -47,6 +47,11 @@ from ..config import (
 from ..errors import ConfigError, InvalidAddress, RemoteError, Unauthorized
 from ..slab.local import LocalSlab, LocalUnavailable
 from ..slab.view import BlockReader
+from ..wire import AUTHORIZATION, BATCH_EXISTS_MAX, BLOCK_PREFIX
+
+# The content types the connectors send, re-exported for them (defined in eg_kv.wire).
+from ..wire import BLOCK_TYPE as BLOCK_TYPE
+from ..wire import JSON_TYPE as JSON_TYPE
 from .localreads import LocalReads
 
 log = logging.getLogger("eg_kv.kvcache")
@@ -56,8 +61,6 @@ DEFAULT_NUM_WORKERS = 8
 DEFAULT_MAX_CONNECTIONS = 16
 #: The largest block a client reads (default: the server's default ``--max-block-size``).
 ENV_MAX_BLOCK_SIZE = "EPISTEMIC_GRAPH_KVCACHE_MAX_BLOCK_SIZE"
-#: The server's limit on addresses per ``POST /kv/batch/exists``.
-BATCH_EXISTS_MAX = 1024
 #: Largest non-block answer read (JSON, error lines). The largest real one, a batch answer
 #: for 1024 addresses, is about 7 KiB.
 SMALL_ANSWER_MAX = 1024 * 1024
@@ -77,9 +80,6 @@ ENV_REFRESH = "EPISTEMIC_GRAPH_KVCACHE_REFRESH_S"
 #: The DNS server a ``dns+`` / ``dnssrv+`` set asks (``host[:port]``; default the system's).
 ENV_DNS_SERVER = "EPISTEMIC_GRAPH_KVCACHE_DNS_SERVER"
 DEFAULT_REFRESH_S = 15.0
-#: The Content-Type of a block body and of a batch request.
-BLOCK_TYPE = "application/octet-stream"
-JSON_TYPE = "application/json"
 #: Sent with every request: the clients never decompress, so a compressed body (a
 #: "gzip bomb" included) can only be a miss.
 ACCEPT_IDENTITY = ("Accept-Encoding", "identity")
@@ -445,7 +445,9 @@ def may_resend(method: str, target: str) -> bool:
     (a ``POST`` that only reads). A ``PUT`` or ``DELETE`` whose head went out may have
     been applied (a ``DELETE`` sent twice releases two references), so it is a miss.
     """
-    return method in ("GET", "HEAD") or (method == "POST" and target.endswith("/kv/batch/exists"))
+    return method in ("GET", "HEAD") or (
+        method == "POST" and target.endswith(wire.BATCH_EXISTS_PATH)
+    )
 
 
 def wants_continue(method: str, size: int) -> bool:
@@ -525,10 +527,11 @@ class ClientCore:
     def __init__(self, config: KvCacheConfig) -> None:
         self.config = config
         self.prefix = urllib.parse.urlsplit(config.base_url).path.rstrip("/")
+        self._block_prefix = self.prefix + BLOCK_PREFIX  # joined once, not per request
         self.headers: dict[str, str] = dict((ACCEPT_IDENTITY,))
         if config.token:
             # The one place the token lives besides the config: a header value.
-            self.headers["Authorization"] = f"Bearer {config.token}"
+            self.headers[AUTHORIZATION] = f"Bearer {config.token}"
         self._warned_401 = False
         #: Called with each transport error (refused, reset, timed out) of this
         #: connector: a server set marks the member down (:mod:`eg_kv.client.sets`).
@@ -544,7 +547,7 @@ class ClientCore:
 
     def block_path(self, address: str, suffix: str = "") -> str:
         """The request target of a block route."""
-        return f"{self.prefix}/kv/{address}{suffix}"
+        return f"{self._block_prefix}{address}{suffix}"
 
     def path(self, route: str) -> str:
         """The request target of a fixed route (``/kv/stats``, ``/healthz``, ...)."""

@@ -23,11 +23,12 @@ import threading
 import time
 
 from ..slab.local import LocalInfo, LocalRetired, LocalSlab, LocalUnavailable
+from ..wire import LOCAL_SLAB_PATH
 
 log = logging.getLogger("eg_kv.kvcache")
 
 #: Where a server says where its slab is.
-ROUTE = "/kv/local/slab"
+ROUTE = LOCAL_SLAB_PATH
 #: Seconds before a client that could not read locally asks its server again (a server
 #: restarted onto the client's host, a tokens file reloaded with an admin token).
 RETRY_S = 30.0
