@@ -274,7 +274,8 @@ class Supervisor:
         # Import the worker's modules once here, so each fork starts serving at once.
         import aiohttp.web  # noqa: F401
 
-        import eg_kv.server.app  # noqa: F401
+        import eg_kv.server.app
+        import eg_kv.server.protocol  # noqa: F401 (the worker's AppRunner)
 
         with contextlib.suppress(ImportError):
             import uvloop  # noqa: F401
