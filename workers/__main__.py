@@ -146,7 +146,8 @@ def _stats(args: argparse.Namespace) -> int:
 def _set_stats(url: str, args: argparse.Namespace) -> int:
     """``eg-kv stats`` of a server set: the sum, then one line per member."""
     from eg_kv.client.core import KvCacheConfig
-    from eg_kv.client.sets import ClusterConnector, sum_stats
+    from eg_kv.client.sets import ClusterConnector
+    from eg_kv.client.setstats import sum_stats
 
     verify = None if not args.insecure else False
     config = KvCacheConfig.from_env(base_url=url, timeout_s=args.timeout, verify_tls=verify)

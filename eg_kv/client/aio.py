@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import aiohttp
@@ -28,12 +29,14 @@ from aiohttp.payload import Payload
 from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
 from ..slab.view import BlockReader
+from ..wire import ADDRESSES_TYPE, BATCH_EXISTS_PATH, HEALTHZ_PATH, STATS_PATH, encode_addresses
 from .core import (
     BLOCK_TYPE,
     JSON_TYPE,
     OVER_HTTP,
     SMALL_ANSWER_MAX,
     ClientCore,
+    CompactRefused,
     KvCacheConfig,
     KvCacheStats,
     Miss,
@@ -42,6 +45,7 @@ from .core import (
     batches,
     block_to_read,
     check_final,
+    compact_answer,
     exists_answer,
     json_answer,
     leading_hits,
@@ -51,9 +55,16 @@ from .core import (
     wants_continue,
 )
 from .localreads import ROUTE as LOCAL_ROUTE
+from .members import parse_server_set
+from .setstats import MemberStats
 
 T = TypeVar("T")
 C = TypeVar("C", bound="AsyncServerConnector")
+
+#: ``read_exact(view)``: a coroutine that fills ``view`` with the body's next bytes.
+AsyncReadExact = Callable[[memoryview], Awaitable[None]]
+#: ``await sink(length, read_exact)``: what :meth:`AsyncServerConnector.fetch` hands a body.
+AsyncSink = Callable[[int, AsyncReadExact], Awaitable[T]]
 
 
 class _NotResent(aiohttp.ClientError):
@@ -150,6 +161,38 @@ async def _json(resp: aiohttp.ClientResponse) -> Any:
     return json_answer(resp.status, await _read_small(resp))
 
 
+async def _flags(n: int, resp: aiohttp.ClientResponse) -> list[bool]:
+    """The answer to a compact batch of ``n`` addresses (see
+    :func:`~eg_kv.client.core.compact_answer`)."""
+    check_final(resp.status)
+    body = await _read_small(resp)
+    ctype = resp.headers.get("Content-Type")
+    return compact_answer(resp.status, None if ctype is None else ctype.encode("latin-1"), body, n)
+
+
+async def _sink_from_memory(body: bytes, sink: AsyncSink[T]) -> T:
+    """Hand a block already in memory (a local read) to an async sink.
+
+    Raises:
+        Miss: the sink read past the block or left part of it unread.
+    """
+    src = memoryview(body)
+    taken = 0
+
+    async def read_exact(view: memoryview) -> None:
+        nonlocal taken
+        view = memoryview(view).cast("B")
+        if taken + len(view) > len(src):
+            raise Miss("the sink read past the block")
+        view[:] = src[taken : taken + len(view)]
+        taken += len(view)
+
+    result = await sink(len(src), read_exact)
+    if taken != len(src):
+        raise Miss("sink left part of the body unread")
+    return result
+
+
 class AsyncServerConnector:
     """Asyncio client of one eg-kv server. An async context manager.
 
@@ -193,6 +236,8 @@ class AsyncServerConnector:
         # A member found through DNS: connected at its address, TLS checks its name.
         self._tls_name = {"server_hostname": self.config.server_name} if (
             self.config.server_name and self._base.startswith("https")) else {}  # fmt: skip
+        self._compact_batches = True
+        self._probes: set[asyncio.Future[None]] = set()
         self._closed = False
 
     @classmethod
@@ -240,18 +285,20 @@ class AsyncServerConnector:
         *,
         body: _Parts | bytes | None = None,
         headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> T:
         """One request; ``on_response`` reads and checks the final answer. Raises on error.
 
         A request that changes nothing (:func:`~eg_kv.client.core.may_resend`) is sent once
         more when a pooled connection turns out closed; a PUT or DELETE never is.
+        ``timeout_s``: this exchange's deadline, when shorter than the config's.
         """
         session = self._get_session()
         resend = may_resend(method, target)
         expect = isinstance(body, _Parts) and wants_continue(method, body.size or 0)
         kw: dict[str, Any] = {
             "headers": {**self._core.headers, **headers} if headers else self._core.headers,
-            "timeout": self._timeout,
+            "timeout": aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self._timeout,
             "allow_redirects": False,
             "auto_decompress": False,
             "expect100": expect,
@@ -277,17 +324,32 @@ class AsyncServerConnector:
                     raise
         raise RemoteError("unreachable")  # pragma: no cover
 
-    async def _local(self) -> LocalSlab | None:
-        """The server's slab mapped here, when this client is on its host (else None)."""
+    async def _local(self, probe: bool = True) -> LocalSlab | None:
+        """The server's slab mapped here, when this client is on its host (else None).
+
+        Args:
+            probe: ask the server where its slab is now if that is due; False for a call
+                with a deadline shorter than the config's: the probe then runs as a task
+                of its own instead.
+        """
         local = self._core.local
         if local.due():
-            try:
-                answer = await self._exchange("GET", self._core.path(LOCAL_ROUTE), _small)
-            except Exception as exc:  # asyncio.TimeoutError included
-                self._core.miss("GET", LOCAL_ROUTE, exc)
+            if probe:
+                await self._probe()
             else:
-                local.adopt(*answer)
+                task = asyncio.ensure_future(self._probe())
+                self._probes.add(task)  # held until done: the loop keeps weak references
+                task.add_done_callback(self._probes.discard)
         return local.slab
+
+    async def _probe(self) -> None:
+        """Ask the server where its slab is (``GET /kv/local/slab``) and map it if it can."""
+        try:
+            answer = await self._exchange("GET", self._core.path(LOCAL_ROUTE), _small)
+        except Exception as exc:  # asyncio.TimeoutError included
+            self._core.miss("GET", LOCAL_ROUTE, exc)
+        else:
+            self._core.local.adopt(*answer)
 
     async def get(self, key: str | bytes) -> bytes | None:
         """``GET /kv/<addr>``: the block's bytes, or None on a miss or any error.
@@ -328,9 +390,104 @@ class AsyncServerConnector:
             self._core.miss("GET", address, exc)
             return None
 
+    async def fetch(
+        self,
+        key: str | bytes,
+        sink: AsyncSink[T],
+        may_start: Callable[[float], bool] | None = None,
+    ) -> T | None:
+        """``GET /kv/<addr>`` and hand the body to ``await sink(length, read_exact)``; None
+        on a miss.
+
+        ``sink`` must await ``read_exact(view)`` with views that add up to ``length`` bytes
+        (in order) and return its result; if it raises, the block is a miss. A body cut
+        short, over ``max_block_size`` or unframed is a miss, never partial bytes (the
+        rules of :meth:`eg_kv.client.sync.ServerConnector.fetch`). On the server's host the
+        block is copied from its slab first (as :meth:`get` does), then handed over.
+
+        ``may_start`` is for a server set's second request; one server is asked once.
+        Never raises on a transport or protocol error.
+        """
+        address = to_address(key)
+        limit = self.config.max_block_size
+        slab, core = await self._local(), self._core
+        local = core.local_open(slab, address)
+        if slab is not None and isinstance(local, BlockReader):
+            if local.length > LOCAL_COPY_IN_LOOP:
+                local = await asyncio.get_running_loop().run_in_executor(
+                    None, core.local_copy, slab, local, address, _into_bytes
+                )
+            else:
+                local = core.local_copy(slab, local, address, _into_bytes)
+            if isinstance(local, bytes):
+                try:
+                    return await _sink_from_memory(local, sink)
+                except Exception as exc:
+                    core.miss("GET", address, exc)
+                    return None
+        if local is not OVER_HTTP:
+            return None  # a miss
+
+        async def on_response(resp: aiohttp.ClientResponse) -> T | None:
+            length = resp.content_length
+            if not block_to_read(resp.status, length, resp.headers.get("Content-Encoding"), limit):
+                await _read_small(resp)
+                return None
+            left = length or 0
+
+            async def read_exact(view: memoryview) -> None:
+                nonlocal left
+                view = memoryview(view).cast("B")
+                if len(view) > left:
+                    raise Miss("the sink read past the block")
+                done = 0
+                while done < len(view):
+                    chunk = await resp.content.read(len(view) - done)
+                    if not chunk:
+                        raise Miss(f"body cut short: {left - done} of {length} bytes missing")
+                    view[done : done + len(chunk)] = chunk
+                    done += len(chunk)
+                left -= done
+
+            result = await sink(length or 0, read_exact)
+            if left:
+                raise Miss("sink left part of the body unread")
+            return result
+
+        try:
+            return await self._exchange("GET", core.block_path(address), on_response)
+        except Exception as exc:  # asyncio.TimeoutError included
+            core.miss("GET", address, exc)
+            return None
+
+    async def get_into(self, key: str | bytes, buffer: Any) -> int | None:
+        """``GET /kv/<addr>`` into ``buffer`` (a writable buffer).
+
+        Returns:
+            The block's length when it fits in ``buffer`` (its first bytes now hold it);
+            None on a miss, an error, or a block larger than ``buffer``.
+        """
+        view = memoryview(buffer).cast("B")
+
+        async def sink(length: int, read_exact: AsyncReadExact) -> int:
+            if length > len(view):
+                raise Miss(f"block of {length} bytes does not fit a {len(view)}-byte buffer")
+            await read_exact(view[:length])
+            return length
+
+        return await self.fetch(key, sink)
+
     async def put(self, key: str | bytes, data: Any) -> bool:
         """``PUT /kv/<addr>``. True when stored (201) or deduplicated (200); else False."""
         return await self.put_status(key, (data,)) in (200, 201)
+
+    async def put_parts(self, key: str | bytes, parts: Iterable[Any]) -> bool:
+        """``PUT /kv/<addr>`` of the concatenation of ``parts``, each sent without a copy.
+
+        Returns:
+            True on 200/201, False on any refusal or error.
+        """
+        return await self.put_status(key, parts) in (200, 201)
 
     async def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
         """``PUT /kv/<addr>`` of the concatenation of ``parts`` (bytes-like, no copy).
@@ -383,28 +540,84 @@ class AsyncServerConnector:
             self._core.miss("exists", address, exc)
             return False
 
-    async def _batch(self, addresses: list[str]) -> tuple[list[bool], int]:
-        found = self._core.local_exists(await self._local(), addresses)
+    async def _batch_exists(
+        self, addresses: list[str], timeout_s: float | None = None
+    ) -> tuple[list[bool], int]:
+        """One ``POST /kv/batch/exists`` for at most 1024 addresses. Raises on error.
+
+        Sent in the compact format (:mod:`eg_kv.wire`); a server that refuses it (one that
+        predates it) is asked again in JSON, and in JSON from then on. On the server's
+        host, answered from its slab instead.
+        """
+        found = self._core.local_exists(await self._local(probe=timeout_s is None), addresses)
         if found is not None:
             return found, leading_hits(found)
+        if self._compact_batches:
+            try:
+                found = await self._exchange(
+                    "POST",
+                    self._core.path(BATCH_EXISTS_PATH),
+                    partial(_flags, len(addresses)),
+                    body=encode_addresses(addresses),
+                    headers={"Content-Type": ADDRESSES_TYPE},
+                    timeout_s=timeout_s,
+                )
+                return found, leading_hits(found)
+            except CompactRefused:
+                answer = await self._json_batch(addresses, timeout_s)
+                self._compact_batches = False  # JSON worked where the compact body did not
+                return answer
+        return await self._json_batch(addresses, timeout_s)
+
+    async def _json_batch(
+        self, addresses: list[str], timeout_s: float | None = None
+    ) -> tuple[list[bool], int]:
         doc = await self._exchange(
             "POST",
-            self._core.path("/kv/batch/exists"),
+            self._core.path(BATCH_EXISTS_PATH),
             _json,
             body=batch_body(addresses),
             headers={"Content-Type": JSON_TYPE},
+            timeout_s=timeout_s,
         )
         return batch_answer(doc, len(addresses))
+
+    async def _try_batch(
+        self, chunk: list[str], timeout_s: float | None = None
+    ) -> list[bool] | None:
+        try:
+            return (await self._batch_exists(chunk, timeout_s))[0]
+        except Exception as exc:  # asyncio.TimeoutError included
+            self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
+            return None
 
     async def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
         """One bool per key (one batch request per 1024 keys); False where a batch failed."""
         out: list[bool] = []
         for chunk in batches([to_address(k) for k in keys]):
-            try:
-                out.extend((await self._batch(chunk))[0])
-            except Exception as exc:  # asyncio.TimeoutError included
-                self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
-                out.extend([False] * len(chunk))
+            found = await self._try_batch(chunk)
+            out.extend(found if found is not None else [False] * len(chunk))
+        return out
+
+    async def try_exists_many(self, keys: Sequence[str | bytes]) -> list[bool] | None:
+        """Like :meth:`exists_many`, but None when any batch request failed (so a caller
+        can tell "absent" from "could not ask"). Never raises."""
+        return await self.try_exists_addresses([to_address(k) for k in keys])
+
+    async def try_exists_addresses(
+        self, addresses: Sequence[str], timeout_s: float | None = None
+    ) -> list[bool] | None:
+        """:meth:`try_exists_many` for ready-made addresses. Never raises.
+
+        Args:
+            timeout_s: the deadline of each request, when shorter than the config's.
+        """
+        out: list[bool] = []
+        for chunk in batches(addresses):
+            found = await self._try_batch(chunk, timeout_s)
+            if found is None:
+                return None
+            out.extend(found)
         return out
 
     async def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
@@ -412,7 +625,7 @@ class AsyncServerConnector:
         total = 0
         for chunk in batches([to_address(k) for k in keys]):
             try:
-                prefix = (await self._batch(chunk))[1]
+                prefix = (await self._batch_exists(chunk))[1]
             except Exception as exc:  # asyncio.TimeoutError included
                 self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
                 return total
@@ -429,9 +642,28 @@ class AsyncServerConnector:
             RemoteError: the server is unreachable or answered something unusable.
         """
         try:
-            doc = await self._exchange("GET", self._core.path("/kv/stats"), _json)
+            doc = await self._exchange("GET", self._core.path(STATS_PATH), _json)
         except EgKvError:
             raise
         except Exception as exc:  # asyncio.TimeoutError included
-            raise self._core.unreachable("/kv/stats", exc) from None
+            raise self._core.unreachable(STATS_PATH, exc) from None
         return KvCacheStats.from_json(doc)
+
+    async def healthz(self) -> dict[str, Any] | None:
+        """``GET /healthz``: the decoded answer, or None when the server is not healthy."""
+        try:
+            doc = await self._exchange("GET", self._core.path(HEALTHZ_PATH), _json)
+        except Exception as exc:  # asyncio.TimeoutError included
+            self._core.miss("healthz", "-", exc)
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    async def member_stats(self) -> list[MemberStats]:
+        """This server's line, as a set of one: up with its stats, or down with the error."""
+        member = parse_server_set(self.config.base_url).single
+        assert member is not None  # a single-server config (checked when built)
+        try:
+            stats = await self.stats()
+        except Exception as exc:  # one line per member, as a set's
+            return [MemberStats(member, False, None, str(exc))]
+        return [MemberStats(member, True, stats)]

@@ -12,14 +12,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from ..errors import RemoteError
-from .aio import AsyncServerConnector
+from .aio import AsyncServerConnector, AsyncSink
 from .core import KvCacheConfig, KvCacheStats, to_address
 from .members import View
 from .placement import merge, prefix_hits
-from .sets import Groups, MemberConnectors, Router, absent, sum_stats
+from .sets import Groups, MemberConnectors, Router, absent
+from .setstats import MemberStats, set_stats
+
+T = TypeVar("T")
 
 
 class AsyncSetConnector:
@@ -82,7 +84,8 @@ class AsyncSetConnector:
             await conn.close()
 
     async def _one(self, key: str | bytes, op: Callable[[Any, str], Any],
-                   miss: Callable[[Any], bool], ask_previous: bool = True) -> Any:  # fmt: skip
+                   miss: Callable[[Any], bool], ask_previous: bool = True,
+                   may_start: Callable[[float], bool] | None = None) -> Any:  # fmt: skip
         address = to_address(key)
         if self._closed:
             return None
@@ -92,15 +95,25 @@ class AsyncSetConnector:
         result = await op(self._members.get(view, home), address)
         if ask_previous and miss(result):
             before = self._router.previous(view, address, home)
-            if before is not None:
+            # The second request gets a fresh timeout_s: it starts only if the caller's
+            # deadline still has room for all of it.
+            if before is not None and (may_start is None or may_start(self.config.timeout_s)):
                 return await op(self._members.get(view, before), address)
         return result
+
+    async def fetch(self, key: str | bytes, sink: AsyncSink[T],
+                    may_start: Callable[[float], bool] | None = None) -> T | None:  # fmt: skip
+        """``GET`` the block from its home (see :meth:`AsyncServerConnector.fetch`); after a
+        miss there, right after a change, from its previous home if ``may_start`` allows."""
+        return await self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None,
+                               may_start=may_start)  # fmt: skip
 
     async def get(self, key: str | bytes) -> bytes | None:
         return await self._one(key, lambda c, a: c.get(a), lambda r: r is None)
 
-    async def put(self, key: str | bytes, data: Any) -> bool:
-        return await self.put_status(key, (data,)) in (200, 201)
+    get_into = AsyncServerConnector.get_into
+    put = AsyncServerConnector.put
+    put_parts = AsyncServerConnector.put_parts
 
     async def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
         parts = list(parts)
@@ -118,15 +131,22 @@ class AsyncSetConnector:
         return await self._one(key, lambda c, a: c._status("DELETE", a), absent) == 204
 
     async def _parallel(
-        self, view: View, groups: Groups, addresses: Sequence[str], deadline: float
+        self,
+        view: View,
+        groups: Groups,
+        addresses: Sequence[str],
+        deadline: float,
+        bounded: bool = False,
     ) -> dict[str, list[bool] | None]:
         """Like the sync set's: every group at once, all answered by ``deadline``; a
-        member still out when the batch stops waiting for it is
-        cancelled, missing from the answer and marked down."""
+        member still out when the batch stops waiting for it is cancelled, missing from
+        the answer and marked down."""
 
         async def one(m: str, idx: list[int]) -> list[bool] | None:
-            # A failed group is all misses (its share); its error marks the member down.
-            return await self._members.get(view, m).exists_many([addresses[i] for i in idx])
+            # A failed group is None (its share are misses); its error marks the member down.
+            left = deadline - time.monotonic() if bounded else None
+            conn = self._members.get(view, m)
+            return await conn.try_exists_addresses([addresses[i] for i in idx], left)
 
         started = time.monotonic()
         pending = {asyncio.ensure_future(one(m, idx)): m for m, idx in groups.items()}
@@ -150,43 +170,83 @@ class AsyncSetConnector:
             self._router.late(pending.values(), time.monotonic() - started)
         return out
 
-    async def _lookup(self, addresses: Sequence[str]) -> list[bool]:
+    async def _lookup(
+        self, addresses: Sequence[str], timeout_s: float | None = None
+    ) -> tuple[list[bool], bool]:
+        """(one bool per address in the caller's order, whether any member answered)."""
         if self._closed or not addresses:
-            return [False] * len(addresses)
-        deadline = time.monotonic() + self.config.timeout_s
+            return [False] * len(addresses), not self._closed
+        limit = self.config.timeout_s
+        wait_s = limit if timeout_s is None else min(timeout_s, limit)
+        bounded = wait_s < limit
+        deadline = time.monotonic() + wait_s
         view, groups = self._router.plan(addresses)
-        answers = await self._parallel(view, groups, addresses, deadline)
-        found = merge(
-            len(addresses), groups, {m: a for m, a in answers.items() if a is not None}, False
-        )
+        answers = await self._parallel(view, groups, addresses, deadline, bounded)
+        ok = {m: a for m, a in answers.items() if a is not None}
+        found = merge(len(addresses), groups, ok, False)
         again = self._router.second_plan(view, addresses, found, groups)
         if again and time.monotonic() < deadline:
-            for m, a in (await self._parallel(view, again, addresses, deadline)).items():
+            for m, a in (await self._parallel(view, again, addresses, deadline, bounded)).items():
                 if a is not None:
                     for i, hit in zip(again[m], a, strict=True):
                         found[i] = found[i] or hit
-        return found
+        return found, bool(ok)
 
     async def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
-        return await self._lookup([to_address(k) for k in keys])
+        """One bool per key; each member asked once (per 1024 keys), in parallel."""
+        return (await self._lookup([to_address(k) for k in keys]))[0]
+
+    async def try_exists_many(self, keys: Sequence[str | bytes]) -> list[bool] | None:
+        """:meth:`exists_many`, or None when no member could be asked."""
+        return await self.try_exists_addresses([to_address(k) for k in keys])
+
+    async def try_exists_addresses(
+        self, addresses: Sequence[str], timeout_s: float | None = None
+    ) -> list[bool] | None:
+        """Like :meth:`AsyncServerConnector.try_exists_addresses`; a member that failed
+        costs its share (its addresses are misses); None only when no member answered.
+
+        Args:
+            timeout_s: the batch's one deadline, when shorter than the config's.
+        """
+        found, answered = await self._lookup(list(addresses), timeout_s)
+        return found if answered else None
 
     async def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
-        return prefix_hits(await self._lookup([to_address(k) for k in keys]))
+        """Prefix hits over the merged answer, whichever member holds each key."""
+        return prefix_hits((await self._lookup([to_address(k) for k in keys]))[0])
+
+    async def member_stats(self) -> list[MemberStats]:
+        """Each member's stats (gathered in parallel), sorted by member id."""
+        view = self._router.view()
+
+        async def one(member_id: str) -> MemberStats:
+            member = view.members[member_id]
+            try:
+                stats = await self._members.get(view, member_id).stats()
+            except Exception as e:  # one line per member; the set goes on
+                return MemberStats(member, False, None, str(e))
+            return MemberStats(member, True, stats)
+
+        return list(await asyncio.gather(*(one(m) for m in view.placement.members)))
 
     async def stats(self) -> KvCacheStats:
+        """The sum over the members that answered.
+
+        Raises:
+            RemoteError: no member answered (the first member's error is named).
+        """
+        return set_stats(await self.member_stats())
+
+    async def healthz(self) -> dict[str, Any] | None:
+        """``{"status": "ok", "members": K, "members_up": k}`` while a member is up."""
         view = self._router.view()
-        ids = list(view.placement.members)
-
-        async def one(m: str) -> KvCacheStats | None:
-            try:
-                return await self._members.get(view, m).stats()
-            except Exception:  # the sum goes on without it
-                return None
-
-        parts = [s for s in await asyncio.gather(*(one(m) for m in ids)) if s is not None]
-        if not parts:
-            raise RemoteError("cannot read /kv/stats from any member of the set")
-        return sum_stats(parts)
+        down = self._router.down()
+        up = [m for m in view.placement.members if m not in down]
+        for member_id in up:
+            if await self._members.get(view, member_id).healthz() is not None:
+                return {"status": "ok", "members": len(view.members), "members_up": len(up)}
+        return None
 
 
 #: The name this class had before the set connectors were named for what they serve.

@@ -44,10 +44,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..config import parse_addr
-from ..errors import RemoteError
 from .core import KvCacheConfig, KvCacheStats, batches, to_address
 from .members import Health, Member, Membership, View, parse_server_set
 from .placement import merge, prefix_hits
+from .setstats import MemberStats, member_line, set_stats
 from .sync import ServerConnector
 
 T = TypeVar("T")
@@ -68,8 +68,6 @@ STRAGGLER_FACTOR = 4.0
 STRAGGLER_FLOOR_S = 0.25
 #: The address a probe looks up: any valid address will do, it need not exist.
 PROBE_ADDRESS = to_address("eg-kv:probe")
-#: Per-member limits: the set's value is the smallest, not the sum.
-_LIMIT_FIELDS = ("page_size", "max_block_size")
 
 Groups = dict[str, list[int]]
 
@@ -90,40 +88,6 @@ def _nameservers(dns_server: str | None) -> tuple[list[str] | None, int]:
         return None, 53
     host, port = parse_addr(dns_server if ":" in dns_server else f"{dns_server}:53")
     return [host], port
-
-
-@dataclasses.dataclass(frozen=True)
-class MemberStats:
-    """One member's line of a set's stats: up or down, and its stats when it answered."""
-
-    member: Member
-    up: bool
-    stats: KvCacheStats | None
-    error: str = ""
-
-    @property
-    def hit_rate(self) -> float | None:
-        s = self.stats
-        if s is None or s.get_hits + s.get_misses == 0:
-            return None
-        return s.get_hits / (s.get_hits + s.get_misses)
-
-
-def sum_stats(parts: Sequence[KvCacheStats]) -> KvCacheStats:
-    """The stats of a set: every numeric field summed over the members that answered;
-    per-member limits (``page_size``, ``max_block_size``) are the smallest."""
-    names = [f.name for f in dataclasses.fields(KvCacheStats) if f.name != "extra"]
-    totals = {n: sum(getattr(s, n) for s in parts) for n in names}
-    extra: dict[str, Any] = {}
-    for s in parts:
-        for key, value in s.extra.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if key in _LIMIT_FIELDS:
-                extra[key] = min(extra.get(key, value), value)
-            else:
-                extra[key] = extra.get(key, 0) + value
-    return KvCacheStats(**totals, extra=extra)
 
 
 class Router:
@@ -430,16 +394,19 @@ class SetConnector:
 
     # -- batches
 
-    def _ask(self, view: View, member_id: str, part: list[str], deadline: float) -> Any:
+    def _ask(
+        self, view: View, member_id: str, part: list[str], deadline: float, bounded: bool
+    ) -> Any:
         """One member's share of a batch: a request per 1,024 addresses, the later ones
-        bounded by what is left of the batch's deadline. None when one failed."""
+        (all of them when the caller ``bounded`` the batch's deadline) bounded by what is
+        left of it. None when one failed."""
         conn = self._members.get(view, member_id)
         out: list[bool] = []
         for n, chunk in enumerate(batches(part)):
             left = deadline - time.monotonic()
             if n and left <= 0:
                 return None
-            found = conn.try_exists_addresses(chunk, timeout_s=left) if n else (
+            found = conn.try_exists_addresses(chunk, timeout_s=left) if n or bounded else (
                 conn.try_exists_addresses(chunk))  # fmt: skip
             if found is None:
                 return None
@@ -447,7 +414,12 @@ class SetConnector:
         return out
 
     def _parallel(
-        self, view: View, groups: Groups, addresses: Sequence[str], deadline: float
+        self,
+        view: View,
+        groups: Groups,
+        addresses: Sequence[str],
+        deadline: float,
+        bounded: bool = False,
     ) -> dict[str, list[bool] | None]:
         """Each group's lookup, one request per member, in parallel, all answered by
         ``deadline``; a member still out when the batch stops waiting for it
@@ -456,9 +428,11 @@ class SetConnector:
         One group is sent from the caller's thread (nothing to wait for beside it)."""
         jobs = [(m, [addresses[i] for i in idx]) for m, idx in groups.items()]
         if len(jobs) <= 1:
-            return {m: self._ask(view, m, part, deadline) for m, part in jobs}
+            return {m: self._ask(view, m, part, deadline, bounded) for m, part in jobs}
         started = time.monotonic()
-        pending = {self._fanout.submit(self._ask, view, m, part, deadline): m for m, part in jobs}
+        pending = {
+            self._fanout.submit(self._ask, view, m, part, deadline, bounded): m for m, part in jobs
+        }
         out: dict[str, list[bool] | None] = {}
         cut = deadline
         while pending:
@@ -477,19 +451,24 @@ class SetConnector:
             self._router.late(pending.values(), time.monotonic() - started)
         return out
 
-    def _lookup(self, addresses: Sequence[str]) -> tuple[list[bool], bool]:
+    def _lookup(
+        self, addresses: Sequence[str], timeout_s: float | None = None
+    ) -> tuple[list[bool], bool]:
         """(one bool per address in the caller's order, whether any member answered)."""
         if self._closed or not addresses:
             return [False] * len(addresses), not self._closed
-        deadline = time.monotonic() + self.config.timeout_s
+        limit = self.config.timeout_s
+        wait_s = limit if timeout_s is None else min(timeout_s, limit)
+        bounded = wait_s < limit
+        deadline = time.monotonic() + wait_s
         try:
             view, groups = self._router.plan(addresses)
-            answers = self._parallel(view, groups, addresses, deadline)
+            answers = self._parallel(view, groups, addresses, deadline, bounded)
             ok = {m: a for m, a in answers.items() if a is not None}
             found = merge(len(addresses), groups, ok, False)
             again = self._router.second_plan(view, addresses, found, groups)
             if again and time.monotonic() < deadline:
-                for m, a in self._parallel(view, again, addresses, deadline).items():
+                for m, a in self._parallel(view, again, addresses, deadline, bounded).items():
                     if a is not None:
                         for i, hit in zip(again[m], a, strict=True):
                             found[i] = found[i] or hit
@@ -507,10 +486,16 @@ class SetConnector:
         """:meth:`exists_many`, or None when no member could be asked."""
         return self.try_exists_addresses([to_address(k) for k in keys])
 
-    def try_exists_addresses(self, addresses: Sequence[str]) -> list[bool] | None:
+    def try_exists_addresses(
+        self, addresses: Sequence[str], timeout_s: float | None = None
+    ) -> list[bool] | None:
         """Like :meth:`ServerConnector.try_exists_addresses`; a member that failed costs
-        its share (its addresses are misses); None only when no member answered."""
-        found, answered = self._lookup(list(addresses))
+        its share (its addresses are misses); None only when no member answered.
+
+        Args:
+            timeout_s: the batch's one deadline, when shorter than the config's.
+        """
+        found, answered = self._lookup(list(addresses), timeout_s)
         return found if answered else None
 
     def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
@@ -524,12 +509,7 @@ class SetConnector:
         view = self._router.view()
 
         def one(member_id: str) -> MemberStats:
-            member = view.members[member_id]
-            try:
-                stats = self._members.get(view, member_id).stats()
-            except Exception as e:  # one line per member; the set goes on
-                return MemberStats(member, False, None, str(e))
-            return MemberStats(member, True, stats)
+            return member_line(view.members[member_id], self._members.get(view, member_id).stats)
 
         ids = list(view.placement.members)
         return list(self._fanout.map(one, ids)) if ids else []
@@ -540,12 +520,7 @@ class SetConnector:
         Raises:
             RemoteError: no member answered (the first member's error is named).
         """
-        lines = self.member_stats()
-        parts = [line.stats for line in lines if line.stats is not None]
-        if not parts:
-            why = lines[0].error if lines else "the set has no member"
-            raise RemoteError(f"cannot read /kv/stats from any member of the set: {why}")
-        return sum_stats(parts)
+        return set_stats(self.member_stats())
 
     def healthz(self) -> dict[str, Any] | None:
         """``{"status": "ok", "members": K, "members_up": k}`` while a member is up."""

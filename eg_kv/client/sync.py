@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from ..config import DEFAULT_HOST
 from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
-from ..wire import ADDRESSES_TYPE, encode_addresses
+from ..wire import ADDRESSES_TYPE, BATCH_EXISTS_PATH, HEALTHZ_PATH, STATS_PATH, encode_addresses
 from .core import (
     BATCH_EXISTS_MAX,
     BLOCK_TYPE,
@@ -63,6 +63,8 @@ from .core import (
 )
 from .http11 import Connection, Deadline, Response, StaleConnection, host_header
 from .localreads import ROUTE as LOCAL_ROUTE
+from .members import parse_server_set
+from .setstats import MemberStats, member_line
 
 __all__ = [
     "BATCH_EXISTS_MAX",
@@ -278,7 +280,9 @@ class ServerConnector:
         check_final(resp.status)
         return json_answer(resp.status, resp.read_all(SMALL_ANSWER_MAX))
 
-    def fetch(self, key: str | bytes, sink: Sink[T]) -> T | None:
+    def fetch(
+        self, key: str | bytes, sink: Sink[T], may_start: Callable[[float], bool] | None = None
+    ) -> T | None:
         """GET a block and hand its body to ``sink(length, read_exact)``; None on a miss.
 
         ``sink`` must call ``read_exact(view)`` with views that add up to ``length`` bytes
@@ -286,6 +290,9 @@ class ServerConnector:
         short (the server evicted the block mid-stream) is a miss, never partial bytes;
         so is one over ``max_block_size`` or without a Content-Length, before ``sink``
         is called (nothing is allocated for it).
+
+        ``may_start(timeout_s)`` is asked before a server set sends a second request (to
+        the previous home); one server is asked once, so it is not used here.
 
         Never raises on a transport or protocol error.
         """
@@ -471,7 +478,7 @@ class ServerConnector:
             try:
                 found = self._exchange(
                     "POST",
-                    self._core.path("/kv/batch/exists"),
+                    self._core.path(BATCH_EXISTS_PATH),
                     partial(self._flags, len(addresses)),
                     body=(encode_addresses(addresses),),
                     headers=self._compact_head,
@@ -489,7 +496,7 @@ class ServerConnector:
     ) -> tuple[list[bool], int]:
         doc = self._exchange(
             "POST",
-            self._core.path("/kv/batch/exists"),
+            self._core.path(BATCH_EXISTS_PATH),
             self._json,
             body=(batch_body(addresses),),
             headers=self._batch_head,
@@ -570,18 +577,24 @@ class ServerConnector:
             RemoteError: the server is unreachable or answered something unusable.
         """
         try:
-            doc = self._exchange("GET", self._core.path("/kv/stats"), self._json)
+            doc = self._exchange("GET", self._core.path(STATS_PATH), self._json)
         except EgKvError:
             raise
         except Exception as exc:
-            raise self._core.unreachable("/kv/stats", exc) from None
+            raise self._core.unreachable(STATS_PATH, exc) from None
         return KvCacheStats.from_json(doc)
 
     def healthz(self) -> dict[str, Any] | None:
         """``GET /healthz``: the decoded answer, or None when the server is not healthy."""
         try:
-            doc = self._exchange("GET", self._core.path("/healthz"), self._json)
+            doc = self._exchange("GET", self._core.path(HEALTHZ_PATH), self._json)
         except Exception as exc:
             self._core.miss("healthz", "-", exc)
             return None
         return doc if isinstance(doc, dict) else None
+
+    def member_stats(self) -> list[MemberStats]:
+        """This server's line, as a set of one: up with its stats, or down with the error."""
+        member = parse_server_set(self.config.base_url).single
+        assert member is not None  # a single-server config (checked when built)
+        return [member_line(member, self.stats)]
