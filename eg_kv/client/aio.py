@@ -54,17 +54,13 @@ from .core import (
     to_address,
     wants_continue,
 )
+from .interface import AsyncReadExact, AsyncSink, MayStart
 from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
 from .setstats import MemberStats
 
 T = TypeVar("T")
 C = TypeVar("C", bound="AsyncServerConnector")
-
-#: ``read_exact(view)``: a coroutine that fills ``view`` with the body's next bytes.
-AsyncReadExact = Callable[[memoryview], Awaitable[None]]
-#: ``await sink(length, read_exact)``: what :meth:`AsyncServerConnector.fetch` hands a body.
-AsyncSink = Callable[[int, AsyncReadExact], Awaitable[T]]
 
 
 class _NotResent(aiohttp.ClientError):
@@ -394,7 +390,7 @@ class AsyncServerConnector:
         self,
         key: str | bytes,
         sink: AsyncSink[T],
-        may_start: Callable[[float], bool] | None = None,
+        may_start: MayStart | None = None,
     ) -> T | None:
         """``GET /kv/<addr>`` and hand the body to ``await sink(length, read_exact)``; None
         on a miss.

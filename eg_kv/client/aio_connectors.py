@@ -7,13 +7,14 @@ It sits above both async connectors so that imports point one way: neither
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from .aio import AsyncServerConnector
 from .aio_sets import AsyncSetConnector
 from .core import KvCacheConfig, resolve_config
+from .interface import AsyncKvConnector
 
 __all__ = ["AsyncRemoteKVConnector"]
 
@@ -36,3 +37,10 @@ class AsyncRemoteKVConnector(AsyncServerConnector):
         if not resolved.single:
             return AsyncSetConnector(resolved, session=session)
         return super().__new__(cls)
+
+
+if TYPE_CHECKING:
+    # mypy checks here that both async connectors satisfy AsyncKvConnector (the sync ones
+    # are checked by connect()'s return type).
+    def _satisfy(one: AsyncServerConnector, many: AsyncSetConnector) -> list[AsyncKvConnector]:
+        return [one, many]

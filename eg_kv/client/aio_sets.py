@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from .aio import AsyncServerConnector, AsyncSink
+from .aio import AsyncServerConnector
 from .core import KvCacheConfig, KvCacheStats, to_address
+from .interface import AsyncSink
 from .members import View
 from .placement import merge, prefix_hits
 from .sets import Groups, MemberConnectors, Router, absent
@@ -60,6 +61,15 @@ class AsyncSetConnector:
             return  # no session was opened on a loop that still runs
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             asyncio.run_coroutine_threadsafe(conn.close(), loop)
+
+    @classmethod
+    def from_env(cls, *, session: Any = None, **settings: Any) -> AsyncSetConnector:
+        """A set connector configured from ``EPISTEMIC_GRAPH_KVCACHE_*`` (keywords override).
+
+        Raises:
+            ConfigError: a setting cannot be used.
+        """
+        return cls(KvCacheConfig.from_env(**settings), session=session)
 
     def __repr__(self) -> str:
         return f"AsyncSetConnector({self.config.base_url!r})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .core import KvCacheConfig, resolve_config
+from .interface import KvConnector
 from .sets import SetConnector
 from .sync import ServerConnector
 
@@ -34,7 +35,7 @@ class RemoteKVConnector(ServerConnector):
         return super().__new__(cls)
 
 
-def connect(config: KvCacheConfig) -> ServerConnector | SetConnector:
+def connect(config: KvCacheConfig) -> KvConnector:
     """The sync client of a config: the direct client for one plain URL (today's path, at
     today's cost), else a :class:`~eg_kv.client.sets.SetConnector`. Every sync user (the
     LMCache plugins included) is built here."""

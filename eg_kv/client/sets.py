@@ -308,6 +308,15 @@ class SetConnector:
         self._fanout = ThreadPoolExecutor(MAX_FANOUT_THREADS, thread_name_prefix="eg-kv-fanout")
         self._closed = False
 
+    @classmethod
+    def from_env(cls, **settings: Any) -> SetConnector:
+        """A set connector configured from ``EPISTEMIC_GRAPH_KVCACHE_*`` (keywords override).
+
+        Raises:
+            ConfigError: a setting cannot be used.
+        """
+        return cls(KvCacheConfig.from_env(**settings))
+
     def __repr__(self) -> str:
         members = len(self._router.view().members)
         return f"SetConnector({self.config.base_url!r}, {members} members)"

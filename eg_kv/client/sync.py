@@ -62,6 +62,7 @@ from .core import (
     wants_continue,
 )
 from .http11 import Connection, Deadline, Response, StaleConnection, host_header
+from .interface import MayStart, Sink
 from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
 from .setstats import MemberStats, member_line
@@ -143,9 +144,6 @@ class _Pool:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
-
-
-Sink = Callable[[int, Callable[[memoryview], None]], T]
 
 
 class ServerConnector:
@@ -280,9 +278,7 @@ class ServerConnector:
         check_final(resp.status)
         return json_answer(resp.status, resp.read_all(SMALL_ANSWER_MAX))
 
-    def fetch(
-        self, key: str | bytes, sink: Sink[T], may_start: Callable[[float], bool] | None = None
-    ) -> T | None:
+    def fetch(self, key: str | bytes, sink: Sink[T], may_start: MayStart | None = None) -> T | None:
         """GET a block and hand its body to ``sink(length, read_exact)``; None on a miss.
 
         ``sink`` must call ``read_exact(view)`` with views that add up to ``length`` bytes
