@@ -54,7 +54,7 @@ from .core import (
     to_address,
     wants_continue,
 )
-from .interface import AsyncReadExact, AsyncSink, MayStart
+from .interface import AsyncReadExact, AsyncSink, MayStart, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
 from .setstats import MemberStats
@@ -204,11 +204,14 @@ class AsyncServerConnector:
         config: KvCacheConfig | None = None,
         *,
         session: aiohttp.ClientSession | None = None,
+        on_unreachable: Unreachable | None = None,
         **settings: Any,
     ) -> None:
         """Args:
             config: a ready config, or leave it out and pass ``settings``.
             session: a caller-owned session to send requests on.
+            on_unreachable: called with each transport error (refused, reset, timed
+                out): a server set marks its member down.
             **settings: ``base_url``, ``addr``, ``token``, ``timeout_s``,
                 ``max_connections``, ``verify_tls``, ``max_block_size`` (others are
                 accepted and unused); what is left out comes from the environment.
@@ -223,6 +226,7 @@ class AsyncServerConnector:
                 "AsyncRemoteKVConnector or AsyncSetConnector"
             )
         self._core = ClientCore(self.config)
+        self._core.on_unreachable = on_unreachable
         self._session = session
         self._owns_session = session is None
         self._timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
@@ -521,6 +525,11 @@ class AsyncServerConnector:
     async def delete(self, key: str | bytes) -> bool:
         """``DELETE /kv/<addr>``: True on 204; False otherwise. Never sent twice."""
         return await self._status("DELETE", to_address(key)) == 204
+
+    async def delete_status(self, key: str | bytes) -> int | None:
+        """:meth:`delete`'s final HTTP status (204 released, 404 absent, ...), or None when
+        no usable answer came (it may have been applied)."""
+        return await self._status("DELETE", to_address(key))
 
     async def exists(self, key: str | bytes) -> bool:
         """``GET /kv/<addr>/exists``: True when resident; False on a miss or any error."""

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from .aio import AsyncServerConnector
 from .core import KvCacheConfig, KvCacheStats, to_address
-from .interface import AsyncSink
+from .interface import AsyncSink, Unreachable
 from .members import View
 from .placement import merge, prefix_hits
 from .sets import Groups, MemberConnectors, Router, absent
@@ -45,9 +45,9 @@ class AsyncSetConnector:
         #: The loop the member connectors (their aiohttp sessions) were built on.
         self._loop: asyncio.AbstractEventLoop | None = None
 
-        def build(cfg: KvCacheConfig) -> AsyncServerConnector:
+        def build(cfg: KvCacheConfig, hook: Unreachable) -> AsyncServerConnector:
             self._loop = asyncio.get_running_loop()
-            return AsyncServerConnector(cfg, session=session)
+            return AsyncServerConnector(cfg, session=session, on_unreachable=hook)
 
         self._members = MemberConnectors(self._router, build, self._dispose)
         self._router.listeners.append(self._members.prune)
@@ -138,7 +138,12 @@ class AsyncSetConnector:
     async def delete(self, key: str | bytes) -> bool:
         """Like :meth:`SetConnector.delete <eg_kv.client.sets.SetConnector.delete>`: the
         previous home only after a 404."""
-        return await self._one(key, lambda c, a: c._status("DELETE", a), absent) == 204
+        return await self.delete_status(key) == 204
+
+    async def delete_status(self, key: str | bytes) -> int | None:
+        """Like :meth:`SetConnector.delete_status
+        <eg_kv.client.sets.SetConnector.delete_status>`."""
+        return await self._one(key, lambda c, a: c.delete_status(a), absent)
 
     async def _parallel(
         self,

@@ -107,7 +107,7 @@ class Response:
             raise ProtocolError("read_exact needs a body with a Content-Length")
         if n > self._left:
             raise ProtocolError(f"asked for {n} bytes, {self._left} left in the body")
-        self._conn._read_into(view, self._deadline)
+        self._conn.read_into(view, self._deadline)
         self._left -= n
 
     def read_all(self, limit: int) -> bytes:
@@ -125,7 +125,7 @@ class Response:
             return bytes(buf)
         if self.chunked:
             return self._read_chunked(limit)
-        data = self._conn._read_to_close(limit, self._deadline)
+        data = self._conn.read_to_close(limit, self._deadline)
         self._left = 0
         return data
 
@@ -133,22 +133,22 @@ class Response:
         out = bytearray()
         conn, dl = self._conn, self._deadline
         while True:
-            line = conn._read_line(dl)
+            line = conn.read_line(dl)
             try:
                 size = int(line.split(b";", 1)[0].strip(), 16)
             except ValueError:
                 raise ProtocolError("bad chunk size") from None
             if size == 0:
-                while conn._read_line(dl):  # trailers, then the empty line
+                while conn.read_line(dl):  # trailers, then the empty line
                     pass
                 self._left = 0
                 return bytes(out)
             if len(out) + size > limit:
                 raise ProtocolError(f"chunked answer is over {limit} bytes")
             chunk = bytearray(size)
-            conn._read_into(memoryview(chunk), dl)
+            conn.read_into(memoryview(chunk), dl)
             out += chunk
-            if conn._read_line(dl):
+            if conn.read_line(dl):
                 raise ProtocolError("chunk not followed by CRLF")
 
 
@@ -355,7 +355,7 @@ class Connection:
             headers[name.strip().lower()] = value.strip()
         return int(parts[1]), headers, parts[0]
 
-    def _read_into(self, view: memoryview, deadline: Deadline) -> None:
+    def read_into(self, view: memoryview, deadline: Deadline) -> None:
         """Fill ``view``: buffered bytes first, then ``recv_into`` straight into it."""
         got, total = 0, len(view)
         avail = len(self._buf) - self._pos
@@ -374,7 +374,10 @@ class Connection:
                 raise ShortBody(f"body cut short at {got} of {total} bytes")
             got += n
 
-    def _read_line(self, deadline: Deadline) -> bytes:
+    # The body readers a Response uses (their connection's buffer and socket).
+
+    def read_line(self, deadline: Deadline) -> bytes:
+        """One CRLF-terminated line of a chunked body, without its CRLF."""
         while True:
             end = self._buf.find(b"\r\n", self._pos)
             if end >= 0:
@@ -386,7 +389,8 @@ class Connection:
             if not self._fill(deadline):
                 raise ShortBody("connection closed inside a chunked body")
 
-    def _read_to_close(self, limit: int, deadline: Deadline) -> bytes:
+    def read_to_close(self, limit: int, deadline: Deadline) -> bytes:
+        """A body framed by the connection's close: all of it, at most ``limit`` bytes."""
         while self._fill(deadline):
             if len(self._buf) - self._pos > limit:
                 raise ProtocolError(f"answer is over {limit} bytes")

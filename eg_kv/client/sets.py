@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -45,6 +46,7 @@ from typing import Any, TypeVar
 
 from ..config import parse_addr
 from .core import KvCacheConfig, KvCacheStats, batches, to_address
+from .interface import Unreachable
 from .members import Health, Member, Membership, View, parse_server_set
 from .placement import merge, prefix_hits
 from .setstats import MemberStats, member_line, set_stats
@@ -208,16 +210,14 @@ class Router:
             self.config, member, timeout_s=min(self.config.timeout_s, PROBE_TIMEOUT_S),
             local_reads=False,
         )  # fmt: skip
-        with ServerConnector(cfg) as probe:
+        unreachable: list[BaseException] = []
+        with ServerConnector(cfg, on_unreachable=unreachable.append) as probe:
             if probe.healthz() is None:
                 return False
-            try:
-                probe._batch_exists([PROBE_ADDRESS])
-            except OSError:  # refused, reset, timed out: the data route does not answer
-                return False
-            except Exception:  # an answer, if not a usable one
-                return True
-            return True
+            # Refused, reset, timed out: the data route does not answer. Any other failure
+            # is an answer, if not a usable one.
+            probe.try_exists_addresses([PROBE_ADDRESS])
+            return not unreachable
 
     def _weigh(self, member: Member) -> float | None:
         cfg = member_config(
@@ -239,11 +239,11 @@ class MemberConnectors:
 
     Args:
         router: the set's router (its config, its health).
-        build: ``build(member_config) -> connector``.
+        build: ``build(member_config, on_unreachable) -> connector``.
         dispose: ``dispose(connector)`` closes a dropped connector (default: ``close()``).
     """
 
-    def __init__(self, router: Router, build: Callable[[KvCacheConfig], Any],
+    def __init__(self, router: Router, build: Callable[[KvCacheConfig, Unreachable], Any],
                  dispose: Callable[[Any], None] | None = None) -> None:  # fmt: skip
         self._router = router
         self._build = build
@@ -260,8 +260,8 @@ class MemberConnectors:
         with self._lock:
             conn = self._conns.get(key)
             if conn is None:
-                conn = self._build(member_config(self._router.config, member))
-                conn._core.on_unreachable = lambda _exc, m=member_id: self._router.failed(m)
+                down = functools.partial(_member_unreachable, self._router, member_id)
+                conn = self._build(member_config(self._router.config, member), down)
                 self._conns[key] = conn
             return conn
 
@@ -279,6 +279,10 @@ class MemberConnectors:
         with self._lock:
             conns, self._conns = list(self._conns.values()), {}
         return conns
+
+
+def _member_unreachable(router: Router, member_id: str, _exc: BaseException) -> None:
+    router.failed(member_id)
 
 
 def absent(status: int | None) -> bool:
@@ -303,7 +307,9 @@ class SetConnector:
         """
         self.config = config
         self._router = Router(config)
-        self._members = MemberConnectors(self._router, ServerConnector)
+        self._members = MemberConnectors(
+            self._router, lambda cfg, hook: ServerConnector(cfg, on_unreachable=hook)
+        )
         self._router.listeners.append(self._members.prune)
         self._fanout = ThreadPoolExecutor(MAX_FANOUT_THREADS, thread_name_prefix="eg-kv-fanout")
         self._closed = False
@@ -394,12 +400,15 @@ class SetConnector:
         return bool(self._one(key, lambda c, a: c.exists(a), lambda r: not r))
 
     def delete(self, key: str | bytes) -> bool:
+        """``DELETE`` one reference where the block lives (see :meth:`delete_status`)."""
+        return self.delete_status(key) == 204
+
+    def delete_status(self, key: str | bytes) -> int | None:
         """``DELETE`` one reference where the block lives: its home, else (right after a
         change, and only when the home answered 404) its previous home. A lost answer at
         the home is not sent on: the home may have applied it, and one DELETE releases
         one reference, never two."""
-        status = self._one(key, lambda c, a: c._status("DELETE", a), absent)
-        return status == 204
+        return self._one(key, lambda c, a: c.delete_status(a), absent)
 
     # -- batches
 

@@ -62,7 +62,7 @@ from .core import (
     wants_continue,
 )
 from .http11 import Connection, Deadline, Response, StaleConnection, host_header
-from .interface import MayStart, Sink
+from .interface import MayStart, Sink, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
 from .setstats import MemberStats, member_line
@@ -157,9 +157,17 @@ class ServerConnector:
     (an LMCache key with ``/``, bytes) is mapped to a stable digest (:func:`to_address`).
     """
 
-    def __init__(self, config: KvCacheConfig | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        config: KvCacheConfig | None = None,
+        *,
+        on_unreachable: Unreachable | None = None,
+        **settings: Any,
+    ) -> None:
         """Args:
             config: a ready config; or leave it out and pass ``settings``.
+            on_unreachable: called with each transport error (refused, reset, timed
+                out): a server set marks its member down.
             **settings: ``base_url``, ``addr``, ``token``, ``timeout_s``, ``num_workers``,
                 ``max_connections``, ``verify_tls``, ``max_block_size``; what is left out
                 comes from the environment (:meth:`KvCacheConfig.from_env`).
@@ -174,6 +182,7 @@ class ServerConnector:
                 "RemoteKVConnector or SetConnector"
             )
         self._core = ClientCore(self.config)
+        self._core.on_unreachable = on_unreachable
         self._pool = _Pool(self.config)
         # The header lines every request carries (the token among them), encoded once.
         self._head = b"".join(
@@ -444,6 +453,11 @@ class ServerConnector:
 
         Never sent twice: a connection lost after the request went out is a False."""
         return self._status("DELETE", to_address(key)) == 204
+
+    def delete_status(self, key: str | bytes) -> int | None:
+        """:meth:`delete`'s final HTTP status (204 released, 404 absent, ...), or None when
+        no usable answer came (it may have been applied)."""
+        return self._status("DELETE", to_address(key))
 
     def exists(self, key: str | bytes) -> bool:
         """``GET /kv/<addr>/exists``: True when resident; False on a miss or any error."""

@@ -50,8 +50,6 @@ from typing import Any
 from ..address import address_for_key
 from ..client.connectors import connect
 from ..client.core import KvCacheConfig, resolve_config
-from ..client.sets import SetConnector
-from ..client.sync import ServerConnector
 from .store_warnings import StoreWarnings
 from .write_gate import GateSet, WriteGate, read_through
 
@@ -229,11 +227,9 @@ class RemoteKVL2Connector:
         return False
 
     def _fetch(self, address: str, sink: Callable[..., bool], gate: WriteGate) -> bool | None:
-        if isinstance(self._client, SetConnector):
-            # Over a set a miss may ask the previous home with a fresh timeout_s: only
-            # while the batch's deadline still has room for it (the same gate).
-            return self._client.fetch(address, sink, may_start=gate.can_start)
-        return self._client.fetch(address, sink)
+        # Over a set a miss may ask the previous home with a fresh timeout_s: only while
+        # the batch's deadline still has room for it (the same gate).
+        return self._client.fetch(address, sink, may_start=gate.can_start)
 
     def submit_batch_delete(self, keys: Sequence[str]) -> int:
         """Release each key's reference on the server; never blocks.
@@ -273,9 +269,10 @@ class RemoteKVL2Connector:
             self._complete(fid, False, "eg-kv connector is closed", [False] * len(keys))
             return fid
         client = self._client
-        # Inline only against one server: a set's lookup fans out over several members.
+        # Inline only against one server (connect() built the direct client for it): a
+        # set's lookup fans out over several members.
         if (
-            isinstance(client, ServerConnector)
+            self.config.single
             and len(keys) <= INLINE_MAX_KEYS
             and time.monotonic() >= self._inline_after
         ):

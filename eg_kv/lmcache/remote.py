@@ -45,8 +45,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from ..address import address_for_key
 from ..client.connectors import connect
-from ..client.core import CONFIG_KEYWORDS, KvCacheConfig
-from ..client.core import Miss as _Miss
+from ..client.core import CONFIG_KEYWORDS, KvCacheConfig, Miss
 from ..errors import ConfigError
 from .store_warnings import StoreWarnings
 from .write_gate import GateClosed, GateSet, read_through
@@ -206,7 +205,7 @@ class EgKvRemoteConnector(RemoteConnector):
         def sink(length: int, read_exact: Callable[[memoryview], None]) -> MemoryObj:
             if self.save_chunk_meta:
                 if length < meta_len:
-                    raise _Miss("stored chunk is shorter than its header")
+                    raise Miss("stored chunk is shorter than its header")
                 head = bytearray(meta_len)
                 read_exact(memoryview(head))
                 meta = RemoteMetadata.deserialize(bytes(head))
@@ -217,14 +216,14 @@ class EgKvRemoteConnector(RemoteConnector):
                 raise GateClosed("the connector is closed")
             obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt)
             if obj is None:
-                raise _Miss("LMCache's CPU backend has no room for the chunk")
+                raise Miss("LMCache's CPU backend has no room for the chunk")
             try:
                 view = memoryview(obj.byte_array).cast("B")
                 body = length - meta_len
                 if self.save_chunk_meta and body != len(view):
-                    raise _Miss(f"chunk body is {body} bytes, its header says {len(view)}")
+                    raise Miss(f"chunk body is {body} bytes, its header says {len(view)}")
                 if body > len(view) or body == 0:
-                    raise _Miss(f"chunk body of {body} bytes does not fit {len(view)}")
+                    raise Miss(f"chunk body of {body} bytes does not fit {len(view)}")
                 # In slices, checking the gate: close() stops it at the next one.
                 read_through(read_exact, view[:body], gate)
                 if not self.save_chunk_meta:
