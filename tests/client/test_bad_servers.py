@@ -35,6 +35,8 @@ MODES = (
     "refused", "silent", "drip", "garbage", "short", "badjson", "nolength", "huge",
     "endless_chunked", "gzip", "redirect", "reset", *INTERIM_MODES,
 )  # fmt: skip
+#: Modes that cost a whole timeout per call (seconds per test): marked slow.
+SLOW_MODES = ("silent", "drip")
 BIG = 100 * 1024  # a PUT body large enough to ask Expect: 100-continue
 
 
@@ -56,7 +58,9 @@ def _calls(kind: str, kv, hit: bool) -> list[tuple[str, object, object]]:
     return calls
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_MODES else m for m in MODES]
+)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_bad_server_costs_a_miss_within_the_timeout(kind, mode, monkeypatch):
     hit = mode in INTERIM_MODES
@@ -226,6 +230,7 @@ MEMORY_MODES = (
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_a_bad_server_costs_no_more_memory_than_the_largest_block(kind):
     servers = [RawServer(mode) for mode in MEMORY_MODES]
     try:

@@ -89,6 +89,7 @@ def test_batches_split_by_member_merged_in_order_one_request_each(server_factory
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_killed_member_costs_its_share_never_a_wait(server_factory):
     servers = start_set(server_factory, extra=("--keep",))
     victim = servers[0]
@@ -127,6 +128,7 @@ def test_a_killed_member_costs_its_share_never_a_wait(server_factory):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_after_a_member_is_added_a_miss_asks_the_previous_home_once(server_factory, dns_server):
     zone, dns_port = dns_server
     servers = start_set(server_factory, n=4)
@@ -165,6 +167,7 @@ def test_after_a_member_is_added_a_miss_asks_the_previous_home_once(server_facto
         assert all(kv.exists_many(keys))
 
 
+@pytest.mark.slow
 def test_a_member_that_never_answers_costs_one_timeout_then_nothing(server_factory):
     servers = start_set(server_factory, n=2)
     with socket.socket() as silent:  # accepts connections (the backlog), never answers
@@ -398,6 +401,7 @@ def _keys_off(kv, member_id: str, n: int, prefix: str) -> tuple[list[str], list[
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", sorted(SLOW_DELAYS))
+@pytest.mark.slow
 def test_a_slow_member_costs_its_share_of_one_batch_sync(server_factory, how):
     servers = start_set(server_factory, n=2)
     with (
@@ -436,6 +440,7 @@ def test_a_slow_member_costs_its_share_of_one_batch_sync(server_factory, how):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", sorted(SLOW_DELAYS))
+@pytest.mark.slow
 def test_a_slow_member_costs_its_share_of_one_batch_async(server_factory, how):
     servers = start_set(server_factory, n=2)
 

@@ -236,6 +236,7 @@ def _churn_reader(url: str, seconds: float, seed: int, out) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_local_readers_under_churn_deletes_and_a_sigkilled_worker_never_get_wrong_bytes(
     server_factory,
 ):

@@ -261,6 +261,7 @@ def test_targets_whose_lookups_hang_cost_one_deadline_then_fill_in(dns_server):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_the_members_taken_from_dns_are_capped(dns_server, caplog):
     from eg_kv.client.members import MAX_DNS_MEMBERS
 
@@ -318,7 +319,9 @@ def test_a_and_aaaa_members_follow_the_records(dns_server):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("failure", ["silent", "servfail", "nxdomain", "empty"])
+@pytest.mark.parametrize(
+    "failure", [pytest.param("silent", marks=pytest.mark.slow), "servfail", "nxdomain", "empty"]
+)
 def test_a_failed_resolution_keeps_the_last_good_list(dns_server, failure):
     zone, port = dns_server
     zone.set(srv={SRV_NAME: pods(0, 1)}, a=addresses(0, 1))

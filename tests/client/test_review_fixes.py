@@ -107,6 +107,7 @@ def test_l2_delete_after_a_restart_never_releases_another_servers_chunk(server_f
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_full_connection_pool_does_not_mark_a_live_member_down(server_factory):
     servers = start_set(server_factory, n=2)
     # Over HTTP: a local read would take no connection from the pool.
@@ -146,6 +147,7 @@ def test_a_full_connection_pool_does_not_mark_a_live_member_down(server_factory)
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_the_async_set_closes_the_session_of_a_member_that_left(server_factory, dns_server):
     zone, dns_port = dns_server
     servers = start_set(server_factory, n=2)
@@ -181,6 +183,7 @@ def test_the_async_set_closes_the_session_of_a_member_that_left(server_factory, 
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_an_l2_load_asks_the_previous_home_only_within_its_deadline(server_factory, dns_server):
     zone, dns_port = dns_server
     old, new = start_set(server_factory, n=2)
@@ -211,6 +214,7 @@ def test_an_l2_load_asks_the_previous_home_only_within_its_deadline(server_facto
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_a_delete_whose_answer_was_lost_is_not_sent_on(server_factory, dns_server):
     zone, dns_port = dns_server
     old = server_factory(workers=1, capacity="16MiB")
@@ -231,6 +235,7 @@ def test_a_delete_whose_answer_was_lost_is_not_sent_on(server_factory, dns_serve
                 assert direct.exists(moved[0]), "a lost DELETE was sent to the previous home"
 
 
+@pytest.mark.slow
 def test_a_delete_absent_at_the_home_goes_to_the_previous_home(server_factory, dns_server):
     zone, dns_port = dns_server
     old, new = start_set(server_factory, n=2)
@@ -252,6 +257,7 @@ def test_a_delete_absent_at_the_home_goes_to_the_previous_home(server_factory, d
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_lookups_while_the_set_closes_return_misses_never_raise(server_factory):
     servers = start_set(server_factory, n=3)
     kv = ClusterConnector(KvCacheConfig(base_url=set_url(servers), timeout_s=5))

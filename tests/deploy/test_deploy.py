@@ -686,6 +686,7 @@ def test_lmcache_servers_run_the_same_command(compose):
 
 
 @pytest.mark.lmcache  # skipped, with the reason, where lmcache is absent
+@pytest.mark.slow
 def test_l2_adapter_json_is_accepted_by_lmcache_and_builds_our_adapter(compose, monkeypatch):
     from lmcache.v1.distributed.config import parse_args_to_config
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter

@@ -58,6 +58,7 @@ def three(server_factory) -> tuple[list, str]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_lmcache_bench_l2_verifies_over_a_set_of_three(server_factory):
     servers, url = three(server_factory)
     cmd = [
@@ -79,6 +80,7 @@ def test_lmcache_bench_l2_verifies_over_a_set_of_three(server_factory):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_two_lmcache_processes_keep_one_copy_per_chunk_in_the_fleet(server_factory):
     servers, url = three(server_factory)
     first = run_proc("store", url, seed=7)
@@ -94,6 +96,7 @@ def test_two_lmcache_processes_keep_one_copy_per_chunk_in_the_fleet(server_facto
     assert sum(s.dedup_hits for s in stats) == 1  # the second process's store
 
 
+@pytest.mark.slow
 def test_the_in_engine_plugin_over_a_set_from_extra_config(server_factory, lmcache_loop):
     """``remote_storage_plugin.egkv.base_url: a,b,c``: LMCache's RemoteBackend stores each
     chunk at its home, loads it back and counts prefix hits over the merged order."""

@@ -101,6 +101,7 @@ def test_a_native_plugin_through_lmcache_registry(server_factory):
 # --------------------------------------------------------------------------- (b)
 
 
+@pytest.mark.slow
 def test_b_lmcache_bench_l2_verifies_our_plugin(server_factory):
     srv = server_factory(workers=2, capacity="256MiB")
     cmd = [
@@ -208,6 +209,7 @@ def run_proc(op: str, url: str, seed: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_d_two_processes_share_one_copy(server_factory):
     srv = server_factory(workers=2, capacity="128MiB")
     first = run_proc("store", srv.url, seed=7)

@@ -187,6 +187,7 @@ class TwoFacedServer:
             t.join(10)
 
 
+@pytest.mark.slow
 def test_l2_no_write_into_l1_after_the_batch_deadline():
     """One worker, a first batch of two loads that each hang for the whole timeout, then
     a second batch: its transfer can no longer end before its deadline, so it never

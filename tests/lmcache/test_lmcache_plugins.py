@@ -268,6 +268,7 @@ class StallingServer:
         self._thread.join(10)
 
 
+@pytest.mark.slow
 def test_no_write_into_lmcache_memory_after_close(lmcache_loop):
     """A load in flight when ``close()`` is called never writes into the buffer it took
     from LMCache afterwards, even when the rest of the body arrives later."""

@@ -272,6 +272,7 @@ def _drip(socks: list[socket.socket]) -> list[socket.socket]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_uploads_that_drip_their_bodies_are_cut_and_free_the_upload_share(server_factory):
     """Two uploads announce 16 MiB each, which is the whole upload share of a 64 MiB slab,
     then drip a byte every 0.3 s: never silent for --body-timeout (1 s), so that limit
@@ -307,6 +308,7 @@ def test_uploads_that_drip_their_bodies_are_cut_and_free_the_upload_share(server
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_slow_upload_above_the_minimum_rate_is_not_cut(server_factory):
     """An upload that sends 1 MiB at about 256 KiB/s, four times the minimum, in pieces
     0.1 s apart, for about 4 s (well past the 1 s head start), is stored whole."""

@@ -94,6 +94,7 @@ def _check(answers, history, pinned, never, evictions: bool) -> int:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("evictions", [False, True], ids=["no-evictions", "evictions"])
+@pytest.mark.slow
 def test_batch_exists_is_exact_under_churn(server_factory, tmp_path, evictions):
     # 64 MiB holds every block of the phase without evictions many times over; in the
     # other, each churn step also stores 64 KiB fillers into 8 MiB, so the slab evicts

@@ -98,6 +98,7 @@ def test_a_small_lmcache_lookup_is_answered_before_submit_returns(srv):
         conn.close()
 
 
+@pytest.mark.slow
 def test_an_inline_lookup_never_holds_lmcache_for_the_whole_timeout():
     # A server that never answers: the inline attempt gives up after INLINE_TIMEOUT_S and
     # the batch goes to the pool; the next submit goes straight to the pool (back-off).

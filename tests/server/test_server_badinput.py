@@ -197,6 +197,7 @@ def _fuzz_request(rng: random.Random) -> bytes:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_fuzz_malformed_requests(srv):
     """1,200 malformed requests: no 5xx but 507, no worker dies, the slab stays sound."""
     sup = psutil.Process(srv.pid)

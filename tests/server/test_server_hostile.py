@@ -136,12 +136,14 @@ def _pipeline_unread(srv, block: bytes, count: int, tag: str) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_pipelined_large_gets_unread_keep_worker_memory_bounded(server_factory):
     srv = server_factory(workers=1, capacity="32MiB")
     _pipeline_unread(srv, os.urandom(MiB), 300, "pipe-1m")
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_pipelined_small_requests_unread_stay_bounded(server_factory):
     srv = server_factory(workers=1, capacity="32MiB")
     _pipeline_unread(srv, os.urandom(4096), 12_000, "pipe-4k")
@@ -180,6 +182,7 @@ def test_head_dripping_past_the_header_timeout_gets_408_and_is_closed(server_fac
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_head_sent_with_the_connection_then_stalled_gets_408(server_factory):
     """A partial head in the same instant as the connection is a head, not keep-alive idle."""
     srv = server_factory(workers=1, extra=("--header-timeout", "1", "--keepalive-timeout", "60"))
@@ -193,6 +196,7 @@ def test_head_sent_with_the_connection_then_stalled_gets_408(server_factory):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_answer_refused_before_its_body_gets_no_second_answer(server_factory):
     """aiohttp lingers over the unread body after the 400: that is no head being sent."""
     srv = server_factory(workers=1, extra=TIMEOUTS)
@@ -213,6 +217,7 @@ def test_answer_refused_before_its_body_gets_no_second_answer(server_factory):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_idle_keepalive_connection_is_closed_after_the_keepalive_timeout(server_factory):
     srv = server_factory(workers=1, extra=TIMEOUTS)
     s = _connect(srv)
@@ -228,6 +233,7 @@ def test_idle_keepalive_connection_is_closed_after_the_keepalive_timeout(server_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_stalled_upload_is_cut_and_its_pages_come_back(server_factory):
     srv = server_factory(workers=1, capacity="64MiB", extra=TIMEOUTS)
     free = stats(srv)["free_bytes"]
@@ -250,6 +256,7 @@ def test_stalled_upload_is_cut_and_its_pages_come_back(server_factory):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_client_that_never_reads_its_answers_is_cut(server_factory):
     srv = server_factory(workers=1, capacity="32MiB", extra=TIMEOUTS)
     block = os.urandom(MiB)
@@ -283,6 +290,7 @@ def _read_slowly(s: socket.socket, want: int, rate: float, stop_after: int | Non
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_slow_steady_reader_of_a_large_answer_is_not_cut_but_one_that_stops_is(server_factory):
     """The send limit cuts an answer that moves no byte, not one that is read slowly.
 

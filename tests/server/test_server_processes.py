@@ -209,6 +209,7 @@ def test_sigterm_drains_in_flight_upload(server_factory):
     assert "removed" in srv.log()
 
 
+@pytest.mark.slow
 def test_drain_timeout_cuts_a_stalled_upload(server_factory):
     srv = server_factory(workers=1, extra=("--drain-timeout", "1", "--keep"))
     with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as s:

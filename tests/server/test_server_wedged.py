@@ -76,6 +76,7 @@ class _PutLoad:
     [("--heartbeat-timeout", "2"), ()],
     ids=["short-heartbeat", "default-limits"],
 )
+@pytest.mark.slow
 def test_stopped_idle_worker_is_killed_and_replaced(server_factory, extra):
     srv = server_factory(workers=2, extra=extra)
     victim = min(workers_of(srv))
@@ -94,6 +95,7 @@ def test_stopped_idle_worker_is_killed_and_replaced(server_factory, extra):
     wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=10, what="healthz")
 
 
+@pytest.mark.slow
 def test_healthz_counts_only_workers_that_beat(server_factory):
     # A long heartbeat timeout: the stopped worker is not killed during this test.
     srv = server_factory(workers=2, extra=("--heartbeat-timeout", "120"))
@@ -130,6 +132,7 @@ def test_healthz_counts_only_workers_that_beat(server_factory):
         ("2.5", "5", "has not beat"),
     ],
 )
+@pytest.mark.slow
 def test_stopped_lock_holder_is_killed_and_its_victim_spared(
     server_factory, heartbeat_timeout, lock_timeout, why
 ):
@@ -242,6 +245,7 @@ def _hold_the_lock(name: str, ready_w: int) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_supervisor_never_waits_on_a_stuck_lock(server_factory):
     """A process that is not a worker holds the lock: the supervisor still replaces a dead
     worker at once (its own lock attempts are bounded), names the holder in its log, and

@@ -158,6 +158,7 @@ def _start(*args) -> mp.Process:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_sigkill_torture_survivors_never_stall_and_slab_stays_sound(slab_name):
     slab = Slab.create(slab_name, 3 * MiB, page_size=16 * KiB, max_block_size=64 * KiB)
     stop = FORK.RawValue("b", 0)
