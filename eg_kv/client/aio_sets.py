@@ -1,26 +1,27 @@
 """A server set as one cache, for asyncio: :class:`AsyncSetConnector`.
 
-The async twin of :class:`eg_kv.client.sets.SetConnector`: the same router (membership,
-health, placement and the batch plans, whose threads run beside the loop), with requests
-sent on the caller's loop by one :class:`~eg_kv.client.aio.AsyncServerConnector` per
-member and a batch's groups gathered in parallel.
+The async twin of :class:`eg_kv.client.sets.SetConnector`: the same plans
+(:mod:`eg_kv.client.router`: placement, a batch's split, merge, deadline and straggler cut,
+the fall-through to the previous home; its membership and probe threads run beside the
+loop, probing with the sync client), with requests sent on the caller's loop by one
+:class:`~eg_kv.client.aio.AsyncServerConnector` per member and a batch's groups gathered in
+parallel.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from .aio import AsyncServerConnector
 from .core import KvCacheConfig, KvCacheStats, to_address
 from .interface import AsyncSink, Unreachable
-from .members import View
-from .placement import merge, prefix_hits
-from .sets import Groups, MemberConnectors, Router, absent
+from .placement import prefix_hits
+from .router import Ask, BatchPlan, MemberConnectors, Router, Waiting, absent, set_health
 from .setstats import MemberStats, set_stats
+from .sync import member_connector
 
 T = TypeVar("T")
 
@@ -41,7 +42,7 @@ class AsyncSetConnector:
             ConfigError: the setting does not parse.
         """
         self.config = config
-        self._router = Router(config)
+        self._router = Router(config, member_connector)
         #: The loop the member connectors (their aiohttp sessions) were built on.
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -145,44 +146,39 @@ class AsyncSetConnector:
         <eg_kv.client.sets.SetConnector.delete_status>`."""
         return await self._one(key, lambda c, a: c.delete_status(a), absent)
 
-    async def _parallel(
-        self,
-        view: View,
-        groups: Groups,
-        addresses: Sequence[str],
-        deadline: float,
-        bounded: bool = False,
-    ) -> dict[str, list[bool] | None]:
-        """Like the sync set's: every group at once, all answered by ``deadline``; a
-        member still out when the batch stops waiting for it is cancelled, missing from
-        the answer and marked down."""
+    async def _parallel(self, ask: Ask) -> dict[str, list[bool] | None]:
+        """A round's lookups, every member's at once on this loop, all answered by the
+        batch's deadline; a member still out when the round stops waiting for it
+        (:class:`~eg_kv.client.router.Waiting`) is cancelled, missing from the answer and
+        marked down."""
 
-        async def one(m: str, idx: list[int]) -> list[bool] | None:
+        async def one(m: str, part: list[str]) -> list[bool] | None:
             # A failed group is None (its share are misses); its error marks the member down.
-            left = deadline - time.monotonic() if bounded else None
-            conn = self._members.get(view, m)
-            return await conn.try_exists_addresses([addresses[i] for i in idx], left)
+            try:
+                timeout_s = ask.timeout(first=True)
+            except TimeoutError:
+                return None
+            conn = self._members.get(ask.view, m)
+            return await conn.try_exists_addresses(part, timeout_s=timeout_s)
 
-        started = time.monotonic()
-        pending = {asyncio.ensure_future(one(m, idx)): m for m, idx in groups.items()}
+        wait = Waiting(self._router, ask.deadline)
+        pending = {asyncio.ensure_future(one(m, part)): m for m, part in ask.jobs()}
         out: dict[str, list[bool] | None] = {}
-        cut = deadline
         try:
             while pending:
                 done, _ = await asyncio.wait(
-                    pending, timeout=max(0.0, cut - time.monotonic()),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )  # fmt: skip
+                    pending, timeout=wait.timeout(), return_when=asyncio.FIRST_COMPLETED
+                )
                 if not done:
                     break
                 for task in done:
                     out[pending.pop(task)] = task.result()
-                cut = self._router.cut(started, deadline)
+                wait.answered()
         finally:
             for task in pending:
                 task.cancel()
         if pending:
-            self._router.late(pending.values(), time.monotonic() - started)
+            wait.give_up(pending.values())
         return out
 
     async def _lookup(
@@ -191,21 +187,10 @@ class AsyncSetConnector:
         """(one bool per address in the caller's order, whether any member answered)."""
         if self._closed or not addresses:
             return [False] * len(addresses), not self._closed
-        limit = self.config.timeout_s
-        wait_s = limit if timeout_s is None else min(timeout_s, limit)
-        bounded = wait_s < limit
-        deadline = time.monotonic() + wait_s
-        view, groups = self._router.plan(addresses)
-        answers = await self._parallel(view, groups, addresses, deadline, bounded)
-        ok = {m: a for m, a in answers.items() if a is not None}
-        found = merge(len(addresses), groups, ok, False)
-        again = self._router.second_plan(view, addresses, found, groups)
-        if again and time.monotonic() < deadline:
-            for m, a in (await self._parallel(view, again, addresses, deadline, bounded)).items():
-                if a is not None:
-                    for i, hit in zip(again[m], a, strict=True):
-                        found[i] = found[i] or hit
-        return found, bool(ok)
+        plan = BatchPlan(self._router, addresses, timeout_s)
+        for ask in plan:
+            plan.take(await self._parallel(ask))
+        return plan.found, plan.answered
 
     async def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
         """One bool per key; each member asked once (per 1024 keys), in parallel."""
@@ -255,12 +240,10 @@ class AsyncSetConnector:
 
     async def healthz(self) -> dict[str, Any] | None:
         """``{"status": "ok", "members": K, "members_up": k}`` while a member is up."""
-        view = self._router.view()
-        down = self._router.down()
-        up = [m for m in view.placement.members if m not in down]
+        view, up = self._router.up()
         for member_id in up:
             if await self._members.get(view, member_id).healthz() is not None:
-                return {"status": "ok", "members": len(view.members), "members_up": len(up)}
+                return set_health(view, up)
         return None
 
 

@@ -608,3 +608,9 @@ class ServerConnector:
         member = parse_server_set(self.config.base_url).single
         assert member is not None  # a single-server config (checked when built)
         return [member_line(member, self.stats)]
+
+
+def member_connector(config: KvCacheConfig, on_unreachable: Unreachable | None) -> ServerConnector:
+    """The sync connector of one member of a server set (and of a set's probes, which run
+    on threads for the async set too): the direct client, reporting its transport errors."""
+    return ServerConnector(config, on_unreachable=on_unreachable)

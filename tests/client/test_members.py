@@ -14,9 +14,9 @@ from collections import Counter
 import pytest
 from helpers.common import ROOT, wait_for
 
+from eg_kv.client.health import Health
 from eg_kv.client.members import (
     DnsQuery,
-    Health,
     Member,
     Membership,
     parse_server_set,
