@@ -36,7 +36,7 @@ class LockTimeout(SlabError):
     """A bounded wait for the slab lock ran out (see :meth:`SlabLocking._locked`)."""
 
 
-class _Held:
+class Held:
     """The slab lock, held for a ``with`` block (see :meth:`SlabLocking._locked`).
 
     A class rather than ``@contextmanager``: the generator and its two resumptions were
@@ -100,14 +100,14 @@ class SlabLocking(SlabView):
         _fd: int
         _tlock: threading.Lock
         _pid: int
-        _held: _Held
+        _held: Held
         closed: bool
         repaired_on_entry: tuple[int, list[str]] | None
 
         # Defined by SlabChecks (eg_kv.slab.check): entry repairs after a dead holder.
         def _repair_locked(self, count: bool = False) -> list[str]: ...
 
-    def _locked(self, timeout: float | None = None, *, write: bool = True) -> _Held:
+    def _locked(self, timeout: float | None = None, *, write: bool = True) -> Held:
         """Hold the slab lock (``with``); repair first if the previous holder died inside.
 
         Args:
@@ -122,7 +122,7 @@ class SlabLocking(SlabView):
         """
         if timeout is None and write:
             return self._held  # the usual section: one object per handle, not one per call
-        return _Held(self, timeout, write)
+        return Held(self, timeout, write)
 
     def _try_lock(self) -> bool:
         try:

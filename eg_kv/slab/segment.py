@@ -30,7 +30,7 @@ import posix_ipc
 from ..errors import SlabError
 from ..units import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, human_size
 from . import layout as L
-from .lock import OWNER_LOCK_WAIT_S, SlabLocking, _Held
+from .lock import OWNER_LOCK_WAIT_S, Held, SlabLocking
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels fall back to touching each page
 _OS_PAGE = mmap.PAGESIZE
@@ -192,7 +192,7 @@ class SlabSegment(SlabLocking):
         self._resv_raw = self._mv[g.resv_off : g.resv_off + g.nresv * L.RESV_SIZE]
         self._me = -1  # this handle's entry in the PROCS table once claimed (-2: none free)
         self._tlock = threading.Lock()
-        self._held = _Held(self, None, True)
+        self._held = Held(self, None, True)
         self._pid = os.getpid()
         self.closed = False
         #: (dead holder's pid, problems) once an entry into the lock repaired the slab (a
