@@ -30,6 +30,7 @@ MAY_IMPORT = {
     "server": {"base", "slab"},
     "client": {"base", "slab-read"},
     "lmcache": {"base", "client"},
+    "vllm": {"base", "client"},
     "public": {"base", "client", "lmcache"},
 }
 #: The slab's read side: what a client on the slab's host maps (no posix_ipc). The clients

@@ -1,0 +1,79 @@
+"""The connector's settings: vLLM's ``kv_connector_extra_config`` over the
+``EPISTEMIC_GRAPH_KVCACHE_*`` environment.
+
+Every :class:`~eg_kv.client.core.KvCacheConfig` keyword is accepted (``base_url``,
+``addr``, ``token``, ``timeout_s``, ``max_connections``, ``verify_tls``, ...), with
+``url`` as another name for ``base_url``; a server set (``"http://a:9130,http://b:9130"``,
+``dns+`` / ``dnssrv+`` URLs) works because the client handles it. The connector's own keys
+are in :data:`CONNECTOR_KEYS`. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ..client.core import CONFIG_KEYWORDS, KvCacheConfig
+from ..errors import ConfigError
+
+#: The connector's own keys and their defaults.
+CONNECTOR_KEYS: dict[str, Any] = {
+    # Threads that PUT saved blocks (and GET loaded ones) in parallel.
+    "io_threads": 4,
+    # Saved blocks waiting for their PUT, in bytes, before a save waits for room.
+    "max_pending_bytes": 256 * 1024 * 1024,
+}
+#: ``url`` is the name vLLM users expect; it means ``base_url``.
+ALIASES = {"url": "base_url"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    """A connector's client config and its own knobs."""
+
+    client: KvCacheConfig
+    io_threads: int = CONNECTOR_KEYS["io_threads"]
+    max_pending_bytes: int = CONNECTOR_KEYS["max_pending_bytes"]
+
+
+def settings_from(
+    extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> ConnectorSettings:
+    """Build the settings from ``kv_connector_extra_config`` (``extra``) and the
+    environment (``env``, default ``os.environ``): a key given in ``extra`` wins.
+
+    Raises:
+        ConfigError: an unknown key (with the known ones), a key given twice (``url`` and
+            ``base_url``), or a value the client config refuses.
+    """
+    client_kw: dict[str, Any] = {}
+    own: dict[str, Any] = {}
+    for key, value in (extra or {}).items():
+        name = ALIASES.get(key, key)
+        if name in CONNECTOR_KEYS:
+            own[name] = value
+        elif name in CONFIG_KEYWORDS:
+            if name in client_kw:
+                raise ConfigError(
+                    f"kv_connector_extra_config names {name!r} twice (url is base_url)"
+                )
+            client_kw[name] = value
+        else:
+            known = sorted({*CONFIG_KEYWORDS, *CONNECTOR_KEYS, *ALIASES})
+            raise ConfigError(
+                f"kv_connector_extra_config key {key!r} is unknown to EgKvConnector; "
+                f"known: {', '.join(known)}"
+            )
+    client = KvCacheConfig.from_env(env, **client_kw)
+    values: dict[str, Any] = {}
+    for name, default in CONNECTOR_KEYS.items():
+        raw = own.get(name, default)
+        try:
+            number = int(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+        if number < 1:
+            raise ConfigError(f"{name} must be at least 1, got {number}")
+        values[name] = number
+    return ConnectorSettings(client=client, **values)
