@@ -12,13 +12,7 @@ The plugin's type must be ``egkv``: names ``egkv`` or ``egkv.<instance>``.
 
 from __future__ import annotations
 
-from lmcache.v1.storage_backend.connector import (
-    ConnectorAdapter,
-    ConnectorContext,
-    extract_plugin_type,
-)
-from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
-
+from .compat import ConnectorAdapter, ConnectorContext, RemoteConnector, extract_plugin_type
 from .remote import EgKvRemoteConnector
 
 #: The plugin type this adapter builds (``remote_storage_plugins: ["egkv", "egkv.b"]``).

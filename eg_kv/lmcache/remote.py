@@ -38,15 +38,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryObj
-from lmcache.v1.protocol import RemoteMetadata
-from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
-
 from ..address import address_for_key
 from ..client.connectors import connect
 from ..client.core import CONFIG_KEYWORDS, KvCacheConfig, Miss
 from ..errors import ConfigError
+from .compat import CacheEngineKey, MemoryObj, RemoteConnector, RemoteMetadata
 from .store_warnings import StoreWarnings
 from .write_gate import GateClosed, GateSet, read_through
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import socket
 import threading
@@ -27,12 +28,16 @@ from helpers.lmcache_engine import (  # noqa: E402
     plugin_extra,
 )
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
-from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info  # noqa: E402
 from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 
 from eg_kv.kvcache import EgKvRemoteConnector, RemoteKVConnector  # noqa: E402
+from eg_kv.lmcache.compat import RemoteMetadata  # noqa: E402
+
+#: LMCache's chunk-header module, wherever this release keeps it (0.5.6: lmcache.v1.protocol,
+#: 0.5.7: lmcache.inprocess.v1.protocol): the one our connector's header class comes from.
+protocol = importlib.import_module(RemoteMetadata.__module__)
 
 pytestmark = pytest.mark.lmcache
 
@@ -273,7 +278,7 @@ def test_no_write_into_lmcache_memory_after_close(lmcache_loop):
     """A load in flight when ``close()`` is called never writes into the buffer it took
     from LMCache afterwards, even when the rest of the body arrives later."""
     metadata = engine_metadata()
-    init_remote_metadata_info(metadata.get_num_groups())  # what a connector does first
+    protocol.init_remote_metadata_info(metadata.get_num_groups())  # what a connector does first
     header = RemoteMetadata(SMALL_CHUNK, metadata.get_shapes(), metadata.get_dtypes(),
                             MemoryFormat.KV_2LTD).serialize()  # fmt: skip
     srv = StallingServer(header, len(header) + SMALL_CHUNK)
