@@ -1,5 +1,5 @@
 """Building LMCache's own in-engine objects (config, metadata, CPU backend, RemoteBackend)
-around eg-kv for the tests: the real ``lmcache`` 0.5.6, nothing mocked."""
+around eg-kv for the tests: the real ``lmcache`` (0.5.6 or 0.5.7rc2), nothing mocked."""
 
 from __future__ import annotations
 

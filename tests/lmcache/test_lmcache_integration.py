@@ -1,4 +1,5 @@
-"""eg-kv inside the real ``lmcache`` package (0.5.6, CPU torch), against a real server.
+"""eg-kv inside the real ``lmcache`` package (0.5.6 in .venv, 0.5.7rc2 in
+.venv-lmcache057; CPU torch), against a real server.
 
 (a) The ``native_plugin`` adapter built by LMCache's own config parser and adapter
     registry stores, looks up, loads (byte-identical) and deletes a 14 MiB chunk.

@@ -1,7 +1,7 @@
-"""The ``native_plugin`` L2 adapter at its edges, built by the real ``lmcache`` 0.5.6 (its
-config parser and adapter registry): a chunk over the server's limit, two LMCache servers
-with different chunk lengths on one eg-kv, and no write into LMCache's L1 buffers after a
-batch's deadline or after ``close()``."""
+"""The ``native_plugin`` L2 adapter at its edges, built by the real ``lmcache`` (0.5.6 or
+0.5.7rc2: its config parser and adapter registry): a chunk over the server's limit, two
+LMCache servers with different chunk lengths on one eg-kv, and no write into LMCache's L1
+buffers after a batch's deadline or after ``close()``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The in-engine plugin on every path LMCache builds remote connectors, against real
-servers and the real ``lmcache`` 0.5.6 (its RemoteBackend, CreateStorageBackends,
-LocalCPUBackend): the legacy ``remote_url``, a stand-in CPU backend, named instances,
-the 413 / 409 warnings, the layout in the address, and no write after ``close()``."""
+servers and the real ``lmcache`` (0.5.6 or 0.5.7rc2: its RemoteBackend,
+CreateStorageBackends, LocalCPUBackend): the legacy ``remote_url``, a stand-in CPU backend,
+named instances, the 413 / 409 warnings, the layout in the address, and no write after
+``close()``."""
 
 from __future__ import annotations
 
