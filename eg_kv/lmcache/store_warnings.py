@@ -63,7 +63,8 @@ class StoreWarnings:
             "%s: a chunk of %d bytes is over the eg-kv server's maximum block size (%s) "
             "at %s, so it is not stored and LMCache recomputes it: start the server with "
             "`eg-kv serve --max-block-size %s` (in the compose file: EG_KV_MAX_BLOCK_SIZE) "
-            "or lower LMCache's chunk_size",
+            "or lower LMCache's chunk_size (from LMCache 0.5.7 on, `lmcache server "
+            "--chunk-size` is a minimum that vLLM may raise to a multiple of its block size)",
             self._who, size, f"{limit} bytes" if limit else "unknown",
             self._client.config.base_url, suggested_limit(size),
         )  # fmt: skip
