@@ -97,6 +97,7 @@ def _both(url: str, tag: str, **settings: Any) -> dict[str, Any]:
     return {"want": want, "got": got}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("local_reads", [False, True], ids=["http", "local"])
 def test_one_server_answers_the_async_client_as_the_sync_one(servers, local_reads):
     both = _both(servers[0].url, f"one-{local_reads}", local_reads=local_reads)

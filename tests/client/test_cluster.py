@@ -52,6 +52,7 @@ def test_a_set_in_base_url_and_a_set_of_one_is_the_direct_client():
             KvCacheConfig(base_url=bad)
 
 
+@pytest.mark.slow
 def test_batches_split_by_member_merged_in_order_one_request_each(server_factory):
     servers = start_set(server_factory)
     with RemoteKVConnector(base_url=set_url(servers), timeout_s=5) as kv:
@@ -189,6 +190,7 @@ def test_a_member_that_never_answers_costs_one_timeout_then_nothing(server_facto
             assert (time.perf_counter() - t) / (len(keys) + 1) < 0.1
 
 
+@pytest.mark.slow
 def test_the_async_client_over_a_set(server_factory):
     servers = start_set(server_factory)
 
@@ -219,6 +221,7 @@ def test_the_async_client_over_a_set(server_factory):
     assert got == b"async005" and blocks == 20
 
 
+@pytest.mark.slow
 def test_stats_of_a_set_print_the_sum_and_each_member(server_factory):
     servers = start_set(server_factory)
     with RemoteKVConnector(base_url=set_url(servers)) as kv:
@@ -243,6 +246,7 @@ def test_stats_of_a_set_print_the_sum_and_each_member(server_factory):
     assert blocks == [sum(members_blocks)] and 0 < blocks[0] < 30
 
 
+@pytest.mark.slow
 def test_https_members_found_through_dns_verify_their_own_name(
     server_factory,
     dns_server,
@@ -476,6 +480,7 @@ def test_a_slow_member_costs_its_share_of_one_batch_async(server_factory, how):
         asyncio.run(run(slow))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_member_that_reports_a_huge_capacity_takes_a_capped_share(server_factory, caplog):
     servers = start_set(server_factory, n=2)

@@ -275,6 +275,7 @@ def test_local_readers_under_churn_deletes_and_a_sigkilled_worker_never_get_wron
     assert srv.healthz()["workers_up"] == 2  # the killed worker was replaced
 
 
+@pytest.mark.slow
 def test_local_reads_off_or_without_permission_use_http(server_factory):
     srv = server_factory(workers=1)
     with RemoteKVConnector(base_url=srv.url, local_reads=False) as kv:
@@ -354,6 +355,7 @@ def test_another_slab_another_layout_or_a_busy_table_is_never_read(slab_name):
         Slab.unlink_named(slab_name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL then --fresh"])
 def test_a_server_restarted_onto_a_new_slab_is_never_read_through_the_old_mapping(
     server_factory, how
@@ -380,6 +382,7 @@ def test_a_server_restarted_onto_a_new_slab_is_never_read_through_the_old_mappin
         assert kv._core.local.slab is not None and kv._core.local.slab is not mapped
 
 
+@pytest.mark.slow
 def test_with_tenants_only_an_admin_reads_locally(server_factory, tmp_path):
     tenants = [{"name": "team-a", "role": "readwrite"}, {"name": "ops", "role": "admin"}]
     path = write_tokens(tmp_path / "tokens.toml", tenants)

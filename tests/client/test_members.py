@@ -358,6 +358,7 @@ def test_a_set_that_cannot_resolve_at_start_is_empty_then_fills(dns_server):
         wait_for(lambda: ids(m) == {f"{pod(0)}:9130"}, timeout=10, what="first members")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_close_stops_the_thread_and_the_queries(dns_server):
     zone, port = dns_server
@@ -405,6 +406,7 @@ def test_weights_come_from_each_members_capacity(dns_server):
         assert abs(counts[f"{pod(0)}:9130"] / 4000 - 0.5) < 0.04, counts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_weigh_hook_that_hangs_costs_a_bounded_wait_and_one_thread():
     release = threading.Event()

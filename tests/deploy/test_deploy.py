@@ -850,6 +850,7 @@ def test_dockerfile_lmcache_stage_installs_and_checks_our_plugin(compose):
     assert "get_l2_adapter_config_class" in run and "'native_plugin'" in run
 
 
+@pytest.mark.slow
 def test_dockerignore_keeps_the_context_to_the_package():
     files = context_files()
     needed = {"pyproject.toml", PYPROJECT["project"]["readme"]}
@@ -869,6 +870,7 @@ def test_dockerignore_keeps_the_context_to_the_package():
             assert any(f == src or f.startswith(src.rstrip("/") + "/") for f in files), src
 
 
+@pytest.mark.slow
 def test_the_image_context_builds_the_package_with_its_console_script(tmp_path):
     """Build a wheel from exactly what the build context holds, as the image's pip does."""
     src = tmp_path / "src"

@@ -1047,6 +1047,7 @@ print("roundtrip" if ok else "refused")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_server_started_as_the_tls_component_says_is_trusted_by_a_client_as_configured(
     tls, server_factory, tmp_path
@@ -1293,6 +1294,7 @@ def _order_free(value):
     return value
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl (its kustomize) not installed")
 @pytest.mark.parametrize(
     "directory", [BASE, CERT_MANAGER, *OVERLAYS], ids=lambda d: str(d.relative_to(K8S))

@@ -100,6 +100,7 @@ def test_env_address_grammar_end_to_end(tmp_path, addr_env, host):
         Slab.unlink_named(name)
 
 
+@pytest.mark.slow
 def test_stats_command(server_factory):
     srv = server_factory(workers=1, env={"EPISTEMIC_GRAPH_KVCACHE_TOKEN": "tok-for-stats"})
     request(srv, "PUT", "/kv/s1", b"12345")

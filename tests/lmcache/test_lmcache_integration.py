@@ -51,6 +51,7 @@ MODEL = "Qwen/Qwen2.5-7B-Instruct"
 # --------------------------------------------------------------------------- (a)
 
 
+@pytest.mark.slow
 def test_a_native_plugin_through_lmcache_registry(server_factory):
     srv = server_factory(workers=2, capacity="128MiB")
     cfg = parse_args_to_l2_adapters_config(

@@ -99,6 +99,7 @@ def test_l2_chunk_over_the_max_block_size_is_said_once(server_factory, caplog):
         l2.close()
 
 
+@pytest.mark.slow
 def test_l2_servers_with_other_chunk_lengths_keep_their_own_chunks(server_factory, caplog):
     """Two LMCache servers whose chunks differ in length store the same keys: both keep
     and load their own (the second got 409 and lost them before); a third with the first's
@@ -224,6 +225,7 @@ def test_l2_no_write_into_l1_after_the_batch_deadline():
         srv.stop()
 
 
+@pytest.mark.slow
 def test_l2_no_write_after_close_under_load(server_factory):
     """Loads of 24 chunks in flight when LMCache closes the adapter: once ``close()``
     returned, their buffers are LMCache's alone (it may free or reuse them at once)."""

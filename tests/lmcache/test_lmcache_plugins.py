@@ -102,6 +102,7 @@ class _StandIn:
 # --------------------------------------------------------------------------- 12.2
 
 
+@pytest.mark.slow
 def test_named_instances_each_reach_their_own_server(server_factory, lmcache_loop):
     srv_a = server_factory(workers=1, capacity="32MiB")
     srv_b = server_factory(workers=1, capacity="32MiB")

@@ -44,6 +44,7 @@ def test_put_without_content_length_is_400(srv):
     _assert_nothing_held(srv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", [b"abc", b"-5", b"1.5", b"12, 13", b"0x10"])
 def test_invalid_content_length_is_400(srv, value):
     head = b"PUT /kv/x HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: "
@@ -63,6 +64,7 @@ def test_oversize_is_refused_before_the_body_is_read(server_factory):
     _assert_nothing_held(srv)
 
 
+@pytest.mark.slow
 def test_expect_100_continue(srv):
     # Oversize: refused without the interim 100, before any body byte is sent.
     head = b"PUT /kv/e HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n" % (65 * MiB)

@@ -154,6 +154,7 @@ def test_pipelined_small_requests_unread_stay_bounded(server_factory):
 TIMEOUTS = ("--header-timeout", "1", "--body-timeout", "2", "--keepalive-timeout", "2")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_head_dripping_past_the_header_timeout_gets_408_and_is_closed(server_factory):
     srv = server_factory(workers=1, extra=TIMEOUTS)

@@ -47,6 +47,7 @@ def _retry(call, attempts: int = 30):
     raise AssertionError(f"gave up after {attempts} attempts: {last!r}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sigkill_workers_under_load(server_factory):
     """Kill workers mid PUT/GET load: retrying clients finish, every acked block is intact."""
@@ -233,6 +234,7 @@ def test_sigint_stops_like_sigterm(server_factory):
     assert not Slab.exists_named(srv.slab_name)
 
 
+@pytest.mark.slow
 def test_warm_restart_with_keep(server_factory):
     name = unique_slab_name("warm")
     first = server_factory(workers=2, slab_name=name, extra=("--keep",))
@@ -272,6 +274,7 @@ def test_slab_of_a_live_server_is_refused(server_factory):
     assert request(first, "GET", "/healthz").status == 200
 
 
+@pytest.mark.slow
 def test_slab_of_other_sizes_is_refused(server_factory):
     name = unique_slab_name("sizes")
     first = server_factory(workers=1, slab_name=name, capacity="32MiB", extra=("--keep",))
@@ -282,6 +285,7 @@ def test_slab_of_other_sizes_is_refused(server_factory):
     assert Slab.exists_named(name), "a refused start does not destroy the kept blocks"
 
 
+@pytest.mark.slow
 def test_worker_memory_stays_small_under_14mib_traffic(server_factory):
     """4 clients move 14 MiB blocks through one worker: its private memory stays small."""
     srv = server_factory(workers=1, capacity="256MiB")  # room for all 12 blocks: no eviction

@@ -131,6 +131,7 @@ def fds_for_1030_sockets():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_many_small_stalled_uploads_do_not_fill_the_reservation_table(
     server_factory, fds_for_1030_sockets

@@ -57,6 +57,7 @@ def _read_to_end(sock: socket.socket, have: bytes, length: int) -> bytes:
     return b"".join(chunks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1])
 def test_block_released_mid_send_gives_a_short_body(server_factory, workers):
     srv = server_factory(workers=workers, capacity="64MiB")

@@ -66,6 +66,7 @@ def test_namespaces_isolate_every_operation(tenanted):
     assert _req(srv, "ops", "GET", "/kv/same").status == 404
 
 
+@pytest.mark.slow
 def test_roles(tenanted):
     srv = tenanted
     assert _req(srv, "team-a", "PUT", "/kv/r", b"x").status == 201
@@ -147,6 +148,7 @@ def _answer(s: socket.socket) -> bytes:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_uploads_in_flight_count_against_their_quota(server_factory, tmp_path):
     """Issue 21 item 4: eight 4 MiB uploads held open by a tenant with a 4 MiB quota

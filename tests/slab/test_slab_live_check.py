@@ -67,6 +67,7 @@ def big_slab(slab_name):
     slab.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_live_check_holds_the_lock_briefly_and_finds_no_false_problems(big_slab):
     # One hold of the lock for the whole walk would stall every writer this long:
@@ -99,6 +100,7 @@ def test_live_check_holds_the_lock_briefly_and_finds_no_false_problems(big_slab)
     assert (quiet.problems, quiet.unchecked) == ([], [])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_eg_kv_check_of_a_large_slab_under_write_load_slices_its_walk(big_slab):
     """The command itself walks in slices and says how many and how long the longest was."""
@@ -114,6 +116,7 @@ def test_eg_kv_check_of_a_large_slab_under_write_load_slices_its_walk(big_slab):
     assert slices > 1 and cpu_ms < MAX_HOLD_S * 1000, out.stdout
 
 
+@pytest.mark.slow
 def test_live_check_finds_real_damage(big_slab):
     # Damage one slot's own fields: found whatever else runs (it lies inside one slice).
     _i, s = big_slab._find(*big_slab._key("b77"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 from helpers.common import unique_slab_name
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -52,6 +53,7 @@ def streamed_put(slab: Slab, key: str, body: bytes) -> bool:
         handle.abort()
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
 def test_slab_matches_dict_model(sequence):
