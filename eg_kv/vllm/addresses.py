@@ -44,8 +44,10 @@ class BlockFormat:
         model: the model's name or path (and revision, when one is given).
         dtype: the KV cache's element type (``bfloat16``, ``fp8_e4m3``, ...).
         block_size: tokens per vLLM block.
-        layout: the KV layout of one block: each layer's name, per-block shape and element
-            type, in the order they are concatenated (see the connector).
+        layout: the KV layout of one block as this shard stores it: each layer's name,
+            per-block shape and element type, in the order they are concatenated (the
+            connector's worker writes it; the scheduler learns it through vLLM's
+            handshake).
         tp_size: tensor-parallel world size.
         pp_size: pipeline-parallel world size.
     """
@@ -103,6 +105,7 @@ def token_chain(
     *,
     extras: Sequence[str] = (),
     max_blocks: int | None = None,
+    known: Sequence[bytes] = (),
 ) -> list[bytes]:
     """One digest per WHOLE block of ``token_ids`` (a partial last block has none).
 
@@ -111,6 +114,8 @@ def token_chain(
 
     Args:
         max_blocks: stop after this many blocks.
+        known: the chain's first digests, already computed for these tokens (a request
+            that grew): they are kept and only the blocks after them are hashed.
 
     Raises:
         ValueError: a token id outside ``0 .. 2**31 - 1``, or ``block_size < 1``.
@@ -121,9 +126,9 @@ def token_chain(
     if max_blocks is not None:
         count = min(count, max(0, max_blocks))
     pack = struct.Struct(f"<{block_size}i").pack
-    parent = chain_root(extras)
-    out: list[bytes] = []
-    for i in range(count):
+    out: list[bytes] = list(known[:count])
+    parent = out[-1] if out else chain_root(extras)
+    for i in range(len(out), count):
         block = token_ids[i * block_size : (i + 1) * block_size]
         try:
             raw = pack(*block)
@@ -151,9 +156,14 @@ def block_addresses(chain: Sequence[bytes], fmt: BlockFormat, shard: int = 0) ->
     return [block_address(d, salt) for d in chain]
 
 
-def lookup_addresses(chain: Sequence[bytes], fmt: BlockFormat) -> list[str]:
-    """Every shard's address of every block, block by block (``shards`` per block), for
-    one prefix lookup: a block counts only when every shard holds it, so the stored prefix
-    is ``contains_prefix(lookup_addresses(...)) // fmt.shards`` whole blocks."""
-    salts = [fmt.salt(s) for s in range(fmt.shards)]
+def lookup_addresses(chain: Sequence[bytes], formats: Sequence[BlockFormat]) -> list[str]:
+    """Every shard's address of every block, block by block (``len(formats)`` per block),
+    for one prefix lookup: a block counts only when every shard holds it, so the stored
+    prefix is ``contains_prefix(lookup_addresses(...)) // len(formats)`` whole blocks.
+
+    Args:
+        formats: each shard's format, by shard index (their layouts may differ: pipeline
+            stages hold different layers).
+    """
+    salts = [fmt.salt(shard) for shard, fmt in enumerate(formats)]
     return [block_address(d, salt) for d in chain for salt in salts]

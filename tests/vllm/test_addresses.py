@@ -72,6 +72,7 @@ def test_only_whole_blocks_get_addresses_and_a_prefix_keeps_its_addresses():
     assert shorter == chain[:3]
     assert A.token_chain(TOKENS, 16, max_blocks=2) == chain[:2]
     assert A.token_chain(TOKENS[:15], 16) == []
+    assert A.token_chain(TOKENS, 16, known=chain[:2]) == chain  # grown: hashes the rest
     addresses = A.block_addresses(chain, FMT)
     assert len(set(addresses)) == 5
     for a in addresses:
@@ -126,7 +127,7 @@ def test_each_shard_has_its_own_addresses_and_a_lookup_asks_all_of_them():
     per_shard = [A.block_addresses(chain, fmt, s) for s in range(4)]
     assert len({a for addrs in per_shard for a in addrs}) == 20
     assert fmt.shard_of(tp_rank=1, pp_rank=1) == 3
-    lookup = A.lookup_addresses(chain, fmt)
+    lookup = A.lookup_addresses(chain, [fmt] * 4)
     assert lookup[:4] == [per_shard[s][0] for s in range(4)]
     assert lookup[4:8] == [per_shard[s][1] for s in range(4)]
     with pytest.raises(ValueError):

@@ -1,0 +1,493 @@
+"""``EgKvConnector``: vLLM's KV connector (``KVConnectorBase_V1``, vLLM 0.32) storing KV
+blocks in eg-kv.
+
+One vLLM block (``block_size`` tokens) of one KV shard (a TP/PP rank) is ONE eg-kv
+block: the per-layer slices of that block, each moved to "block first" and concatenated
+in layer order. Its address is a chain hash of the token ids bound to the format
+(:mod:`eg_kv.vllm.addresses`); the worker describes its layout and vLLM's handshake hands
+it to the scheduler, so both sides compute the same addresses.
+
+Scheduler side (the engine core process):
+
+* :meth:`get_num_new_matched_tokens` asks which blocks after the locally computed ones are
+  stored, with ONE batch lookup (``contains_prefix``: the compact ``POST
+  /kv/batch/exists`` per server) over every shard's address of each whole block, never the
+  prompt's last token (vLLM must compute one). Side-effect free.
+* :meth:`update_state_after_alloc` notes the tokens to load; :meth:`build_connector_meta`
+  turns them into block ids and digests, and lists the blocks this step completes that
+  are not stored yet (saved as soon as they are complete, so :meth:`request_finished` has
+  nothing left to save: it drops the request's state and returns its counters as
+  ``kv_transfer_params``).
+
+Worker side (each model runner): :meth:`start_load_kv` GETs the blocks to load in
+parallel with ``get_into`` into one staging buffer (a local read from the slab on the
+server's host), then ``index_copy_`` s each layer's slices into the paged KV tensors; a
+block that did not arrive whole is never copied and is reported by
+:meth:`get_block_ids_with_load_errors` (vLLM recomputes it with
+``kv_load_failure_policy="recompute"``). :meth:`wait_for_save` copies the completed blocks
+out of the paged tensors (``index_select``) and hands the PUTs (``put_status``; bodies over
+64 KiB ask ``Expect: 100-continue``, so a block already held moves no body) to a thread
+pool: the forward pass never waits on the network for a save; :meth:`shutdown` waits for
+the PUTs still in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ..client.connectors import connect
+from ..client.interface import KvConnector
+from .addresses import BlockFormat, block_addresses, lookup_addresses, token_chain
+from .settings import ConnectorSettings, settings_from
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("eg_kv.vllm")
+
+__all__ = ["EgKvConnector", "EgKvConnectorMetadata", "EgKvHandshake"]
+
+
+@dataclasses.dataclass
+class EgKvHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler once its KV caches are registered: its shard's
+    :class:`~eg_kv.vllm.addresses.BlockFormat` (as a dict) and shard index."""
+
+    block_format: dict[str, Any]
+    shard: int
+
+
+@dataclasses.dataclass
+class BlockTransfer:
+    """Blocks of one request to load or save: vLLM block ids and their chain digests."""
+
+    req_id: str
+    block_ids: list[int]
+    digests: list[bytes]
+
+
+@dataclasses.dataclass
+class EgKvConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
+    saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """The scheduler's state of one request it may load or save blocks for."""
+
+    request: Request
+    extras: tuple[str, ...]
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    chain: list[bytes] = dataclasses.field(default_factory=list)
+    saved_upto: int = 0  # blocks before this one are stored, loaded or planned
+    load_tokens: int = 0  # tokens to load at the next build_connector_meta
+    loaded_tokens: int = 0
+    saved_blocks: int = 0
+
+
+@dataclasses.dataclass
+class _Layer:
+    name: str
+    blocks: torch.Tensor  # the layer's KV with vLLM blocks at dim 0
+    offset: int  # where its bytes start in a stored block
+    nbytes: int  # its bytes per block
+
+
+def _request_extras(request: Request) -> tuple[str, ...] | None:
+    """What besides the tokens changes a request's KV (None: not cacheable here)."""
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        return None  # multimodal / embedding inputs: the token ids do not name the KV
+    extras = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        extras.append(f"cache_salt={salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        extras.append(f"lora={lora.lora_name}:{getattr(lora, 'lora_path', '')}")
+    return tuple(extras)
+
+
+class EgKvConnector(KVConnectorBase_V1):
+    """vLLM's KV connector over eg-kv (see the module docstring).
+
+    ``kv_connector_extra_config``: ``url`` / ``base_url`` (one server or a set), ``token``,
+    ``timeout_s``, ... (every :class:`~eg_kv.client.core.KvCacheConfig` field, over the
+    ``EPISTEMIC_GRAPH_KVCACHE_*`` environment), ``io_threads``, ``max_pending_bytes``.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._settings: ConnectorSettings = settings_from(extra)
+        self._client: KvConnector = connect(self._settings.client)
+        self._block_size: int = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        self._tp_size = int(parallel.tensor_parallel_size)
+        self._pp_size = int(parallel.pipeline_parallel_size)
+        model = vllm_config.model_config
+        revision = getattr(model, "revision", None)
+        self._model_id = f"{model.model}@{revision}" if revision else str(model.model)
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning(
+                "EgKvConnector: kv_load_failure_policy is %r: a block that fails to load "
+                "ends its request with an error; set kv_load_failure_policy='recompute' "
+                "to have vLLM recompute it",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
+        # scheduler side
+        self._formats: list[BlockFormat] | None = None
+        self._tracked: dict[str, _Tracked] = {}
+        # worker side
+        self._layers: list[_Layer] = []
+        self._block_bytes = 0
+        self._salt: bytes | None = None
+        self._handshake: EgKvHandshake | None = None
+        self._load_errors: set[int] = set()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: deque[tuple[Future[int | None], int]] = deque()
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self.counters = {
+            "lookups": 0,
+            "lookup_hit_blocks": 0,
+            "loaded_blocks": 0,
+            "load_failed_blocks": 0,
+            "saved_blocks": 0,
+            "deduplicated_blocks": 0,
+            "save_failed_blocks": 0,
+        }
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """The workers' formats, by (pp_rank, tp_rank): the addresses a lookup asks."""
+        formats: dict[int, BlockFormat] = {}
+        for meta in metadata.values():
+            if isinstance(meta, EgKvHandshake):
+                formats[meta.shard] = BlockFormat(**meta.block_format)
+        shards = self._tp_size * self._pp_size
+        if sorted(formats) != list(range(shards)):
+            log.error(
+                "EgKvConnector: %d of %d workers described their KV layout; lookups are off",
+                len(formats),
+                shards,
+            )
+            return
+        self._formats = [formats[s] for s in range(shards)]
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, k): v for k, v in metadata.items()})
+
+    def _chain(self, request: Request, extras: Sequence[str], blocks: int) -> list[bytes]:
+        tracked = self._tracked.get(request.request_id)
+        known = tracked.chain if tracked is not None else ()
+        return token_chain(
+            request.all_token_ids, self._block_size, extras=extras, max_blocks=blocks, known=known
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens after ``num_computed_tokens`` whose whole blocks eg-kv holds (for every
+        shard), never the last token; one batch lookup, no state changed."""
+        extras = _request_extras(request)
+        if extras is None or self._formats is None:
+            return 0, False
+        bs = self._block_size
+        first = num_computed_tokens // bs
+        limit = (request.num_tokens - 1) // bs  # the last token is always computed
+        if limit <= first:
+            return 0, False
+        chain = self._chain(request, extras, limit)
+        addresses = lookup_addresses(chain[first:limit], self._formats)
+        hits = self._client.contains_prefix(addresses) // len(self._formats)
+        with self._lock:
+            self.counters["lookups"] += 1
+            self.counters["lookup_hit_blocks"] += hits
+        return hits * bs - (num_computed_tokens - first * bs), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        extras = _request_extras(request)
+        if extras is None:
+            return
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = self._tracked[request.request_id] = _Tracked(request, extras)
+        tracked.load_tokens = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = EgKvConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                self._plan(tracked, new.num_computed_tokens, scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                tracked.block_ids.extend(new_ids[0])
+            self._plan(tracked, cached.num_computed_tokens[i], scheduled.get(req_id, 0), meta)
+        return meta
+
+    def _plan(
+        self, tracked: _Tracked, computed: int, scheduled: int, meta: EgKvConnectorMetadata
+    ) -> None:
+        """Add one request's loads (noted at allocation) and saves (the blocks this step
+        completes that are not stored) to ``meta``."""
+        bs = self._block_size
+        request = tracked.request
+        if tracked.load_tokens:
+            first = (computed - tracked.load_tokens) // bs
+            end = computed // bs
+            tracked.chain = self._chain(request, tracked.extras, end)
+            meta.loads.append(
+                BlockTransfer(
+                    request.request_id, tracked.block_ids[first:end], tracked.chain[first:end]
+                )
+            )
+            tracked.loaded_tokens += tracked.load_tokens
+            tracked.load_tokens = 0
+        # Blocks already computed (local prefix hits, loads) are stored or were planned.
+        tracked.saved_upto = max(tracked.saved_upto, computed // bs)
+        done = min(computed + scheduled, len(request.all_token_ids))
+        complete = min(done // bs, len(tracked.block_ids))
+        if complete > tracked.saved_upto:
+            tracked.chain = self._chain(request, tracked.extras, complete)
+            start = tracked.saved_upto
+            meta.saves.append(
+                BlockTransfer(
+                    request.request_id,
+                    tracked.block_ids[start:complete],
+                    tracked.chain[start:complete],
+                )
+            )
+            tracked.saved_blocks += complete - start
+            tracked.saved_upto = complete
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks are saved as they complete, so nothing is left to save: drop the state,
+        free the blocks now, and report what this request loaded and saved."""
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        return False, {
+            "eg_kv_loaded_tokens": tracked.loaded_tokens,
+            "eg_kv_saved_blocks": tracked.saved_blocks,
+        }
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map each layer's KV tensor with vLLM blocks at dim 0, and describe the layout."""
+        num_blocks = self._kv_cache_config.num_blocks
+        layers: list[_Layer] = []
+        offset = 0
+        described = []
+        for name, tensor in kv_caches.items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if tensor.shape[0] % num_blocks:
+                raise ValueError(
+                    f"EgKvConnector: layer {name}'s KV tensor {tuple(tensor.shape)} does not "
+                    f"hold {num_blocks} blocks at dim 0"
+                )
+            blocks = tensor if tensor.shape[0] == num_blocks else tensor.unflatten(0, (num_blocks, -1))
+            nbytes = math.prod(blocks.shape[1:]) * blocks.element_size()
+            layers.append(_Layer(name, blocks, offset, nbytes))
+            described.append(f"{name}:{tuple(blocks.shape[1:])}:{blocks.dtype}")
+            offset += nbytes
+        if not layers:
+            raise ValueError("EgKvConnector: vLLM registered no KV tensors")
+        self._layers = layers
+        self._block_bytes = offset
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp_rank = get_tp_group().rank_in_group
+        pp_rank = get_pp_group().rank_in_group
+        fmt = BlockFormat(
+            model=self._model_id,
+            dtype=str(layers[0].blocks.dtype).removeprefix("torch."),
+            block_size=self._block_size,
+            layout=";".join(described),
+            tp_size=self._tp_size,
+            pp_size=self._pp_size,
+        )
+        shard = fmt.shard_of(tp_rank, pp_rank)
+        self._salt = fmt.salt(shard)
+        self._format = fmt
+        self._handshake = EgKvHandshake(dataclasses.asdict(fmt), shard)
+        self._pool = ThreadPoolExecutor(self._settings.io_threads, thread_name_prefix="eg-kv-io")
+        log.info(
+            "EgKvConnector: %d layers, %d bytes per block, shard %d of %d, server %s",
+            len(layers),
+            self._block_bytes,
+            shard,
+            fmt.shards,
+            self._settings.client.base_url,
+        )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._handshake
+
+    def _addresses(self, digests: Sequence[bytes]) -> list[str]:
+        assert self._salt is not None
+        return block_addresses(digests, self._format, self._handshake.shard if self._handshake else 0)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """GET this step's blocks (in parallel, into one staging buffer), then copy each
+        layer's slices into the paged KV; a block that did not arrive whole is reported."""
+        meta = self._connector_metadata
+        if not isinstance(meta, EgKvConnectorMetadata) or not meta.loads or not self._layers:
+            return
+        block_ids = [b for t in meta.loads for b in t.block_ids]
+        addresses = [a for t in meta.loads for a in self._addresses(t.digests)]
+        if not block_ids:
+            return
+        staging = torch.empty((len(block_ids), self._block_bytes), dtype=torch.uint8)
+        rows = staging.numpy()
+        assert self._pool is not None
+        want = self._block_bytes
+        got = list(
+            self._pool.map(lambda i: self._client.get_into(addresses[i], rows[i]), range(len(rows)))
+        )
+        ok = [i for i, n in enumerate(got) if n == want]
+        failed = {block_ids[i] for i, n in enumerate(got) if n != want}
+        if failed:
+            log.warning("EgKvConnector: %d of %d blocks failed to load", len(failed), len(got))
+            self._load_errors |= failed
+        with self._lock:
+            self.counters["loaded_blocks"] += len(ok)
+            self.counters["load_failed_blocks"] += len(failed)
+        if not ok:
+            return
+        src_rows = staging[ok] if len(ok) < len(got) else staging
+        for layer in self._layers:
+            dst = layer.blocks
+            ids = torch.tensor([block_ids[i] for i in ok], dtype=torch.long, device=dst.device)
+            part = src_rows[:, layer.offset : layer.offset + layer.nbytes]
+            values = part.contiguous().view(dst.dtype).view(len(ok), *dst.shape[1:])
+            dst.index_copy_(0, ids, values.to(dst.device))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish in :meth:`start_load_kv` (a stored block holds every layer)."""
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Saves happen once all layers are written, in :meth:`wait_for_save`."""
+        return
+
+    def wait_for_save(self) -> None:
+        """Copy this step's completed blocks out of the paged KV and hand their PUTs to
+        the I/O threads (the blocks may be reused at once: the bytes are copied)."""
+        meta = self._connector_metadata
+        if not isinstance(meta, EgKvConnectorMetadata) or not meta.saves or not self._layers:
+            return
+        block_ids = [b for t in meta.saves for b in t.block_ids]
+        addresses = [a for t in meta.saves for a in self._addresses(t.digests)]
+        if not block_ids:
+            return
+        n = len(block_ids)
+        out = torch.empty((n, self._block_bytes), dtype=torch.uint8)
+        for layer in self._layers:
+            src = layer.blocks
+            ids = torch.tensor(block_ids, dtype=torch.long, device=src.device)
+            part = src.index_select(0, ids).reshape(n, -1).view(torch.uint8)
+            out[:, layer.offset : layer.offset + layer.nbytes].copy_(part)
+        rows = out.numpy()
+        assert self._pool is not None
+        for i in range(n):
+            self._wait_for_room(self._block_bytes)
+            future = self._pool.submit(self._put, addresses[i], rows[i])
+            with self._lock:
+                self._pending.append((future, self._block_bytes))
+                self._pending_bytes += self._block_bytes
+
+    def _put(self, address: str, row: Any) -> int | None:
+        status = self._client.put_status(address, (row,))
+        with self._lock:
+            if status == 201:
+                self.counters["saved_blocks"] += 1
+            elif status == 200:
+                self.counters["deduplicated_blocks"] += 1
+            else:
+                self.counters["save_failed_blocks"] += 1
+        return status
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Drop finished PUTs; wait for the oldest while over ``max_pending_bytes``."""
+        while True:
+            with self._lock:
+                while self._pending and self._pending[0][0].done():
+                    self._pending_bytes -= self._pending.popleft()[1]
+                if not self._pending or self._pending_bytes + nbytes <= self._settings.max_pending_bytes:
+                    return
+                oldest = self._pending[0][0]
+            oldest.result()
+
+    def flush(self) -> None:
+        """Wait until every PUT handed to the I/O threads has finished."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                future, nbytes = self._pending.popleft()
+                self._pending_bytes -= nbytes
+            future.result()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Finish the PUTs in flight, then close the client."""
+        try:
+            self.flush()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            self._client.close()
+            if self._layers:
+                log.info("EgKvConnector worker counters: %s", self.counters)
