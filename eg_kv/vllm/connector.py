@@ -331,7 +331,9 @@ class EgKvConnector(KVConnectorBase_V1):
                     f"EgKvConnector: layer {name}'s KV tensor {tuple(tensor.shape)} does not "
                     f"hold {num_blocks} blocks at dim 0"
                 )
-            blocks = tensor if tensor.shape[0] == num_blocks else tensor.unflatten(0, (num_blocks, -1))
+            blocks = (
+                tensor if tensor.shape[0] == num_blocks else tensor.unflatten(0, (num_blocks, -1))
+            )
             nbytes = math.prod(blocks.shape[1:]) * blocks.element_size()
             layers.append(_Layer(name, blocks, offset, nbytes))
             described.append(f"{name}:{tuple(blocks.shape[1:])}:{blocks.dtype}")
@@ -371,7 +373,9 @@ class EgKvConnector(KVConnectorBase_V1):
 
     def _addresses(self, digests: Sequence[bytes]) -> list[str]:
         assert self._salt is not None
-        return block_addresses(digests, self._format, self._handshake.shard if self._handshake else 0)
+        return block_addresses(
+            digests, self._format, self._handshake.shard if self._handshake else 0
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """GET this step's blocks (in parallel, into one staging buffer), then copy each
@@ -461,7 +465,10 @@ class EgKvConnector(KVConnectorBase_V1):
             with self._lock:
                 while self._pending and self._pending[0][0].done():
                     self._pending_bytes -= self._pending.popleft()[1]
-                if not self._pending or self._pending_bytes + nbytes <= self._settings.max_pending_bytes:
+                if (
+                    not self._pending
+                    or self._pending_bytes + nbytes <= self._settings.max_pending_bytes
+                ):
                     return
                 oldest = self._pending[0][0]
             oldest.result()

@@ -178,3 +178,15 @@ def test_settings_take_extra_config_over_the_environment():
 def test_bad_settings_say_what_is_wrong(extra):
     with pytest.raises(ConfigError):
         settings_from(extra, {})
+
+
+@pytest.mark.timeout(60)
+def test_the_package_imports_without_vllm_or_torch():
+    code = (
+        "import sys, eg_kv.vllm, eg_kv.vllm.settings\n"
+        "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]"
