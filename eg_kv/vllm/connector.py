@@ -54,6 +54,7 @@ from ..client.connectors import connect
 from ..client.interface import KvConnector
 from .addresses import BlockFormat, block_addresses, lookup_addresses, token_chain
 from .settings import ConnectorSettings, settings_from
+from .staging import load_rows
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -390,21 +391,23 @@ class EgKvConnector(KVConnectorBase_V1):
         staging = torch.empty((len(block_ids), self._block_bytes), dtype=torch.uint8)
         rows = staging.numpy()
         assert self._pool is not None
-        want = self._block_bytes
-        got = list(
-            self._pool.map(lambda i: self._client.get_into(addresses[i], rows[i]), range(len(rows)))
-        )
-        ok = [i for i, n in enumerate(got) if n == want]
-        failed = {block_ids[i] for i, n in enumerate(got) if n != want}
-        if failed:
-            log.warning("EgKvConnector: %d of %d blocks failed to load", len(failed), len(got))
-            self._load_errors |= failed
+        # A block counts only when it filled its row exactly (see eg_kv.vllm.staging).
+        ok, bad = load_rows(self._client, addresses, rows, map_fn=self._pool.map)
+        if bad:
+            log.warning(
+                "EgKvConnector: %d of %d blocks failed to load (missing, or not %d bytes); "
+                "reported for recompute",
+                len(bad),
+                len(rows),
+                self._block_bytes,
+            )
+            self._load_errors.update(block_ids[i] for i in bad)
         with self._lock:
             self.counters["loaded_blocks"] += len(ok)
-            self.counters["load_failed_blocks"] += len(failed)
+            self.counters["load_failed_blocks"] += len(bad)
         if not ok:
             return
-        src_rows = staging[ok] if len(ok) < len(got) else staging
+        src_rows = staging[ok] if bad else staging
         for layer in self._layers:
             dst = layer.blocks
             ids = torch.tensor([block_ids[i] for i in ok], dtype=torch.long, device=dst.device)

@@ -1,0 +1,58 @@
+"""Loading stored blocks into a staging buffer and deciding which arrived whole: the
+part of :class:`~eg_kv.vllm.connector.EgKvConnector`'s load path that needs neither vLLM
+nor torch (so it is tested against a real server without an engine).
+
+What a load can and cannot detect: a stored block is accepted only when its length is
+exactly the staging row's (one vLLM block of one shard, every layer): a missing block, a
+shorter one and a longer one (``get_into`` refuses a body larger than its buffer), a
+transport error or a refusal are all failures, and the block is recomputed. A block of
+the right length whose bytes are wrong is NOT detected: eg-kv stores no checksum, and
+addresses name the tokens and the format, not the content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
+
+__all__ = ["BlockReader", "load_rows"]
+
+_T = TypeVar("_T")
+
+
+class BlockReader(Protocol):
+    """What a load needs of a client (every eg-kv sync client has it)."""
+
+    def get_into(self, key: str | bytes, buffer: Any) -> int | None: ...
+
+
+def load_rows(
+    client: BlockReader,
+    addresses: Sequence[str],
+    rows: Sequence[Any],
+    *,
+    map_fn: Callable[[Callable[[int], int | None], Iterable[int]], Iterable[int | None]] = map,
+) -> tuple[list[int], list[int]]:
+    """GET ``addresses[i]`` into ``rows[i]`` (a writable buffer of one stored block's
+    exact length), with ``map_fn`` (e.g. a thread pool's ``map``) running the GETs.
+
+    Returns:
+        ``(ok, failed)``: the indices whose row now holds a whole block of exactly the
+        row's length, and the others (a miss, an error, a block too short or too long).
+        A failed row's bytes are undefined and must not be used.
+    """
+    if len(addresses) != len(rows):
+        raise ValueError(f"{len(addresses)} addresses for {len(rows)} rows")
+    sizes = [memoryview(row).nbytes for row in rows]
+
+    def one(i: int) -> int | None:
+        try:
+            return client.get_into(addresses[i], rows[i])
+        except Exception:  # a client that raises counts as a failed block, never a crash
+            return None
+
+    got = list(map_fn(one, range(len(rows))))
+    ok = [i for i, n in enumerate(got) if n is not None and n == sizes[i]]
+    good = set(ok)
+    failed = [i for i in range(len(rows)) if i not in good]
+    return ok, failed

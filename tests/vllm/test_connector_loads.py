@@ -1,0 +1,110 @@
+"""EgKvConnector's load validation (eg_kv.vllm.staging.load_rows) against a real eg-kv
+server, without a vLLM engine: a block is used only when it fills its staging row
+exactly; anything else is a failed block (vLLM recomputes it), never wrong KV."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from helpers.kvcache import RawServer
+
+from eg_kv.client.connectors import connect
+from eg_kv.client.core import KvCacheConfig
+from eg_kv.vllm.addresses import BlockFormat, block_addresses, token_chain
+from eg_kv.vllm.staging import load_rows
+
+pytestmark = pytest.mark.timeout(60)
+
+ROW = 96 * 1024  # over 64 KiB: the PUTs take the Expect: 100-continue path
+
+
+def _addresses(n: int) -> list[str]:
+    fmt = BlockFormat(model="test-loads", dtype="bfloat16", block_size=16, layout="l0:(2,16,8)")
+    chain = token_chain(list(range(3, 3 + 16 * n)), 16)
+    return block_addresses(chain, fmt)
+
+
+@pytest.fixture
+def client(server_factory):
+    srv = server_factory(workers=1, capacity="32MiB")
+    c = connect(KvCacheConfig.from_env({}, base_url=srv.url, timeout_s=5.0))
+    yield c
+    c.close()
+
+
+def test_only_blocks_of_the_exact_length_load(client):
+    addrs = _addresses(6)
+    good = os.urandom(ROW)
+    assert client.put(addrs[0], good)
+    assert client.put(addrs[1], good[: ROW // 2])  # too short
+    assert client.put(addrs[2], good + b"x")  # one byte too long
+    # addrs[3]: absent
+    assert client.put(addrs[4], good[::-1])
+    assert client.put(addrs[5], b"\0")  # one byte
+    rows = [bytearray(ROW) for _ in addrs]
+    with ThreadPoolExecutor(4) as pool:
+        ok, failed = load_rows(client, addrs, rows, map_fn=pool.map)
+    assert ok == [0, 4]
+    assert failed == [1, 2, 3, 5]
+    assert bytes(rows[0]) == good and bytes(rows[4]) == good[::-1]
+
+
+def test_a_replaced_block_of_the_wrong_length_fails(client):
+    """The e2e's fault: a stored block deleted until absent, then PUT again too short."""
+    (addr,) = _addresses(1)
+    assert client.put(addr, os.urandom(ROW))
+    assert client.put(addr, os.urandom(ROW))  # deduplicated: two references
+    for _ in range(4):
+        if not client.delete(addr):
+            break
+    assert not client.exists(addr)
+    assert client.put(addr, os.urandom(ROW - 512))
+    assert client.exists(addr)
+    ok, failed = load_rows(client, [addr], [bytearray(ROW)])
+    assert (ok, failed) == ([], [0])
+
+
+def test_right_length_garbage_is_not_detected(client):
+    """The limit, stated: no checksum, so a block of the right length is taken as is."""
+    (addr,) = _addresses(1)
+    garbage = b"\xff" * ROW
+    assert client.put(addr, garbage)
+    row = bytearray(ROW)
+    assert load_rows(client, [addr], [row]) == ([0], [])
+    assert bytes(row) == garbage
+
+
+@pytest.mark.slow
+def test_a_server_that_never_answers_fails_every_block_in_time():
+    with RawServer("silent") as raw:
+        c = connect(KvCacheConfig.from_env({}, base_url=raw.url, timeout_s=1.0))
+        try:
+            addrs = _addresses(3)
+            done = threading.Event()
+            result: list = []
+
+            def run() -> None:
+                with ThreadPoolExecutor(3) as pool:
+                    result.append(
+                        load_rows(c, addrs, [bytearray(64) for _ in addrs], map_fn=pool.map)
+                    )
+                done.set()
+
+            threading.Thread(target=run, daemon=True).start()
+            assert done.wait(20), "a silent server held the load"
+            assert result == [([], [0, 1, 2])]
+        finally:
+            c.close()
+
+
+def test_a_raising_client_is_a_failed_block_not_a_crash():
+    class Broken:
+        def get_into(self, key, buffer):
+            raise OSError("boom")
+
+    assert load_rows(Broken(), _addresses(2), [bytearray(8), bytearray(8)]) == ([], [0, 1])
+    with pytest.raises(ValueError):
+        load_rows(Broken(), _addresses(2), [bytearray(8)])
