@@ -12,7 +12,10 @@ Scheduler side (the engine core process):
 * :meth:`get_num_new_matched_tokens` asks which blocks after the locally computed ones are
   stored, with ONE batch lookup (``contains_prefix``: the compact ``POST
   /kv/batch/exists`` per server) over every shard's address of each whole block, never the
-  prompt's last token (vLLM must compute one). Side-effect free.
+  prompt's last token (vLLM must compute one). Side-effect free. It runs in a background
+  thread (:mod:`eg_kv.vllm.lookups`): answered in the same call when the server is quick,
+  else ``None`` ("ask again next step") until done; a lookup past the client's timeout is
+  a miss, never a stuck scheduler.
 * :meth:`update_state_after_alloc` notes the tokens to load; :meth:`build_connector_meta`
   turns them into block ids and digests, and lists the blocks this step completes that
   are not stored yet (saved as soon as they are complete, so :meth:`request_finished` has
@@ -53,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..client.connectors import connect
 from ..client.interface import KvConnector
 from .addresses import BlockFormat, block_addresses, lookup_addresses, token_chain
+from .lookups import PendingLookups
 from .settings import ConnectorSettings, settings_from
 from .staging import load_rows
 
@@ -163,6 +167,9 @@ class EgKvConnector(KVConnectorBase_V1):
         # scheduler side
         self._formats: list[BlockFormat] | None = None
         self._tracked: dict[str, _Tracked] = {}
+        # A lookup still running after the client's timeout (twice, for a server set's
+        # retry) is a miss: a silent server never holds a request back for long.
+        self._lookups = PendingLookups(deadline_s=2 * self._settings.client.timeout_s + 1.0)
         # worker side
         self._layers: list[_Layer] = []
         self._block_bytes = 0
@@ -219,18 +226,35 @@ class EgKvConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens after ``num_computed_tokens`` whose whole blocks eg-kv holds (for every
-        shard), never the last token; one batch lookup, no state changed."""
+        shard), never the last token; one batch lookup, no state changed but the table
+        of lookups in flight.
+
+        The lookup (hashing the chain included) runs in a background thread: a server
+        that answers within a couple of milliseconds is answered in this call; otherwise
+        this returns ``(None, False)`` ("ask again next step", vLLM 0.32) until it
+        finished, and a lookup past the client's timeout is a miss (0)."""
         extras = _request_extras(request)
-        if extras is None or self._formats is None:
+        formats = self._formats
+        if extras is None or formats is None:
             return 0, False
         bs = self._block_size
         first = num_computed_tokens // bs
         limit = (request.num_tokens - 1) // bs  # the last token is always computed
         if limit <= first:
+            self._lookups.drop(request.request_id)
             return 0, False
-        chain = self._chain(request, extras, limit)
-        addresses = lookup_addresses(chain[first:limit], self._formats)
-        hits = self._client.contains_prefix(addresses) // len(self._formats)
+        tracked = self._tracked.get(request.request_id)
+        known = list(tracked.chain) if tracked is not None else []
+        tokens = list(request.all_token_ids[: limit * bs])
+
+        def lookup() -> int:
+            chain = token_chain(tokens, bs, extras=extras, max_blocks=limit, known=known)
+            addresses = lookup_addresses(chain[first:limit], formats)
+            return self._client.contains_prefix(addresses) // len(formats)
+
+        hits = self._lookups.ask(request.request_id, (first, limit), lookup)
+        if hits is None:
+            return None, False
         with self._lock:
             self.counters["lookups"] += 1
             self.counters["lookup_hit_blocks"] += hits
@@ -308,6 +332,7 @@ class EgKvConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         """Blocks are saved as they complete, so nothing is left to save: drop the state,
         free the blocks now, and report what this request loaded and saved."""
+        self._lookups.drop(request.request_id)
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
@@ -495,6 +520,7 @@ class EgKvConnector(KVConnectorBase_V1):
         try:
             self.flush()
         finally:
+            self._lookups.close()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None

@@ -29,7 +29,7 @@ class BlockReader(Protocol):
 def load_rows(
     client: BlockReader,
     addresses: Sequence[str],
-    rows: Sequence[Any],
+    rows: Any,
     *,
     map_fn: Callable[[Callable[[int], int | None], Iterable[int]], Iterable[int | None]] = map,
 ) -> tuple[list[int], list[int]]:
@@ -37,7 +37,8 @@ def load_rows(
     exact length), with ``map_fn`` (e.g. a thread pool's ``map``) running the GETs.
 
     Returns:
-        ``(ok, failed)``: the indices whose row now holds a whole block of exactly the
+        ``(ok, failed)``: the indices (``rows`` is any indexable of buffers with a
+        length, e.g. a 2-D uint8 array's rows) whose row now holds a whole block of exactly the
         row's length, and the others (a miss, an error, a block too short or too long).
         A failed row's bytes are undefined and must not be used.
     """

