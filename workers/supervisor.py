@@ -46,6 +46,7 @@ from eg_kv.slab import layout as L
 from eg_kv.slab.lock import LockTimeout
 from eg_kv.slab.segment import ForeignSegment
 from eg_kv.slab.store import Slab
+from eg_kv.units import human_size
 
 from . import worker as worker_mod
 from .worker import BOOT_ERROR, make_ssl_context
@@ -70,6 +71,9 @@ BOOT_TIMEOUT_S = 60.0
 #: that finds a dead holder repairs the whole slab inside the lock, and must not be
 #: killed for it (a full repair measured ~0.65 us a page; this leaves a 4x margin).
 REPAIR_S_PER_PAGE = 2.6e-6
+#: Long start-up steps (creating and prefaulting a slab, repairing a re-attached one) log
+#: their progress at most this often, and at least this often while they run.
+PROGRESS_EVERY_S = 2.0
 
 _GRACEFUL = (signal.SIGTERM, signal.SIGINT)
 #: SIGHUP reloads the tokens file (nginx, gunicorn); it no longer stops the server.
@@ -117,8 +121,41 @@ def check_port_free(host: str, port: int) -> None:
             raise CannotServe(f"cannot bind {host}:{port}: {what}") from None
 
 
+class ProgressLog:
+    """A slab step's progress callback: logs ``what: step 42% (done of total)`` at most
+    every ``every`` seconds (the first after ``every``: a quick step logs nothing)."""
+
+    def __init__(self, what: str, sizes: bool = True, every: float = PROGRESS_EVERY_S):
+        self.what, self.sizes, self.every = what, sizes, every
+        self.started = self._last = time.monotonic()
+
+    def __call__(self, step: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every:
+            return
+        self._last = now
+        pct = 100.0 * done / total if total else 100.0
+        if self.sizes:
+            of = f"{human_size(done)} of {human_size(total)}"
+        else:
+            of = f"{done:,} of {total:,}"
+        log.info("%s: %s %.0f%% (%s, %.0f s so far)", self.what, step, pct, of,
+                 now - self.started)  # fmt: skip
+
+
+def _segment_size(name: str) -> int | None:
+    """The size of shared-memory segment ``name`` in /dev/shm, if it can be read."""
+    try:
+        return os.stat(f"/dev/shm{name}").st_size
+    except OSError:
+        return None
+
+
 def open_slab(settings: Settings) -> tuple[Slab, str]:
     """Create the slab, or re-attach a compatible one whose owner is gone (warm restart).
+
+    Logs before each long step (creating, prefaulting, repairing), its progress every
+    :data:`PROGRESS_EVERY_S` while it runs, and what ``--fresh`` dropped.
 
     Returns:
         (the slab, a sentence for the log saying what happened).
@@ -152,7 +189,11 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                     "of another layout version, so --fresh leaves it alone: stop that server "
                     "first, or give this server another --slab-name"
                 ) from None
+            size = _segment_size(name)
             Slab.unlink_named(name)
+            log.info("--fresh: dropped slab %s (%s, not readable by this eg-kv: its blocks "
+                     "were not counted)", name,
+                     "size unknown" if size is None else human_size(size))  # fmt: skip
         else:
             owner = slab.owner_pid
             if owner != os.getpid() and pid_alive(owner):
@@ -162,8 +203,18 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                     "or give this server another --addr / --slab-name"
                 )
             if settings.fresh:
+                g = slab.geometry
+                try:
+                    stats = slab.stats(timeout=LOCK_WAIT_S * 10)
+                    held = (f"{stats['unique_blocks']} blocks, "
+                            f"{human_size(stats['resident_bytes'])} resident")  # fmt: skip
+                except EgKvError as e:  # its lock stuck: dropped all the same
+                    held = f"its blocks not counted ({e})"
                 slab.close()
                 slab.unlink()
+                log.info("--fresh: dropped slab %s (%s in %s pages, left by pid %d): %s",
+                         name, format_size(g.npages * g.page_size), format_size(g.page_size),
+                         owner, held)  # fmt: skip
             else:
                 want = L.Geometry.plan(settings.capacity, settings.page_size,
                                        settings.max_block_size)  # fmt: skip
@@ -180,18 +231,27 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                         ": start with the same sizes to keep its blocks, or --fresh"
                     )
                 slab.claim()
-                problems = slab.repair()
+                log.info("re-attaching slab %s (%s) left by pid %d: checking its %d slots",
+                         name, format_size(have.npages * have.page_size), owner,
+                         have.nslots)  # fmt: skip
+                started = time.monotonic()
+                problems = slab.repair(progress=ProgressLog(f"re-attaching slab {name}",
+                                                            sizes=False))  # fmt: skip
                 blocks = slab.stats()["unique_blocks"]
-                note = f"re-attached slab {name} left by pid {owner}: {blocks} blocks kept"
+                note = (f"re-attached slab {name} left by pid {owner} in "
+                        f"{time.monotonic() - started:.1f} s: {blocks} blocks kept")  # fmt: skip
                 if problems:
                     note += f"; repaired {len(problems)} problem(s): {problems[0]}"
                 return slab, note
-    slab = Slab.create(name, settings.capacity, settings.page_size, settings.max_block_size)
-    return slab, (
-        f"created slab {name}: {format_size(settings.capacity)} in "
-        f"{format_size(settings.page_size)} pages, blocks up to "
-        f"{format_size(settings.max_block_size)}"
-    )
+    what = (f"slab {name}: {format_size(settings.capacity)} in "
+            f"{format_size(settings.page_size)} pages, blocks up to "
+            f"{format_size(settings.max_block_size)}")  # fmt: skip
+    # The first line before the long part: allocating and prefaulting take ~1.5 s a GiB.
+    log.info("creating %s (allocating and prefaulting it)", what)
+    started = time.monotonic()
+    slab = Slab.create(name, settings.capacity, settings.page_size, settings.max_block_size,
+                       progress=ProgressLog(f"creating slab {name}"))  # fmt: skip
+    return slab, f"created {what} in {time.monotonic() - started:.1f} s"
 
 
 class Supervisor:
@@ -526,7 +586,10 @@ class Supervisor:
     def _repair(self) -> None:
         """Full repair (at exit, when no worker is left to stall)."""
         try:
-            problems = self._slab.repair(timeout=LOCK_WAIT_S * 10)
+            problems = self._slab.repair(
+                timeout=LOCK_WAIT_S * 10,
+                progress=ProgressLog(f"repairing slab {self._slab.name}", sizes=False),
+            )
         except Exception as e:
             log.error("slab repair failed: %s", e)
             return

@@ -27,6 +27,8 @@ _NS_WORDS = L.NS_WORDS
 #: every few entries: the bound on stalling other requests is ~20 ms, and 5 ms keeps the
 #: hold under it on a busy machine (a slice is ~1,000-3,000 slots of 2 GiB's million).
 CHECK_SLICE_S = 0.005
+#: A repair's progress callback hears of its walk every this many slots (~0.1-1 s).
+WALK_PROGRESS_SLOTS = 1 << 16
 
 
 @dataclasses.dataclass
@@ -102,7 +104,11 @@ class SlabChecks(SlabNamespaces):
         """
         return _SlicedCheck(self, slice_s).run(timeout)
 
-    def repair(self, timeout: float | None = OWNER_LOCK_WAIT_S) -> list[str]:
+    def repair(
+        self,
+        timeout: float | None = OWNER_LOCK_WAIT_S,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> list[str]:
         """Restore every invariant; return what was wrong before (empty = was clean).
 
         The slot table is the source of truth: damaged slots are dropped (counted as
@@ -112,12 +118,15 @@ class SlabChecks(SlabNamespaces):
         Raises:
             LockTimeout: the lock stayed taken for ``timeout`` seconds (None: no bound;
                 the default bounds a supervisor's start-up behind a stopped holder).
+
+        ``progress(step, slots done, slots)`` hears of each walk every
+        :data:`WALK_PROGRESS_SLOTS` slots (seconds at a slab of 100 GiB).
         """
         self.repaired_on_entry = None
         with self._locked(timeout):
             if self.repaired_on_entry is not None:  # the holder had died: done on entry
                 return self.repaired_on_entry[1]
-            return self._repair_locked()
+            return self._repair_locked(progress=progress)
 
     def release_process(self, pid: int, timeout: float | None = None) -> Leftovers:
         """Give back what the dead process ``pid`` left in the slab, without a full walk.
@@ -173,12 +182,14 @@ class SlabChecks(SlabNamespaces):
             at += 1
         return -1
 
-    def _repair_locked(self, count: bool = False) -> list[str]:
+    def _repair_locked(
+        self, count: bool = False, progress: Callable[[str, int, int], None] | None = None
+    ) -> list[str]:
         """Walk; rebuild if anything was wrong. ``count``: count it in ``repairs`` even if
         nothing was (a holder died inside the lock: the full repair ran either way)."""
-        problems = self._walk(fix=False)
+        problems = self._walk(fix=False, progress=progress)
         if problems:
-            self._walk(fix=True)
+            self._walk(fix=True, progress=progress)
         if problems or count:
             self._state[L.ST_REPAIRS] += 1
         return problems
@@ -238,7 +249,9 @@ class SlabChecks(SlabNamespaces):
                     )
         return problems
 
-    def _walk(self, fix: bool) -> list[str]:
+    def _walk(
+        self, fix: bool, progress: Callable[[str, int, int], None] | None = None
+    ) -> list[str]:
         g, st, nxt, tag, mm = self.geometry, self._state, self._next, self._tag, self._mm
         problems: list[str] = []
         owner = bytearray(g.npages)  # 0 free, 1 slot, 2 reservation
@@ -261,7 +274,10 @@ class SlabChecks(SlabNamespaces):
                 owner[p] = who
             return True
 
+        step = "repairing slots" if fix else "checking slots"
         for i in range(g.nslots):
+            if progress is not None and not i % WALK_PROGRESS_SLOTS:
+                progress(step, i, g.nslots)
             s = self._read_slot(i)
             if s[F_STATE] == L.SLOT_EMPTY:
                 continue
