@@ -233,7 +233,12 @@ def load_compose(
 ) -> dict:
     """The compose file as ``docker compose config`` would see it under ``env``."""
     env = {TOKEN_VAR: TEST_TOKEN} if env is None else env
-    return _walk(raw_compose(path), env, seen)
+    resolved = _walk(raw_compose(path), env, seen)
+    # As `up` without --profile: services under a profile (prometheus and grafana, profile
+    # "monitoring") do not start; tests/deploy/test_dashboard.py checks them.
+    services = resolved["services"]
+    resolved["services"] = {n: s for n, s in services.items() if not s.get("profiles")}
+    return resolved
 
 
 @pytest.fixture(scope="module")
