@@ -206,13 +206,16 @@ def _show(key: str, value: Any) -> str:
     return human_size(value) if _is_size(key) else f"{value:,}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Aligned columns: the first left-aligned, the others right-aligned (numbers)."""
+def _table(header: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
+    """Aligned columns: those in ``left`` (text) left-aligned, the others (numbers)
+    right-aligned."""
     widths = [max(len(row[k]) for row in [header, *rows]) for k in range(len(header))]
 
     def line(row: list[str]) -> str:
-        cells = [row[0].ljust(widths[0])]
-        cells += [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
+        cells = [
+            cell.ljust(w) if k in left else cell.rjust(w)
+            for k, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
         return "  ".join(cells).rstrip()
 
     return [line(header), *(line(row) for row in rows)]
@@ -332,7 +335,7 @@ def _set_stats(
         for line in lines:
             st = line.stats
             if st is None:
-                rows.append([line.member.id, "down", "-", "-", "-", "-", line.error[:60]])
+                rows.append([line.member.id, "down", "-", "-", "-", "-", line.error])
                 continue
             cap = st.extra.get("capacity_bytes")
             rows.append([
@@ -342,7 +345,7 @@ def _set_stats(
             ])  # fmt: skip
         print()
         header = ["member", "state", "blocks", "resident", "capacity", "hit rate", "error"]
-        for text in _table(header, rows):
+        for text in _table(header, rows, left=(0, 1, 6)):
             print(text)
     if any("bearer token" in line.error for line in lines):
         refused = "none was sent" if token is None else f"{whose} was refused"

@@ -238,3 +238,20 @@ def test_a_slab_of_gibs_logs_before_and_while_it_is_made(server_factory):
     assert "allocating and prefaulting" in log[first : log.index("\n", first)]
     assert re.search(r"creating slab \S+: (allocating|prefaulting) \d+% \(", log), log
     assert re.search(r"created slab \S+: 3GiB .* in [\d.]+ s", log)
+
+
+def test_set_stats_takes_the_token_the_same_ways(server_factory, tmp_path):
+    secret = "tok-set-help-4Kd9"
+    one, two = (server_factory(workers=1, capacity="8MiB", env={ENV_TOKEN: secret})
+                for _ in range(2))  # fmt: skip
+    url = f"{one.url},{two.url}"
+    tok = tmp_path / "token"
+    tok.write_text(secret)
+    out = eg_kv_cmd("stats", "--url", url, "--token-file", str(tok))
+    assert out.returncode == 0 and "2 of 2 member(s) up" in out.stdout, out.stderr
+    out = eg_kv_cmd("stats", "--url", url, env={ENV_TOKEN: secret})
+    assert out.returncode == 0 and "2 of 2 member(s) up" in out.stdout, out.stderr
+    out = eg_kv_cmd("stats", "--url", url, "--timeout", "2")
+    assert out.returncode == 1 and secret not in out.stderr + out.stdout
+    assert "answered 401 and none was sent" in out.stderr and ENV_TOKEN in out.stderr
+    assert "--token-file PATH" in out.stderr
