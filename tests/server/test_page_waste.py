@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -63,12 +64,17 @@ def test_small_chunks_show_their_page_waste(server_factory):
     hint = page_waste_hint(doc)
     assert hint is not None and "--page-size 4KiB" in hint and "quarter" in hint
 
-    out = subprocess.run(
-        [sys.executable, "-m", "workers", "stats", "--url", srv.url],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "page_waste_bytes" in out.stdout and str(128 * (PAGE - KiB)) in out.stdout
+    def eg_kv_stats(*flags: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "workers", "stats", "--url", srv.url, *flags],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    # People read human units (128 x 63 KiB = 7.88 MiB); --json keeps the integer.
+    assert re.search(r"^page_waste_bytes\s+7\.88 MiB$", eg_kv_stats(), re.M)
+    assert json.loads(eg_kv_stats("--json"))["page_waste_bytes"] == 128 * (PAGE - KiB)
 
 
 @pytest.mark.lmcache
