@@ -76,10 +76,22 @@ def test_a_second_vllm_process_loads_the_prompt_from_eg_kv():
     assert fault.group(7) == "True"  # and the greedy output is still the baseline's
 
 
+@pytest.mark.timeout(300)
+def test_the_lmcache_check_starts_lmcaches_server_then_says_it_needs_cuda():
+    proc = _run("--lmcache", timeout=280)
+    if proc.returncode == 0:  # a machine with CUDA ran it
+        return
+    # What runs without CUDA did run: `lmcache server` with eg-kv's L2 adapter came up.
+    assert "ok   lmcache server with eg-kv's L2 adapter" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 77, proc.stdout + proc.stderr[-3000:]
+    assert "need CUDA" in proc.stdout
+
+
 @pytest.mark.timeout(120)
-def test_the_lmcache_check_says_it_needs_cuda():
-    proc = _run("--lmcache", timeout=110)
+def test_the_tier_check_says_it_needs_cuda():
+    proc = _run("--tier", timeout=110)
     if proc.returncode == 0:  # a machine with CUDA ran it
         return
     assert proc.returncode == 77, proc.stdout + proc.stderr[-3000:]
-    assert "need CUDA" in proc.stdout
+    assert "needs CUDA" in proc.stdout
+    assert "TieringOffloadingManager" in proc.stdout  # where the tier is tested instead
