@@ -212,7 +212,7 @@ class SlabChecks(SlabNamespaces):
     def _slot_fault(self, i: int, s: L.SlotFields, raw: bytes, home: bool) -> str | None:
         """What is wrong with slot ``i`` (fields ``s``, address ``raw``) on its own, if
         anything. ``home``: also check that a lookup of its address finds it."""
-        state, _refbit, alen, refs, length, first, npages, block_id, fp, ns = s
+        state, _refbit, alen, refs, length, first, npages, block_id, fp, ns = s[:-2]
         what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
         if state != L.SLOT_READY or not 1 <= alen <= ADDRESS_MAX:
             return f"{what}: bad state {state} or address length {alen}"
@@ -281,7 +281,7 @@ class SlabChecks(SlabNamespaces):
             s = self._read_slot(i)
             if s[F_STATE] == L.SLOT_EMPTY:
                 continue
-            _state, refbit, alen, refs, length, first, npages, block_id, fp, ns = s
+            _state, refbit, alen, refs, length, first, npages, block_id, fp, ns = s[:-2]
             raw = self._slot_address(i, min(alen, ADDRESS_MAX))
             what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
             bad = self._slot_fault(i, s, raw, home=not fix)

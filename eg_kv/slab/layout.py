@@ -3,10 +3,10 @@
 One POSIX shared-memory segment holds everything; every offset is fixed at creation and
 recorded in the header, so a process that attaches needs nothing but the name::
 
-    0        4096           +1 MiB              resv_off+R*32      slots_off+S*312
+    0        4096           +1 MiB              resv_off+R*32      slots_off+S*320
     ┌────────┬──────────────┬───────────────────┬──────────────────┬────────┬────────┬───────┐
     │ header │ namespaces   │ reservations      │ slot table       │ next   │ tag    │ pages │
-    │        │ 4096 × 256 B │ R × RESV (32 B)   │ S × SLOT (312 B) │ P × q  │ P × Q  │ P × ps│
+    │        │ 4096 × 256 B │ R × RESV (32 B)   │ S × SLOT (320 B) │ P × q  │ P × Q  │ P × ps│
     └────────┴──────────────┴───────────────────┴──────────────────┴────────┴────────┴───────┘
     header:  [0, 128)      GEOMETRY, written once at creation
              [128, 144)    the slab id (16 random bytes): local readers check it
@@ -21,7 +21,8 @@ recorded in the header, so a process that attaches needs nothing but the name::
   the same address in two namespaces is two blocks on two homes.
 * **slot table**: open addressing with linear probing (home = fingerprint & (S - 1)) and
   backward-shift deletion, so there are no tombstones. It is the one source of truth for
-  which pages hold published blocks.
+  which pages hold published blocks. A slot also carries its leases (:mod:`eg_kv.slab.leases`):
+  how many are held and when the newest ends; eviction passes over a leased block.
 * **reservations**: pages taken by puts still being written, with the writer's pid, so
   the pages of a writer that died can be given back, and the namespace they are charged
   to (its quota counts them while they are written). One entry per page (R = P).
@@ -41,8 +42,9 @@ import struct
 from ..address import ADDRESS_MAX
 
 MAGIC = b"EGKVSLB1"
-VERSION = 5  # 4: namespaces (a namespace id per slot, the namespace table); 5: quotas
-# count pages, uploads in flight included (NS_RESV_PAGES, a namespace per reservation)
+VERSION = 6  # 4: namespaces (a namespace id per slot, the namespace table); 5: quotas
+# count pages, uploads in flight included (NS_RESV_PAGES, a namespace per reservation);
+# 6: leases (a lease count and the newest lease's expiry per slot: the slot is 320 bytes)
 HEADER_SIZE = 4096
 STATE_OFFSET = 256
 ALIGN = 4096
@@ -87,8 +89,12 @@ assert GEOMETRY.size <= SLAB_ID_OFFSET
     ST_SEQ,  # odd while a process is inside a writing critical section (a seqlock for readers)
     ST_LOCK_ENTRIES,  # bumped on every entry into the critical section (the watchdog's clock)
     ST_RETIRED,  # 1 once the slab's name was removed: local readers must let it go
+    # leases (eg_kv.slab.leases): taken by lookups, released by loads, found expired
+    ST_LEASES_TAKEN,
+    ST_LEASES_RELEASED,
+    ST_LEASES_EXPIRED,
     STATE_WORDS,
-) = range(25)
+) = range(28)
 
 #: Byte offset of the owner pid (state word ST_OWNER_PID, a native int64) in EVERY layout
 #: version so far. It must never move: ``--fresh`` reads it from a slab of another
@@ -113,6 +119,9 @@ EVENT_COUNTERS = {
     "puts_created": ST_PUTS_CREATED,
     "deletes": ST_DELETES,
     "repairs": ST_REPAIRS,
+    "leases_taken": ST_LEASES_TAKEN,
+    "leases_released": ST_LEASES_RELEASED,
+    "leases_expired": ST_LEASES_EXPIRED,
 }
 
 # Per-process read counters (see the header picture): one writer each, summed by stats().
@@ -122,8 +131,10 @@ NPROCS = (HEADER_SIZE - PROCS_OFFSET) // (8 * PROC_WORDS)  # 96
 
 # Slot: state, clock reference bit, address length, refcount, block length, first page,
 # page count, block id, fingerprint (of the address, mixed with the namespace id), namespace
-# id; the address itself follows (ASCII, padded).
-SLOT = struct.Struct("<BBHIQqQQQI4x")
+# id, lease count, the newest lease's expiry (CLOCK_MONOTONIC milliseconds: time.monotonic
+# is system-wide on Linux, and a /dev/shm slab never outlives a boot); the address itself
+# follows (ASCII, padded).
+SLOT = struct.Struct("<BBHIQqQQQIIq")
 # Where each field lies in a tuple unpacked with SLOT. Plain ints, imported by slab.py as
 # module globals: scripts/bench_slab.py (one process) read the same with them as with
 # literal indexes (4 KiB put/dedup/get within 1%, exists within 4%: run-to-run noise).
@@ -138,11 +149,13 @@ SLOT = struct.Struct("<BBHIQqQQQI4x")
     F_BLOCK_ID,
     F_FP,  # the address's 64-bit fingerprint, mixed with the namespace id (ns_fingerprint)
     F_NS,  # namespace id (0: the default namespace)
+    F_LEASES,  # leases held (a count; 0 or an expiry in the past: none)
+    F_LEASE_END,  # when the newest lease ends (monotonic ms)
     SLOT_FIELDS,
-) = range(11)
+) = range(13)
 #: A slot's fields as SLOT unpacks them (index with the F_* constants).
 SlotFields = tuple[int, ...]
-SLOT_SIZE = SLOT.size + ADDRESS_MAX  # 312
+SLOT_SIZE = SLOT.size + ADDRESS_MAX  # 320
 SLOT_EMPTY = 0
 SLOT_READY = 1
 SLOT_REF_OFFSET = 1  # byte offset of the reference bit inside a slot
@@ -201,6 +214,9 @@ NS_ENTRY_SIZE = 8 * NS_WORDS  # 256
 NS_OFFSET = HEADER_SIZE
 NS_TABLE_SIZE = NS_COUNT * NS_ENTRY_SIZE  # 1 MiB
 SLOT_NS_OFFSET = 48  # byte offset of the namespace id inside a slot (a uint32)
+SLOT_LEASES_OFFSET = 52  # byte offset of the lease count inside a slot (a uint32)
+SLOT_LEASE_END_OFFSET = 56  # byte offset of the newest lease's expiry (an int64)
+assert SLOT_SIZE % 8 == 0 and SLOT.size - 8 == SLOT_LEASE_END_OFFSET
 NS_MIX = 0x9E3779B97F4A7C15
 
 

@@ -196,6 +196,10 @@ class SlabSegment(SlabLocking):
         slots = self._mv[g.slots_off : g.slots_off + g.nslots * L.SLOT_SIZE].cast("I")
         self._slot_ns = slots[L.SLOT_NS_OFFSET // 4 :: L.SLOT_SIZE // 4]
         self._slots_u32 = slots
+        # Every slot's lease count and lease end, as strided columns (eg_kv.slab.leases).
+        self._slot_leases = slots[L.SLOT_LEASES_OFFSET // 4 :: L.SLOT_SIZE // 4]
+        self._slots_i64 = self._mv[g.slots_off : g.slots_off + g.nslots * L.SLOT_SIZE].cast("q")
+        self._slot_lease_end = self._slots_i64[L.SLOT_LEASE_END_OFFSET // 8 :: L.SLOT_SIZE // 8]
         # The reservation table as int64 words, and its pid column (0 = entry free).
         self._resv = self._mv[g.resv_off : g.resv_off + g.nresv * L.RESV_SIZE].cast("q")
         self._resv_pids = self._resv[:: L.RESV_SIZE // 8]
@@ -539,8 +543,9 @@ class SlabSegment(SlabLocking):
         with contextlib.suppress(SlabError, OSError):
             self._release_proc_entry()
         self.closed = True
-        views = (self._procs, self._nsw, self._slot_ns, self._slots_u32,
-                 self._resv_pids, self._resv, self._resv_raw)  # fmt: skip
+        views = (self._procs, self._nsw, self._slot_ns, self._slot_leases, self._slots_u32,
+                 self._slot_lease_end, self._slots_i64, self._resv_pids, self._resv,
+                 self._resv_raw)  # fmt: skip
         for view in views:
             view.release()
         self._release_views()

@@ -46,7 +46,6 @@ from ..errors import (
 )
 from ..procs import pid_alive
 from . import layout as L
-from .check import SlabChecks
 
 # The slot's field indexes, as module globals: read in every probe of every lookup.
 from .layout import (
@@ -60,6 +59,7 @@ from .layout import (
     F_REFS,
     F_STATE,
 )
+from .leases import SlabLeases, now_ms
 
 # BlockGone and BlockReader are read through this module too (the server's handlers).
 from .view import BlockGone as BlockGone
@@ -93,7 +93,7 @@ _T = TypeVar("_T")
 SMALL_PUT = 64 * 1024
 
 
-class Slab(SlabChecks):
+class Slab(SlabLeases):
     """A handle on the slab from one process. Not shared across ``fork``: attach anew.
 
     Threads of one process may share a handle: a thread lock sits on top of the slab lock
@@ -109,7 +109,7 @@ class Slab(SlabChecks):
         off = self._slot_off(i)
         # Fields and address first, the READY state byte last: a reader never sees half.
         L.SLOT.pack_into(self._mm, off, L.SLOT_EMPTY, refbit, len(raw), refs, length, first,
-                         npages, block_id, fp, ns)  # fmt: skip
+                         npages, block_id, fp, ns, 0, 0)  # fmt: skip
         self._mm[off + L.SLOT.size : off + L.SLOT.size + len(raw)] = raw
         self._mm[off] = L.SLOT_READY
 
@@ -219,7 +219,9 @@ class Slab(SlabChecks):
 
         The namespace's hand walks the slots in order; the namespace-id column is searched
         in C a slice at a time, so a small namespace in a big table does not pay a Python
-        step per foreign slot. At most two passes (the first may only clear reference bits).
+        step per foreign slot. At most two passes (the first may only clear reference bits)
+        passing over leased blocks, then, if it is still over, two more that evict them
+        too: a lease never holds a namespace beyond its quota.
 
         Args:
             n: pages about to be taken (0 at a commit). length: the block's bytes.
@@ -249,45 +251,60 @@ class Slab(SlabChecks):
                 "they finish, or raise the quota in the tokens file"
             )
         col, nslots = self._slot_ns, self.geometry.nslots
-        i, scanned, step = nsw[e + L.NS_HAND] % nslots, 0, 256
-        while nsw[e + _NS_PAGES] > target and scanned < 2 * nslots:
-            end = min(nslots, i + step)
-            try:
-                j = i + col[i:end].tolist().index(ns)
-            except ValueError:
-                scanned += end - i
-                i = end % nslots
-                # Slices grow while they miss: a dense namespace finds its next block in
-                # a short one, a sparse one is not searched 256 slots at a time.
-                step = min(step * 4, _NS_SCAN)
-                continue
-            scanned += j - i + 1
-            if self._clock_visit(j):
-                i = j  # backward shift may have moved another block into slot j
-                continue
-            i = (j + 1) % nslots
+        i = nsw[e + L.NS_HAND] % nslots
+        for now in (now_ms(), 0):  # leases honoured, then not
+            scanned, step = 0, 256
+            while nsw[e + _NS_PAGES] > target and scanned < 2 * nslots:
+                end = min(nslots, i + step)
+                try:
+                    j = i + col[i:end].tolist().index(ns)
+                except ValueError:
+                    scanned += end - i
+                    i = end % nslots
+                    # Slices grow while they miss: a dense namespace finds its next block
+                    # in a short one, a sparse one is not searched 256 slots at a time.
+                    step = min(step * 4, _NS_SCAN)
+                    continue
+                scanned += j - i + 1
+                if self._clock_visit(j, now):
+                    i = j  # backward shift may have moved another block into slot j
+                    continue
+                i = (j + 1) % nslots
         nsw[e + L.NS_HAND] = i
         if nsw[e + _NS_PAGES] > target:  # two passes missed blocks moved by backward shifts
             raise Busy(f"namespace {self._ns_name(ns)} is at its quota of {quota} bytes; retry")
 
-    def _clock_visit(self, i: int) -> bool:
+    def _clock_visit(self, i: int, now: int = 0) -> bool:
         """CLOCK's visit of slot ``i``: clear its reference bit (a second chance), or
         evict its block if the bit was clear. True if it evicted (the backward shift may
-        have moved another block into slot ``i``)."""
+        have moved another block into slot ``i``).
+
+        Args:
+            now: the lease clock (:func:`eg_kv.slab.leases.now_ms`): a block leased until
+                after it is passed over. 0: leases do not protect it.
+        """
         mm, off = self._mm, self.geometry.slots_off + i * L.SLOT_SIZE
         if mm[off] != L.SLOT_READY:
             return False
         if mm[off + L.SLOT_REF_OFFSET]:
             mm[off + L.SLOT_REF_OFFSET] = 0
             return False
+        held = self._slot_leases[i]
+        if held:
+            if now and self._slot_lease_end[i] > now:
+                return False
+            self._forget_leases(i, held, now)
         self._drop_block(i, self._read_slot(i), evicted=True)
         return True
 
     def _make_room(self, n: int) -> None:
         """Free pages until ``n`` are free, evicting by CLOCK (second chance).
 
+        A block under a lease that has not ended is passed over (:mod:`eg_kv.slab.leases`).
+
         Raises:
-            InsufficientStorage: even evicting every published block would not free enough.
+            InsufficientStorage: even evicting every published block would not free
+                enough, or two sweeps found only leased blocks left to evict.
         """
         st = self._state
         if st[L.ST_FREE_COUNT] >= n:
@@ -305,16 +322,33 @@ class Slab(SlabChecks):
         # The visit is inline, not _clock_visit(): a method call per visited slot cost
         # evicting 4 KiB puts about 5% (measured).
         mask, hand, mm, base = self._mask, st[L.ST_CLOCK_HAND], self._mm, self.geometry.slots_off
+        leases, ends, now = self._slot_leases, self._slot_lease_end, now_ms()
+        # Slots visited since the last eviction: two sweeps without one (the first may only
+        # clear reference bits) mean only leased blocks are left.
+        idle, held_until = 0, 0
         while st[L.ST_FREE_COUNT] < n:
             i = (hand * _CLOCK_STRIDE) & mask
             off = base + i * L.SLOT_SIZE
             if mm[off] == L.SLOT_READY:
                 if mm[off + L.SLOT_REF_OFFSET]:
                     mm[off + L.SLOT_REF_OFFSET] = 0  # second chance
+                elif leases[i] and ends[i] > now:
+                    held_until = max(held_until, ends[i])  # leased: passed over
                 else:
+                    if leases[i]:
+                        self._forget_leases(i, leases[i], now)
                     self._drop_block(i, self._read_slot(i), evicted=True)
+                    idle = 0
                     continue  # backward shift may have moved another block into slot i
             hand = (hand + 1) & mask
+            idle += 1
+            if idle > 2 * (mask + 1):
+                st[L.ST_CLOCK_HAND] = hand
+                raise InsufficientStorage(
+                    f"no room for {n} pages: {st[L.ST_FREE_COUNT]} free, "
+                    f"{st[L.ST_RESV_PAGES]} held by uploads in flight, the rest by leased "
+                    f"blocks (their leases end within {max(0, held_until - now) / 1000:.1f} s)"
+                )
         st[L.ST_CLOCK_HAND] = hand
 
     # ------------------------------------------------------------------ reservations

@@ -1,0 +1,143 @@
+"""Leases: a lookup's promise that the blocks it found stay resident until they are loaded.
+
+A lookup that answers "hit" may take a lease on each block it found
+(:meth:`SlabLeases.exists_many` with ``lease_ms``), in the same critical section that
+finds them, so no eviction can come between the answer and the lease. A slot holds its
+leases as two fields (:mod:`eg_kv.slab.layout`): how many are held, and when the newest
+ends (``CLOCK_MONOTONIC`` milliseconds, the same clock in every process of the host).
+
+What a lease does, and does not:
+
+- The CLOCK sweep over every namespace (:meth:`eg_kv.slab.store.Slab._make_room`) passes
+  over a leased block whose lease has not ended. A put that only leased blocks stand in
+  the way of is refused as a full slab is (507), saying within how long they end.
+- A namespace over its quota evicts its own blocks leased or not (unleased ones first):
+  a lease never lets a tenant hold more than its quota.
+- It never stops a ``DELETE``: the last reference frees the block, lease or not.
+- A lease ends when its holder releases it (:meth:`SlabLeases.release_leases`, a count
+  never goes below 0) or when the newest lease on the block ends: a holder that died
+  costs nothing after that. An ended lease is forgotten when next seen (a sweep, a new
+  lease, a release), and counted then as expired (``leases_expired``).
+- A repair (a process died inside the lock) rebuilds the slot table without leases.
+
+Lease changes take the lock but leave the seqlock alone (``write=False``): lock-free
+lookups read no lease field, so they need not retry for one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+
+from . import layout as L
+from .check import SlabChecks
+
+#: The most leases one slot counts (its field is a uint32): more are taken but not counted.
+_MAX_COUNT = 0xFFFFFFFF
+
+
+def now_ms() -> int:
+    """The lease clock: ``CLOCK_MONOTONIC`` in milliseconds (system-wide on Linux)."""
+    return time.monotonic_ns() // 1_000_000
+
+
+class SlabLeases(SlabChecks):
+    """The leases' part of :class:`eg_kv.slab.store.Slab` (see the module docstring)."""
+
+    def exists_many(self, addresses: Iterable[str], ns: int = 0, lease_ms: int = 0) -> list[bool]:
+        """Existence of each address in namespace ``ns``, looked up in one pass.
+
+        Args:
+            lease_ms: above 0, take a lease of this many milliseconds on every hit, in the
+                critical section that finds it (a block found twice is leased twice). 0:
+                the lock-free lookup, no lease.
+
+        Returns:
+            One bool per address, True for a resident block.
+
+        Raises:
+            InvalidAddress: an address is not one (nothing is leased).
+        """
+        if lease_ms <= 0:
+            return super().exists_many(addresses, ns)
+        keys = [self._key(a, ns) for a in addresses]
+        counts, ends, st = self._slot_leases, self._slot_lease_end, self._state
+        found: list[bool] = []
+        taken = expired = 0
+        with self._locked(write=False):
+            now = now_ms()
+            end = now + lease_ms
+            for raw, fp in keys:
+                i, s = self._find(raw, fp, ns)
+                if s is None:
+                    found.append(False)
+                    continue
+                found.append(True)
+                held = counts[i]
+                if held and ends[i] <= now:  # ended: forgotten now
+                    expired += held
+                    held = 0
+                if held < _MAX_COUNT:
+                    counts[i] = held + 1
+                if not held or ends[i] < end:
+                    ends[i] = end
+                taken += 1
+            st[L.ST_LEASES_TAKEN] += taken
+            st[L.ST_LEASES_EXPIRED] += expired
+        return found
+
+    def release_leases(self, addresses: Iterable[str], ns: int = 0) -> list[bool]:
+        """Release one lease on each address's block in namespace ``ns``.
+
+        Returns:
+            One bool per address: True when a lease that had not ended was released; False
+            for an absent block, one without a lease, or one whose leases had ended (they
+            are forgotten and counted as expired).
+
+        Raises:
+            InvalidAddress: an address is not one (nothing is released).
+        """
+        keys = [self._key(a, ns) for a in addresses]
+        counts, ends, st = self._slot_leases, self._slot_lease_end, self._state
+        out: list[bool] = []
+        released = expired = 0
+        with self._locked(write=False):
+            now = now_ms()
+            for raw, fp in keys:
+                i, s = self._find(raw, fp, ns)
+                held = 0 if s is None else counts[i]
+                if not held:
+                    out.append(False)
+                    continue
+                if ends[i] <= now:
+                    counts[i] = 0
+                    expired += held
+                    out.append(False)
+                    continue
+                counts[i] = held - 1
+                released += 1
+                out.append(True)
+            st[L.ST_LEASES_RELEASED] += released
+            st[L.ST_LEASES_EXPIRED] += expired
+        return out
+
+    def _forget_leases(self, i: int, held: int, now: int) -> None:
+        """Clear slot ``i``'s ``held`` leases before its block is evicted (under the lock);
+        counted as expired when they had ended (``now`` 0: the lease clock was not read)."""
+        self._slot_leases[i] = 0
+        if self._slot_lease_end[i] <= (now or now_ms()):
+            self._state[L.ST_LEASES_EXPIRED] += held
+
+    def leased_blocks(self) -> int:
+        """Blocks under a lease that has not ended, over the whole slab.
+
+        The count column is searched in C; only the slots with a count are looked at one
+        by one (few, in use), so a large slab with no leases costs one pass in C.
+        """
+        counts = self._slot_leases.tolist()
+        if counts.count(0) == len(counts):
+            return 0
+        ends, now = self._slot_lease_end, now_ms()
+        held = itertools.compress(range(len(counts)), counts)
+        return sum(1 for i in held if ends[i] > now and self._mm[self._slot_off(i)])

@@ -1,0 +1,219 @@
+"""Leases on a real slab: eviction passes over leased blocks, and a lease ends by release,
+by expiry, or by a namespace's own quota; a holder that died costs nothing once they end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from eg_kv.errors import InsufficientStorage
+from eg_kv.slab import layout as L
+from eg_kv.slab.leases import now_ms
+from eg_kv.slab.store import Slab
+
+KiB, MiB = 1024, 1024 * 1024
+PAGE = 64 * KiB
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def small(slab_name):
+    """4 MiB of 64 KiB pages: 64 one-page blocks fill it."""
+    s = Slab.create(slab_name, 4 * MiB, page_size=PAGE, max_block_size=MiB)
+    yield s
+    s.close()
+
+
+def fill(slab: Slab, prefix: str, n: int, ns: int = 0) -> list[str]:
+    keys = [f"{prefix}{k}" for k in range(n)]
+    for k in keys:
+        slab.put(k, bytes(PAGE), ns)
+    return keys
+
+
+def lease_count(slab: Slab, address: str, ns: int = 0) -> int:
+    _i, s = slab._find(*slab._key(address, ns), ns)
+    assert s is not None
+    return s[L.F_LEASES]
+
+
+def wait_past(end_ms: int, limit_s: float = 10.0) -> None:
+    """Wait until the lease clock is past ``end_ms`` (bounded)."""
+    deadline = time.monotonic() + limit_s
+    while now_ms() <= end_ms:
+        assert time.monotonic() < deadline, "the lease clock did not move"
+        time.sleep(0.01)
+
+
+def test_the_slot_grew_and_the_layout_version_says_so():
+    assert L.VERSION == 6 and L.SLOT.size == 64 and L.SLOT_SIZE == 320
+    assert L.SLOT.size - 8 == L.SLOT_LEASE_END_OFFSET
+    assert L.SLOT_FIELDS == len(L.SLOT.unpack(bytes(L.SLOT.size))) == 12
+
+
+def test_eviction_passes_over_leased_blocks(small):
+    keys = fill(small, "k", 64)
+    leased, free = keys[:32], keys[32:]
+    assert small.exists_many([*leased, "absent"], lease_ms=10_000) == [True] * 32 + [False]
+    fill(small, "n", 64)  # a whole slab more, through the 32 pages left unleased
+    assert all(small.exists(k) for k in leased)
+    assert sum(small.exists(k) for k in free) < 32
+    st = small.stats()
+    assert st["leases_taken"] == 32 and st["evictions"] >= 64
+    assert small.leased_blocks() == 32
+    assert small.check() == []
+
+
+def test_only_leased_blocks_left_refuses_the_put_and_says_when_they_end(small):
+    keys = fill(small, "k", 64)
+    assert all(small.exists_many(keys, lease_ms=5_000))
+    with pytest.raises(InsufficientStorage, match=r"leases end within [45]\.\d s"):
+        small.put("one-more", bytes(PAGE))
+    assert all(small.exists(k) for k in keys)
+    assert small.check() == []
+
+
+def test_a_lease_ends_by_expiry_and_is_counted_expired_when_seen(small):
+    keys = fill(small, "k", 64)
+    small.exists_many(keys, lease_ms=50)
+    end = max(small._slot_lease_end.tolist())
+    assert small.leased_blocks() == 64
+    wait_past(end)
+    assert small.leased_blocks() == 0
+    small.put("one-more", bytes(PAGE))  # an ended lease protects nothing
+    st = small.stats()
+    assert st["evictions"] == 1 and st["leases_expired"] == 1
+    assert small.check() == []
+
+
+def test_release_ends_one_lease_and_a_count_never_goes_below_zero(small):
+    keys = fill(small, "k", 64)
+    small.exists_many(["k0", "k0"], lease_ms=10_000)  # two lookups, two leases
+    assert lease_count(small, "k0") == 2
+    assert small.release_leases(["k0", "k1", "absent"]) == [True, False, False]
+    assert small.release_leases(["k0"]) == [True]
+    assert small.release_leases(["k0", "k0"]) == [False, False]
+    assert lease_count(small, "k0") == 0
+    st = small.stats()
+    assert (st["leases_taken"], st["leases_released"]) == (2, 2)
+    small.exists_many(keys[1:], lease_ms=10_000)  # every other block leased: k0 must go
+    small.put("one-more", bytes(PAGE))
+    assert not small.exists("k0") and all(small.exists(k) for k in keys[1:])
+
+
+def test_a_release_after_the_end_counts_expired_not_released(small):
+    fill(small, "k", 4)
+    small.exists_many(["k0"], lease_ms=20)
+    wait_past(int(small._slot_lease_end.tolist()[small._find(*small._key("k0"), 0)[0]]))
+    assert small.release_leases(["k0"]) == [False]
+    st = small.stats()
+    assert (st["leases_released"], st["leases_expired"]) == (0, 1)
+    assert lease_count(small, "k0") == 0
+
+
+def test_a_newer_shorter_lease_never_shortens_the_newest_end(small):
+    fill(small, "k", 1)
+    small.exists_many(["k0"], lease_ms=10_000)
+    i = small._find(*small._key("k0"), 0)[0]
+    long_end = small._slot_lease_end[i]
+    small.exists_many(["k0"], lease_ms=10)
+    assert small._slot_lease_end[i] == long_end and lease_count(small, "k0") == 2
+
+
+def test_a_delete_frees_a_leased_block(small):
+    fill(small, "k", 1)
+    small.exists_many(["k0"], lease_ms=10_000)
+    assert small.delete("k0") is True and not small.exists("k0")
+    assert small.leased_blocks() == 0 and small.release_leases(["k0"]) == [False]
+    fill(small, "k", 1)  # a new block at the address starts without a lease
+    assert lease_count(small, "k0") == 0
+
+
+def test_a_namespace_over_its_quota_is_not_protected_by_its_leases(small):
+    ids = small.bind_namespaces({"capped": 8 * PAGE, "other": 0})
+    capped, other = ids["capped"], ids["other"]
+    mine = fill(small, "c", 8, capped)
+    theirs = fill(small, "o", 8, other)
+    assert all(small.exists_many(mine, capped, lease_ms=10_000))
+    assert all(small.exists_many(theirs, other, lease_ms=10_000))
+    for k in range(4):  # four more pages through a quota of eight: its leased blocks go
+        small.put(f"c-new{k}", bytes(PAGE), capped)
+    st = small.namespace_stats()
+    assert st["capped"]["evictions"] == 4 and st["capped"]["resident_bytes"] <= 8 * PAGE
+    assert st["other"]["evictions"] == 0
+    assert all(small.exists(k, other) for k in theirs)
+    assert small.check() == []
+
+
+def test_a_namespace_evicts_its_unleased_blocks_before_its_leased_ones(small):
+    capped = small.bind_namespaces({"capped": 8 * PAGE})["capped"]
+    mine = fill(small, "c", 8, capped)
+    small.exists_many(mine[:4], capped, lease_ms=10_000)
+    for k in range(4):
+        small.put(f"c-new{k}", bytes(PAGE), capped)
+    assert all(small.exists(k, capped) for k in mine[:4])
+    assert small.namespace_stats()["capped"]["evictions"] == 4
+
+
+def test_leases_only_touch_the_callers_namespace(small):
+    ids = small.bind_namespaces({"a": 0, "b": 0})
+    small.put("x", bytes(PAGE), ids["b"])
+    assert small.exists_many(["x"], ids["a"], lease_ms=10_000) == [False]
+    assert lease_count(small, "x", ids["b"]) == 0
+    assert small.release_leases(["x"], ids["a"]) == [False]
+    small.exists_many(["x"], ids["b"], lease_ms=10_000)
+    assert small.release_leases(["x"], ids["a"]) == [False]  # a's release reaches nothing
+    assert lease_count(small, "x", ids["b"]) == 1
+
+
+def test_leases_survive_a_backward_shift(small):
+    """A slot that moves (a neighbour's deletion shifts it back) keeps its leases."""
+    keys = fill(small, "k", 40)
+    small.exists_many(keys, lease_ms=10_000)
+    for k in keys[::2]:
+        small.delete(k)
+    assert all(lease_count(small, k) == 1 for k in keys[1::2])
+    assert small.leased_blocks() == 20
+
+
+def _lease_holder(slab_name: str, lease_ms: int, keys: list[str]) -> subprocess.Popen[str]:
+    """A real process that leases ``keys`` and then waits to be killed."""
+    code = (
+        "import sys, time\n"
+        "from eg_kv.slab.store import Slab\n"
+        "s = Slab.attach(sys.argv[1])\n"
+        "found = s.exists_many(sys.argv[3:], lease_ms=int(sys.argv[2]))\n"
+        "print('ready' if all(found) else 'missed', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, slab_name, str(lease_ms), *keys],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_a_holder_sigkilled_costs_nothing_after_its_leases_end(small, slab_name):
+    keys = fill(small, "k", 64)
+    proc = _lease_holder(slab_name, 1500, keys)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    # Dead, its leases still hold until they end...
+    with pytest.raises(InsufficientStorage, match="leased"):
+        small.put("one-more", bytes(PAGE))
+    wait_past(max(small._slot_lease_end.tolist()))
+    # ...and then nothing: the slab takes a whole new working set.
+    fill(small, "n", 64)
+    st = small.stats()
+    assert st["evictions"] == 64 and st["leases_expired"] >= 1
+    assert small.leased_blocks() == 0 and small.check() == []
