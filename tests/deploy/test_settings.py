@@ -1,6 +1,7 @@
 """Each server setting is declared once (eg_kv.config.SERVER_SETTINGS), and everything said
-about it follows: the README's table is the generated one, every declaration round-trips
-(flag -> Settings, variable -> Settings, shown default -> Settings default), and
+about it follows: the docs' table (docs/configuration.md) is the generated one, every
+declaration round-trips (flag -> Settings, variable -> Settings, shown default -> Settings
+default), and
 ``eg-kv serve --help`` lists every flag with its variable.
 """
 
@@ -28,7 +29,9 @@ from eg_kv.config import (
 from workers.__main__ import SERVE_FLAGS, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+#: The settings table lives here; the limits table in SECURITY.
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+SECURITY = ROOT / "docs" / "security.md"
 BY_NAME = {setting.name: setting for setting in SERVER_SETTINGS}
 
 #: A value for each setting that is not its default: (as typed, as Settings holds it). A new
@@ -55,6 +58,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "min_upload_rate": ("1MiB", 1 << 20),
     "keepalive_timeout_s": ("5", 5.0),
     "max_connections": ("6", 6),
+    "lease_ms": ("250", 250),
     "heartbeat_timeout_s": ("7", 7.0),
     "lock_timeout_s": ("0.5", 0.5),
 }
@@ -93,18 +97,18 @@ def sample_env(name: str) -> dict[str, str]:
     return {BY_NAME[one].env or "": SAMPLES[one][0] for one in names}
 
 
-def readme_table() -> str:
-    with open(README, encoding="utf-8") as f:
+def docs_table() -> str:
+    with open(CONFIGURATION, encoding="utf-8") as f:
         text = f.read()
     found = re.search(r"<!-- settings[^>]*-->\n(.*?)<!-- /settings -->", text, re.S)
-    assert found, "README.md lost its <!-- settings --> ... <!-- /settings --> markers"
+    assert found, "docs/configuration.md lost its <!-- settings --> ... <!-- /settings --> markers"
     return found.group(1)
 
 
-def test_the_readme_table_is_the_generated_one():
-    assert readme_table() == settings_markdown(), (
-        "README.md's settings table differs from eg_kv/config.py's declarations: paste the "
-        "output of `.venv/bin/python -m eg_kv.config --markdown` between its markers"
+def test_the_docs_table_is_the_generated_one():
+    assert docs_table() == settings_markdown(), (
+        "docs/configuration.md's settings table differs from eg_kv/config.py's declarations: "
+        "paste the output of `.venv/bin/python -m eg_kv.config --markdown` between its markers"
     )
     out = subprocess.run(
         [sys.executable, "-m", "eg_kv.config", "--markdown"], cwd=ROOT, capture_output=True,
@@ -165,7 +169,7 @@ def test_variable_reaches_settings_and_a_flag_overrides_it(name):
 
 @pytest.mark.parametrize("name", [s.name for s in SERVER_SETTINGS])
 def test_the_shown_default_is_the_settings_default(name):
-    """The default the README and --help show, typed back as the flag, is the default."""
+    """The default the docs and --help show, typed back as the flag, is the default."""
     setting = BY_NAME[name]
     default = held(from_argv(), setting)
     assert default == held(settings_from_env({}), setting)
@@ -214,8 +218,8 @@ def test_serve_help_lists_every_flag_with_its_variable():
 
 
 def test_the_limits_table_names_only_declared_flags():
-    """The README's limits table (Threat model and limits) names real serve flags."""
-    with open(README, encoding="utf-8") as f:
+    """The limits table (docs/security.md, "Limits") names real serve flags."""
+    with open(SECURITY, encoding="utf-8") as f:
         text = f.read()
     table = text[text.index("| Limit | Default | Flag | Beyond it |") :].split("\n\n")[0]
     named = set(re.findall(r"`(--[a-z-]+)`", table))
