@@ -1,0 +1,341 @@
+"""``EgKvTier``: eg-kv as a secondary tier of vLLM's offloading connector (vLLM 0.32+).
+
+vLLM's ``OffloadingConnector`` with ``spec_name: "TieringOffloadingSpec"`` keeps a CPU
+primary tier and cascades every chunk it stores there to its ``secondary_tiers``; a
+chunk found in a secondary tier is promoted (copied) into a primary slot before the GPU
+reads it. This tier is configured, out of tree, as::
+
+    {"type": "EgKvTier", "module_path": "eg_kv.vllm.tier", "url": "http://kv:9130"}
+
+(every key: :mod:`eg_kv.vllm.tier_settings`). Everything runs in the scheduler process and
+never blocks it:
+
+* **lookups** (:mod:`eg_kv.vllm.tier_lookups`): the keys a step asks about go out at the
+  step's end as ONE batch-exists per server (``RETRY`` until answered); hits take a
+  server-side lease (``lease_ms``), ended by their load, released when a request leaves
+  them unloaded, or expired;
+* **loads and stores** (:mod:`eg_kv.vllm.tier_copies`): one primary slot is one eg-kv
+  block (the slot's bytes and a 16-byte digest); loads copy into the slots (a local read
+  on the server's host, else a ``GET`` into the slot), stores ``PUT`` from them with
+  ``Expect: 100-continue``; a block that is missing, of another length or not what was
+  stored at its address fails its key (vLLM recomputes it), never lands as wrong bytes;
+* :meth:`EgKvTier.drain_jobs` waits until no copy runs: no slot is written after it
+  returns;
+* **addresses** bind the chunk's layout as :mod:`eg_kv.vllm.addresses` does for the
+  connector: vLLM's key (its block hash and KV group) mixed with a
+  :class:`~eg_kv.vllm.addresses.BlockFormat` (model, dtype, tokens, the layout of a
+  slot, the parallel sizes), so engines whose slots differ never share an address, and
+  engines whose slots match share blocks (vLLM's block hashes must then agree: its
+  default ``sha256`` prefix-caching hash does across processes);
+* **events**: with ``enable_kv_events`` (and vLLM's KV events on), :meth:`take_events`
+  yields the keys this tier stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ..client.connectors import connect
+from ..client.interface import KvConnector
+from .addresses import BlockFormat, block_address
+from .tier_copies import CopyJobs, FinishedJob
+from .tier_lookups import StepLookups
+from .tier_settings import TierSettings, tier_settings_from
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+log = logging.getLogger("eg_kv.vllm.tier")
+
+__all__ = ["EgKvTier", "tier_format"]
+
+
+def tier_format(spec: OffloadingSpec, row_bytes: int) -> BlockFormat:
+    """The :class:`BlockFormat` of one primary slot of ``spec``'s engine: what, besides
+    vLLM's key, decides a stored slot's bytes."""
+    config = spec.config
+    parallel = config.parallel
+    # Bytes that are the same under any topology may be shared across topologies (as
+    # vLLM's own fs tier does); otherwise every parallel size is part of the format.
+    agnostic = bool(parallel.is_parallelism_agnostic or config.replicated_layout)
+    layout = {
+        "kind": "vllm-offload-slot",
+        "row_bytes": row_bytes,
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "groups": [[g.tokens_per_block, list(g.layer_names)] for g in config.groups],
+        "replicated_layout": bool(config.replicated_layout),
+        "canonical_layout": bool(config.canonical_layout),
+        "kv_cache_layout": config.kv_cache_layout,
+    }
+    if not agnostic:
+        layout.update(
+            world_size=parallel.world_size, pcp_size=parallel.pcp_size, dcp_size=parallel.dcp_size
+        )
+    return BlockFormat(
+        model=config.model.name,
+        dtype=str(config.model.dtype),
+        block_size=max(1, config.cache.tokens_per_hash * config.cache.blocks_per_chunk),
+        layout=json.dumps(layout, sort_keys=True, separators=(",", ":")),
+        tp_size=1 if agnostic else parallel.tp_size,
+        pp_size=1 if agnostic else parallel.pp_size,
+    )
+
+
+def _takes_leases(client: Any) -> bool:
+    """Whether ``client``'s batch exists can take leases (``lease_ms``)."""
+    try:
+        params = inspect.signature(client.try_exists_addresses).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "lease_ms" in params
+
+
+class EgKvTier(SecondaryTierManager):
+    """A vLLM secondary tier on eg-kv (see the module docstring).
+
+    Args:
+        offloading_spec: the engine's offloading spec (its format binds the addresses).
+        primary_kv_view: the primary tier's memoryview, one slot per row.
+        tier_type: the name vLLM registered this tier under (``EgKvTier``).
+        backpressure_detector: vLLM's optional back-pressure detector.
+        client: a ready client to use instead of building one from ``options`` (tests,
+            benchmarks); closed by :meth:`shutdown` all the same.
+        **options: the tier entry's keys (:mod:`eg_kv.vllm.tier_settings`).
+
+    Raises:
+        ConfigError: an unknown or invalid option.
+    """
+
+    medium: ClassVar[Medium] = Medium.CPU  # eg-kv holds blocks in (shared) memory
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        client: KvConnector | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.settings: TierSettings = tier_settings_from(options)
+        self.locality = Locality(self.settings.locality) if self.settings.locality else None
+        row_bytes = self.block_size_bytes
+        self.format = tier_format(offloading_spec, row_bytes)
+        self._salt = self.format.salt(0)
+        self._client: KvConnector = client if client is not None else connect(self.settings.client)
+        lease_ms = self.settings.lease_ms
+        if lease_ms and not _takes_leases(self._client):
+            log.warning("EgKvTier: this eg-kv client takes no leases; lookups take none")
+            lease_ms = 0
+        self._lease_ms = lease_ms
+        self._lookups = StepLookups(
+            self._probe,
+            self.address,
+            deadline_s=self.settings.lookup_deadline_s,
+            # A hit older than half its lease is asked again before it is promoted.
+            max_age_s=max(0.05, lease_ms / 2000) if lease_ms else 2.0,
+            max_batches=self.settings.max_lookup_batches,
+        )
+        self._copies = CopyJobs(
+            self._client, primary_kv_view, row_bytes, threads=self.settings.io_threads
+        )
+        self._job_keys: dict[int, tuple[bool, list[OffloadKey]]] = {}
+        self._releases = ThreadPoolExecutor(1, thread_name_prefix="eg-kv-tier-release")
+        self._to_release: list[str] = []
+        self._lock = threading.Lock()
+        self.events: list[OffloadingEvent] | None = None
+        if self.settings.enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self.events = []
+            else:
+                log.warning(
+                    "EgKvTier: enable_kv_events is set but vLLM's KV cache events are off; "
+                    "the tier emits none"
+                )
+        self.counters = {
+            "stored_blocks": 0,
+            "store_failed_blocks": 0,
+            "loaded_blocks": 0,
+            "load_failed_blocks": 0,
+            "leases_released": 0,
+        }
+        log.info(
+            "EgKvTier %s: %d-byte slots, server %s, lease %d ms",
+            tier_type,
+            row_bytes,
+            self.settings.client.base_url,
+            lease_ms,
+        )
+
+    # ---------------------------------------------------------------- addresses, probes
+
+    def address(self, key: OffloadKey) -> str:
+        """The eg-kv address of ``key`` (vLLM's block hash and group, bound to the format)."""
+        return block_address(bytes(key), self._salt)
+
+    def _probe(self, addresses: list[str]) -> list[bool] | None:
+        """One batch-exists per server for one step's lookups (on a lookup thread)."""
+        client: Any = self._client
+        if self._lease_ms:
+            found: list[bool] | None = client.try_exists_addresses(
+                addresses, lease_ms=self._lease_ms
+            )
+            return found
+        result: list[bool] | None = client.try_exists_addresses(addresses)
+        return result
+
+    def _release(self, addresses: list[str]) -> None:
+        """End the leases of hits that will not be loaded (in the background)."""
+        release = getattr(self._client, "release", None)
+        if not addresses or release is None or not self._lease_ms:
+            return
+
+        def run() -> None:
+            try:
+                release(addresses)
+            except Exception as exc:  # the leases expire on their own
+                log.debug("EgKvTier: releasing %d leases failed: %s", len(addresses), exc)
+            else:
+                with self._lock:
+                    self.counters["leases_released"] += len(addresses)
+
+        self._releases.submit(run)
+
+    # ---------------------------------------------------------------- vLLM's contract
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT / MISS from this step's batch, RETRY while it is in flight. Never blocks."""
+        found = self._lookups.lookup(key, req_context.req_id)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        """PUT the job's primary slots (pinned until the job is reported)."""
+        keys = list(job_metadata.keys)
+        self._job_keys[job_metadata.job_id] = (False, keys)
+        addresses = [self.address(k) for k in keys]
+        self._copies.submit(job_metadata.job_id, False, addresses, list(job_metadata.chunk_ids))
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        """Copy the job's blocks into its primary slots (the loads end their leases)."""
+        keys = list(job_metadata.keys)
+        self._job_keys[job_metadata.job_id] = (True, keys)
+        addresses = [self.address(k) for k in keys]
+        self._lookups.consume(addresses)
+        self._copies.submit(job_metadata.job_id, True, addresses, list(job_metadata.chunk_ids))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """The jobs whose copies have all ended since the last call."""
+        return [self._result(done) for done in self._copies.finished()]
+
+    def _result(self, done: FinishedJob) -> JobResult:
+        is_load, keys = self._job_keys.pop(done.job_id)
+        ok_keys = [k for k, ok in zip(keys, done.ok, strict=True) if ok]
+        failed = [k for k, ok in zip(keys, done.ok, strict=True) if not ok]
+        with self._lock:
+            if is_load:
+                self.counters["loaded_blocks"] += len(ok_keys)
+                self.counters["load_failed_blocks"] += len(failed)
+            else:
+                self.counters["stored_blocks"] += len(ok_keys)
+                self.counters["store_failed_blocks"] += len(failed)
+        if is_load:
+            # The loads read their blocks with a lease taken by the lookup: end them.
+            self._release([self.address(k) for k in keys])
+            if failed:
+                # Answer miss from now on: no promotion livelock on a block that fails.
+                self._lookups.mark_miss(failed)
+        elif self.events is not None and ok_keys:
+            self.events.append(
+                OffloadingEvent(
+                    keys=ok_keys,
+                    medium=self.medium,
+                    removed=False,
+                    locality=self.locality,
+                    ownership=self.tier_type,
+                )
+            )
+        success = all(done.ok)
+        return JobResult(
+            job_id=done.job_id,
+            success=success,
+            # A partly failed load keeps the blocks that arrived whole.
+            successful_keys=tuple(ok_keys) if is_load and not success and ok_keys else None,
+            transfer_time=done.seconds,
+            transfer_bytes=done.nbytes,
+        )
+
+    def has_pending_work(self) -> bool:
+        """True while a job is submitted and not yet reported."""
+        return bool(self._job_keys)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The tier's stores since the last call (with ``enable_kv_events``)."""
+        if self.events:
+            events, self.events = self.events, []
+            yield from events
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Drop the request's lookups; its unloaded hits' leases are released."""
+        self._to_release.extend(self._lookups.cleanup(req_context.req_id))
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Send this step's lookups as one batch; release the leases left behind."""
+        self._lookups.flush()
+        if self._to_release:
+            addresses, self._to_release = self._to_release, []
+            self._release(addresses)
+
+    def drain_jobs(self) -> None:
+        """Wait until every copy has ended (each within the client's timeout): no primary
+        slot is written after this returns; the results stay for get_finished_jobs."""
+        self._copies.drain()
+
+    def shutdown(self) -> None:
+        """Wait for the copies, stop the threads, close the client."""
+        try:
+            self._copies.close()
+        finally:
+            self._lookups.close()
+            self._releases.shutdown(wait=True)
+            self._client.close()
+
+    def stats(self) -> dict[str, int]:
+        """The tier's counters and its lookups' (for logs and tests)."""
+        with self._lock:
+            out = dict(self.counters)
+        out.update({f"lookup_{k}": v for k, v in self._lookups.counters.items()})
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """The format its addresses bind (for logs and tests)."""
+        return dataclasses.asdict(self.format)

@@ -1,0 +1,120 @@
+"""The settings of :class:`~eg_kv.vllm.tier.EgKvTier`: its entry in vLLM's
+``secondary_tiers`` over the ``EPISTEMIC_GRAPH_KVCACHE_*`` environment (no vLLM import).
+
+A tier entry is ``{"type": "EgKvTier", "module_path": "eg_kv.vllm.tier", "url": ...}``;
+vLLM hands every key but ``type``, ``module_path`` and ``backpressure`` to the tier. Every
+:class:`~eg_kv.client.core.KvCacheConfig` keyword is accepted (``url`` is ``base_url``:
+one server, a list, ``dns+`` / ``dnssrv+``; ``token``, ``timeout_s``, ...; the token is
+best left to ``EPISTEMIC_GRAPH_KVCACHE_TOKEN``), and the tier's own keys in
+:data:`TIER_KEYS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ..client.core import CONFIG_KEYWORDS, KvCacheConfig
+from ..errors import ConfigError
+from .settings import ALIASES
+
+__all__ = ["TIER_KEYS", "TierSettings", "tier_settings_from"]
+
+#: The tier's own keys and their defaults.
+TIER_KEYS: dict[str, Any] = {
+    # Threads copying blocks between the primary tier and eg-kv.
+    "io_threads": 4,
+    # The lease a lookup's hits take on the server (ms, clamped by the server's
+    # EPISTEMIC_GRAPH_KVCACHE_LEASE_MS); 0 takes none.
+    "lease_ms": 5000,
+    # A lookup batch still unanswered after this long is a miss (None: 2 x timeout_s + 1).
+    "lookup_deadline_s": None,
+    # Lookup batches in flight at once; past it a step's lookups are misses.
+    "max_lookup_batches": 4,
+    # Relay the tier's stores (and the server's removals, when it keeps an event log) on
+    # vLLM's KV-events stream (needs kv_events_config.enable_kv_cache_events).
+    "enable_kv_events": False,
+    # "LOCAL" or "REMOTE": where eg-kv is, relative to this vLLM instance (or None).
+    "locality": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSettings:
+    """A tier's client config and its own knobs (see :data:`TIER_KEYS`)."""
+
+    client: KvCacheConfig
+    io_threads: int = 4
+    lease_ms: int = 5000
+    lookup_deadline_s: float = 1.0
+    max_lookup_batches: int = 4
+    enable_kv_events: bool = False
+    locality: str | None = None
+
+
+def _int(name: str, raw: Any, low: int) -> int:
+    try:
+        number = int(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"EgKvTier: {name} must be an integer, got {raw!r}") from None
+    if number < low or isinstance(raw, bool):
+        raise ConfigError(f"EgKvTier: {name} must be an integer of at least {low}, got {raw!r}")
+    return number
+
+
+def tier_settings_from(
+    options: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> TierSettings:
+    """Build the settings from a tier entry's options and the environment (``env``,
+    default ``os.environ``): a key given in ``options`` wins.
+
+    Raises:
+        ConfigError: an unknown key (naming the known ones), a key given twice (``url``
+            and ``base_url``), a value out of range, or one the client config refuses.
+    """
+    client_kw: dict[str, Any] = {}
+    own: dict[str, Any] = {}
+    for key, value in (options or {}).items():
+        name = ALIASES.get(key, key)
+        if name in TIER_KEYS:
+            own[name] = value
+        elif name in CONFIG_KEYWORDS:
+            if name in client_kw:
+                raise ConfigError(f"EgKvTier: {name!r} is given twice (url is base_url)")
+            client_kw[name] = value
+        else:
+            known = sorted({*CONFIG_KEYWORDS, *TIER_KEYS, *ALIASES})
+            raise ConfigError(f"EgKvTier: unknown key {key!r}; known: {', '.join(known)}")
+    client = KvCacheConfig.from_env(env, **client_kw)
+    deadline_raw = own.get("lookup_deadline_s")
+    if deadline_raw is None:
+        deadline = 2 * client.timeout_s + 1.0  # a set's fall-through can take two timeouts
+    else:
+        try:
+            deadline = float(deadline_raw)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"EgKvTier: lookup_deadline_s must be seconds, got {deadline_raw!r}"
+            ) from None
+        if not deadline > 0:
+            raise ConfigError(f"EgKvTier: lookup_deadline_s must be over 0, got {deadline_raw!r}")
+    locality = own.get("locality")
+    if locality is not None and locality not in ("LOCAL", "REMOTE"):
+        raise ConfigError(f"EgKvTier: locality must be LOCAL or REMOTE, got {locality!r}")
+    events = own.get("enable_kv_events", False)
+    if not isinstance(events, bool):
+        raise ConfigError(f"EgKvTier: enable_kv_events must be true or false, got {events!r}")
+    return TierSettings(
+        client=client,
+        io_threads=_int("io_threads", own.get("io_threads", TIER_KEYS["io_threads"]), 1),
+        lease_ms=_int("lease_ms", own.get("lease_ms", TIER_KEYS["lease_ms"]), 0),
+        lookup_deadline_s=deadline,
+        max_lookup_batches=_int(
+            "max_lookup_batches",
+            own.get("max_lookup_batches", TIER_KEYS["max_lookup_batches"]),
+            1,
+        ),
+        enable_kv_events=events,
+        locality=locality,
+    )

@@ -1,0 +1,252 @@
+"""One vLLM scheduler-side offloading stack with EgKvTier, driven step by step: run by
+tests/vllm/test_tier.py with .venv-vllm's Python (vLLM is not in the test venv).
+
+``tier_proc.py SCENARIO --url URL [--options JSON] [--keys N] [--seed S] ...`` builds vLLM's
+own ``TieringOffloadingSpec`` from an ``OffloadingConfig`` (a CPU primary tier of
+``--slots`` slots of ``--row-kib`` KiB, and ``secondary_tiers`` naming EgKvTier by module
+path, as an engine's ``kv_connector_extra_config`` would), gets its real
+``TieringOffloadingManager`` and plays a scheduler against it:
+
+* ``store``: one request stores ``--keys`` chunks (deterministic bytes per key) to the
+  primary tier; the manager cascades them to the tier; steps until the store jobs end;
+* ``load``: one request looks its keys up step by step (RETRY while the tier's batch is
+  in flight, HIT_PENDING while a promotion copies) until every key is a HIT or MISS,
+  then compares each HIT's primary slot with the bytes ``store`` wrote;
+* ``forge``: PUTs a block of the right length but the wrong bytes at each key's address
+  (a lying server or writer), for ``load`` to refuse;
+* ``drain``: submits one load whose copy a slow server drips, calls ``reset_cache``
+  (which calls ``drain_jobs``) and checks the slot no longer changes after it returned.
+
+Prints one JSON line (``RESULT {...}``) with what it saw: timings, answers, the tier's
+counters. Every loop is bounded in steps and seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+
+from eg_kv.client.connectors import connect  # noqa: E402
+from eg_kv.client.core import KvCacheConfig  # noqa: E402
+
+
+def build(args: argparse.Namespace, events: bool = False):
+    """The real TieringOffloadingManager with EgKvTier loaded by module path."""
+    row = args.row_kib * 1024
+    tier = {"type": "EgKvTier", "module_path": "eg_kv.vllm.tier", "url": args.url}
+    tier.update(json.loads(args.options))
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("model.layers.0", "model.layers.1"), 0),),
+        worker_kv_bytes_per_block=row,
+        enable_kv_cache_events=events,
+        extra_config={"cpu_bytes_to_use": row * args.slots, "secondary_tiers": [tier]},
+        engine_id=f"eg-kv-tier-test-{os.getpid()}-{args.scenario}",
+        model=OffloadingModelConfig(name="eg-kv/tier-test", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )  # fmt: skip
+    manager = TieringOffloadingSpec(cfg).get_manager()
+    return manager, manager.secondary_tiers[0], row
+
+
+def keys_of(args: argparse.Namespace) -> list[bytes]:
+    return [
+        make_offload_key(hashlib.sha256(f"{args.seed}/{i}".encode()).digest(), 0)
+        for i in range(args.keys)
+    ]
+
+
+def content(key: bytes, row: int) -> bytes:
+    """The bytes ``store`` writes for ``key`` (any process computes the same)."""
+    return hashlib.shake_256(key).digest(row)
+
+
+def end_step(manager, new: list[str] = ()) -> None:
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=[]))
+
+
+def store(args: argparse.Namespace) -> dict:
+    manager, tier, row = build(args, events=True)
+    view = manager.primary_tier.get_kv_memoryview()
+    flat = view.cast("B")
+    keys = keys_of(args)
+    ctx = ReqContext(req_id=f"store-{args.seed}")
+    manager.on_new_request(ctx)
+    out = manager.prepare_store(keys, ctx)
+    for key, slot in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+        flat[int(slot) * row : (int(slot) + 1) * row] = content(key, row)
+    t0 = time.monotonic()
+    manager.complete_store(keys, ctx)  # cascades to EgKvTier: PUTs from the slots
+    end_step(manager, [ctx.req_id])
+    steps = 0
+    while manager.has_pending_work() and time.monotonic() - t0 < 30 and steps < 10_000:
+        time.sleep(0.005)
+        end_step(manager)  # polls the finished jobs, as each scheduler step does
+        steps += 1
+    events = [(len(e.keys), e.removed, e.medium.value) for e in manager.take_events()
+              if e.ownership == tier.tier_type]  # fmt: skip
+    manager.on_request_finished(ctx)
+    flat.release()
+    result = {"stats": tier.stats(), "pending": manager.has_pending_work(), "events": events,
+              "seconds": time.monotonic() - t0, "format": tier.describe()}  # fmt: skip
+    manager.shutdown()
+    return result
+
+
+def load(args: argparse.Namespace) -> dict:
+    manager, tier, row = build(args)
+    keys = keys_of(args)
+    ctx = ReqContext(req_id=f"load-{args.seed}")
+    manager.on_new_request(ctx)
+    answers: dict[bytes, LookupResult] = {}
+    history: list[list[str]] = []
+    longest = 0.0
+    t0 = time.monotonic()
+    steps = 0
+    while time.monotonic() - t0 < args.budget_s and steps < 20_000:
+        todo = [k for k in keys if answers.get(k) not in (LookupResult.HIT, LookupResult.MISS)]
+        if not todo:
+            break
+        s = time.monotonic()
+        step = [manager.lookup(k, ctx) for k in todo]
+        end_step(manager, [ctx.req_id] if steps == 0 else [])
+        longest = max(longest, time.monotonic() - s)
+        for k, a in zip(todo, step, strict=True):
+            answers[k] = a
+        history.append(sorted({a.name for a in step}))
+        steps += 1
+        time.sleep(0.002)
+    hits = [k for k in keys if answers.get(k) is LookupResult.HIT]
+    equal = wrong = 0
+    if hits:
+        spec = manager.prepare_load(hits, ctx)
+        flat = manager.primary_tier.get_kv_memoryview().cast("B")
+        for key, slot in zip(hits, spec.chunk_ids, strict=True):
+            got = bytes(flat[int(slot) * row : (int(slot) + 1) * row])
+            if got == content(key, row):
+                equal += 1
+            else:
+                wrong += 1
+        manager.complete_load(hits, ctx)
+        flat.release()
+    manager.on_request_finished(ctx)
+    end_step(manager)
+    result = {
+        "answers": {a.name: sum(1 for v in answers.values() if v is a) for a in LookupResult},
+        "unanswered": len(keys) - len(answers),
+        "hits": len(hits), "equal": equal, "wrong": wrong, "steps": steps,
+        "first_steps": history[:4], "longest_step_s": longest,
+        "seconds": time.monotonic() - t0, "stats": tier.stats(),
+    }  # fmt: skip
+    t1 = time.monotonic()
+    manager.shutdown()
+    result["shutdown_s"] = time.monotonic() - t1
+    return result
+
+
+def forge(args: argparse.Namespace) -> dict:
+    """PUT right-length, wrong bytes at each key's address (before anything is stored)."""
+    manager, tier, row = build(args)
+    client = connect(KvCacheConfig.from_env({}, base_url=args.url, timeout_s=5.0))
+    stored = 0
+    for key in keys_of(args):
+        address = tier.address(key)
+        body = bytes(b ^ 0xFF for b in content(key, row)) + b"\0" * 16
+        stored += client.put(address, body)
+    client.close()
+    manager.shutdown()
+    return {"forged": stored}
+
+
+def drain(args: argparse.Namespace) -> dict:
+    """One load copy dripped by a slow server; reset_cache (drain_jobs) must outlast it."""
+    manager, tier, row = build(args)
+    (key,) = keys_of(args)[:1]
+    flat = manager.primary_tier.get_kv_memoryview().cast("B")
+    ctx = ReqContext(req_id="drain")
+    manager.on_new_request(ctx)
+    t0 = time.monotonic()
+    answer = LookupResult.RETRY
+    while answer is LookupResult.RETRY and time.monotonic() - t0 < 10:
+        answer = manager.lookup(key, ctx)
+        end_step(manager)  # flush: the lookup batch; after a HIT: submit_load
+        time.sleep(0.005)
+    slots = []
+    original = tier._copies.submit
+
+    def spy(job_id, is_load, addresses, rows):
+        slots.extend(int(r) for r in rows)
+        return original(job_id, is_load, addresses, rows)
+
+    tier._copies.submit = spy
+    end_step(manager)
+    for _ in range(200):  # the copy has begun writing the slot
+        if slots and any(flat[slots[0] * row : slots[0] * row + 4096]):
+            break
+        time.sleep(0.01)
+    began = time.monotonic()
+    running = tier._copies.running
+    manager.reset_cache()  # drain_jobs, then the primary tier is reset
+    drained = time.monotonic()
+    snap = bytes(flat[slots[0] * row : (slots[0] + 1) * row]) if slots else b""
+    time.sleep(args.after_s)
+    later = bytes(flat[slots[0] * row : (slots[0] + 1) * row]) if slots else b""
+    manager.on_request_finished(ctx)
+    flat.release()
+    result = {
+        "first_answer": answer.name, "slots": slots, "running_before": running,
+        "drain_s": drained - began, "changed_after": snap != later,
+        "written": sum(1 for b in snap if b), "stats": tier.stats(),
+    }  # fmt: skip
+    manager.shutdown()
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=("store", "load", "forge", "drain"))
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--options", default="{}", help="more keys of the tier's entry (JSON)")
+    ap.add_argument("--keys", type=int, default=8)
+    ap.add_argument("--seed", default="s")
+    ap.add_argument("--row-kib", type=int, default=96)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--budget-s", type=float, default=20.0)
+    ap.add_argument("--after-s", type=float, default=0.5)
+    args = ap.parse_args()
+    fn = {"store": store, "load": load, "forge": forge, "drain": drain}[args.scenario]
+    result = fn(args)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "scheduler"
+    sys.exit(main())
