@@ -77,6 +77,14 @@ DEFAULT_MIN_UPLOAD_RATE = 64 * 1024
 #: the clients' own pool idle timeouts (aiohttp's is 15 s), so the server rarely closes a
 #: connection a client is about to reuse; aiohttp's own default was over an hour.
 DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+ENV_EVENTS = "EPISTEMIC_GRAPH_KVCACHE_EVENTS"
+#: Entries of the event log (eg_kv.slab.events: 288 bytes each, 18 MiB of /dev/shm): at
+#: the rate a 2-core server creates and evicts 4 KiB blocks (~10 k/s each), about three
+#: seconds of churn for a reader to fall behind before it must resync from a snapshot;
+#: far more at the rates 14 MiB blocks change.
+DEFAULT_EVENTS = 65536
+#: The bounds of a non-zero event log (eg_kv.slab.events.MIN_EVENTS / MAX_EVENTS).
+EVENTS_RANGE = (16, 1 << 24)
 
 
 def parse_addr(value: str) -> tuple[str, int]:
@@ -163,6 +171,8 @@ class Settings:
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
     #: Open connections per worker; 0: derived from the fd limit (eg_kv.server.connections).
     max_connections: int = 0
+    #: Entries of the event log (GET /kv/events); 0: no log.
+    events: int = DEFAULT_EVENTS
 
     def __post_init__(self) -> None:
         if not self.slab_name:
@@ -198,6 +208,11 @@ class Settings:
         if self.min_upload_rate < 0:
             raise ConfigError(
                 "--min-upload-rate must be a size a second, e.g. 64KiB, or 0 for no minimum"
+            )
+        if self.events and not EVENTS_RANGE[0] <= self.events <= EVENTS_RANGE[1]:
+            raise ConfigError(
+                f"--events {self.events}: want 0 (no event log) or "
+                f"{EVENTS_RANGE[0]}-{EVENTS_RANGE[1]} entries"
             )
         if self.max_connections < 0:
             raise ConfigError("--max-connections must be 0 (derive it from the fd limit) or more")
@@ -315,6 +330,11 @@ SERVER_SETTINGS: tuple[ServerSetting, ...] = (
        help="open connections per worker; beyond it the oldest idle ones are closed",
        # eg_kv.server.connections.DEFAULT_MAX_CONNECTIONS (test_settings checks the number)
        default_text="from the fd limit, at most 10000"),
+    _S("events", "--events", ENV_EVENTS, "int", metavar="N",
+       help="entries of the event log of stores and removals (`GET /kv/events`), 288 bytes "
+       "each in `/dev/shm`; `0`: no log",
+       more="A reader that falls more than this many events behind resyncs from "
+       "`GET /kv/events/snapshot` (docs/events.md)."),
     _S("heartbeat_timeout_s", "--heartbeat-timeout", None, "float", metavar="S", unit="s",
        help="seconds a worker may go without a heartbeat (stopped, stuck) before the "
        "supervisor kills and replaces it"),

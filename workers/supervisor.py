@@ -303,6 +303,8 @@ class Supervisor:
                         f"cannot use the TLS certificate and key{where}: {e}"
                     ) from None
                 self.slab, note = open_slab(s)
+                # The event log, before any worker attaches (eg_kv.slab.events).
+                self.slab.setup_events(s.events)
             except CannotServe as e:
                 log.error("eg-kv: %s", e)
                 return BOOT_ERROR

@@ -187,6 +187,7 @@ class SlabChecks(SlabNamespaces):
     ) -> list[str]:
         """Walk; rebuild if anything was wrong. ``count``: count it in ``repairs`` even if
         nothing was (a holder died inside the lock: the full repair ran either way)."""
+        self._reconcile_events()  # the dead holder's pending event, against the slots as left
         problems = self._walk(fix=False, progress=progress)
         if problems:
             self._walk(fix=True, progress=progress)
@@ -260,6 +261,7 @@ class SlabChecks(SlabNamespaces):
         totals = dict.fromkeys(L.DERIVED_COUNTERS, 0)
         ns_totals: dict[int, list[int]] = {}  # namespace -> its NS_DERIVED values
         ns_zero = [0] * len(L.NS_DERIVED)
+        dropped: list[tuple[int, bytes, int, int]] = []  # for the event log (fix only)
 
         def claim(first: int, npages: int, who: int, what: str) -> bool:
             pages = self._chain(first, npages)
@@ -302,6 +304,7 @@ class SlabChecks(SlabNamespaces):
             if bad is not None:
                 problems.append(bad)
             if fix and (ns, raw) not in seen:  # a dropped block counts as evicted; a copy not
+                dropped.append((ns, bytes(raw), block_id, length))
                 st[L.ST_EVICTIONS] += 1
                 st[L.ST_EVICTED_BYTES] += length if 0 < length <= g.max_block_size else 0
 
@@ -369,6 +372,7 @@ class SlabChecks(SlabNamespaces):
         for key, idx in L.DERIVED_COUNTERS.items():
             st[idx] = totals[key]
         st[L.ST_CLOCK_HAND] = st[L.ST_CLOCK_HAND] & self._mask
+        self._log_repair_drops(dropped, seen)
         return problems
 
     def _slot_address(self, i: int, alen: int) -> bytes:

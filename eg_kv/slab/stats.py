@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from . import layout as L
-from .segment import SlabSegment
+from .events import SlabEventLog
 
 
-class SlabStats(SlabSegment):
+class SlabStats(SlabEventLog):
     """The counters' part of :class:`eg_kv.slab.store.Slab`."""
 
     def stats(self, timeout: float | None = None) -> dict[str, int]:

@@ -46,6 +46,7 @@ from ..errors import (
 )
 from ..procs import pid_alive
 from . import layout as L
+from .events import R_DELETE, R_EVICT, R_PUT, R_QUOTA, REMOVED, STORED
 
 # The slot's field indexes, as module globals: read in every probe of every lookup.
 from .layout import (
@@ -160,10 +161,14 @@ class Slab(SlabLeases):
     def _npages(self, length: int) -> int:
         return -(-length // self.page_size)
 
-    def _drop_block(self, i: int, s: L.SlotFields, evicted: bool = False) -> None:
+    def _drop_block(self, i: int, s: L.SlotFields, evicted: bool = False, reason: int = 0) -> None:
         """Release slot ``i``'s block entirely (last delete, or an eviction if ``evicted``:
-        counted here, one call per evicted block rather than two)."""
-        st = self._state
+        counted here, one call per evicted block rather than two). ``reason``: the event
+        log's (:mod:`eg_kv.slab.events`; 0: evict or delete, as ``evicted`` says)."""
+        st, ev = self._state, self._events
+        if ev is not None:  # pending before the change, published after (crash safety)
+            ev.begin(REMOVED, reason or (R_EVICT if evicted else R_DELETE), s[F_NS],
+                     self._slot_address(i, s[L.F_ALEN]), s[F_BLOCK_ID], s[F_LENGTH])  # fmt: skip
         self._free_pages(s[F_FIRST], s[F_NPAGES])
         self._remove_slot(i)
         st[L.ST_UNIQUE_BLOCKS] -= 1
@@ -185,6 +190,8 @@ class Slab(SlabLeases):
             if evicted:
                 nsw[e + _NS_EVICTIONS] += 1
                 nsw[e + _NS_EVICTED_BYTES] += s[F_LENGTH]
+        if ev is not None:
+            ev.commit()
 
     def _room(self, n: int, ns: int, length: int) -> None:
         """Make room for a block of ``length`` bytes on ``n`` new pages in namespace ``ns``.
@@ -294,7 +301,7 @@ class Slab(SlabLeases):
             if now and self._slot_lease_end[i] > now:
                 return False
             self._forget_leases(i, held, now)
-        self._drop_block(i, self._read_slot(i), evicted=True)
+        self._drop_block(i, self._read_slot(i), evicted=True, reason=R_QUOTA)
         return True
 
     def _make_room(self, n: int) -> None:
@@ -567,8 +574,10 @@ class Slab(SlabLeases):
         self, i: int, raw: bytes, fp: int, length: int, first: int, npages: int, ns: int
     ) -> None:
         """Make the block on pages ``first``.. visible in empty slot ``i``, and count it."""
-        st = self._state
+        st, ev = self._state, self._events
         block_id = st[L.ST_NEXT_BLOCK_ID]
+        if ev is not None:  # pending before the change, published after (crash safety)
+            ev.begin(STORED, R_PUT, ns, raw, block_id, length)
         st[L.ST_NEXT_BLOCK_ID] = block_id + 1
         self._tag[first] = block_id
         self._write_slot(i, 0, raw, 1, length, first, npages, block_id, fp, ns)
@@ -586,6 +595,8 @@ class Slab(SlabLeases):
             nsw[e + _NS_LOGICAL_BYTES] += length
             nsw[e + _NS_PAGES] += npages
             nsw[e + _NS_PUTS_CREATED] += 1
+        if ev is not None:
+            ev.commit()
 
     def _commit(self, h: PutHandle) -> bool:
         if h.resv < 0:  # a dedup hit: its reference was taken when the put began

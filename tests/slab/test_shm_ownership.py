@@ -25,8 +25,10 @@ from pathlib import Path
 import pytest
 from helpers.common import ROOT, free_port, unique_slab_name, wait_for
 
+from eg_kv.config import DEFAULT_EVENTS
 from eg_kv.errors import SlabError
 from eg_kv.slab import layout as L
+from eg_kv.slab.events import events_size
 from eg_kv.slab.local import LocalInfo, LocalSlab, LocalUnavailable
 from eg_kv.slab.store import Slab
 
@@ -319,8 +321,10 @@ def test_room_for_the_slab_but_not_its_readers_is_refused_not_sigbus(tmp_path):
     )
     assert re.search(message, text), text
     assert "Traceback" not in text
-    # Room for both (each rounded up to whole pages): it starts, serves and stops cleanly.
-    both = (pages + math.ceil(readers_size / page)) * page
+    # Room for both (each rounded up to whole pages) and the event log (default size): it
+    # starts, serves and stops cleanly.
+    events = math.ceil(events_size(DEFAULT_EVENTS) / page)
+    both = (pages + math.ceil(readers_size / page) + events) * page
     port = free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen(_in_small_shm(both, serve(name, port)), cwd=ROOT, stdout=out,

@@ -1,0 +1,470 @@
+"""The event log: an ordered, bounded record of the blocks stored in and removed from a slab.
+
+Every change to the set of resident blocks (a put that creates a block, an eviction, a
+``DELETE`` of the last reference, a namespace's quota eviction, a repair that drops a
+damaged slot) appends one entry, under the slab lock, in the same critical section as the
+change: the lock orders the entries, and sequence numbers (``seq``, from 1) count them
+with no gap. Dedup hits and deletes that leave references change no block: no entry.
+
+The log lives in its own segment, ``<slab name>.events`` (mode 0600, owned and checked
+like the readers segment, created by the server's supervisor, removed with the slab)::
+
+    0        64       128                              128 + N × 288
+    ┌────────┬────────┬──────────────────────────────────┐
+    │ header │ words  │ entries: N × ENTRY (288 B), ring │
+    └────────┴────────┴──────────────────────────────────┘
+    header:  EVENTS_HEAD: magic, slab id, N (entries), epoch (8 random bytes as an int:
+             a new log of the same slab has another, so a reader knows its seq is void)
+    words:   W_HEAD: seq of the newest published entry (0: none yet);
+             W_PENDING: seq of the entry being written inside the lock (0: none)
+    entry:   ENTRY: seq, block id, block length, namespace id, kind, reason, address
+             length; then the address (ASCII, padded to 256). Entry ``seq`` lies at
+             index ``(seq - 1) % N``.
+
+Crash safety (a process SIGKILLed inside the lock): an entry is written as *pending*
+(W_PENDING) before the slot table changes and published (W_HEAD) after. Whoever next takes
+the lock finds the dead holder and repairs the slab (:mod:`eg_kv.slab.check`); that
+repair first reconciles the pending entry with the slot table (:meth:`SlabEventLog.
+_reconcile_events`): a pending "stored" is published if its block (by address, namespace
+and block id) is in the table, a pending "removed" if it is not; otherwise it is dropped.
+Then the slots the repair drops as damaged are logged as removed (reason ``repair``). So
+replaying the log gives the slot table's set of blocks, with no entry lost or repeated.
+(One case is not covered: a repair that is itself killed after rebuilding the table and
+before logging what it dropped loses those removals: a second fault inside the recovery
+from the first.)
+
+Readers never take the lock (:meth:`EventRing.read`): they read W_HEAD, copy the entries
+after their ``seq``, and read W_HEAD again; the entry a writer may be overwriting is the
+one after W_HEAD, which lies where entry ``W_HEAD + 1 - N`` did, so everything from
+``W_HEAD + 2 - N`` on is intact. A reader whose ``seq`` fell before that is told so (a
+gap) and resyncs from a snapshot (:meth:`SlabEventLog.events_snapshot`, taken under the
+lock, with the seq it is consistent with). x86 keeps stores in order, which is all this
+needs (as the slab's seqlock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import struct
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+import posix_ipc
+
+from ..address import ADDRESS_MAX
+from ..errors import SlabError
+from ..units import human_size
+from . import layout as L
+from .segment import ForeignSegment, Inode, Progress, SlabSegment, _check_owned, _reserve
+from .segment import _unlink_ours as unlink_ours
+
+EVENTS_SUFFIX = ".events"
+EVENTS_MAGIC = b"EGKVEVT1"
+EVENTS_HEAD = struct.Struct("<8s16sQQ")  # magic, slab id, entries, epoch
+EVENTS_WORDS_OFFSET = 64
+EVENTS_ENTRIES_OFFSET = 128
+W_HEAD, W_PENDING = 0, 1
+#: An entry: seq, block id, block length, namespace id, kind, reason, address length.
+ENTRY = struct.Struct("<QQQIBBH")
+ENTRY_SIZE = ENTRY.size + ADDRESS_MAX  # 288
+
+STORED, REMOVED = 1, 2
+R_PUT, R_EVICT, R_DELETE, R_REPAIR, R_QUOTA = 1, 2, 3, 4, 5
+KINDS = {STORED: "stored", REMOVED: "removed"}
+#: Why: ``put`` (a put created the block), ``evict`` (the slab was full), ``delete`` (the
+#: last reference went), ``repair`` (a damaged slot was dropped), ``quota`` (its namespace
+#: was over its quota).
+REASONS = {R_PUT: "put", R_EVICT: "evict", R_DELETE: "delete", R_REPAIR: "repair", R_QUOTA: "quota"}
+#: The fewest entries a log holds (a reader needs room for one pending entry and more).
+MIN_EVENTS = 16
+#: The most (2**24 entries are 4.5 GiB of ``/dev/shm``).
+MAX_EVENTS = 1 << 24
+#: The most entries one :meth:`EventRing.read` looks at (a namespace's reader skips the
+#: others' entries: this bounds the time one call takes whatever it filters out).
+SCAN_MAX = 16384
+
+
+def events_name(slab_name: str) -> str:
+    """The name of slab ``slab_name``'s events segment."""
+    return slab_name + EVENTS_SUFFIX
+
+
+def events_size(entries: int) -> int:
+    """Bytes of an events segment of ``entries`` entries."""
+    return EVENTS_ENTRIES_OFFSET + entries * ENTRY_SIZE
+
+
+class Event(NamedTuple):
+    """One entry of the log."""
+
+    seq: int
+    kind: int  #: STORED or REMOVED
+    reason: int  #: R_* (see REASONS)
+    ns: int  #: namespace id
+    address: bytes  #: ASCII
+    length: int  #: the block's bytes
+    block_id: int  #: the slab's id of the block (ids only grow)
+
+
+class EventRing:
+    """One process's mapping of an events segment (see the module docstring)."""
+
+    __slots__ = ("_mm", "_mv", "_w", "capacity", "epoch")
+
+    def __init__(self, mm: mmap.mmap, capacity: int, epoch: int) -> None:
+        self._mm, self.capacity, self.epoch = mm, capacity, epoch
+        self._mv = memoryview(mm)
+        self._w = self._mv[EVENTS_WORDS_OFFSET:EVENTS_ENTRIES_OFFSET].cast("q")
+
+    @property
+    def head(self) -> int:
+        """The seq of the newest published entry (0: none yet)."""
+        return self._w[W_HEAD]
+
+    def begin(
+        self, kind: int, reason: int, ns: int, raw: bytes, block_id: int, length: int
+    ) -> None:
+        """Write the next entry as pending (under the slab lock, before the change)."""
+        w = self._w
+        seq = w[W_HEAD] + 1
+        off = EVENTS_ENTRIES_OFFSET + (seq - 1) % self.capacity * ENTRY_SIZE
+        ENTRY.pack_into(self._mm, off, seq, block_id, length, ns, kind, reason, len(raw))
+        self._mm[off + ENTRY.size : off + ENTRY.size + len(raw)] = raw
+        w[W_PENDING] = seq  # after the entry: a pending seq always names a whole entry
+
+    def commit(self) -> None:
+        """Publish the pending entry (under the lock, after the change)."""
+        w = self._w
+        seq = w[W_PENDING]
+        if seq:
+            w[W_HEAD] = seq  # a crash before the next line leaves W_PENDING == W_HEAD: done
+            w[W_PENDING] = 0
+
+    def drop_pending(self) -> None:
+        """Forget the pending entry: its change did not happen (repair)."""
+        self._w[W_PENDING] = 0
+
+    def pending(self) -> Event | None:
+        """The entry a dead holder left pending, if any (under the lock)."""
+        w = self._w
+        seq = w[W_PENDING]
+        if seq != w[W_HEAD] + 1:  # 0, or published already (died between the two words)
+            if seq:
+                w[W_PENDING] = 0
+            return None
+        return self._entry(seq, bytes(self._entry_bytes(seq)))
+
+    def _entry_bytes(self, seq: int) -> memoryview:
+        off = EVENTS_ENTRIES_OFFSET + (seq - 1) % self.capacity * ENTRY_SIZE
+        return self._mv[off : off + ENTRY_SIZE]
+
+    @staticmethod
+    def _entry(seq: int, raw: bytes) -> Event | None:
+        got, block_id, length, ns, kind, reason, alen = ENTRY.unpack_from(raw)
+        if got != seq or alen > ADDRESS_MAX or kind not in KINDS:
+            return None
+        address = raw[ENTRY.size : ENTRY.size + alen]
+        return Event(seq, kind, reason, ns, address, length, block_id)
+
+    def read(self, since: int, limit: int, ns: int | None = None) -> tuple[list[Event], int, bool]:
+        """The published entries after ``since``, without the lock.
+
+        Args:
+            since: the last seq the reader has (0: from the start).
+            limit: the most entries to return (at least 1).
+            ns: only this namespace's entries (None: every namespace's).
+
+        Returns:
+            ``(events, next, gap)``: ``next`` is the seq to ask from next time (the last
+            one looked at, returned or filtered out); ``gap`` is True when entries after
+            ``since`` are no longer in the log (or ``since`` is beyond it: another log):
+            the reader must resync from a snapshot, and ``next`` is the newest seq.
+        """
+        w, n = self._w, self.capacity
+        head = w[W_HEAD]
+        if since > head or since + 1 < head + 2 - n:
+            return [], head, True
+        end = min(head, since + SCAN_MAX)
+        out: list[Event] = []
+        seq = since
+        # Copy the range in at most two pieces (the ring wraps), then check it was intact.
+        raws: list[bytes] = []
+        lo = since + 1
+        while lo <= end:
+            i = (lo - 1) % n
+            k = min(end - lo + 1, n - i)
+            off = EVENTS_ENTRIES_OFFSET + i * ENTRY_SIZE
+            raws.append(self._mm[off : off + k * ENTRY_SIZE])
+            lo += k
+        if since + 1 < w[W_HEAD] + 2 - n:  # a writer lapped the reader while it copied
+            return [], w[W_HEAD], True
+        blob = b"".join(raws)
+        for k in range(end - since):
+            raw = blob[k * ENTRY_SIZE : (k + 1) * ENTRY_SIZE]
+            if ns is not None and int.from_bytes(raw[24:28], "little") != ns:
+                seq = since + k + 1
+                continue
+            ev = self._entry(since + k + 1, raw)
+            if ev is None:  # cannot happen while the log is intact; resync rather than guess
+                return [], w[W_HEAD], True
+            out.append(ev)
+            seq = ev.seq
+            if len(out) >= limit:
+                break
+        return out, seq, False
+
+    def release(self) -> None:
+        """Unmap (views first)."""
+        self._w.release()
+        self._mv.release()
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+
+_E = TypeVar("_E", bound="SlabEventLog")
+
+
+class SlabEventLog(SlabSegment):
+    """The event log's part of :class:`eg_kv.slab.store.Slab`: its segment's lifecycle,
+    reconciling after a crash, logging a repair's drops, and the snapshot."""
+
+    if TYPE_CHECKING:
+        # Defined by SlabChecks (eg_kv.slab.check).
+        def _slot_address(self, i: int, alen: int) -> bytes: ...
+
+    def __init__(self, name: str, shm: posix_ipc.SharedMemory, geometry: L.Geometry) -> None:
+        super().__init__(name, shm, geometry)
+        #: The event log this handle appends to (None: the server runs without one).
+        self._events: EventRing | None = None
+        #: The events segment this handle maps, once it does.
+        self.events_inode: Inode | None = None
+
+    @classmethod
+    def attach(
+        cls: type[_E], name: str, *, prefault: bool = False, progress: Progress | None = None
+    ) -> _E:
+        """:meth:`SlabSegment.attach`, then the slab's event log if it has one."""
+        slab = super().attach(name, prefault=prefault, progress=progress)
+        try:
+            slab._map_events()
+        except BaseException:
+            slab.close()
+            raise
+        return slab
+
+    @property
+    def events(self) -> EventRing | None:
+        """The event log (None: off)."""
+        return self._events
+
+    def _map_events(self) -> None:
+        """Map the events segment if there is one of this slab (by its slab id).
+
+        Raises:
+            ForeignSegment: it is another user's, or has group/other mode bits.
+        """
+        try:
+            shm = posix_ipc.SharedMemory(events_name(self.name))
+        except posix_ipc.ExistentialError:
+            return
+        try:
+            inode = _check_owned(shm.fd, events_name(self.name))
+            size = os.fstat(shm.fd).st_size
+            if size < EVENTS_ENTRIES_OFFSET:
+                return
+            head = os.pread(shm.fd, EVENTS_HEAD.size, 0)
+            magic, slab_id, entries, epoch = EVENTS_HEAD.unpack(head)
+            if magic != EVENTS_MAGIC or slab_id != self.slab_id or size != events_size(entries):
+                return  # another slab's: setup_events replaces it
+            self._events = EventRing(mmap.mmap(shm.fd, size), entries, epoch)
+            self.events_inode = inode
+        finally:
+            shm.close_fd()
+
+    def setup_events(self, entries: int) -> None:
+        """Give the slab an event log of ``entries`` entries (the server's owner, before
+        its workers attach). A log of that size already there is kept (a warm restart:
+        readers resume); one of another size is replaced by an empty one with a new epoch;
+        0 removes it.
+
+        Raises:
+            SlabError: a size out of range, or no room in ``/dev/shm``.
+            ForeignSegment: a segment of that name is another user's.
+        """
+        if entries and not MIN_EVENTS <= entries <= MAX_EVENTS:
+            raise SlabError(f"events: {entries} entries; want 0 (off) or {MIN_EVENTS}-{MAX_EVENTS}")
+        ring = self._events
+        if ring is not None and ring.capacity == entries:
+            return
+        if ring is not None:
+            self._events = None
+            ring.release()
+        unlink_ours(events_name(self.name), self.events_inode)
+        self.events_inode = None
+        if not entries:
+            with contextlib.suppress(ForeignSegment):
+                self._unlink_stale_events()
+            return
+        self._unlink_stale_events()
+        name, size = events_name(self.name), events_size(entries)
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+        except posix_ipc.ExistentialError:
+            raise SlabError(f"events segment {name} appeared while it was created") from None
+        try:
+            inode = _check_owned(shm.fd, name)
+            try:
+                _reserve(shm.fd, size, 0)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise SlabError(
+                        f"/dev/shm has no room for the event log ({human_size(size)} for "
+                        f"{entries} entries): lower --events (0: no log) or enlarge /dev/shm "
+                        "(docker: shm_size)"
+                    ) from None
+                raise
+            mm = mmap.mmap(shm.fd, size)
+        except BaseException:
+            shm.close_fd()
+            unlink_ours(name, None)
+            raise
+        shm.close_fd()
+        epoch = int.from_bytes(os.urandom(8), "little") >> 1
+        mm[: EVENTS_HEAD.size] = EVENTS_HEAD.pack(EVENTS_MAGIC, self.slab_id, entries, epoch)
+        self._events = EventRing(mm, entries, epoch)
+        self.events_inode = inode
+
+    def _unlink_stale_events(self) -> None:
+        """Remove a leftover events segment of this name, if it is this user's.
+
+        Raises:
+            ForeignSegment: it is another user's (never removed).
+        """
+        name = events_name(self.name)
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            return
+        try:
+            stale = _check_owned(shm.fd, name)
+        finally:
+            shm.close_fd()
+        unlink_ours(name, stale)
+
+    def close(self) -> None:
+        """:meth:`SlabSegment.close`, then the event log's mapping."""
+        super().close()  # it may take the lock, and a repair on entry logs: mapped until after
+        ring, self._events = self._events, None
+        if ring is not None:
+            ring.release()
+
+    def unlink(self) -> bool:
+        """:meth:`SlabSegment.unlink`, and the events segment this handle mapped."""
+        gone = super().unlink()
+        if self.events_inode is not None:
+            unlink_ours(events_name(self.name), self.events_inode)
+        return gone
+
+    @staticmethod
+    def unlink_named(
+        name: str, inode: Inode | None = None, readers_inode: Inode | None = None
+    ) -> bool:
+        """:meth:`SlabSegment.unlink_named`; by name alone (``--fresh``) the events
+        segment goes too (this user's only)."""
+        gone = SlabSegment.unlink_named(name, inode, readers_inode)
+        if inode is None:
+            unlink_ours(events_name(name), None)
+        return gone
+
+    # ------------------------------------------------------------------ under the lock
+
+    def _reconcile_events(self) -> None:
+        """Publish or drop the entry a dead holder left pending (repair, under the lock,
+        before the walk): it happened if the slot table says so."""
+        ring = self._events
+        if ring is None:
+            return
+        ev = ring.pending()
+        if ev is None:
+            return
+        if self._block_present(ev.ns, ev.address, ev.block_id) == (ev.kind == STORED):
+            ring.commit()
+        else:
+            ring.drop_pending()
+
+    def _block_present(self, ns: int, raw: bytes, block_id: int) -> bool:
+        """Whether a ready slot holds block ``block_id`` of ``raw`` in namespace ``ns``,
+        wherever it lies (a probe may be broken mid backward-shift): a search of the slot
+        table's bytes for the address, in C."""
+        g, mm, head = self.geometry, self._mm, L.SLOT.size
+        if not raw:
+            return False
+        at, end = g.slots_off, g.slots_off + g.nslots * L.SLOT_SIZE
+        while (at := mm.find(raw, at, end)) >= 0:
+            i, into = divmod(at - g.slots_off, L.SLOT_SIZE)
+            if into == head:
+                s = self._read_slot(i)
+                if (
+                    s[L.F_STATE] == L.SLOT_READY
+                    and s[L.F_ALEN] == len(raw)
+                    and s[L.F_NS] == ns
+                    and s[L.F_BLOCK_ID] == block_id
+                ):
+                    return True
+            at += 1
+        return False
+
+    def _log_repair_drops(
+        self, dropped: list[tuple[int, bytes, int, int]], kept: set[tuple[int, bytes]]
+    ) -> None:
+        """Log as removed (reason repair) each block a repair dropped, once, unless a copy
+        of it was kept. ``dropped``: (namespace, address, block id, length)."""
+        ring = self._events
+        if ring is None:
+            return
+        logged: set[tuple[int, bytes]] = set()
+        for ns, raw, block_id, length in dropped:
+            if (ns, raw) in kept or (ns, raw) in logged or not 1 <= len(raw) <= ADDRESS_MAX:
+                continue
+            logged.add((ns, raw))
+            ring.begin(REMOVED, R_REPAIR, ns, raw, block_id, length)
+            ring.commit()
+
+    def events_snapshot(
+        self, ns: int | None, timeout: float | None = None
+    ) -> tuple[int, int, list[tuple[int, str, int]]]:
+        """The blocks held, and the seq of the log they are consistent with.
+
+        Taken under the lock (write=False: lock-free readers need not retry): one walk of
+        the slot table, its state bytes and namespace column read in C.
+
+        Args:
+            ns: only this namespace's blocks (None: every namespace's).
+
+        Returns:
+            ``(epoch, seq, [(namespace id, address, length), ...])``: replaying the log's
+            entries after ``seq`` over these gives the slab's blocks at any later seq.
+
+        Raises:
+            SlabError: the slab has no event log. LockTimeout: after ``timeout``.
+        """
+        ring = self._events
+        if ring is None:
+            raise SlabError("this server keeps no event log")
+        g, ss, head = self.geometry, L.SLOT_SIZE, L.SLOT.size
+        out: list[tuple[int, str, int]] = []
+        with self._locked(timeout, write=False):
+            seq = ring.head
+            states = self._mv[g.slots_off : g.slots_off + g.nslots * ss : ss].tobytes()
+            col = self._slot_ns.tolist()
+            i = states.find(L.SLOT_READY)
+            while i >= 0:
+                if ns is None or col[i] == ns:
+                    s = self._read_slot(i)
+                    off = self._slot_off(i) + head
+                    address = self._mm[off : off + s[L.F_ALEN]].decode("ascii", "replace")
+                    out.append((s[L.F_NS], address, s[L.F_LENGTH]))
+                i = states.find(L.SLOT_READY, i + 1)
+        return ring.epoch, seq, out

@@ -1,0 +1,240 @@
+"""The slab's event log (eg_kv.slab.events): order, reasons, bounds, namespaces, and a
+process SIGKILLed inside the lock at each step of a change (no event lost or repeated)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from eg_kv.errors import SlabError
+from eg_kv.slab import events as E
+from eg_kv.slab.store import Slab
+
+KiB, MiB = 1024, 1024 * 1024
+PAGE = 4 * KiB
+
+
+def replay(events, start=None):
+    """Apply events to a set of (ns, address); fail on a store of a present block or a
+    removal of an absent one (a repeated or lost event), or a seq out of order."""
+    held = set(start or ())
+    last = None
+    for ev in events:
+        assert last is None or ev.seq == last + 1, f"seq {ev.seq} after {last}"
+        last = ev.seq
+        key = (ev.ns, ev.address.decode())
+        if ev.kind == E.STORED:
+            assert key not in held, f"stored twice: {ev}"
+            held.add(key)
+        else:
+            assert key in held, f"removed while absent: {ev}"
+            held.discard(key)
+    return held
+
+
+def all_events(slab, since=0):
+    out = []
+    while True:
+        got, nxt, gap = slab.events.read(since, 10000)
+        assert not gap
+        out += got
+        if nxt == since or nxt >= slab.events.head:
+            return out
+        since = nxt
+
+
+def held_now(slab, ns=None):
+    return {(n, a) for n, a, _len in slab.events_snapshot(ns)[2]}
+
+
+@pytest.fixture
+def eslab(slab_name):
+    """A slab of 64 pages of 4 KiB with an event log of 4096 entries."""
+    s = Slab.create(slab_name, 64 * PAGE, page_size=PAGE, max_block_size=4 * PAGE)
+    s.setup_events(4096)
+    yield s
+    s.close()
+    s.unlink()
+
+
+def test_order_kinds_and_reasons(eslab):
+    s = eslab
+    assert s.put("a", b"x" * 100) and s.put("b", b"y" * 100)
+    assert s.put("a", b"x" * 100) is False  # dedup: no event
+    assert s.delete("a") is True  # one reference left: no event
+    assert s.delete("a") is True  # the last: removed (delete)
+    evs = all_events(s)
+    assert [(e.seq, E.KINDS[e.kind], E.REASONS[e.reason], e.address) for e in evs] == [
+        (1, "stored", "put", b"a"),
+        (2, "stored", "put", b"b"),
+        (3, "removed", "delete", b"a"),
+    ]
+    assert evs[0].length == 100 and evs[0].block_id != evs[1].block_id
+    for i in range(200):  # a slab of 64 pages: evictions
+        s.put(f"k{i}", bytes(3 * KiB))
+    evs = all_events(s)
+    assert {E.REASONS[e.reason] for e in evs if e.kind == E.REMOVED} == {"delete", "evict"}
+    assert replay(evs) == held_now(s)
+    epoch, seq, _ = s.events_snapshot(None)
+    assert seq == s.events.head == len(evs) and epoch == s.events.epoch
+
+
+def test_large_put_and_abort(eslab):
+    s = eslab
+    h = s.begin_put("big", 3 * PAGE)
+    h.write(bytes(3 * PAGE))
+    assert h.commit() is True
+    h = s.begin_put("gone", 2 * PAGE)
+    h.write(bytes(PAGE))
+    h.abort()  # never published: no event
+    assert [(e.kind, e.address) for e in all_events(s)] == [(E.STORED, b"big")]
+
+
+def test_quota_evictions_are_named(eslab):
+    s = eslab
+    ids = s.bind_namespaces({"": 0, "small": 4 * PAGE, "other": 0})
+    for i in range(10):
+        s.put(f"q{i}", bytes(PAGE), ns=ids["small"])
+        s.put(f"o{i}", bytes(PAGE), ns=ids["other"])
+    evs = all_events(s)
+    quota = [e for e in evs if e.kind == E.REMOVED]
+    assert quota and all(E.REASONS[e.reason] == "quota" and e.ns == ids["small"] for e in quota)
+    # Each namespace reads only its own entries; the seqs stay the log's.
+    mine, nxt, gap = s.events.read(0, 1000, ns=ids["other"])
+    assert not gap and nxt == s.events.head
+    assert [e.address for e in mine] == [f"o{i}".encode() for i in range(10)]
+    assert replay(evs) == held_now(s)
+    assert held_now(s, ids["other"]) == {(ids["other"], f"o{i}") for i in range(10)}
+    some, nxt, _ = s.events.read(0, 3, ns=ids["small"])
+    assert len(some) == 3 and nxt == some[-1].seq  # limit counts what is returned
+
+
+def test_ring_wraps_into_a_gap_and_a_snapshot_resyncs(slab_name):
+    s = Slab.create(slab_name, 64 * PAGE, page_size=PAGE, max_block_size=4 * PAGE)
+    try:
+        s.setup_events(16)
+        for i in range(10):
+            s.put(f"a{i}", b"1")
+        held, since = held_now(s), s.events.head
+        for i in range(40):  # more than the log holds
+            s.put(f"b{i}", b"2")
+            s.delete(f"a{i % 10}")
+        got, nxt, gap = s.events.read(since, 100)
+        assert gap and got == [] and nxt == s.events.head
+        # Everything from head + 2 - N on is readable; one earlier is a gap.
+        head = s.events.head
+        assert s.events.read(head + 1 - 16, 100)[2] is False
+        assert s.events.read(head - 16, 100)[2] is True
+        assert s.events.read(head + 5, 100)[2] is True  # beyond the log: another log
+        _epoch, seq, blocks = s.events_snapshot(None)
+        start = {(n, a) for n, a, _ in blocks}
+        for i in range(5):
+            s.put(f"c{i}", b"3")
+        got, nxt, gap = s.events.read(seq, 100)
+        assert not gap and replay(got, start) == held_now(s)
+        assert held != start
+    finally:
+        s.close()
+        s.unlink()
+
+
+def test_setup_keeps_a_log_of_the_same_size_and_replaces_another(slab_name):
+    s = Slab.create(slab_name, 64 * PAGE, page_size=PAGE, max_block_size=4 * PAGE)
+    try:
+        s.setup_events(64)
+        s.put("a", b"1")
+        epoch = s.events.epoch
+        other = Slab.attach(slab_name)
+        assert other.events.epoch == epoch and other.events.head == 1
+        other.close()
+        s.setup_events(64)  # a warm restart with the same size: readers resume
+        assert s.events.epoch == epoch and s.events.head == 1
+        s.setup_events(128)  # another size: a new log, a new epoch
+        assert s.events.epoch != epoch and s.events.head == 0
+        with pytest.raises(SlabError, match="want 0"):
+            s.setup_events(3)
+        s.setup_events(0)
+        assert s.events is None and not os.path.exists(f"/dev/shm{slab_name}.events")
+        with pytest.raises(SlabError, match="no event log"):
+            s.events_snapshot(None)
+        s.put("b", b"2")  # no log: nothing breaks
+        s.setup_events(32)
+        assert os.stat(f"/dev/shm{slab_name}.events").st_mode & 0o777 == 0o600
+    finally:
+        s.close()
+        s.unlink()
+    assert not os.path.exists(f"/dev/shm{slab_name}.events")
+
+
+# ------------------------------------------------------------ a holder SIGKILLed inside
+
+#: A child that attaches, makes ``method`` SIGKILL it, and runs ``op`` (inside the lock).
+_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from eg_kv.slab.store import Slab
+    from eg_kv.slab import events as E
+    name, where, op = sys.argv[1:4]
+    s = Slab.attach(name)
+    cls = E.EventRing if where == "commit" else Slab
+    def die(*a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+    setattr(cls, where, die)
+    if op == "delete":
+        s.delete("victim")
+    elif op == "put":
+        s.put("fresh", b"z" * 100)
+    elif op == "evict":  # the slab is full: this put evicts first
+        s.put("filler", bytes(3 * 4096))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "op, where, expect",
+    [
+        ("delete", "_free_pages", "kept"),  # pending, nothing changed yet: dropped
+        ("delete", "_remove_slot", "repair"),  # pages freed, slot left: repair drops it
+        ("delete", "commit", "delete"),  # removed, not yet published: published
+        ("put", "_write_slot", "none"),  # pending store never written: dropped
+        ("put", "commit", "put"),  # stored, not yet published: published
+        ("evict", "_remove_slot", "repair"),
+        ("evict", "commit", "evict"),
+    ],
+)
+def test_sigkill_inside_the_lock_loses_and_repeats_nothing(slab_name, op, where, expect):
+    s = Slab.create(slab_name, 64 * PAGE, page_size=PAGE, max_block_size=4 * PAGE)
+    try:
+        s.setup_events(4096)
+        s.put("victim", b"v" * 100)
+        for i in range(63 if op == "evict" else 20):
+            s.put(f"b{i}", bytes(PAGE))
+        before = s.events.head
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD, slab_name, where, op], timeout=60, check=False
+        )
+        assert child.returncode == -9
+        assert s.lock_state()[0] != 0  # the dead holder's pid is left in the header
+        problems = s.repair()  # the next holder repairs (the supervisor's call here)
+        evs = all_events(s)
+        assert replay(evs) == held_now(s), problems
+        new = evs[before:]
+        last = new[-1] if new else None
+        if expect == "kept":
+            assert new == [] and (0, "victim") in held_now(s)
+        elif expect == "none":
+            assert new == [] and (0, "fresh") not in held_now(s)
+        else:
+            assert last is not None and E.REASONS[last.reason] == expect
+            if op in ("delete", "put"):
+                assert last.address in (b"victim", b"fresh")
+        assert s.check() == []
+        assert s.events.read(s.events.head, 10) == ([], s.events.head, False)
+    finally:
+        s.close()
+        s.unlink()
+
