@@ -130,5 +130,7 @@ def test_the_site_builds_strictly(tmp_path):
         capture_output=True, text=True, timeout=170, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
+    # Belt and braces: strict counts warnings only where they are logged (not under -q).
+    assert "WARNING" not in out.stderr, out.stderr[-4000:]
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "configuration" / "index.html").is_file()
