@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -57,21 +58,32 @@ def drive(*steps: dict, timeout: float = 150) -> list[dict]:
     return out
 
 
+def server_stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/kv/stats", timeout=10) as answer:
+        return json.loads(answer.read())
+
+
 def test_two_managers_in_two_processes_share_one_server(server_factory):
     """Process 1 stores 8 chunks through its tier; process 2's tier finds them in one
-    batch per step and loads them into its primary slots, bytes equal, over HTTP and by
-    a local read of the slab; keys never stored are misses."""
-    srv = server_factory(workers=2, capacity="64MiB")
+    batch per step (each hit leased) and loads them into its primary slots, bytes equal,
+    over HTTP and by a local read of the slab; keys never stored are misses. The loads
+    end their leases, and hits a request leaves unloaded are released (leases of 60 s:
+    none of them expired)."""
+    srv = server_factory(workers=2, capacity="64MiB", extra=("--lease-ms", "60000"))
+    lease = {"lease_ms": 60000}
     (stored,) = drive(
         {"scenario": "store", "url": srv.url, "keys": 8, "options": {"enable_kv_events": True}}
     )
     assert stored["stats"]["stored_blocks"] == 8 and stored["stats"]["store_failed_blocks"] == 0
     assert not stored["pending"]
     assert stored["events"] == [[8, False, "CPU"]]  # the tier's stores, relayed
-    over_http, local = drive(
-        {"scenario": "load", "url": srv.url, "keys": 10, "options": {"local_reads": False}},
-        {"scenario": "load", "url": srv.url, "keys": 10, "options": {"local_reads": True}},
-    )
+    over_http, local, peek = drive(
+        {"scenario": "load", "url": srv.url, "keys": 10,
+         "options": {"local_reads": False, **lease}},
+        {"scenario": "load", "url": srv.url, "keys": 10,
+         "options": {"local_reads": True, **lease}},
+        {"scenario": "peek", "url": srv.url, "keys": 10, "options": lease},
+    )  # fmt: skip
     for got in (over_http, local):
         assert got["hits"] == 8 and got["equal"] == 8 and got["wrong"] == 0
         assert got["answers"]["MISS"] == 2 and got["unanswered"] == 0
@@ -80,6 +92,11 @@ def test_two_managers_in_two_processes_share_one_server(server_factory):
         assert got["stats"]["lookup_probed_keys"] == 10
         assert got["stats"]["loaded_blocks"] == 8 and got["stats"]["load_failed_blocks"] == 0
         assert got["longest_step_s"] < 0.5
+        assert got["stats"]["leases_released"] == 8  # once per job, after its loads
+    assert peek["hits"] == 8 and peek["stats"]["leases_released"] == 8  # never loaded
+    stats = server_stats(srv.url)
+    assert stats["leases_taken"] == 24 and stats["leases_released"] == 24
+    assert stats["leased_blocks"] == 0
 
 
 def test_a_lying_server_costs_misses_never_wrong_bytes(server_factory):

@@ -14,6 +14,7 @@ plays a scheduler against it:
 * ``load``: one request looks its keys up step by step (RETRY while the tier's batch is
   in flight, HIT_PENDING while a promotion copies) until every key is a HIT or MISS,
   then compares each HIT's primary slot with the bytes ``store`` wrote;
+* ``peek``: the tier alone looks the keys up, then the request finishes unloaded;
 * ``forge``: PUTs a block of the right length but the wrong bytes at each key's address
   (a lying server or writer), for ``load`` to refuse;
 * ``drain``: submits one load whose copy a slow server drips, calls ``reset_cache``
@@ -35,23 +36,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.v1.kv_offload.base import (
     LookupResult,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
+from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from eg_kv.client.connectors import connect  # noqa: E402
-from eg_kv.client.core import KvCacheConfig  # noqa: E402
+from eg_kv.client.connectors import connect
+from eg_kv.client.core import KvCacheConfig
 
 
 def build(args: argparse.Namespace, events: bool = False):
@@ -164,12 +165,32 @@ def load(args: argparse.Namespace) -> dict:
         "unanswered": len(keys) - len(answers),
         "hits": len(hits), "equal": equal, "wrong": wrong, "steps": steps,
         "first_steps": history[:4], "longest_step_s": longest,
-        "seconds": time.monotonic() - t0, "stats": tier.stats(),
+        "seconds": time.monotonic() - t0,
     }  # fmt: skip
     t1 = time.monotonic()
     manager.shutdown()
     result["shutdown_s"] = time.monotonic() - t1
+    result["stats"] = tier.stats()  # after shutdown: the lease releases have ended
     return result
+
+
+def peek(args: argparse.Namespace) -> dict:
+    """The tier alone: look the keys up until answered, then finish the request without
+    loading them (the tier releases the leases its hits took)."""
+    manager, tier, _ = build(args)
+    ctx = ReqContext(req_id=f"peek-{args.seed}")
+    answers: list[LookupResult] = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < args.budget_s:
+        answers = [tier.lookup(k, ctx) for k in keys_of(args)]
+        tier.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+        if LookupResult.RETRY not in answers:
+            break
+        time.sleep(0.002)
+    tier.on_request_finished(ctx)
+    tier.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+    manager.shutdown()
+    return {"hits": answers.count(LookupResult.HIT), "stats": tier.stats()}
 
 
 def forge(args: argparse.Namespace) -> dict:
@@ -231,7 +252,7 @@ def drain(args: argparse.Namespace) -> dict:
 
 DEFAULTS = {"options": "{}", "keys": 8, "seed": "s", "row_kib": 96, "slots": 64,
             "budget_s": 20.0, "after_s": 0.5}  # fmt: skip
-SCENARIOS = {"store": store, "load": load, "forge": forge, "drain": drain}
+SCENARIOS = {"store": store, "load": load, "forge": forge, "drain": drain, "peek": peek}
 
 
 def main() -> int:

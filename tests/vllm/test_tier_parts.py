@@ -1,0 +1,207 @@
+"""EgKvTier's parts that need no vLLM (eg_kv.vllm.tier_settings, tier_lookups,
+tier_copies), against real eg-kv servers and misbehaving ones: settings are checked,
+a step's lookups go out as one probe, a silent server or a backlog costs misses in bounded
+time, copies round-trip and refuse what is not what was stored, stores ask
+100-continue, drain waits for copies."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from helpers.kvcache import RawServer
+
+from eg_kv.client.connectors import connect
+from eg_kv.client.core import KvCacheConfig
+from eg_kv.errors import ConfigError
+from eg_kv.vllm.tier_copies import TRAILER, CopyJobs, trailer
+from eg_kv.vllm.tier_lookups import StepLookups
+from eg_kv.vllm.tier_settings import tier_settings_from
+
+pytestmark = pytest.mark.timeout(60)
+
+ROW = 80 * 1024
+
+
+def _address(i: int) -> str:
+    return f"egv1-{i:040x}"
+
+
+@pytest.fixture
+def client(server_factory):
+    srv = server_factory(workers=1, capacity="32MiB")
+    c = connect(KvCacheConfig.from_env({}, base_url=srv.url, timeout_s=5.0, local_reads=False))
+    yield c
+    c.close()
+
+
+def test_settings_take_client_keys_and_refuse_unknown_ones():
+    s = tier_settings_from({"url": "http://127.0.0.1:9", "timeout_s": 2, "lease_ms": 0}, env={})
+    assert s.client.base_url == "http://127.0.0.1:9" and s.lease_ms == 0
+    assert s.lookup_deadline_s == 5.0  # 2 x timeout_s + 1
+    with pytest.raises(ConfigError, match="unknown key 'urll'"):
+        tier_settings_from({"urll": "x"}, env={})
+    with pytest.raises(ConfigError, match="twice"):
+        tier_settings_from({"url": "http://a:1", "base_url": "http://a:1"}, env={})
+    for bad in ({"io_threads": 0}, {"lease_ms": -1}, {"locality": "MARS"},
+                {"enable_kv_events": "yes"}, {"lookup_deadline_s": 0}):  # fmt: skip
+        with pytest.raises(ConfigError, match="EgKvTier"):
+            tier_settings_from({"url": "http://127.0.0.1:9", **bad}, env={})
+    env = {"EPISTEMIC_GRAPH_KVCACHE_TOKEN": "t0k3n", "EPISTEMIC_GRAPH_KVCACHE_URL": "http://h:1"}
+    from_env = tier_settings_from({}, env=env)
+    assert from_env.client.token == "t0k3n"  # the token from the usual environment
+    assert "t0k3n" not in repr(from_env)
+
+
+def _wait_answers(lookups: StepLookups, keys: list[int], req: str, limit: float = 10) -> list:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        answers = [lookups.lookup(k, req) for k in keys]
+        lookups.flush()
+        if None not in answers:
+            return answers
+        time.sleep(0.002)
+    raise AssertionError("no answer in time")
+
+
+def test_a_step_is_one_probe_and_hits_come_back(client):
+    for i in range(3):
+        assert client.put(_address(i), b"x" * 10)
+    probes: list[int] = []
+
+    def probe(addresses: list[str]) -> list[bool] | None:
+        probes.append(len(addresses))
+        return client.try_exists_addresses(addresses)
+
+    lookups = StepLookups(probe, _address, deadline_s=5.0)
+    try:
+        keys = list(range(6))
+        assert [lookups.lookup(k, "r") for k in keys] == [None] * 6  # RETRY until flushed
+        assert [lookups.lookup(k, "r2") for k in keys[:2]] == [None] * 2  # same probe
+        assert _wait_answers(lookups, keys, "r") == [True] * 3 + [False] * 3
+        assert probes == [6]  # one probe for the step's keys, whoever asked
+        assert lookups.leased == {_address(i) for i in range(3)}
+        lookups.consume([_address(0)])
+        lookups.mark_miss([1])
+        assert lookups.lookup(1, "r") is False
+        # r leaves 2 a hit never loaded: its lease is released; r2 still refers to 0, 1.
+        assert lookups.cleanup("r") == [_address(2)]
+        assert len(lookups) == 2
+        assert lookups.cleanup("r2") == []  # 0 was loaded, 1 failed its load
+        assert len(lookups) == 0 and lookups.leased == set()
+    finally:
+        lookups.close()
+
+
+def test_unloaded_hits_are_returned_for_release_and_old_hits_are_asked_again(client):
+    assert client.put(_address(7), b"y")
+    now = [100.0]
+    lookups = StepLookups(client.try_exists_addresses, _address, deadline_s=5.0, max_age_s=1.0,
+                          clock=lambda: now[0])  # fmt: skip
+    try:
+        t0 = time.monotonic()
+        while lookups.lookup(7, "a") is None and time.monotonic() - t0 < 10:
+            lookups.flush()
+            time.sleep(0.002)
+        assert lookups.lookup(7, "a") is True
+        now[0] += 2.0  # older than max_age_s: its lease may be gone
+        assert lookups.lookup(7, "a") is None and lookups.counters["refreshed"] == 1
+        assert _wait_answers(lookups, [7], "a") == [True]
+        assert lookups.cleanup("a") == [_address(7)]  # never loaded: release its lease
+    finally:
+        lookups.close()
+
+
+def test_a_silent_server_or_a_backlog_costs_misses_in_bounded_time():
+    with RawServer("silent") as raw:
+        c = connect(KvCacheConfig.from_env({}, base_url=raw.url, timeout_s=30.0))
+        lookups = StepLookups(c.try_exists_addresses, _address, deadline_s=0.5, max_batches=2)
+        try:
+            t0 = time.monotonic()
+            longest = 0.0
+            first: list = []
+            for step in range(3):  # three steps, three batches: the third is shed
+                s = time.monotonic()
+                first.append(lookups.lookup(step, "r"))
+                lookups.flush()
+                longest = max(longest, time.monotonic() - s)
+            assert first == [None, None, None]
+            assert lookups.lookup(2, "r") is False and lookups.counters["shed"] == 1
+            while lookups.lookup(0, "r") is None:
+                assert time.monotonic() - t0 < 3
+                s = time.monotonic()
+                lookups.flush()
+                longest = max(longest, time.monotonic() - s)
+                time.sleep(0.01)
+            assert lookups.lookup(0, "r") is False and lookups.lookup(1, "r") is False
+            assert lookups.counters["expired"] == 2
+            assert 0.4 < time.monotonic() - t0 < 3 and longest < 0.1
+        finally:
+            lookups.close()
+            c.close()
+
+
+def _view(rows: int) -> memoryview:
+    return memoryview(bytearray(rows * ROW)).cast("B", (rows, ROW))
+
+
+def _wait_finished(copies: CopyJobs, n: int) -> list:
+    done: list = []
+    t0 = time.monotonic()
+    while len(done) < n and time.monotonic() - t0 < 20:
+        done += copies.finished()
+        time.sleep(0.005)
+    return done
+
+
+def test_copies_round_trip_and_refuse_what_was_not_stored(client):
+    src = _view(4)
+    flat = src.cast("B")
+    for r in range(4):
+        flat[r * ROW : (r + 1) * ROW] = os.urandom(ROW)
+    stores = CopyJobs(client, src, ROW, threads=3)
+    stores.submit(1, False, [_address(100 + r) for r in range(4)], [0, 1, 2, 3])
+    (stored,) = _wait_finished(stores, 1)
+    assert stored.ok == [True] * 4 and not stored.is_load and stored.nbytes == 4 * ROW
+    # Block 104: the right length, other bytes; 105: one byte short; 106: absent.
+    forged = bytes(flat[0:ROW])
+    assert client.put(_address(104), forged + trailer(_address(999), forged))
+    assert client.put(_address(105), forged + trailer(_address(105), forged)[:-1])
+    dst = _view(7)
+    loads = CopyJobs(client, dst, ROW, threads=3)
+    loads.submit(2, True, [_address(100 + r) for r in range(7)], [6, 5, 4, 3, 2, 1, 0])
+    (loaded,) = _wait_finished(loads, 1)
+    assert loaded.ok == [True] * 4 + [False] * 3
+    out = dst.cast("B")
+    for r in range(4):
+        assert out[(6 - r) * ROW : (7 - r) * ROW] == flat[r * ROW : (r + 1) * ROW]
+    assert loads.running == 0 and loads.drain(0)
+    stores.close()
+    loads.close()
+    assert TRAILER == 16
+
+
+def test_stores_ask_100_continue_and_drain_waits_for_copies():
+    with RawServer("continue100") as raw, RawServer("silent") as silent:
+        c = connect(KvCacheConfig.from_env({}, base_url=raw.url, timeout_s=5.0))
+        copies = CopyJobs(c, _view(1), ROW)
+        copies.submit(1, False, [_address(1)], [0])
+        (job,) = _wait_finished(copies, 1)
+        assert job.ok == [True]
+        assert b"expect: 100-continue" in raw.heads[-1].lower()
+        copies.close()
+        c.close()
+        slow = connect(KvCacheConfig.from_env({}, base_url=silent.url, timeout_s=1.0))
+        copies = CopyJobs(slow, _view(2), ROW)
+        copies.submit(3, True, [_address(1), _address(2)], [0, 1])
+        assert copies.running == 1 and not copies.drain(0.1)  # still copying
+        t0 = time.monotonic()
+        waiter = threading.Thread(target=copies.drain)
+        waiter.start()
+        waiter.join(5)
+        assert not waiter.is_alive() and 0.5 < time.monotonic() - t0 < 3  # the timeout
+        assert [j.ok for j in copies.finished()] == [[False, False]]
+        copies.close()
+        slow.close()
