@@ -77,6 +77,13 @@ DEFAULT_MIN_UPLOAD_RATE = 64 * 1024
 #: the clients' own pool idle timeouts (aiohttp's is 15 s), so the server rarely closes a
 #: connection a client is about to reuse; aiohttp's own default was over an hour.
 DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+ENV_LEASE_MS = "EPISTEMIC_GRAPH_KVCACHE_LEASE_MS"
+#: The longest lease a lookup may take (eg_kv.slab.leases), in ms: a scheduler's lookup is
+#: loaded within a step or a few (milliseconds to a second); a holder that dies pins its
+#: blocks this long at most.
+DEFAULT_LEASE_MS = 5000
+#: The largest --lease-ms accepted: ten minutes (past it, a dead holder pins too long).
+MAX_LEASE_MS = 600_000
 ENV_EVENTS = "EPISTEMIC_GRAPH_KVCACHE_EVENTS"
 #: Entries of the event log (eg_kv.slab.events: 288 bytes each, 18 MiB of /dev/shm): at
 #: the rate a 2-core server creates and evicts 4 KiB blocks (~10 k/s each), about three
@@ -171,6 +178,8 @@ class Settings:
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
     #: Open connections per worker; 0: derived from the fd limit (eg_kv.server.connections).
     max_connections: int = 0
+    #: The longest lease a batch lookup may take, in ms (eg_kv.slab.leases); 0: none.
+    lease_ms: int = DEFAULT_LEASE_MS
     #: Entries of the event log (GET /kv/events); 0: no log.
     events: int = DEFAULT_EVENTS
 
@@ -213,6 +222,10 @@ class Settings:
             raise ConfigError(
                 f"--events {self.events}: want 0 (no event log) or "
                 f"{EVENTS_RANGE[0]}-{EVENTS_RANGE[1]} entries"
+            )
+        if not 0 <= self.lease_ms <= MAX_LEASE_MS:
+            raise ConfigError(
+                f"--lease-ms {self.lease_ms}: want 0 (no leases) to {MAX_LEASE_MS} ms"
             )
         if self.max_connections < 0:
             raise ConfigError("--max-connections must be 0 (derive it from the fd limit) or more")
@@ -335,6 +348,11 @@ SERVER_SETTINGS: tuple[ServerSetting, ...] = (
        "each in `/dev/shm`; `0`: no log",
        more="A reader that falls more than this many events behind resyncs from "
        "`GET /kv/events/snapshot` (docs/events.md)."),
+    _S("lease_ms", "--lease-ms", ENV_LEASE_MS, "int", metavar="MS", unit="ms",
+       help="the longest lease a batch lookup may take on its hits (`X-Eg-Kv-Lease-Ms`: "
+       "eviction passes over them until loaded, released or expired); `0`: no leases",
+       more="A client asks for a time and gets at most this; a holder that dies pins its "
+       "blocks this long at most (docs/leases.md)."),
     _S("heartbeat_timeout_s", "--heartbeat-timeout", None, "float", metavar="S", unit="s",
        help="seconds a worker may go without a heartbeat (stopped, stuck) before the "
        "supervisor kills and replaces it"),

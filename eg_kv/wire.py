@@ -32,6 +32,9 @@ BLOCK_PREFIX = "/kv/"
 EXISTS_SUFFIX = "/exists"
 #: ``POST``: which of up to :data:`BATCH_EXISTS_MAX` addresses are resident.
 BATCH_EXISTS_PATH = "/kv/batch/exists"
+#: ``POST``: release one lease on each of up to :data:`BATCH_EXISTS_MAX` addresses (the
+#: batch exists' bodies; eg_kv.server.lookups).
+BATCH_RELEASE_PATH = "/kv/batch/release"
 #: ``GET``: the slab's counters.
 STATS_PATH = "/kv/stats"
 #: ``GET``: where the slab is, for a client on the server's host that reads it itself.
@@ -66,6 +69,12 @@ FLAGS_TYPE = "application/x-eg-kv-exists"
 AUTHORIZATION = "Authorization"
 #: Every answer names the worker process that gave it (its pid).
 WORKER_HEADER = "X-EgKv-Worker"
+#: On ``POST /kv/batch/exists`` (JSON or compact): lease every hit for this many ms (the
+#: server clamps it to its ``--lease-ms``). The answer carries it too: the ms granted
+#: (absent: a server without leases).
+LEASE_HEADER = "X-Eg-Kv-Lease-Ms"
+#: On ``GET /kv/<addr>`` (any value): this load ends one of the caller's leases on it.
+RELEASE_HEADER = "X-Eg-Kv-Release"
 
 
 def is_compact(content_type: str | None) -> bool:

@@ -29,7 +29,16 @@ from aiohttp.payload import Payload
 from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
 from ..slab.view import BlockReader
-from ..wire import ADDRESSES_TYPE, BATCH_EXISTS_PATH, HEALTHZ_PATH, STATS_PATH, encode_addresses
+from ..wire import (
+    ADDRESSES_TYPE,
+    BATCH_EXISTS_PATH,
+    BATCH_RELEASE_PATH,
+    HEALTHZ_PATH,
+    LEASE_HEADER,
+    RELEASE_HEADER,
+    STATS_PATH,
+    encode_addresses,
+)
 from .core import (
     BLOCK_TYPE,
     JSON_TYPE,
@@ -144,6 +153,8 @@ async def _small(resp: aiohttp.ClientResponse) -> tuple[int, bytes]:
 #: on a thread, whose copy releases the GIL. A hop to a thread and back costs about what
 #: copying 1 MiB does.
 LOCAL_COPY_IN_LOOP = 1024 * 1024
+#: A GET's header that ends one of the caller's leases on the block (eg_kv.server.lookups).
+_RELEASE = {RELEASE_HEADER: "1"}
 
 
 def _into_bytes(length: int, read_exact: Callable[[memoryview], None]) -> bytes:
@@ -351,18 +362,23 @@ class AsyncServerConnector:
         else:
             self._core.local.adopt(*answer)
 
-    async def get(self, key: str | bytes) -> bytes | None:
+    async def get(self, key: str | bytes, release_lease: bool = False) -> bytes | None:
         """``GET /kv/<addr>``: the block's bytes, or None on a miss or any error.
 
         A body shorter than its ``Content-Length`` (block evicted mid-stream), longer than
         ``max_block_size``, unframed or encoded is a miss. On the server's host the block
         is copied from its slab: in the event loop up to :data:`LOCAL_COPY_IN_LOOP` bytes,
         on the loop's default executor beyond (a 14 MiB copy held the loop 0.4 ms).
+
+        ``release_lease``: the load ends one of this client's leases on the block (see
+        :meth:`eg_kv.client.sync.ServerConnector.fetch`).
         """
         address = to_address(key)
         limit = self.config.max_block_size
         local = await self._local_block(address)
         if local is not OVER_HTTP:
+            if release_lease:
+                await self.release([address])
             return local  # type: ignore[no-any-return]
 
         async def on_response(resp: aiohttp.ClientResponse) -> bytes | None:
@@ -377,7 +393,12 @@ class AsyncServerConnector:
             return body
 
         try:
-            return await self._exchange("GET", self._core.block_path(address), on_response)
+            return await self._exchange(
+                "GET",
+                self._core.block_path(address),
+                on_response,
+                headers=_RELEASE if release_lease else None,
+            )
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss("GET", address, exc)
             return None
@@ -402,9 +423,10 @@ class AsyncServerConnector:
         key: str | bytes,
         sink: AsyncSink[T],
         may_start: MayStart | None = None,
+        release_lease: bool = False,
     ) -> T | None:
         """``GET /kv/<addr>`` and hand the body to ``await sink(length, read_exact)``; None
-        on a miss.
+        on a miss. ``release_lease``: as :meth:`get`'s.
 
         ``sink`` must await ``read_exact(view)`` with views that add up to ``length`` bytes
         (in order) and return its result; if it raises, the block is a miss. A body cut
@@ -419,6 +441,8 @@ class AsyncServerConnector:
         limit = self.config.max_block_size
         core = self._core
         local = await self._local_block(address)
+        if local is not OVER_HTTP and release_lease:
+            await self.release([address])
         if isinstance(local, bytes):
             try:
                 return await _sink_from_memory(local, sink)
@@ -455,13 +479,21 @@ class AsyncServerConnector:
             return result
 
         try:
-            return await self._exchange("GET", core.block_path(address), on_response)
+            return await self._exchange(
+                "GET",
+                core.block_path(address),
+                on_response,
+                headers=_RELEASE if release_lease else None,
+            )
         except Exception as exc:  # asyncio.TimeoutError included
             core.miss("GET", address, exc)
             return None
 
-    async def get_into(self, key: str | bytes, buffer: Any) -> int | None:
-        """``GET /kv/<addr>`` into ``buffer`` (a writable buffer).
+    async def get_into(
+        self, key: str | bytes, buffer: Any, release_lease: bool = False
+    ) -> int | None:
+        """``GET /kv/<addr>`` into ``buffer`` (a writable buffer). ``release_lease``: as
+        :meth:`get`'s.
 
         Returns:
             The block's length when it fits in ``buffer`` (its first bytes now hold it);
@@ -475,7 +507,7 @@ class AsyncServerConnector:
             await read_exact(view[:length])
             return length
 
-        return await self.fetch(key, sink)
+        return await self.fetch(key, sink, release_lease=release_lease)
 
     async def put(self, key: str | bytes, data: Any) -> bool:
         """``PUT /kv/<addr>``. True when stored (201) or deduplicated (200); else False."""
@@ -546,17 +578,21 @@ class AsyncServerConnector:
             return False
 
     async def _batch_exists(
-        self, addresses: list[str], timeout_s: float | None = None
+        self, addresses: list[str], timeout_s: float | None = None, lease_ms: int | None = None
     ) -> tuple[list[bool], int]:
         """One ``POST /kv/batch/exists`` for at most 1024 addresses. Raises on error.
 
         Sent in the compact format (:mod:`eg_kv.wire`); a server that refuses it (one that
         predates it) is asked again in JSON, and in JSON from then on. On the server's
-        host, answered from its slab instead.
+        host, answered from its slab instead, unless it leases (``lease_ms``: the server
+        takes the lease, so a leasing lookup always asks it).
         """
-        found = self._core.local_exists(await self._local(probe=timeout_s is None), addresses)
-        if found is not None:
-            return found, leading_hits(found)
+        lease = {LEASE_HEADER: str(lease_ms)} if lease_ms else {}
+        if not lease:
+            slab = await self._local(probe=timeout_s is None)
+            found = self._core.local_exists(slab, addresses)
+            if found is not None:
+                return found, leading_hits(found)
         if self._compact_batches:
             try:
                 found = await self._exchange(
@@ -564,80 +600,120 @@ class AsyncServerConnector:
                     self._core.path(BATCH_EXISTS_PATH),
                     partial(_flags, len(addresses)),
                     body=encode_addresses(addresses),
-                    headers={"Content-Type": ADDRESSES_TYPE},
+                    headers={"Content-Type": ADDRESSES_TYPE, **lease},
                     timeout_s=timeout_s,
                 )
                 return found, leading_hits(found)
             except CompactRefused:
-                answer = await self._json_batch(addresses, timeout_s)
+                answer = await self._json_batch(addresses, timeout_s, lease)
                 self._compact_batches = False  # JSON worked where the compact body did not
                 return answer
-        return await self._json_batch(addresses, timeout_s)
+        return await self._json_batch(addresses, timeout_s, lease)
 
     async def _json_batch(
-        self, addresses: list[str], timeout_s: float | None = None
+        self,
+        addresses: list[str],
+        timeout_s: float | None = None,
+        lease: dict[str, str] | None = None,
     ) -> tuple[list[bool], int]:
         doc = await self._exchange(
             "POST",
             self._core.path(BATCH_EXISTS_PATH),
             _json,
             body=batch_body(addresses),
-            headers={"Content-Type": JSON_TYPE},
+            headers={"Content-Type": JSON_TYPE, **(lease or {})},
             timeout_s=timeout_s,
         )
         return batch_answer(doc, len(addresses))
 
     async def _try_batch(
-        self, chunk: list[str], timeout_s: float | None = None
+        self, chunk: list[str], timeout_s: float | None = None, lease_ms: int | None = None
     ) -> list[bool] | None:
         try:
-            return (await self._batch_exists(chunk, timeout_s))[0]
+            return (await self._batch_exists(chunk, timeout_s, lease_ms))[0]
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
             return None
 
-    async def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
-        """One bool per key (one batch request per 1024 keys); False where a batch failed."""
+    async def exists_many(
+        self, keys: Sequence[str | bytes], lease_ms: int | None = None
+    ) -> list[bool]:
+        """One bool per key (one batch request per 1024 keys); False where a batch failed.
+        ``lease_ms``: lease the hits (:meth:`eg_kv.client.sync.ServerConnector.exists_many`)."""
         out: list[bool] = []
         for chunk in batches([to_address(k) for k in keys]):
-            found = await self._try_batch(chunk)
+            found = await self._try_batch(chunk, lease_ms=lease_ms)
             out.extend(found if found is not None else [False] * len(chunk))
         return out
 
-    async def try_exists_many(self, keys: Sequence[str | bytes]) -> list[bool] | None:
+    async def try_exists_many(
+        self, keys: Sequence[str | bytes], lease_ms: int | None = None
+    ) -> list[bool] | None:
         """Like :meth:`exists_many`, but None when any batch request failed (so a caller
         can tell "absent" from "could not ask"). Never raises."""
-        return await self.try_exists_addresses([to_address(k) for k in keys])
+        return await self.try_exists_addresses([to_address(k) for k in keys], lease_ms=lease_ms)
 
     async def try_exists_addresses(
-        self, addresses: Sequence[str], timeout_s: float | None = None
+        self,
+        addresses: Sequence[str],
+        timeout_s: float | None = None,
+        lease_ms: int | None = None,
     ) -> list[bool] | None:
         """:meth:`try_exists_many` for ready-made addresses. Never raises.
 
         Args:
             timeout_s: the deadline of each request, when shorter than the config's.
+            lease_ms: lease the hits (see :meth:`exists_many`).
         """
         out: list[bool] = []
         for chunk in batches(addresses):
-            found = await self._try_batch(chunk, timeout_s)
+            found = await self._try_batch(chunk, timeout_s, lease_ms)
             if found is None:
                 return None
             out.extend(found)
         return out
 
-    async def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
-        """How many keys, from the first, are resident without a gap; 0 on any error."""
+    async def contains_prefix(
+        self, keys: Sequence[str | bytes], lease_ms: int | None = None
+    ) -> int:
+        """How many keys, from the first, are resident without a gap; 0 on any error.
+        ``lease_ms``: lease the prefix's blocks; hits past it are released at once."""
         total = 0
         for chunk in batches([to_address(k) for k in keys]):
             try:
-                prefix = (await self._batch_exists(chunk))[1]
+                found, prefix = await self._batch_exists(chunk, lease_ms=lease_ms)
             except Exception as exc:  # asyncio.TimeoutError included
                 self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
                 return total
             total += prefix
             if prefix < len(chunk):
+                if lease_ms:
+                    extra = zip(chunk[prefix:], found[prefix:], strict=True)
+                    await self.release([a for a, hit in extra if hit])
                 break
         return total
+
+    async def release(self, keys: Sequence[str | bytes]) -> int:
+        """End one lease on each key's block (``POST /kv/batch/release``, one per 1024).
+
+        Returns:
+            How many leases were released; 0 for a batch that failed. Never raises.
+        """
+        released = 0
+        for chunk in batches([to_address(k) for k in keys]):
+            try:
+                found = await self._exchange(
+                    "POST",
+                    self._core.path(BATCH_RELEASE_PATH),
+                    partial(_flags, len(chunk)),
+                    body=encode_addresses(chunk),
+                    headers={"Content-Type": ADDRESSES_TYPE},
+                )
+            except Exception as exc:  # asyncio.TimeoutError included
+                self._core.miss("batch/release", f"[{len(chunk)} addresses]", exc)
+                continue
+            released += sum(found)
+        return released
 
     async def stats(self) -> KvCacheStats:
         """``GET /kv/stats``.

@@ -113,14 +113,18 @@ class AsyncSetConnector:
         return result
 
     async def fetch(self, key: str | bytes, sink: AsyncSink[T],
-                    may_start: Callable[[float], bool] | None = None) -> T | None:  # fmt: skip
+                    may_start: Callable[[float], bool] | None = None,
+                    release_lease: bool = False) -> T | None:  # fmt: skip
         """``GET`` the block from its home (see :meth:`AsyncServerConnector.fetch`); after a
-        miss there, right after a change, from its previous home if ``may_start`` allows."""
-        return await self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None,
-                               may_start=may_start)  # fmt: skip
+        miss there, right after a change, from its previous home if ``may_start`` allows.
+        ``release_lease``: ends one of the caller's leases at each member asked."""
+        return await self._one(key, lambda c, a: c.fetch(a, sink, release_lease=release_lease),
+                               lambda r: r is None, may_start=may_start)  # fmt: skip
 
-    async def get(self, key: str | bytes) -> bytes | None:
-        return await self._one(key, lambda c, a: c.get(a), lambda r: r is None)
+    async def get(self, key: str | bytes, release_lease: bool = False) -> bytes | None:
+        return await self._one(
+            key, lambda c, a: c.get(a, release_lease=release_lease), lambda r: r is None
+        )
 
     get_into = AsyncServerConnector.get_into
     put = AsyncServerConnector.put
@@ -146,7 +150,9 @@ class AsyncSetConnector:
         <eg_kv.client.sets.SetConnector.delete_status>`."""
         return await self._one(key, lambda c, a: c.delete_status(a), absent)
 
-    async def _parallel(self, ask: Ask) -> dict[str, list[bool] | None]:
+    async def _parallel(
+        self, ask: Ask, lease_ms: int | None = None
+    ) -> dict[str, list[bool] | None]:
         """A round's lookups, every member's at once on this loop, all answered by the
         batch's deadline; a member still out when the round stops waiting for it
         (:class:`~eg_kv.client.router.Waiting`) is cancelled, missing from the answer and
@@ -159,6 +165,8 @@ class AsyncSetConnector:
             except TimeoutError:
                 return None
             conn = self._members.get(ask.view, m)
+            if lease_ms:  # each member leases the hits of its part
+                return await conn.try_exists_addresses(part, timeout_s, lease_ms)
             return await conn.try_exists_addresses(part, timeout_s=timeout_s)
 
         wait = Waiting(self._router, ask.deadline)
@@ -182,39 +190,79 @@ class AsyncSetConnector:
         return out
 
     async def _lookup(
-        self, addresses: Sequence[str], timeout_s: float | None = None
+        self,
+        addresses: Sequence[str],
+        timeout_s: float | None = None,
+        lease_ms: int | None = None,
     ) -> tuple[list[bool], bool]:
-        """(one bool per address in the caller's order, whether any member answered)."""
+        """(one bool per address in the caller's order, whether any member answered).
+        ``lease_ms``: each member leases its hits."""
         if self._closed or not addresses:
             return [False] * len(addresses), not self._closed
         plan = BatchPlan(self._router, addresses, timeout_s)
         for ask in plan:
-            plan.take(await self._parallel(ask))
+            plan.take(await self._parallel(ask, lease_ms))
         return plan.found, plan.answered
 
-    async def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
-        """One bool per key; each member asked once (per 1024 keys), in parallel."""
-        return (await self._lookup([to_address(k) for k in keys]))[0]
+    async def exists_many(
+        self, keys: Sequence[str | bytes], lease_ms: int | None = None
+    ) -> list[bool]:
+        """One bool per key; each member asked once (per 1024 keys), in parallel.
+        ``lease_ms``: each member leases the hits of its part."""
+        return (await self._lookup([to_address(k) for k in keys], lease_ms=lease_ms))[0]
 
-    async def try_exists_many(self, keys: Sequence[str | bytes]) -> list[bool] | None:
+    async def try_exists_many(
+        self, keys: Sequence[str | bytes], lease_ms: int | None = None
+    ) -> list[bool] | None:
         """:meth:`exists_many`, or None when no member could be asked."""
-        return await self.try_exists_addresses([to_address(k) for k in keys])
+        return await self.try_exists_addresses([to_address(k) for k in keys], lease_ms=lease_ms)
 
     async def try_exists_addresses(
-        self, addresses: Sequence[str], timeout_s: float | None = None
+        self,
+        addresses: Sequence[str],
+        timeout_s: float | None = None,
+        lease_ms: int | None = None,
     ) -> list[bool] | None:
         """Like :meth:`AsyncServerConnector.try_exists_addresses`; a member that failed
         costs its share (its addresses are misses); None only when no member answered.
 
         Args:
             timeout_s: the batch's one deadline, when shorter than the config's.
+            lease_ms: each member leases the hits of its part.
         """
-        found, answered = await self._lookup(list(addresses), timeout_s)
+        found, answered = await self._lookup(list(addresses), timeout_s, lease_ms)
         return found if answered else None
 
-    async def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
-        """Prefix hits over the merged answer, whichever member holds each key."""
-        return prefix_hits((await self._lookup([to_address(k) for k in keys]))[0])
+    async def contains_prefix(
+        self, keys: Sequence[str | bytes], lease_ms: int | None = None
+    ) -> int:
+        """Prefix hits over the merged answer, whichever member holds each key.
+        ``lease_ms``: the prefix's blocks are leased; hits past it are released."""
+        addresses = [to_address(k) for k in keys]
+        found = (await self._lookup(addresses, lease_ms=lease_ms))[0]
+        prefix = prefix_hits(found)
+        if lease_ms and any(found[prefix:]):
+            extra = zip(addresses[prefix:], found[prefix:], strict=True)
+            await self.release([a for a, hit in extra if hit])
+        return prefix
+
+    async def release(self, keys: Sequence[str | bytes]) -> int:
+        """End one lease on each key's block at its home (one request per member, at
+        once): see :meth:`SetConnector.release <eg_kv.client.sets.SetConnector.release>`.
+        Never raises."""
+        if self._closed:
+            return 0
+        view, down = self._router.view(), self._router.down()
+        by_home: dict[str, list[str]] = {}
+        for key in keys:
+            address = to_address(key)
+            home = view.placement.home(address, down)
+            if home is not None:
+                by_home.setdefault(home, []).append(address)
+        done = await asyncio.gather(
+            *(self._members.get(view, m).release(part) for m, part in by_home.items())
+        )
+        return sum(done)
 
     async def member_stats(self) -> list[MemberStats]:
         """Each member's stats (gathered in parallel), sorted by member id."""

@@ -116,7 +116,8 @@ class SetConnector:
         return result
 
     def fetch(self, key: str | bytes, sink: Callable[..., T],
-              may_start: Callable[[float], bool] | None = None) -> T | None:  # fmt: skip
+              may_start: Callable[[float], bool] | None = None,
+              release_lease: bool = False) -> T | None:  # fmt: skip
         """``GET`` the block from its home (see :meth:`ServerConnector.fetch`).
 
         Args:
@@ -125,9 +126,11 @@ class SetConnector:
             may_start: ``may_start(timeout_s)``: whether a request bounded by ``timeout_s``
                 may still start now (:meth:`eg_kv.lmcache.write_gate.WriteGate.can_start`); asked
                 before the previous home is, after a miss at the home.
+            release_lease: end one of the caller's leases on the block, at each member
+                asked (the one that leased it is among them).
         """
-        return self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None,
-                         may_start=may_start)  # fmt: skip
+        return self._one(key, lambda c, a: c.fetch(a, sink, release_lease=release_lease),
+                         lambda r: r is None, may_start=may_start)  # fmt: skip
 
     get = ServerConnector.get
     get_into = ServerConnector.get_into
@@ -160,18 +163,22 @@ class SetConnector:
 
     # -- batches
 
-    def _ask(self, ask: Ask, member_id: str, part: list[str]) -> list[bool] | None:
+    def _ask(
+        self, ask: Ask, member_id: str, part: list[str], lease_ms: int | None = None
+    ) -> list[bool] | None:
         """One member's share of a batch: a request per 1,024 addresses, each bounded by
-        what is left of the batch's deadline (:meth:`Ask.timeout`). None when one failed."""
+        what is left of the batch's deadline (:meth:`Ask.timeout`). None when one failed.
+        ``lease_ms``: the member leases its hits."""
         conn = self._members.get(ask.view, member_id)
         out: list[bool] = []
+        lease = {"lease_ms": lease_ms} if lease_ms else {}
         try:
             for n, chunk in enumerate(batches(part)):
                 timeout_s = ask.timeout(first=n == 0)
                 found = (
-                    conn.try_exists_addresses(chunk)
+                    conn.try_exists_addresses(chunk, **lease)
                     if timeout_s is None
-                    else conn.try_exists_addresses(chunk, timeout_s=timeout_s)
+                    else conn.try_exists_addresses(chunk, timeout_s=timeout_s, **lease)
                 )
                 if found is None:
                     return None
@@ -180,16 +187,16 @@ class SetConnector:
             return None
         return out
 
-    def _parallel(self, ask: Ask) -> dict[str, list[bool] | None]:
+    def _parallel(self, ask: Ask, lease_ms: int | None = None) -> dict[str, list[bool] | None]:
         """A round's lookups, one request per member, in parallel threads, all answered by
         the batch's deadline; a member still out when the round stops waiting for it
         (:class:`~eg_kv.client.router.Waiting`) is missing from the answer and marked
         down. One group is sent from the caller's thread (nothing to wait for beside it)."""
         jobs = ask.jobs()
         if len(jobs) <= 1:
-            return {m: self._ask(ask, m, part) for m, part in jobs}
+            return {m: self._ask(ask, m, part, lease_ms) for m, part in jobs}
         wait = Waiting(self._router, ask.deadline)
-        pending = {self._fanout.submit(self._ask, ask, m, part): m for m, part in jobs}
+        pending = {self._fanout.submit(self._ask, ask, m, part, lease_ms): m for m, part in jobs}
         out: dict[str, list[bool] | None] = {}
         while pending:
             done, _ = concurrent.futures.wait(
@@ -207,44 +214,89 @@ class SetConnector:
         return out
 
     def _lookup(
-        self, addresses: Sequence[str], timeout_s: float | None = None
+        self,
+        addresses: Sequence[str],
+        timeout_s: float | None = None,
+        lease_ms: int | None = None,
     ) -> tuple[list[bool], bool]:
-        """(one bool per address in the caller's order, whether any member answered)."""
+        """(one bool per address in the caller's order, whether any member answered).
+        ``lease_ms``: each member leases its hits (its part of the batch)."""
         if self._closed or not addresses:
             return [False] * len(addresses), not self._closed
         plan = BatchPlan(self._router, addresses, timeout_s)
         try:
             for ask in plan:
-                plan.take(self._parallel(ask))
+                plan.take(self._parallel(ask, lease_ms))
         except (RuntimeError, concurrent.futures.CancelledError):
             # close() shut the fan-out pool down (submit raises RuntimeError) or cancelled
             # a group still queued (its result() raises CancelledError): all misses.
             return [False] * len(addresses), False
         return plan.found, plan.answered
 
-    def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
-        """One bool per key; each member asked once (per 1024 keys), in parallel."""
-        return self._lookup([to_address(k) for k in keys])[0]
+    def exists_many(self, keys: Sequence[str | bytes], lease_ms: int | None = None) -> list[bool]:
+        """One bool per key; each member asked once (per 1024 keys), in parallel.
+        ``lease_ms``: each member leases the hits of its part
+        (:meth:`ServerConnector.exists_many`)."""
+        return self._lookup([to_address(k) for k in keys], lease_ms=lease_ms)[0]
 
-    def try_exists_many(self, keys: Sequence[str | bytes]) -> list[bool] | None:
+    def try_exists_many(
+        self, keys: Sequence[str | bytes], lease_ms: int | None = None
+    ) -> list[bool] | None:
         """:meth:`exists_many`, or None when no member could be asked."""
-        return self.try_exists_addresses([to_address(k) for k in keys])
+        return self.try_exists_addresses([to_address(k) for k in keys], lease_ms=lease_ms)
 
     def try_exists_addresses(
-        self, addresses: Sequence[str], timeout_s: float | None = None
+        self,
+        addresses: Sequence[str],
+        timeout_s: float | None = None,
+        lease_ms: int | None = None,
     ) -> list[bool] | None:
         """Like :meth:`ServerConnector.try_exists_addresses`; a member that failed costs
         its share (its addresses are misses); None only when no member answered.
 
         Args:
             timeout_s: the batch's one deadline, when shorter than the config's.
+            lease_ms: each member leases the hits of its part.
         """
-        found, answered = self._lookup(list(addresses), timeout_s)
+        found, answered = self._lookup(list(addresses), timeout_s, lease_ms)
         return found if answered else None
 
-    def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
-        """Prefix hits over the merged answer, whichever member holds each key."""
-        return prefix_hits(self._lookup([to_address(k) for k in keys])[0])
+    def contains_prefix(self, keys: Sequence[str | bytes], lease_ms: int | None = None) -> int:
+        """Prefix hits over the merged answer, whichever member holds each key.
+        ``lease_ms``: the prefix's blocks are leased; hits past it are released."""
+        addresses = [to_address(k) for k in keys]
+        found = self._lookup(addresses, lease_ms=lease_ms)[0]
+        prefix = prefix_hits(found)
+        if lease_ms and any(found[prefix:]):
+            self.release(
+                [a for a, hit in zip(addresses[prefix:], found[prefix:], strict=True) if hit]
+            )
+        return prefix
+
+    def release(self, keys: Sequence[str | bytes]) -> int:
+        """End one lease on each key's block at its home (one ``POST /kv/batch/release``
+        per member, in parallel). A block found at its previous home right after a
+        change keeps that lease until it ends. Never raises.
+
+        Returns:
+            How many leases were released.
+        """
+        if self._closed:
+            return 0
+        view, down = self._router.view(), self._router.down()
+        by_home: dict[str, list[str]] = {}
+        for key in keys:
+            address = to_address(key)
+            home = view.placement.home(address, down)
+            if home is not None:
+                by_home.setdefault(home, []).append(address)
+        try:
+            done = self._fanout.map(
+                lambda job: self._members.get(view, job[0]).release(job[1]), by_home.items()
+            )
+            return sum(done)
+        except RuntimeError:  # close() shut the fan-out pool down
+            return 0
 
     # -- the set
 

@@ -30,7 +30,16 @@ from typing import Any, TypeVar
 from ..config import DEFAULT_HOST
 from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
-from ..wire import ADDRESSES_TYPE, BATCH_EXISTS_PATH, HEALTHZ_PATH, STATS_PATH, encode_addresses
+from ..wire import (
+    ADDRESSES_TYPE,
+    BATCH_EXISTS_PATH,
+    BATCH_RELEASE_PATH,
+    HEALTHZ_PATH,
+    LEASE_HEADER,
+    RELEASE_HEADER,
+    STATS_PATH,
+    encode_addresses,
+)
 from .core import (
     BATCH_EXISTS_MAX,
     BLOCK_TYPE,
@@ -192,6 +201,7 @@ class ServerConnector:
         self._put_head = b"Content-Type: %s\r\n" % BLOCK_TYPE.encode()
         self._batch_head = b"Content-Type: %s\r\n" % JSON_TYPE.encode()
         self._compact_head = b"Content-Type: %s\r\n" % ADDRESSES_TYPE.encode()
+        self._release_head = b"%s: 1\r\n" % RELEASE_HEADER.encode()
         self._compact_batches = True
         self._closed = False
 
@@ -287,7 +297,13 @@ class ServerConnector:
         check_final(resp.status)
         return json_answer(resp.status, resp.read_all(SMALL_ANSWER_MAX))
 
-    def fetch(self, key: str | bytes, sink: Sink[T], may_start: MayStart | None = None) -> T | None:
+    def fetch(
+        self,
+        key: str | bytes,
+        sink: Sink[T],
+        may_start: MayStart | None = None,
+        release_lease: bool = False,
+    ) -> T | None:
         """GET a block and hand its body to ``sink(length, read_exact)``; None on a miss.
 
         ``sink`` must call ``read_exact(view)`` with views that add up to ``length`` bytes
@@ -299,12 +315,19 @@ class ServerConnector:
         ``may_start(timeout_s)`` is asked before a server set sends a second request (to
         the previous home); one server is asked once, so it is not used here.
 
+        ``release_lease``: this load ends one of this client's leases on the block (from
+        a leasing lookup: ``exists_many(..., lease_ms=...)``), hit or miss. Over HTTP it
+        is a header on the GET; a local read (which cannot write the slab) releases it
+        with one ``POST /kv/batch/release`` afterwards.
+
         Never raises on a transport or protocol error.
         """
         address = to_address(key)
         limit = self.config.max_block_size
         local = self._core.local_fetch(self._local(), address, sink)
         if local is not OVER_HTTP:
+            if release_lease:
+                self.release([address])
             return local  # type: ignore[no-any-return]
 
         def on_response(resp: Response) -> T | None:
@@ -323,7 +346,12 @@ class ServerConnector:
             return result
 
         try:
-            return self._exchange("GET", self._core.block_path(address), on_response)
+            return self._exchange(
+                "GET",
+                self._core.block_path(address),
+                on_response,
+                headers=self._release_head if release_lease else b"",
+            )
         except Exception as exc:
             self._core.miss("GET", address, exc)
             return None
@@ -359,18 +387,24 @@ class ServerConnector:
 
     # ------------------------------------------------------------------ the API
 
-    def get(self, key: str | bytes) -> bytes | None:
-        """``GET /kv/<addr>``: the block's bytes, or None on a miss or any error."""
+    def get(self, key: str | bytes, release_lease: bool = False) -> bytes | None:
+        """``GET /kv/<addr>``: the block's bytes, or None on a miss or any error.
+
+        ``release_lease``: the load ends one of this client's leases on it (see
+        :meth:`fetch`)."""
 
         def sink(length: int, read_exact: Callable[[memoryview], None]) -> bytes:
             buf = bytearray(length)
             read_exact(memoryview(buf))
             return bytes(buf)
 
-        return self.fetch(key, sink)
+        return self.fetch(key, sink, release_lease=release_lease)
 
-    def get_into(self, key: str | bytes, buffer: Any) -> int | None:
+    def get_into(self, key: str | bytes, buffer: Any, release_lease: bool = False) -> int | None:
         """``GET /kv/<addr>`` straight into ``buffer`` (a writable buffer, no extra copy).
+
+        ``release_lease``: the load ends one of this client's leases on it (see
+        :meth:`fetch`).
 
         Returns:
             The block's length when it fits in ``buffer`` (the first bytes of ``buffer``
@@ -384,7 +418,7 @@ class ServerConnector:
             read_exact(view[:length])
             return length
 
-        return self.fetch(key, sink)
+        return self.fetch(key, sink, release_lease=release_lease)
 
     def put(self, key: str | bytes, data: Any) -> bool:
         """``PUT /kv/<addr>``: store ``data`` (any bytes-like object; sent without a copy).
@@ -473,17 +507,20 @@ class ServerConnector:
             return False
 
     def _batch_exists(
-        self, addresses: list[str], timeout_s: float | None = None
+        self, addresses: list[str], timeout_s: float | None = None, lease_ms: int | None = None
     ) -> tuple[list[bool], int]:
         """One ``POST /kv/batch/exists`` for at most 1024 addresses. Raises on error.
 
         Sent in the compact format (:mod:`eg_kv.wire`); a server that refuses it
         (one that predates it) is asked again in JSON, and in JSON from then on. On the
-        server's host, answered from its slab instead.
+        server's host, answered from its slab instead, unless it leases: a lease is the
+        server's to take (``X-Eg-Kv-Lease-Ms``), so a leasing lookup always asks it.
         """
-        found = self._core.local_exists(self._local(probe=timeout_s is None), addresses)
-        if found is not None:
-            return found, leading_hits(found)
+        lease = b"%s: %d\r\n" % (LEASE_HEADER.encode(), lease_ms) if lease_ms else b""
+        if not lease:
+            found = self._core.local_exists(self._local(probe=timeout_s is None), addresses)
+            if found is not None:
+                return found, leading_hits(found)
         if self._compact_batches:
             try:
                 found = self._exchange(
@@ -491,25 +528,25 @@ class ServerConnector:
                     self._core.path(BATCH_EXISTS_PATH),
                     partial(self._flags, len(addresses)),
                     body=(encode_addresses(addresses),),
-                    headers=self._compact_head,
+                    headers=self._compact_head + lease,
                     timeout_s=timeout_s,
                 )
                 return found, leading_hits(found)
             except CompactRefused:
-                answer = self._json_batch(addresses, timeout_s)
+                answer = self._json_batch(addresses, timeout_s, lease)
                 self._compact_batches = False  # JSON worked where the compact body did not
                 return answer
-        return self._json_batch(addresses, timeout_s)
+        return self._json_batch(addresses, timeout_s, lease)
 
     def _json_batch(
-        self, addresses: list[str], timeout_s: float | None = None
+        self, addresses: list[str], timeout_s: float | None = None, lease: bytes = b""
     ) -> tuple[list[bool], int]:
         doc = self._exchange(
             "POST",
             self._core.path(BATCH_EXISTS_PATH),
             self._json,
             body=(batch_body(addresses),),
-            headers=self._batch_head,
+            headers=self._batch_head + lease,
             timeout_s=timeout_s,
         )
         return batch_answer(doc, len(addresses))
@@ -520,49 +557,67 @@ class ServerConnector:
         body = resp.read_all(SMALL_ANSWER_MAX)
         return compact_answer(resp.status, resp.headers.get(b"content-type"), body, n)
 
-    def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
+    def exists_many(self, keys: Sequence[str | bytes], lease_ms: int | None = None) -> list[bool]:
         """Which keys are resident: one batch request per 1024 keys.
+
+        Args:
+            lease_ms: lease every hit for this many ms (the server grants at most its
+                ``--lease-ms``): eviction passes over it until a load with
+                ``release_lease=True``, :meth:`release`, or the lease's end. None or 0:
+                no lease (and a local lookup on the server's host).
 
         Returns:
             One bool per key; all False for a batch that failed.
         """
         out: list[bool] = []
         for chunk in batches([to_address(k) for k in keys]):
-            found = self._try_batch(chunk)
+            found = self._try_batch(chunk, lease_ms=lease_ms)
             out.extend(found if found is not None else [False] * len(chunk))
         return out
 
-    def try_exists_many(self, keys: Sequence[str | bytes]) -> list[bool] | None:
+    def try_exists_many(
+        self, keys: Sequence[str | bytes], lease_ms: int | None = None
+    ) -> list[bool] | None:
         """Like :meth:`exists_many`, but None when any batch request failed (so a caller
         can tell "absent" from "could not ask"). Never raises."""
-        return self.try_exists_addresses([to_address(k) for k in keys])
+        return self.try_exists_addresses([to_address(k) for k in keys], lease_ms=lease_ms)
 
     def try_exists_addresses(
-        self, addresses: Sequence[str], timeout_s: float | None = None
+        self,
+        addresses: Sequence[str],
+        timeout_s: float | None = None,
+        lease_ms: int | None = None,
     ) -> list[bool] | None:
         """:meth:`try_exists_many` for ready-made addresses (no per-key mapping: the L2
         connector's lookups are latency-bound). Never raises.
 
         Args:
             timeout_s: the deadline of each request, when shorter than the config's.
+            lease_ms: lease the hits (see :meth:`exists_many`).
         """
         out: list[bool] = []
         for chunk in batches(addresses):
-            found = self._try_batch(chunk, timeout_s)
+            found = self._try_batch(chunk, timeout_s, lease_ms)
             if found is None:
                 return None
             out.extend(found)
         return out
 
-    def _try_batch(self, chunk: list[str], timeout_s: float | None = None) -> list[bool] | None:
+    def _try_batch(
+        self, chunk: list[str], timeout_s: float | None = None, lease_ms: int | None = None
+    ) -> list[bool] | None:
         try:
-            return self._batch_exists(chunk, timeout_s)[0]
+            return self._batch_exists(chunk, timeout_s, lease_ms)[0]
         except Exception as exc:
             self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
             return None
 
-    def contains_prefix(self, keys: Sequence[str | bytes]) -> int:
+    def contains_prefix(self, keys: Sequence[str | bytes], lease_ms: int | None = None) -> int:
         """How many of ``keys``, from the first, are resident without a gap (prefix hits).
+
+        Args:
+            lease_ms: lease the prefix's blocks (see :meth:`exists_many`); hits past the
+                prefix, which no one will load, are released at once.
 
         Returns:
             The prefix length; 0 on any error.
@@ -570,14 +625,40 @@ class ServerConnector:
         total = 0
         for chunk in batches([to_address(k) for k in keys]):
             try:
-                prefix = self._batch_exists(chunk)[1]
+                found, prefix = self._batch_exists(chunk, lease_ms=lease_ms)
             except Exception as exc:
                 self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
                 return total
             total += prefix
             if prefix < len(chunk):
+                if lease_ms:
+                    extra = zip(chunk[prefix:], found[prefix:], strict=True)
+                    self.release([a for a, hit in extra if hit])
                 break
         return total
+
+    def release(self, keys: Sequence[str | bytes]) -> int:
+        """End one lease on each key's block (``POST /kv/batch/release``, one per 1024).
+
+        Returns:
+            How many leases were released (one that had ended, or none held, counts 0);
+            0 for a batch that failed. Never raises.
+        """
+        released = 0
+        for chunk in batches([to_address(k) for k in keys]):
+            try:
+                found = self._exchange(
+                    "POST",
+                    self._core.path(BATCH_RELEASE_PATH),
+                    partial(self._flags, len(chunk)),
+                    body=(encode_addresses(chunk),),
+                    headers=self._compact_head,
+                )
+            except Exception as exc:
+                self._core.miss("batch/release", f"[{len(chunk)} addresses]", exc)
+                continue
+            released += sum(found)
+        return released
 
     def stats(self) -> KvCacheStats:
         """``GET /kv/stats``.

@@ -10,6 +10,7 @@ the paths are :mod:`eg_kv.wire`'s):
 ``DELETE /kv/<hash>``        204 one reference released, 404 if absent
 ``GET /kv/<hash>/exists``    200 ``{"hash": ..., "exists": bool}``
 ``POST /kv/batch/exists``    200 ``{"exists": [...], "prefix_hits": n}`` for <= 1024 addresses
+``POST /kv/batch/release``   200 ``{"released": [...]}``: one lease per address ended
 ``GET /kv/stats``            200 the slab's counters (the contract's eight first)
 ``GET /metrics``             Prometheus text, summed over every worker
 ``GET /healthz``             200 ``{"status": "ok", "workers_up": n, "workers": N}``, no auth
@@ -43,6 +44,7 @@ from ..errors import BadRequest, EgKvError, NotFound
 from ..slab.store import Slab
 from ..wire import (
     BATCH_EXISTS_PATH,
+    BATCH_RELEASE_PATH,
     BLOCK_PREFIX,
     EXISTS_SUFFIX,
     HEALTHZ_PATH,
@@ -69,7 +71,7 @@ from .keys import (
     SPOOL,
     SWEEP_TASK,
 )
-from .lookups import batch_exists, block_exists
+from .lookups import batch_exists, batch_release, block_exists
 from .metrics import FLUSH_S, Metrics
 from .service import health_from, healthz, local_slab, metrics, stats
 from .tenants import ANONYMOUS, Tenant
@@ -158,6 +160,7 @@ def _endpoint(
 _BLOCK_METHODS = ("DELETE", "GET", "HEAD", "PUT")
 #: The fixed routes under ``/kv/``, as the catch-all's ``rest`` sees them.
 _BATCH_EXISTS_REST = BATCH_EXISTS_PATH.removeprefix(BLOCK_PREFIX)
+_BATCH_RELEASE_REST = BATCH_RELEASE_PATH.removeprefix(BLOCK_PREFIX)
 _STATS_REST = STATS_PATH.removeprefix(BLOCK_PREFIX)
 
 
@@ -170,7 +173,7 @@ async def bad_kv_path(request: web.Request, tenant: Tenant) -> web.Response:
     """
     rest = request.match_info["rest"]
     allowed: tuple[str, ...] = ()
-    if rest == _BATCH_EXISTS_REST:
+    if rest in (_BATCH_EXISTS_REST, _BATCH_RELEASE_REST):
         allowed = ("POST",)
     elif rest == _STATS_REST:
         allowed = ("GET",)
@@ -237,6 +240,7 @@ def make_app(
     r.add_get(METRICS_PATH, E("metrics", metrics), name="metrics", allow_head=False)
     r.add_get(STATS_PATH, E("stats", stats), name="stats", allow_head=False)
     r.add_post(BATCH_EXISTS_PATH, E("batch_exists", batch_exists), name="batch_exists")
+    r.add_post(BATCH_RELEASE_PATH, E("batch_release", batch_release), name="batch_release")
     # Two segments: never a block address (one holds no "/"), so "local" stays one.
     r.add_get(LOCAL_SLAB_PATH, E("local", local_slab), name="local", allow_head=False)
     # One resource for the block routes: one path match serves every method. It goes

@@ -18,10 +18,11 @@ from aiohttp.abc import AbstractStreamWriter
 from ..errors import NotFound
 from ..slab.store import BlockGone
 from ..slab.view import BlockReader
-from ..wire import BLOCK_TYPE
+from ..wire import BLOCK_TYPE, RELEASE_HEADER
 from . import replies
 from .answers import closing, reply
 from .keys import SLAB
+from .lookups import release_on_load
 from .replies import written
 from .tenants import Tenant
 
@@ -37,7 +38,17 @@ ZERO_COPY_TAIL = 64 * 1024
 
 
 async def get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
-    """``GET /kv/<hash>``: the block's bytes; 404 if absent."""
+    """``GET /kv/<hash>``: the block's bytes; 404 if absent. With ``X-Eg-Kv-Release``, the
+    load ends one of the caller's leases on it once answered (:mod:`eg_kv.server.lookups`)."""
+    if RELEASE_HEADER not in request.headers:
+        return await _get_block(request, tenant)
+    try:
+        return await _get_block(request, tenant)
+    finally:
+        release_on_load(request, tenant)
+
+
+async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     address = request.match_info["hash"]
     try:
         reader = request.app[SLAB].read_or_open(address, tenant.ns)

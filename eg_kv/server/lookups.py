@@ -1,20 +1,35 @@
-"""The existence routes: ``GET /kv/<hash>/exists`` and ``POST /kv/batch/exists``.
+"""The existence routes (``GET /kv/<hash>/exists``, ``POST /kv/batch/exists``) and the
+leases they take (``POST /kv/batch/release``).
 
 A batch asks about up to :data:`eg_kv.wire.BATCH_EXISTS_MAX` addresses in JSON, or in the
 compact body :mod:`eg_kv.wire` describes; the answer comes in the request's format.
+
+Leases (:mod:`eg_kv.slab.leases`): a batch exists with ``X-Eg-Kv-Lease-Ms: n`` (JSON or
+compact alike) leases each hit for ``n`` ms, at most the server's ``--lease-ms``; the answer
+says the ms granted in the same header (0: none taken). A lease ends at the first of:
+
+- the load: ``GET /kv/<hash>`` with ``X-Eg-Kv-Release`` (any value) releases one of the
+  caller's leases on the block once the answer is sent (hit or not);
+- ``POST /kv/batch/release``, the batch exists' bodies: one lease per address; answers
+  ``{"released": [bool, ...]}`` (JSON) or one byte per address (compact), true/1 where a
+  lease that had not ended was released;
+- its end: nothing to do.
+
+Leases only reach the caller's namespace (its token's), like every lookup.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from aiohttp import web
 
 from .. import wire
-from ..errors import BadRequest, TooLarge
-from ..wire import BATCH_EXISTS_MAX, BATCH_EXISTS_MAX_BYTES
+from ..errors import BadRequest, InvalidAddress, TooLarge
+from ..wire import BATCH_EXISTS_MAX, BATCH_EXISTS_MAX_BYTES, LEASE_HEADER
 from .answers import reply, why
-from .keys import SLAB
+from .keys import SETTINGS, SLAB
 from .replies import JSON
 from .tenants import Tenant
 
@@ -35,22 +50,75 @@ async def batch_exists(request: web.Request, tenant: Tenant) -> web.StreamRespon
     Answers ``{"exists": [bool, ...], "prefix_hits": n}``, ``n`` being the length of the
     leading run of hits (how much of a token prefix is cached). A body of type
     ``application/x-eg-kv-addresses`` gets the compact answer instead
-    (:mod:`eg_kv.wire`).
+    (:mod:`eg_kv.wire`). With ``X-Eg-Kv-Lease-Ms``, the hits are leased (module docstring).
+
+    Raises:
+        BadRequest: a bad body or lease header. TooLarge: over 1024 addresses or 512 KiB.
+    """
+    lease_ms = granted_lease(request)
+    content_type = request.headers.get("Content-Type")
+    addresses = batch_addresses(content_type, await _batch_body(request, "exists"))
+    found = request.app[SLAB].exists_many(addresses, tenant.ns, lease_ms)
+    answer, answer_type = batch_answer_body(found, content_type)
+    if LEASE_HEADER not in request.headers:
+        return reply(request, 200, answer, answer_type)
+    # A leasing lookup takes the lock anyway: aiohttp's response, with the header.
+    headers = {"Content-Type": answer_type, LEASE_HEADER: str(lease_ms)}
+    return web.Response(status=200, body=answer, headers=headers)
+
+
+async def batch_release(request: web.Request, tenant: Tenant) -> web.StreamResponse:
+    """``POST /kv/batch/release``: release one lease on each address (the batch exists'
+    bodies); ``{"released": [bool, ...]}``, or one byte per address for a compact body.
+
+    Raises:
+        BadRequest: a bad body. TooLarge: over 1024 addresses or 512 KiB.
+    """
+    content_type = request.headers.get("Content-Type")
+    addresses = batch_addresses(content_type, await _batch_body(request, "release"))
+    released = request.app[SLAB].release_leases(addresses, tenant.ns)
+    if wire.is_compact(content_type):
+        return reply(request, 200, wire.encode_flags(released), wire.FLAGS_TYPE)
+    return reply(request, 200, json.dumps({"released": released}).encode(), JSON)
+
+
+def granted_lease(request: web.Request) -> int:
+    """The lease a batch lookup asks for (``X-Eg-Kv-Lease-Ms``), clamped to the server's
+    ``--lease-ms``; 0 without the header.
+
+    Raises:
+        BadRequest: the header is not a whole number of ms.
+    """
+    raw = request.headers.get(LEASE_HEADER)
+    if raw is None:
+        return 0
+    if not raw.strip().isdigit() or len(raw) > 12:
+        raise BadRequest(f"{LEASE_HEADER} must be a whole number of milliseconds (0: none)")
+    return min(int(raw), request.app[SETTINGS].lease_ms)
+
+
+def release_on_load(request: web.Request, tenant: Tenant) -> None:
+    """End one of the caller's leases on the block a ``GET`` with ``X-Eg-Kv-Release`` loaded
+    (or missed). An invalid address has no lease: the GET answered 400 for it."""
+    with contextlib.suppress(InvalidAddress):
+        request.app[SLAB].release_leases([request.match_info["hash"]], tenant.ns)
+
+
+async def _batch_body(request: web.Request, what: str) -> bytes:
+    """A batch request's body, bounded before it is read.
+
+    Raises:
+        BadRequest: no Content-Length, or the body broke off. TooLarge: over 512 KiB.
     """
     raw = request.headers.get("Content-Length")
     if raw is None or not raw.isdigit():
-        raise BadRequest("batch exists needs a body with a Content-Length")
+        raise BadRequest(f"batch {what} needs a body with a Content-Length")
     if int(raw) > BATCH_EXISTS_MAX_BYTES:
         raise TooLarge(f"batch body of {raw} bytes is over {BATCH_EXISTS_MAX_BYTES}")
     try:
-        body = await request.read()
+        return await request.read()
     except Exception as e:
         raise BadRequest(f"batch body cut short: {why(e)}") from None
-    content_type = request.headers.get("Content-Type")
-    addresses = batch_addresses(content_type, body)
-    found = request.app[SLAB].exists_many(addresses, tenant.ns)
-    answer, answer_type = batch_answer_body(found, content_type)
-    return reply(request, 200, answer, answer_type)
 
 
 def batch_addresses(content_type: str | None, body: bytes) -> list[str]:

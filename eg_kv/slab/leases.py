@@ -122,6 +122,13 @@ class SlabLeases(SlabChecks):
             st[L.ST_LEASES_EXPIRED] += expired
         return out
 
+    def stats(self, timeout: float | None = None) -> dict[str, int]:
+        """The slab's counters (:meth:`eg_kv.slab.stats.SlabStats.stats`) and
+        ``leased_blocks``: blocks under a lease that has not ended, now."""
+        out = super().stats(timeout)
+        out["leased_blocks"] = self.leased_blocks()
+        return out
+
     def _forget_leases(self, i: int, held: int, now: int) -> None:
         """Clear slot ``i``'s ``held`` leases before its block is evicted (under the lock);
         counted as expired when they had ended (``now`` 0: the lease clock was not read)."""

@@ -1,0 +1,181 @@
+"""Leases through a real server: batch exists leases its hits (JSON and compact alike), a
+load or ``POST /kv/batch/release`` ends them, a full slab of leased blocks refuses a put
+with 507 until they end, and THE acceptance run: under eviction pressure from two writer
+processes, lookups that answered hit and then missed their load (0 with leases)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from eg_kv.client.aio import AsyncServerConnector
+from eg_kv.client.core import KvCacheConfig
+from eg_kv.client.sync import ServerConnector
+from eg_kv.wire import ADDRESSES_TYPE, BATCH_RELEASE_PATH, LEASE_HEADER, RELEASE_HEADER
+
+ROOT = Path(__file__).resolve().parents[2]
+KiB = 1024
+BLOCK = 64 * KiB
+#: A slab of 16 pages of 64 KiB: 16 blocks fill it.
+SMALL = ("--page-size", "64KiB", "--lease-ms", "3000")
+pytestmark = pytest.mark.timeout(120)
+
+
+def request(url: str, method: str = "GET", body: bytes | None = None, headers=None):
+    """(status, headers, body) of one request; an error status is an answer too."""
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def exists(url: str, addresses: list[str], lease: str | None, compact: bool = False):
+    headers = {LEASE_HEADER: lease} if lease is not None else {}
+    if compact:
+        body = "\n".join(addresses).encode()
+        headers["Content-Type"] = ADDRESSES_TYPE
+    else:
+        body = json.dumps({"addresses": addresses}).encode()
+        headers["Content-Type"] = "application/json"
+    return request(url + "/kv/batch/exists", "POST", body, headers)
+
+
+def stats(url: str) -> dict:
+    return json.loads(request(url + "/kv/stats")[2])
+
+
+@pytest.fixture
+def srv(server_factory):
+    """One worker, 1 MiB of 64 KiB pages, leases of at most 3 s."""
+    return server_factory(workers=1, capacity="1MiB", extra=SMALL)
+
+
+def fill(url: str, prefix: str, n: int) -> list[str]:
+    keys = [f"{prefix}{k}" for k in range(n)]
+    for k in keys:
+        assert request(f"{url}/kv/{k}", "PUT", bytes(BLOCK))[0] == 201
+    return keys
+
+
+def test_a_leasing_lookup_says_what_it_granted_clamped_to_the_server(srv):
+    fill(srv.url, "k", 2)
+    status, headers, body = exists(srv.url, ["k0", "k1", "nope"], "60000")
+    assert status == 200 and headers[LEASE_HEADER] == "3000"
+    assert json.loads(body) == {"exists": [True, True, False], "prefix_hits": 2}
+    status, headers, body = exists(srv.url, ["k0", "nope"], "100", compact=True)
+    assert status == 200 and headers[LEASE_HEADER] == "100" and body == b"\x01\x00"
+    status, headers, _ = exists(srv.url, ["k0"], None)
+    assert status == 200 and LEASE_HEADER not in headers  # no header: no lease, as before
+    st = stats(srv.url)
+    assert st["leases_taken"] == 3 and st["leased_blocks"] == 2
+
+
+@pytest.mark.parametrize("bad", ["-1", "1.5", "soon", "9" * 20, ""])
+def test_a_bad_lease_header_gets_a_400_with_its_reason(srv, bad):
+    status, _, body = exists(srv.url, ["k0"], bad)
+    assert status == 400 and LEASE_HEADER.encode() in body and body.count(b"\n") == 1
+    assert stats(srv.url)["leases_taken"] == 0
+
+
+def test_release_route_answers_in_the_requests_format_and_never_below_zero(srv):
+    fill(srv.url, "k", 2)
+    exists(srv.url, ["k0", "k0", "k1"], "3000")
+    body = json.dumps({"addresses": ["k0", "k1", "k1", "nope"]}).encode()
+    status, _, out = request(srv.url + BATCH_RELEASE_PATH, "POST", body)
+    assert status == 200 and json.loads(out) == {"released": [True, True, False, False]}
+    compact = {"Content-Type": ADDRESSES_TYPE}
+    status, _, out = request(srv.url + BATCH_RELEASE_PATH, "POST", b"k0\nk0", compact)
+    assert status == 200 and out == b"\x01\x00"
+    st = stats(srv.url)
+    assert (st["leases_taken"], st["leases_released"], st["leased_blocks"]) == (3, 3, 0)
+    assert request(srv.url + BATCH_RELEASE_PATH)[0] == 405
+    status, _, out = request(srv.url + BATCH_RELEASE_PATH, "POST", b"not json")
+    assert status == 400 and b"JSON" in out
+
+
+def test_a_get_with_the_release_header_ends_one_lease_hit_or_miss(srv):
+    fill(srv.url, "k", 1)
+    exists(srv.url, ["k0", "k0"], "3000")
+    status, _, body = request(srv.url + "/kv/k0", headers={RELEASE_HEADER: "1"})
+    assert status == 200 and len(body) == BLOCK
+    assert stats(srv.url)["leases_released"] == 1
+    assert request(srv.url + "/kv/nope", headers={RELEASE_HEADER: "1"})[0] == 404
+    assert request(srv.url + "/kv/k0", headers={RELEASE_HEADER: "1"})[0] == 200
+    st = stats(srv.url)
+    assert st["leases_released"] == 2 and st["leased_blocks"] == 0
+
+
+def test_a_slab_of_leased_blocks_refuses_a_put_until_released(srv):
+    keys = fill(srv.url, "k", 16)
+    with ServerConnector(KvCacheConfig(base_url=srv.url)) as kv:
+        assert kv.exists_many(keys, lease_ms=3000) == [True] * 16
+        status, _, body = request(f"{srv.url}/kv/more", "PUT", bytes(BLOCK))
+        assert status == 507 and b"leases end within" in body
+        assert kv.release(keys[:1]) == 1
+        assert kv.put("more", bytes(BLOCK))
+        assert not kv.exists(keys[0]) and all(kv.exists_many(keys[1:]))
+        metrics = request(srv.url + "/metrics")[2].decode()
+    for name in ("eg_kv_leases_taken_total 16.0", "eg_kv_leases_released_total 1.0"):
+        assert name in metrics
+    assert "eg_kv_leased_blocks 15.0" in metrics
+
+
+def test_the_clients_lease_and_release_sync_and_async(srv):
+    fill(srv.url, "k", 4)
+    config = KvCacheConfig(base_url=srv.url)
+    with ServerConnector(config) as kv:
+        assert kv.contains_prefix(["k0", "k1", "nope", "k3"], lease_ms=1000) == 2
+        st = stats(srv.url)  # k3, past the prefix, was released at once
+        assert (st["leases_taken"], st["leases_released"], st["leased_blocks"]) == (3, 1, 2)
+        buf = bytearray(BLOCK)
+        assert kv.get_into("k0", buf, release_lease=True) == BLOCK
+        assert kv.get("k1", release_lease=True) == bytes(BLOCK)
+        assert stats(srv.url)["leased_blocks"] == 0
+
+    async def run() -> None:
+        async with AsyncServerConnector(config) as akv:
+            assert await akv.exists_many(["k2", "nope"], lease_ms=1000) == [True, False]
+            assert await akv.get("k2", release_lease=True) == bytes(BLOCK)
+            assert await akv.try_exists_many(["k3"], lease_ms=1000) == [True]
+            assert await akv.release(["k3", "k3"]) == 1
+
+    asyncio.run(run())
+    st = stats(srv.url)
+    assert (st["leased_blocks"], st["leases_taken"], st["leases_released"]) == (0, 5, 5)
+
+
+def test_lease_ms_0_turns_leases_off(server_factory):
+    srv = server_factory(workers=1, capacity="1MiB", extra=("--lease-ms", "0"))
+    fill(srv.url, "k", 1)
+    status, headers, _ = exists(srv.url, ["k0"], "3000")
+    assert status == 200 and headers[LEASE_HEADER] == "0"
+    assert stats(srv.url)["leases_taken"] == 0
+
+
+def test_hits_that_miss_their_load_none_with_leases_some_without(server_factory):
+    """THE acceptance run (scripts/bench_leases.py): a 2 MiB slab, two writer processes
+    putting a slab's worth each between every lookup and its loads, rounds alternating
+    with and without leases on the same server."""
+    srv = server_factory(workers=2, capacity="2MiB", extra=("--page-size", "64KiB"))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_leases.py"), "--url", srv.url,
+         "--rounds", "6", "--json"],
+        capture_output=True, text=True, timeout=100, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    leased, bare = got["leases"], got["no_leases"]
+    assert leased["rounds"] == bare["rounds"] == 6
+    assert leased["hits"] >= 6 and bare["hits"] >= 6
+    assert leased["missed"] == 0
+    assert bare["missed"] > 0
+    assert leased["taken"] == leased["released"] == leased["hits"]
