@@ -31,6 +31,12 @@ plain address could release another LMCache server's chunk.
 
 A load never writes into LMCache's buffer after ``close()`` returned or after its batch's
 deadline (:mod:`eg_kv.lmcache.write_gate`).
+
+Leases (:mod:`eg_kv.slab.leases`): LMCache's lookup-and-lock is ``submit_batch_exists``, so
+each lookup leases its hits for ``lease_ms`` (an ``adapter_params`` key, default
+:data:`DEFAULT_LEASE_MS`; the server grants at most its ``--lease-ms``; 0: none), and each
+load of a key releases one lease on it. LMCache's unlock stays in its adapter (the plugin
+never hears of it): a lock released without a load ends when its lease does.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from typing import Any
 from ..address import address_for_key
 from ..client.connectors import connect
 from ..client.core import KvCacheConfig, resolve_config
+from ..errors import ConfigError
 from .store_warnings import StoreWarnings
 from .write_gate import GateSet, WriteGate, read_through
 
@@ -76,6 +83,24 @@ INLINE_BACKOFF_S = 5.0
 #: Key -> address digests remembered (LMCache asks about the same prefixes again and
 #: again; a BLAKE2b digest is about 0.6 µs a key). Cleared when full: bounded, no LRU cost.
 MAX_DIGESTS = 65536
+#: The lease a lookup takes on its hits, in ms, unless ``adapter_params`` says
+#: ``lease_ms``: LMCache loads what it locked within a scheduler step or a few.
+DEFAULT_LEASE_MS = 5000
+
+
+def _lease_param(raw: Any) -> int:
+    """``adapter_params``' ``lease_ms`` as a whole number of ms (0: no leases).
+
+    Raises:
+        ConfigError: not a whole number, or below 0.
+    """
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"lease_ms must be a whole number of ms, got {raw!r}") from None
+    if value < 0 or isinstance(raw, bool):
+        raise ConfigError(f"lease_ms must be 0 (no leases) or more, got {raw!r}")
+    return value
 
 
 class _OtherLength(Exception):
@@ -119,11 +144,13 @@ class RemoteKVL2Connector:
             config: a ready :class:`KvCacheConfig`, or leave it out and pass keywords.
             **adapter_params: LMCache's ``adapter_params``: ``base_url``, ``addr``,
                 ``token``, ``timeout_s``, ``num_workers``, ``max_connections``,
-                ``verify_tls``, all optional; the rest comes from the environment.
+                ``verify_tls``, ``lease_ms`` (see the module docstring), all optional; the
+                rest comes from the environment.
 
         Raises:
             ConfigError: a parameter cannot be used.
         """
+        self._lease_ms = _lease_param(adapter_params.pop("lease_ms", DEFAULT_LEASE_MS))
         if adapter_params.get("token"):
             # LMCache logs adapter_params verbatim when it builds the adapter.
             log.warning(
@@ -229,7 +256,10 @@ class RemoteKVL2Connector:
     def _fetch(self, address: str, sink: Callable[..., bool], gate: WriteGate) -> bool | None:
         # Over a set a miss may ask the previous home with a fresh timeout_s: only while
         # the batch's deadline still has room for it (the same gate).
-        return self._client.fetch(address, sink, may_start=gate.can_start)
+        # The load ends one of the leases the lookup took (docs/leases.md).
+        return self._client.fetch(
+            address, sink, may_start=gate.can_start, release_lease=self._lease_ms > 0
+        )
 
     def submit_batch_delete(self, keys: Sequence[str]) -> int:
         """Release each key's reference on the server; never blocks.
@@ -277,7 +307,9 @@ class RemoteKVL2Connector:
             and time.monotonic() >= self._inline_after
         ):
             found = client.try_exists_addresses(
-                self._addresses(keys), min(INLINE_TIMEOUT_S, self.config.timeout_s)
+                self._addresses(keys),
+                min(INLINE_TIMEOUT_S, self.config.timeout_s),
+                lease_ms=self._lease_ms or None,
             )
             if found is not None:
                 self._complete(fid, True, "", found)
@@ -285,7 +317,9 @@ class RemoteKVL2Connector:
             self._inline_after = time.monotonic() + INLINE_BACKOFF_S
 
         def run() -> None:
-            found = self._client.try_exists_addresses(self._addresses(keys))
+            found = self._client.try_exists_addresses(
+                self._addresses(keys), lease_ms=self._lease_ms or None
+            )
             if found is None:  # could not ask: a failed lookup, which LMCache counts as misses
                 self._complete(fid, False, "eg-kv batch exists failed", [False] * len(keys))
             else:

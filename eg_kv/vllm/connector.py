@@ -12,7 +12,9 @@ Scheduler side (the engine core process):
 * :meth:`get_num_new_matched_tokens` asks which blocks after the locally computed ones are
   stored, with ONE batch lookup (``contains_prefix``: the compact ``POST
   /kv/batch/exists`` per server) over every shard's address of each whole block, never the
-  prompt's last token (vLLM must compute one). Side-effect free. It runs in a background
+  prompt's last token (vLLM must compute one). Its only side effect: the prefix's blocks
+  are leased (``lease_ms``, :mod:`eg_kv.slab.leases`) so eviction passes over them until
+  the workers' loads release them (or the lease ends). It runs in a background
   thread (:mod:`eg_kv.vllm.lookups`): answered in the same call when the server is quick,
   else ``None`` ("ask again next step") until done; a lookup past the client's timeout is
   a miss, never a stuck scheduler.
@@ -140,7 +142,8 @@ class EgKvConnector(KVConnectorBase_V1):
 
     ``kv_connector_extra_config``: ``url`` / ``base_url`` (one server or a set), ``token``,
     ``timeout_s``, ... (every :class:`~eg_kv.client.core.KvCacheConfig` field, over the
-    ``EPISTEMIC_GRAPH_KVCACHE_*`` environment), ``io_threads``, ``max_pending_bytes``.
+    ``EPISTEMIC_GRAPH_KVCACHE_*`` environment), ``io_threads``, ``max_pending_bytes``,
+    ``lease_ms`` (the lease a lookup takes on its hits, released by the load; 0: none).
     """
 
     def __init__(
@@ -250,7 +253,10 @@ class EgKvConnector(KVConnectorBase_V1):
         def lookup() -> int:
             chain = token_chain(tokens, bs, extras=extras, max_blocks=limit, known=known)
             addresses = lookup_addresses(chain[first:limit], formats)
-            return self._client.contains_prefix(addresses) // len(formats)
+            # The hits are leased (settings' lease_ms): eviction passes over them until
+            # the workers' loads release them, or the lease ends (docs/leases.md).
+            lease = self._settings.lease_ms or None
+            return self._client.contains_prefix(addresses, lease_ms=lease) // len(formats)
 
         hits = self._lookups.ask(request.request_id, (first, limit), lookup)
         if hits is None:
@@ -417,7 +423,13 @@ class EgKvConnector(KVConnectorBase_V1):
         rows = staging.numpy()
         assert self._pool is not None
         # A block counts only when it filled its row exactly (see eg_kv.vllm.staging).
-        ok, bad = load_rows(self._client, addresses, rows, map_fn=self._pool.map)
+        ok, bad = load_rows(
+            self._client,
+            addresses,
+            rows,
+            map_fn=self._pool.map,
+            release_lease=self._settings.lease_ms > 0,
+        )
         if bad:
             log.warning(
                 "EgKvConnector: %d of %d blocks failed to load (missing, or not %d bytes); "

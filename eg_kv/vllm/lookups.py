@@ -15,8 +15,11 @@ call), and otherwise answers ``None`` until the lookup finished. Bounded everywh
   range (its local prefix changed), and by :meth:`PendingLookups.drop` (the connector
   calls it from ``request_finished``).
 
-A lookup only reads (one batch-exists request): nothing here changes any state but this
-table.
+A lookup is one batch-exists request; nothing here changes any state but this table. The
+lookup the connector hands in leases its hits on the server (:mod:`eg_kv.slab.leases`):
+an entry dropped or expired here leaves its leases to end on their own (``lease_ms``),
+and a lookup asked again takes them again, so a request that waits several steps keeps
+its blocks leased while it waits.
 """
 
 from __future__ import annotations

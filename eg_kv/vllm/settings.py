@@ -23,7 +23,12 @@ CONNECTOR_KEYS: dict[str, Any] = {
     "io_threads": 4,
     # Saved blocks waiting for their PUT, in bytes, before a save waits for room.
     "max_pending_bytes": 256 * 1024 * 1024,
+    # The lease a scheduler lookup asks on its hits, in ms (the server grants at most its
+    # --lease-ms); the worker's load releases it. 0: no leases (docs/leases.md).
+    "lease_ms": 5000,
 }
+#: Keys that may be 0 (the others must be at least 1).
+ZERO_OK = frozenset({"lease_ms"})
 #: ``url`` is the name vLLM users expect; it means ``base_url``.
 ALIASES = {"url": "base_url"}
 
@@ -35,6 +40,7 @@ class ConnectorSettings:
     client: KvCacheConfig
     io_threads: int = CONNECTOR_KEYS["io_threads"]
     max_pending_bytes: int = CONNECTOR_KEYS["max_pending_bytes"]
+    lease_ms: int = CONNECTOR_KEYS["lease_ms"]
 
 
 def settings_from(
@@ -73,7 +79,8 @@ def settings_from(
             number = int(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
-        if number < 1:
-            raise ConfigError(f"{name} must be at least 1, got {number}")
+        least = 0 if name in ZERO_OK else 1
+        if number < least:
+            raise ConfigError(f"{name} must be at least {least}, got {number}")
         values[name] = number
     return ConnectorSettings(client=client, **values)

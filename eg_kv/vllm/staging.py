@@ -23,7 +23,9 @@ _T = TypeVar("_T")
 class BlockReader(Protocol):
     """What a load needs of a client (every eg-kv sync client has it)."""
 
-    def get_into(self, key: str | bytes, buffer: Any) -> int | None: ...
+    def get_into(
+        self, key: str | bytes, buffer: Any, release_lease: bool = False
+    ) -> int | None: ...
 
 
 def load_rows(
@@ -32,9 +34,11 @@ def load_rows(
     rows: Any,
     *,
     map_fn: Callable[[Callable[[int], int | None], Iterable[int]], Iterable[int | None]] = map,
+    release_lease: bool = False,
 ) -> tuple[list[int], list[int]]:
     """GET ``addresses[i]`` into ``rows[i]`` (a writable buffer of one stored block's
     exact length), with ``map_fn`` (e.g. a thread pool's ``map``) running the GETs.
+    ``release_lease``: each GET ends one lease the lookup took on its block.
 
     Returns:
         ``(ok, failed)``: the indices (``rows`` is any indexable of buffers with a
@@ -48,6 +52,8 @@ def load_rows(
 
     def one(i: int) -> int | None:
         try:
+            if release_lease:
+                return client.get_into(addresses[i], rows[i], release_lease=True)
             return client.get_into(addresses[i], rows[i])
         except Exception:  # a client that raises counts as a failed block, never a crash
             return None

@@ -1,0 +1,77 @@
+"""The LMCache L2 adapter's lookup-and-lock leases its hits on a real server, and each load
+releases one: a slab full of locked chunks keeps them until loaded (a put meanwhile gets
+507), then takes new ones; ``lease_ms`` 0 turns it off; a bad one is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+
+import pytest
+from helpers.kvcache import lm_keys, wait_completions
+
+from eg_kv.errors import ConfigError
+from eg_kv.kvcache import RemoteKVL2Connector
+
+pytestmark = pytest.mark.timeout(120)
+CHUNK = 64 * 1024
+
+
+def stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/kv/stats", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def put_status(url: str, address: str) -> int:
+    req = urllib.request.Request(f"{url}/kv/{address}", data=bytes(CHUNK), method="PUT")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.mark.parametrize("local_reads", [False, True])
+def test_lookup_and_lock_leases_and_the_load_releases(server_factory, local_reads):
+    # 16 pages of 64 KiB: the 16 chunks fill the slab.
+    srv = server_factory(workers=1, capacity="1MiB", extra=("--page-size", "64KiB"))
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=10, local_reads=local_reads)
+    try:
+        keys = lm_keys(16)
+        blocks = [bytearray(os.urandom(CHUNK)) for _ in keys]
+        f = conn.submit_batch_set(keys, [memoryview(b) for b in blocks])
+        assert wait_completions(conn, {f})[f][1] is True
+        f = conn.submit_batch_exists([*keys, *lm_keys(1, start=99)])
+        assert wait_completions(conn, {f})[f][3] == [True] * 16 + [False]
+        st = stats(srv.url)
+        assert (st["leases_taken"], st["leased_blocks"]) == (16, 16)
+        # Locked: a put from elsewhere finds only leased chunks to evict.
+        assert put_status(srv.url, "elsewhere") == 507
+        bufs = [bytearray(CHUNK) for _ in keys]
+        f = conn.submit_batch_get(keys[:4], [memoryview(b) for b in bufs[:4]])
+        assert wait_completions(conn, {f})[f][3] == [True] * 4
+        assert bufs[:4] == blocks[:4]
+        st = stats(srv.url)
+        assert (st["leases_released"], st["leased_blocks"]) == (4, 12)
+        assert put_status(srv.url, "elsewhere") == 201  # a loaded chunk may go now
+    finally:
+        conn.close()
+
+
+def test_lease_ms_0_takes_no_lease_and_a_bad_one_is_refused(server_factory):
+    srv = server_factory(workers=1, capacity="8MiB")
+    conn = RemoteKVL2Connector(base_url=srv.url, lease_ms=0, local_reads=False)
+    try:
+        keys = lm_keys(2)
+        f = conn.submit_batch_set(keys, [memoryview(bytes(100)) for _ in keys])
+        wait_completions(conn, {f})
+        f = conn.submit_batch_exists(keys)
+        assert wait_completions(conn, {f})[f][3] == [True, True]
+        assert stats(srv.url)["leases_taken"] == 0
+    finally:
+        conn.close()
+    for bad in (-1, "soon", True):
+        with pytest.raises(ConfigError, match="lease_ms"):
+            RemoteKVL2Connector(base_url=srv.url, lease_ms=bad)
