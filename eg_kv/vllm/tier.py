@@ -28,7 +28,8 @@ never blocks it:
   engines whose slots match share blocks (vLLM's block hashes must then agree: its
   default ``sha256`` prefix-caching hash does across processes);
 * **events**: with ``enable_kv_events`` (and vLLM's KV events on), :meth:`take_events`
-  yields the keys this tier stored.
+  yields the keys this tier stored, and (one server) the keys whose blocks the server
+  removed, from its exact event log (:mod:`eg_kv.vllm.tier_events`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from ..client.connectors import connect
 from ..client.interface import KvConnector
 from .addresses import BlockFormat, block_address
 from .tier_copies import CopyJobs, FinishedJob
+from .tier_events import RemovalRelay
 from .tier_lookups import StepLookups
 from .tier_settings import TierSettings, tier_settings_from
 
@@ -169,9 +171,11 @@ class EgKvTier(SecondaryTierManager):
         self._to_release: list[str] = []
         self._lock = threading.Lock()
         self.events: list[OffloadingEvent] | None = None
+        self._removals: RemovalRelay | None = None
         if self.settings.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self.events = []
+                self._removals = self._follow_removals(client)
             else:
                 log.warning(
                     "EgKvTier: enable_kv_events is set but vLLM's KV cache events are off; "
@@ -190,6 +194,17 @@ class EgKvTier(SecondaryTierManager):
             row_bytes,
             self.settings.client.base_url,
             lease_ms,
+        )
+
+    def _follow_removals(self, client: KvConnector | None) -> RemovalRelay | None:
+        """Follow the server's event log for removals (one server with a log: a set's
+        members each keep their own, not followed here)."""
+        if client is not None or not self.settings.client.single:
+            log.info("EgKvTier: relaying the tier's stores; removals only with one server")
+            return None
+        return RemovalRelay(
+            lambda: connect(self.settings.client),
+            wait_s=min(5.0, self.settings.client.timeout_s),
         )
 
     # ---------------------------------------------------------------- addresses, probes
@@ -265,6 +280,9 @@ class EgKvTier(SecondaryTierManager):
             else:
                 self.counters["stored_blocks"] += len(ok_keys)
                 self.counters["store_failed_blocks"] += len(failed)
+        if self._removals is not None:
+            for key in ok_keys:  # held by eg-kv: report when the server removes it
+                self._removals.watch(self.address(key), key)
         if is_load:
             # The loads read their blocks with a lease taken by the lookup: end them.
             self._release([self.address(k) for k in keys])
@@ -296,7 +314,21 @@ class EgKvTier(SecondaryTierManager):
         return bool(self._job_keys)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """The tier's stores since the last call (with ``enable_kv_events``)."""
+        """With ``enable_kv_events``: the tier's stores since the last call, and the
+        server's removals of blocks the tier stored or loaded (one server)."""
+        if self._removals is not None:
+            removed = self._removals.take()
+            if removed:
+                assert self.events is not None
+                self.events.append(
+                    OffloadingEvent(
+                        keys=removed,
+                        medium=self.medium,
+                        removed=True,
+                        locality=self.locality,
+                        ownership=self.tier_type,
+                    )
+                )
         if self.events:
             events, self.events = self.events, []
             yield from events
@@ -325,6 +357,8 @@ class EgKvTier(SecondaryTierManager):
         try:
             self._copies.close()
         finally:
+            if self._removals is not None:
+                self._removals.close(timeout_s=0.5)
             self._lookups.close()
             self._releases.shutdown(wait=True)
             self._client.close()

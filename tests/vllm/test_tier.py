@@ -64,7 +64,8 @@ def server_stats(url: str) -> dict:
 
 
 def test_two_managers_in_two_processes_share_one_server(server_factory):
-    """Process 1 stores 8 chunks through its tier; process 2's tier finds them in one
+    """Process 1 stores 10 chunks through its tier and relays their stores, and the
+    removal of 2 another client deleted, as KV events; process 2's tier finds 8 in one
     batch per step (each hit leased) and loads them into its primary slots, bytes equal,
     over HTTP and by a local read of the slab; keys never stored are misses. The loads
     end their leases, and hits a request leaves unloaded are released (leases of 60 s:
@@ -72,11 +73,15 @@ def test_two_managers_in_two_processes_share_one_server(server_factory):
     srv = server_factory(workers=2, capacity="64MiB", extra=("--lease-ms", "60000"))
     lease = {"lease_ms": 60000}
     (stored,) = drive(
-        {"scenario": "store", "url": srv.url, "keys": 8, "options": {"enable_kv_events": True}}
-    )
-    assert stored["stats"]["stored_blocks"] == 8 and stored["stats"]["store_failed_blocks"] == 0
+        {"scenario": "store", "url": srv.url, "keys": 10, "remove": 2,
+         "options": {"enable_kv_events": True}},
+    )  # fmt: skip
+    assert stored["stats"]["stored_blocks"] == 10 and stored["stats"]["store_failed_blocks"] == 0
     assert not stored["pending"]
-    assert stored["events"] == [[8, False, "CPU"]]  # the tier's stores, relayed
+    assert stored["events"] == [[10, False, "CPU"]]  # the tier's stores, relayed
+    # Another client deleted 2 of them: the server's event log told the tier, which relayed
+    # exactly those keys as removed; 8 are left to load.
+    assert stored["removed"] == 2 and stored["removed_match"]
     over_http, local, peek = drive(
         {"scenario": "load", "url": srv.url, "keys": 10,
          "options": {"local_reads": False, **lease}},

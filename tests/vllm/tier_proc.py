@@ -9,8 +9,10 @@ seconds). Each step builds vLLM's own ``TieringOffloadingSpec`` from an
 ``kv_connector_extra_config`` would), gets its real ``TieringOffloadingManager`` and
 plays a scheduler against it:
 
-* ``store``: one request stores ``--keys`` chunks (deterministic bytes per key) to the
+* ``store``: one request stores ``keys`` chunks (deterministic bytes per key) to the
   primary tier; the manager cascades them to the tier; steps until the store jobs end;
+  with ``remove``, another client then deletes that many and the tier's KV events must
+  report them removed (from the server's event log);
 * ``load``: one request looks its keys up step by step (RETRY while the tier's batch is
   in flight, HIT_PENDING while a promotion copies) until every key is a HIT or MISS,
   then compares each HIT's primary slot with the bytes ``store`` wrote;
@@ -114,9 +116,24 @@ def store(args: argparse.Namespace) -> dict:
         steps += 1
     events = [(len(e.keys), e.removed, e.medium.value) for e in manager.take_events()
               if e.ownership == tier.tier_type]  # fmt: skip
+    removed: list[bytes] = []
+    if args.remove:
+        # Another client deletes some blocks: the server's log says so, the tier relays it.
+        client = connect(KvCacheConfig.from_env({}, base_url=args.url, timeout_s=5.0))
+        for key in keys[: args.remove]:
+            assert client.delete(tier.address(key))
+        client.close()
+        t1 = time.monotonic()
+        while len(removed) < args.remove and time.monotonic() - t1 < 15:
+            for e in manager.take_events():
+                if e.removed and e.ownership == tier.tier_type:
+                    removed.extend(e.keys)
+            time.sleep(0.02)
+    same = sorted(removed) == sorted(keys[: args.remove])
     manager.on_request_finished(ctx)
     flat.release()
     result = {"stats": tier.stats(), "pending": manager.has_pending_work(), "events": events,
+              "removed": len(removed), "removed_match": same,
               "seconds": time.monotonic() - t0, "format": tier.describe()}  # fmt: skip
     manager.shutdown()
     return result
@@ -251,7 +268,7 @@ def drain(args: argparse.Namespace) -> dict:
 
 
 DEFAULTS = {"options": "{}", "keys": 8, "seed": "s", "row_kib": 96, "slots": 64,
-            "budget_s": 20.0, "after_s": 0.5}  # fmt: skip
+            "budget_s": 20.0, "after_s": 0.5, "remove": 0}  # fmt: skip
 SCENARIOS = {"store": store, "load": load, "forge": forge, "drain": drain, "peek": peek}
 
 

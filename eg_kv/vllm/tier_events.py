@@ -1,0 +1,117 @@
+"""The server's removals of blocks :class:`~eg_kv.vllm.tier.EgKvTier` knows, for vLLM's
+KV-events stream (no vLLM import).
+
+eg-kv keeps an exact, ordered log of the blocks it stores and removes (evicted, deleted
+to zero references, dropped by a repair, evicted for a quota: ``GET /kv/events``,
+:mod:`eg_kv.client.events`). :class:`RemovalRelay` follows that log on a thread of its own
+and turns each removal of a block the tier stored or loaded (the addresses it was told
+to :meth:`~RemovalRelay.watch`, at most ``max_watched``, oldest forgotten first) into its
+vLLM key, for :meth:`~RemovalRelay.take`. After a gap (the log lapped the reader) or a
+reconnection it starts again from a snapshot of the blocks held: a watched block absent
+from it was removed meanwhile. So a router that scores instances by what they offloaded
+hears of the removals too, not only of the stores.
+
+Bounds: one long-poll at a time (``wait_s``, plus the client's timeout); after an error
+it waits ``retry_s`` before asking again; :meth:`~RemovalRelay.close` returns within
+``wait_s`` + the client's timeout at worst (the thread is a daemon). A snapshot holds
+every address of the namespace: tens of MiB for a million blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+__all__ = ["RemovalRelay"]
+
+log = logging.getLogger("eg_kv.vllm.tier")
+
+
+class RemovalRelay:
+    """Follows a server's event log for the removals of watched addresses.
+
+    Args:
+        source: makes the client the thread reads the log with (a single-server sync
+            client: ``events`` and ``snapshot``); closed when the thread ends.
+        wait_s: seconds one request waits for new events.
+        retry_s: pause after an error (an unreachable server, no log there).
+        max_watched: addresses remembered (oldest forgotten first).
+    """
+
+    def __init__(
+        self,
+        source: Callable[[], Any],
+        *,
+        wait_s: float = 1.0,
+        retry_s: float = 1.0,
+        max_watched: int = 65536,
+    ) -> None:
+        if wait_s <= 0 or retry_s <= 0 or max_watched < 1:
+            raise ValueError("wait_s > 0, retry_s > 0, max_watched >= 1")
+        self._source = source
+        self.wait_s = wait_s
+        self.retry_s = retry_s
+        self.max_watched = max_watched
+        self._watched: OrderedDict[str, Hashable] = OrderedDict()
+        self._removed: list[Hashable] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.following = threading.Event()  # set once the first snapshot was read
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="eg-kv-tier-events", daemon=True)
+        self._thread.start()
+
+    def watch(self, address: str, key: Hashable) -> None:
+        """Report ``key`` when the block at ``address`` is removed."""
+        with self._lock:
+            self._watched[address] = key
+            self._watched.move_to_end(address)
+            while len(self._watched) > self.max_watched:
+                self._watched.popitem(last=False)
+
+    def take(self) -> list[Hashable]:
+        """The keys whose blocks were removed since the last call."""
+        with self._lock:
+            out, self._removed = self._removed, []
+        return out
+
+    def _gone(self, addresses: list[str]) -> None:
+        with self._lock:
+            for address in addresses:
+                key = self._watched.pop(address, None)
+                if key is not None:
+                    self._removed.append(key)
+
+    def _run(self) -> None:
+        from ..client.events import Snapshot, follow
+
+        while not self._stop.is_set():
+            client = None
+            try:
+                client = self._source()
+                for item in follow(client, wait=self.wait_s):
+                    if self._stop.is_set():
+                        break
+                    if isinstance(item, Snapshot):
+                        held = {b.hash for b in item.blocks}
+                        with self._lock:
+                            missing = [a for a in self._watched if a not in held]
+                        self._gone(missing)
+                        self.following.set()
+                    elif item.kind == "removed":
+                        self._gone([item.hash])
+            except Exception as exc:  # the next attempt starts from a snapshot
+                self.errors += 1
+                log.debug("EgKvTier: following the event log failed: %s", exc)
+                self._stop.wait(self.retry_s)
+            finally:
+                if client is not None:
+                    client.close()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop following (waits up to ``timeout_s`` for the thread; a daemon otherwise)."""
+        self._stop.set()
+        self._thread.join(timeout_s)
