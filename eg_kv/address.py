@@ -15,7 +15,7 @@ SAFE_CHARS = "A-Za-z0-9._:@+=-"
 _ADDRESS_RE = re.compile(rf"[{SAFE_CHARS}]{{1,{ADDRESS_MAX}}}")
 
 #: Words the HTTP routes use under ``/kv/``; they can never be block addresses.
-RESERVED = frozenset({"stats", "batch", "exists", "metrics", "healthz"})
+RESERVED = frozenset({"stats", "batch", "exists", "metrics", "healthz", "events"})
 #: URL dot segments: clients and proxies rewrite ``/kv/..`` to ``/`` (RFC 3986 5.2.4),
 #: so such an address would mean one block to one client and another route to the next.
 DOT_SEGMENTS = frozenset({".", ".."})

@@ -39,6 +39,9 @@ BATCH_RELEASE_PATH = "/kv/batch/release"
 STATS_PATH = "/kv/stats"
 #: ``GET``: where the slab is, for a client on the server's host that reads it itself.
 LOCAL_SLAB_PATH = "/kv/local/slab"
+#: ``GET``: the event log of stores and removals (long-poll), and a snapshot to resync.
+EVENTS_PATH = "/kv/events"
+EVENTS_SNAPSHOT_PATH = "/kv/events/snapshot"
 #: ``GET``: liveness, no token needed.
 HEALTHZ_PATH = "/healthz"
 #: ``GET``: Prometheus text.

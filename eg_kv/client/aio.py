@@ -33,6 +33,8 @@ from ..wire import (
     ADDRESSES_TYPE,
     BATCH_EXISTS_PATH,
     BATCH_RELEASE_PATH,
+    EVENTS_PATH,
+    EVENTS_SNAPSHOT_PATH,
     HEALTHZ_PATH,
     LEASE_HEADER,
     RELEASE_HEADER,
@@ -62,6 +64,15 @@ from .core import (
     resolve_config,
     to_address,
     wants_continue,
+)
+from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
+from .events import (
+    SNAPSHOT_ANSWER_MAX,
+    EventBatch,
+    Snapshot,
+    events_target,
+    parse_events,
+    parse_snapshot,
 )
 from .interface import AsyncReadExact, AsyncSink, MayStart, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
@@ -738,6 +749,48 @@ class AsyncServerConnector:
             self._core.miss("healthz", "-", exc)
             return None
         return doc if isinstance(doc, dict) else None
+
+    async def events(
+        self, since: int = 0, wait: float = 0.0, limit: int = DEFAULT_EVENTS_LIMIT,
+        epoch: str | None = None,
+    ) -> EventBatch:  # fmt: skip
+        """``GET /kv/events``, as :meth:`eg_kv.client.sync.ServerConnector.events`.
+
+        Raises:
+            Unauthorized: the server refused the token.
+            RemoteError: unreachable, no event log, too many waiters, an unusable answer.
+        """
+        target = self._core.path(events_target(since, wait, limit, epoch))
+        try:
+            doc = await self._exchange("GET", target, _json, timeout_s=wait + self.config.timeout_s)
+        except EgKvError:
+            raise
+        except Exception as exc:  # asyncio.TimeoutError included
+            raise self._core.unreachable(EVENTS_PATH, exc) from None
+        return parse_events(doc)
+
+    async def snapshot(self) -> Snapshot:
+        """``GET /kv/events/snapshot``: the blocks held and the log's seq they match.
+
+        Raises:
+            The same as :meth:`events`.
+        """
+
+        async def on_response(resp: aiohttp.ClientResponse) -> Any:
+            check_final(resp.status)
+            if resp.status != 200:
+                raise Miss(f"HTTP {resp.status}")
+            if (resp.content_length or 0) > SNAPSHOT_ANSWER_MAX:
+                raise Miss(f"answer of {resp.content_length} bytes is over {SNAPSHOT_ANSWER_MAX}")
+            return json_answer(resp.status, await resp.read())
+
+        try:
+            doc = await self._exchange("GET", self._core.path(EVENTS_SNAPSHOT_PATH), on_response)
+        except EgKvError:
+            raise
+        except Exception as exc:  # asyncio.TimeoutError included
+            raise self._core.unreachable(EVENTS_SNAPSHOT_PATH, exc) from None
+        return parse_snapshot(doc)
 
     async def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""

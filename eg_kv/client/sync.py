@@ -34,6 +34,8 @@ from ..wire import (
     ADDRESSES_TYPE,
     BATCH_EXISTS_PATH,
     BATCH_RELEASE_PATH,
+    EVENTS_PATH,
+    EVENTS_SNAPSHOT_PATH,
     HEALTHZ_PATH,
     LEASE_HEADER,
     RELEASE_HEADER,
@@ -69,6 +71,15 @@ from .core import (
     resolve_config,
     to_address,
     wants_continue,
+)
+from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
+from .events import (
+    SNAPSHOT_ANSWER_MAX,
+    EventBatch,
+    Snapshot,
+    events_target,
+    parse_events,
+    parse_snapshot,
 )
 from .http11 import Connection, Deadline, Response, StaleConnection, host_header
 from .interface import MayStart, Sink, Unreachable
@@ -683,6 +694,46 @@ class ServerConnector:
             self._core.miss("healthz", "-", exc)
             return None
         return doc if isinstance(doc, dict) else None
+
+    def events(
+        self, since: int = 0, wait: float = 0.0, limit: int = DEFAULT_EVENTS_LIMIT,
+        epoch: str | None = None,
+    ) -> EventBatch:  # fmt: skip
+        """``GET /kv/events``: the log's events after ``since`` (waiting up to ``wait``
+        seconds for one), in order; see :mod:`eg_kv.client.events` (and :func:`follow`).
+
+        Raises:
+            Unauthorized: the server refused the token.
+            RemoteError: unreachable, no event log there (``--events 0``), too many
+                readers waiting on its worker (503), or an unusable answer.
+        """
+        target = self._core.path(events_target(since, wait, limit, epoch))
+        try:
+            doc = self._exchange("GET", target, self._json, timeout_s=wait + self.config.timeout_s)
+        except EgKvError:
+            raise
+        except Exception as exc:
+            raise self._core.unreachable(EVENTS_PATH, exc) from None
+        return parse_events(doc)
+
+    def snapshot(self) -> Snapshot:
+        """``GET /kv/events/snapshot``: the blocks held and the log's seq they match.
+
+        Raises:
+            The same as :meth:`events`.
+        """
+
+        def on_response(resp: Response) -> Any:
+            check_final(resp.status)
+            return json_answer(resp.status, resp.read_all(SNAPSHOT_ANSWER_MAX))
+
+        try:
+            doc = self._exchange("GET", self._core.path(EVENTS_SNAPSHOT_PATH), on_response)
+        except EgKvError:
+            raise
+        except Exception as exc:
+            raise self._core.unreachable(EVENTS_SNAPSHOT_PATH, exc) from None
+        return parse_snapshot(doc)
 
     def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""

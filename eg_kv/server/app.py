@@ -12,6 +12,8 @@ the paths are :mod:`eg_kv.wire`'s):
 ``POST /kv/batch/exists``    200 ``{"exists": [...], "prefix_hits": n}`` for <= 1024 addresses
 ``POST /kv/batch/release``   200 ``{"released": [...]}``: one lease per address ended
 ``GET /kv/stats``            200 the slab's counters (the contract's eight first)
+``GET /kv/events``           200 the log of stores and removals after ``since`` (long-poll)
+``GET /kv/events/snapshot``  200 the blocks held and the log's seq they match
 ``GET /metrics``             Prometheus text, summed over every worker
 ``GET /healthz``             200 ``{"status": "ok", "workers_up": n, "workers": N}``, no auth
 ===========================  =============================================================
@@ -46,6 +48,8 @@ from ..wire import (
     BATCH_EXISTS_PATH,
     BATCH_RELEASE_PATH,
     BLOCK_PREFIX,
+    EVENTS_PATH,
+    EVENTS_SNAPSHOT_PATH,
     EXISTS_SUFFIX,
     HEALTHZ_PATH,
     LOCAL_SLAB_PATH,
@@ -58,6 +62,7 @@ from .answers import error_response, label, unauthorized
 from .auth import auth_from, authorize, roles_refused
 from .blocks import delete_block, get_block, head_block
 from .connections import Connections, Limits, resolve_max_connections
+from .events import get_events, get_snapshot
 from .inflight import Drain, SpoolBudget
 from .keys import (
     AUTH,
@@ -162,6 +167,7 @@ _BLOCK_METHODS = ("DELETE", "GET", "HEAD", "PUT")
 _BATCH_EXISTS_REST = BATCH_EXISTS_PATH.removeprefix(BLOCK_PREFIX)
 _BATCH_RELEASE_REST = BATCH_RELEASE_PATH.removeprefix(BLOCK_PREFIX)
 _STATS_REST = STATS_PATH.removeprefix(BLOCK_PREFIX)
+_EVENTS_RESTS = tuple(p.removeprefix(BLOCK_PREFIX) for p in (EVENTS_PATH, EVENTS_SNAPSHOT_PATH))
 
 
 async def bad_kv_path(request: web.Request, tenant: Tenant) -> web.Response:
@@ -175,7 +181,7 @@ async def bad_kv_path(request: web.Request, tenant: Tenant) -> web.Response:
     allowed: tuple[str, ...] = ()
     if rest in (_BATCH_EXISTS_REST, _BATCH_RELEASE_REST):
         allowed = ("POST",)
-    elif rest == _STATS_REST:
+    elif rest == _STATS_REST or rest in _EVENTS_RESTS:
         allowed = ("GET",)
     elif rest and "/" not in rest:
         allowed = _BLOCK_METHODS
@@ -241,6 +247,9 @@ def make_app(
     r.add_get(STATS_PATH, E("stats", stats), name="stats", allow_head=False)
     r.add_post(BATCH_EXISTS_PATH, E("batch_exists", batch_exists), name="batch_exists")
     r.add_post(BATCH_RELEASE_PATH, E("batch_release", batch_release), name="batch_release")
+    r.add_get(EVENTS_PATH, E("events", get_events), name="events", allow_head=False)
+    r.add_get(EVENTS_SNAPSHOT_PATH, E("events", get_snapshot), name="events_snapshot",
+              allow_head=False)  # fmt: skip
     # Two segments: never a block address (one holds no "/"), so "local" stays one.
     r.add_get(LOCAL_SLAB_PATH, E("local", local_slab), name="local", allow_head=False)
     # One resource for the block routes: one path match serves every method. It goes

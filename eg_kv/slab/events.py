@@ -123,6 +123,11 @@ class EventRing:
         """The seq of the newest published entry (0: none yet)."""
         return self._w[W_HEAD]
 
+    @property
+    def pending_seq(self) -> int:
+        """The seq of the entry being written inside the lock (0: none); a read only."""
+        return self._w[W_PENDING]
+
     def begin(
         self, kind: int, reason: int, ns: int, raw: bytes, block_id: int, length: int
     ) -> None:

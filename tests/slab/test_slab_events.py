@@ -237,4 +237,3 @@ def test_sigkill_inside_the_lock_loses_and_repeats_nothing(slab_name, op, where,
     finally:
         s.close()
         s.unlink()
-

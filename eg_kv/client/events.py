@@ -1,0 +1,202 @@
+"""The event log as the clients see it: answers of ``GET /kv/events`` and
+``GET /kv/events/snapshot`` (:mod:`eg_kv.server.events`), and followers that keep up with
+the log and resync from a snapshot when they fall behind.
+
+Standard library only (the sync client imports it). What the log promises: every block
+stored and every block removed (evicted, deleted to zero references, dropped by a repair,
+evicted for its namespace's quota) is one event, in the order the slab lock saw them, with
+sequence numbers that have no gap and no repeat, across worker crashes. The log is
+bounded: a reader that fell behind it is told (``gap``) and starts again from a snapshot.
+
+Use::
+
+    for item in follow(client, wait=10):
+        if isinstance(item, Snapshot):
+            held = {b.hash for b in item.blocks}   # start again from what is held
+        elif item.kind == "stored":
+            held.add(item.hash)
+        else:
+            held.discard(item.hash)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import Any, Protocol
+from urllib.parse import urlencode
+
+from ..errors import RemoteError
+from ..wire import EVENTS_PATH
+
+#: Entries one ``events()`` asks for by default (the server's own default).
+DEFAULT_LIMIT = 1000
+#: The most bytes a snapshot's answer may take (a slab of a million blocks is ~70 MiB).
+SNAPSHOT_ANSWER_MAX = 512 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One entry of the log."""
+
+    seq: int
+    kind: str  #: "stored" or "removed"
+    reason: str  #: "put", "evict", "delete", "repair" or "quota"
+    hash: str  #: the block's address
+    length: int  #: its bytes
+    namespace: str | None = None  #: its namespace's name (an admin's view of every one)
+
+
+@dataclasses.dataclass(frozen=True)
+class EventBatch:
+    """One answer of ``GET /kv/events``: ask again with ``since=next``; ``gap``: resync."""
+
+    events: list[Event]
+    next: int
+    gap: bool
+    epoch: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One block of a snapshot."""
+
+    hash: str
+    length: int
+    namespace: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The blocks held when the log's newest seq was ``seq``: follow it from there."""
+
+    epoch: str
+    seq: int
+    blocks: list[Block]
+
+
+def events_target(since: int, wait: float, limit: int, epoch: str | None) -> str:
+    """The request target (path and query) of ``GET /kv/events``."""
+    query: dict[str, Any] = {"since": since, "limit": limit}
+    if wait > 0:
+        query["wait"] = f"{wait:g}"
+    if epoch:
+        query["epoch"] = epoch
+    return f"{EVENTS_PATH}?{urlencode(query)}"
+
+
+def _bad(what: str) -> RemoteError:
+    return RemoteError(f"the server's {what} answer is not what eg-kv sends")
+
+
+def parse_events(doc: Any) -> EventBatch:
+    """An :class:`EventBatch` from the decoded JSON answer.
+
+    Raises:
+        RemoteError: it is not an answer of ``GET /kv/events``.
+    """
+    try:
+        events = [
+            Event(
+                int(e["seq"]),
+                str(e["kind"]),
+                str(e["reason"]),
+                str(e["hash"]),
+                int(e["length"]),
+                e.get("namespace"),
+            )
+            for e in doc["events"]
+        ]
+        return EventBatch(events, int(doc["next"]), bool(doc["gap"]), str(doc["epoch"]))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise _bad("events") from None
+
+
+def parse_snapshot(doc: Any) -> Snapshot:
+    """A :class:`Snapshot` from the decoded JSON answer.
+
+    Raises:
+        RemoteError: it is not an answer of ``GET /kv/events/snapshot``.
+    """
+    try:
+        blocks = [
+            Block(str(b["hash"]), int(b["length"]), b.get("namespace")) for b in doc["blocks"]
+        ]
+        return Snapshot(str(doc["epoch"]), int(doc["seq"]), blocks)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise _bad("snapshot") from None
+
+
+class EventSource(Protocol):
+    """What :func:`follow` needs: the sync clients' two calls."""
+
+    def events(
+        self,
+        since: int = 0,
+        wait: float = 0.0,
+        limit: int = DEFAULT_LIMIT,
+        epoch: str | None = None,
+    ) -> EventBatch: ...
+
+    def snapshot(self) -> Snapshot: ...
+
+
+class AsyncEventSource(Protocol):
+    """What :func:`follow_async` needs: the async client's two calls."""
+
+    def events(
+        self,
+        since: int = 0,
+        wait: float = 0.0,
+        limit: int = DEFAULT_LIMIT,
+        epoch: str | None = None,
+    ) -> Awaitable[EventBatch]: ...
+
+    def snapshot(self) -> Awaitable[Snapshot]: ...
+
+
+def follow(
+    source: EventSource, wait: float = 10.0, since: int | None = None, epoch: str | None = None
+) -> Iterator[Snapshot | Event]:
+    """Follow the log for ever: a :class:`Snapshot` first (and after every gap), then each
+    :class:`Event` after it, in order. Errors (an unreachable server) propagate: call
+    again with the last ``seq`` and ``epoch`` seen to resume without a snapshot.
+
+    Args:
+        wait: seconds each request waits for new events (the server clamps it to 30).
+        since, epoch: resume after this seq of this log (both from an earlier follow);
+            None: start from a snapshot.
+    """
+    if since is None or epoch is None:
+        snap = source.snapshot()
+        since, epoch = snap.seq, snap.epoch
+        yield snap
+    while True:
+        batch = source.events(since, wait, DEFAULT_LIMIT, epoch)
+        if batch.gap:
+            snap = source.snapshot()
+            since, epoch = snap.seq, snap.epoch
+            yield snap
+            continue
+        yield from batch.events
+        since = batch.next
+
+
+async def follow_async(
+    source: AsyncEventSource, wait: float = 10.0, since: int | None = None, epoch: str | None = None
+) -> AsyncIterator[Snapshot | Event]:
+    """:func:`follow` for the async client (``async for``)."""
+    if since is None or epoch is None:
+        snap = await source.snapshot()
+        since, epoch = snap.seq, snap.epoch
+        yield snap
+    while True:
+        batch = await source.events(since, wait, DEFAULT_LIMIT, epoch)
+        if batch.gap:
+            snap = await source.snapshot()
+            since, epoch = snap.seq, snap.epoch
+            yield snap
+            continue
+        for ev in batch.events:
+            yield ev
+        since = batch.next
