@@ -599,8 +599,8 @@ class AsyncServerConnector:
         takes the lease, so a leasing lookup always asks it).
         """
         lease = {LEASE_HEADER: str(lease_ms)} if lease_ms else {}
+        slab = await self._local(probe=timeout_s is None)  # mapped for the loads even so
         if not lease:
-            slab = await self._local(probe=timeout_s is None)
             found = self._core.local_exists(slab, addresses)
             if found is not None:
                 return found, leading_hits(found)

@@ -528,8 +528,9 @@ class ServerConnector:
         server's to take (``X-Eg-Kv-Lease-Ms``), so a leasing lookup always asks it.
         """
         lease = b"%s: %d\r\n" % (LEASE_HEADER.encode(), lease_ms) if lease_ms else b""
+        slab = self._local(probe=timeout_s is None)  # mapped for the loads even so
         if not lease:
-            found = self._core.local_exists(self._local(probe=timeout_s is None), addresses)
+            found = self._core.local_exists(slab, addresses)
             if found is not None:
                 return found, leading_hits(found)
         if self._compact_batches:
