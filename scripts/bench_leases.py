@@ -12,6 +12,10 @@ in the same run, on the same server, alternating round by round::
     python scripts/bench_leases.py                  # starts its own server
     python scripts/bench_leases.py --url http://127.0.0.1:9130 --json
 
+It also times what a lease costs a lookup (``--latency-calls``, 0 to skip): the median of
+batch lookups of 16 and 256 addresses, plain (answered from the slab on the server's host),
+plain over HTTP, leased (always over HTTP: the server takes the lock), and the release.
+
 The server (own or given) needs leases on (``--lease-ms`` above 0) and a slab of about
 ``--capacity`` (the bursts are sized from the server's stats). Every process started here
 is stopped by pid, and its own server's slab unlinked.
@@ -26,11 +30,13 @@ import os
 import select
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -148,6 +154,40 @@ def run(url: str, rounds: int, blocks: int, size: int, lease_ms: int) -> dict[st
     return out
 
 
+def latency(url: str, calls: int) -> dict[str, dict[str, float]]:
+    """Median µs of a batch lookup of 16 and 256 addresses (all hits): plain local,
+    plain over HTTP, leased, and the release of a leased batch."""
+    out: dict[str, dict[str, float]] = {}
+    local = ServerConnector(KvCacheConfig(base_url=url))
+    remote = ServerConnector(KvCacheConfig(base_url=url, local_reads=False))
+    try:
+        keys = [f"lat-{k}" for k in range(256)]
+        for k in keys:
+            local.put(k, b"x" * 100)
+        for n in (16, 256):
+            batch = keys[:n]
+
+            def timed(fn: object, batch: list[str] = batch) -> float:
+                times = []
+                for _ in range(calls):
+                    t = time.perf_counter()
+                    fn(batch)  # type: ignore[operator]
+                    times.append(time.perf_counter() - t)
+                return round(statistics.median(times) * 1e6, 1)
+
+            local.exists_many(batch)  # maps the slab
+            out[str(n)] = {
+                "plain_local_us": timed(local.exists_many),
+                "plain_http_us": timed(remote.exists_many),
+                "leased_us": timed(lambda b: local.exists_many(b, lease_ms=5000)),
+                "release_us": timed(local.release),
+            }
+    finally:
+        local.close()
+        remote.close()
+    return out
+
+
 def main() -> int:
     """Parse the flags, run both modes (starting a server unless ``--url``), print."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -157,6 +197,9 @@ def main() -> int:
     p.add_argument("--size", type=int, default=64 * 1024, help="block size in bytes")
     p.add_argument("--capacity", default="2MiB", help="its own server's slab (default 2MiB)")
     p.add_argument("--lease-ms", type=int, default=5000, help="the lease asked (default 5000)")
+    p.add_argument(
+        "--latency-calls", type=int, default=300, help="lookups timed per kind (0: none)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
     server: subprocess.Popen[bytes] | None = None
@@ -174,8 +217,10 @@ def main() -> int:
             )  # fmt: skip
             _wait_healthy(url, server)
         start = time.monotonic()
-        out = run(url, args.rounds, args.blocks, args.size, args.lease_ms)
+        out: dict[str, object] = dict(run(url, args.rounds, args.blocks, args.size, args.lease_ms))
         seconds = time.monotonic() - start
+        if args.latency_calls > 0:
+            out["latency"] = latency(url, args.latency_calls)
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
@@ -188,12 +233,20 @@ def main() -> int:
         print(json.dumps({**out, "seconds": round(seconds, 1)}))
         return 0
     for mode, label in (("leases", "with leases   "), ("no_leases", "without leases")):
-        one = out[mode]
+        one: Any = out[mode]
         print(
             f"{label}: {one['rounds']} rounds, {one['hits']} lookups answered hit, "
             f"{one['missed']} of their loads missed"
         )
     print(f"({seconds:.1f} s; two writers put a slab's worth each between lookup and load)")
+    lat: Any = out.get("latency")
+    if lat:
+        print("\nbatch lookup, median µs   plain (local)   plain (HTTP)   leased   release")
+        for n, row in lat.items():
+            print(
+                f"{n:>4} addresses            {row['plain_local_us']:>13}   "
+                f"{row['plain_http_us']:>12}   {row['leased_us']:>6}   {row['release_us']:>7}"
+            )
     return 0
 
 
