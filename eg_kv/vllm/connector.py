@@ -57,7 +57,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..client.connectors import connect
 from ..client.interface import KvConnector
+from ..client.members import parse_server_set
 from .addresses import BlockFormat, block_addresses, lookup_addresses, token_chain
+from .events import EventRelay, LogFollowers, vllm_events
 from .lookups import PendingLookups
 from .settings import ConnectorSettings, settings_from
 from .staging import load_rows
@@ -143,7 +145,9 @@ class EgKvConnector(KVConnectorBase_V1):
     ``kv_connector_extra_config``: ``url`` / ``base_url`` (one server or a set), ``token``,
     ``timeout_s``, ... (every :class:`~eg_kv.client.core.KvCacheConfig` field, over the
     ``EPISTEMIC_GRAPH_KVCACHE_*`` environment), ``io_threads``, ``max_pending_bytes``,
-    ``lease_ms`` (the lease a lookup takes on its hits, released by the load; 0: none).
+    ``lease_ms`` (the lease a lookup takes on its hits, released by the load; 0: none),
+    ``events`` (1: relay eg-kv's stores and removals on vLLM's KV-events stream, medium
+    ``EG_KV``: :mod:`eg_kv.vllm.events`).
     """
 
     def __init__(
@@ -173,6 +177,9 @@ class EgKvConnector(KVConnectorBase_V1):
         # A lookup still running after the client's timeout (twice, for a server set's
         # retry) is a miss: a silent server never holds a request back for long.
         self._lookups = PendingLookups(deadline_s=2 * self._settings.client.timeout_s + 1.0)
+        # eg-kv's event log relayed to vLLM's (settings' events), once the formats are known
+        self._relay: EventRelay | None = None
+        self._followers: LogFollowers | None = None
         # worker side
         self._layers: list[_Layer] = []
         self._block_bytes = 0
@@ -212,6 +219,41 @@ class EgKvConnector(KVConnectorBase_V1):
             )
             return
         self._formats = [formats[s] for s in range(shards)]
+        if self._settings.events and self._relay is None:
+            self._start_relay(shards)
+
+    def _start_relay(self, shards: int) -> None:
+        """Follow each static server's event log (:mod:`eg_kv.vllm.events`)."""
+        client = self._settings.client
+        urls = [m.base_url for m in parse_server_set(client.base_url).static]
+        self._relay = EventRelay(shards)
+        kw = {"token": client.token, "timeout_s": client.timeout_s, "verify_tls": client.verify_tls}
+        self._followers = LogFollowers(self._relay, urls, kw)
+
+    def _vllm_hashes(self, request: Request, first: int, end: int) -> list[Any]:
+        """vLLM's hashes of blocks ``first``..``end`` of ``request`` as its events carry
+        them ([] when the relay is off)."""
+        if self._relay is None:
+            return []
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        return [maybe_convert_block_hash(h) for h in request.block_hashes[first:end]]
+
+    def _remember(self, request: Request, first: int, chain: Sequence[bytes]) -> None:
+        """Map the addresses of ``chain`` (blocks ``first``.. of ``request``) back to its
+        vLLM block hashes, for the relay."""
+        relay, formats = self._relay, self._formats
+        if relay is None or formats is None:
+            return
+        hashes = self._vllm_hashes(request, first, first + len(chain))
+        relay.remember(hashes, lookup_addresses(chain[: len(hashes)], formats))
+
+    def take_events(self) -> Any:
+        """eg-kv's stores and removals since the last step, as vLLM's events (none when
+        the relay is off)."""
+        if self._relay is None:
+            return ()
+        return vllm_events(self._relay.take(), self._block_size)
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
@@ -249,10 +291,13 @@ class EgKvConnector(KVConnectorBase_V1):
         tracked = self._tracked.get(request.request_id)
         known = list(tracked.chain) if tracked is not None else []
         tokens = list(request.all_token_ids[: limit * bs])
+        hashes = self._vllm_hashes(request, first, limit)
 
         def lookup() -> int:
             chain = token_chain(tokens, bs, extras=extras, max_blocks=limit, known=known)
             addresses = lookup_addresses(chain[first:limit], formats)
+            if self._relay is not None:
+                self._relay.remember(hashes[: len(chain[first:limit])], addresses)
             # The hits are leased (settings' lease_ms): eviction passes over them until
             # the workers' loads release them, or the lease ends (docs/leases.md).
             lease = self._settings.lease_ms or None
@@ -332,6 +377,7 @@ class EgKvConnector(KVConnectorBase_V1):
             )
             tracked.saved_blocks += complete - start
             tracked.saved_upto = complete
+            self._remember(request, start, tracked.chain[start:complete])
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -533,6 +579,8 @@ class EgKvConnector(KVConnectorBase_V1):
             self.flush()
         finally:
             self._lookups.close()
+            if self._followers is not None:
+                self._followers.close()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None

@@ -26,9 +26,11 @@ CONNECTOR_KEYS: dict[str, Any] = {
     # The lease a scheduler lookup asks on its hits, in ms (the server grants at most its
     # --lease-ms); the worker's load releases it. 0: no leases (docs/leases.md).
     "lease_ms": 5000,
+    # 1: relay eg-kv's event log on vLLM's KV-events stream (eg_kv.vllm.events); 0: off.
+    "events": 0,
 }
 #: Keys that may be 0 (the others must be at least 1).
-ZERO_OK = frozenset({"lease_ms"})
+ZERO_OK = frozenset({"lease_ms", "events"})
 #: ``url`` is the name vLLM users expect; it means ``base_url``.
 ALIASES = {"url": "base_url"}
 
@@ -41,6 +43,7 @@ class ConnectorSettings:
     io_threads: int = CONNECTOR_KEYS["io_threads"]
     max_pending_bytes: int = CONNECTOR_KEYS["max_pending_bytes"]
     lease_ms: int = CONNECTOR_KEYS["lease_ms"]
+    events: int = CONNECTOR_KEYS["events"]
 
 
 def settings_from(

@@ -1,0 +1,158 @@
+"""The vLLM relay of eg-kv's event log (eg_kv.vllm.events): addresses mapped back to vLLM
+block hashes, a block relayed when every shard is held, snapshots and gaps, the bounds,
+a real server's log followed through restarts of its worker, and the objects vLLM's
+KV-events publisher gets (in .venv-vllm, skipped without it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers.common import wait_for
+from helpers.server_procs import workers_of
+
+from eg_kv.client.events import Block, Event, Snapshot
+from eg_kv.client.sync import ServerConnector
+from eg_kv.vllm.addresses import BlockFormat, lookup_addresses, token_chain
+from eg_kv.vllm.events import EventRelay, LogFollowers
+
+pytestmark = pytest.mark.timeout(90)
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+FMTS = [
+    BlockFormat(model="relay", dtype="bfloat16", block_size=4, layout="l:(2,4,8)", tp_size=2),
+] * 2  # two shards (tp 2): every block has two addresses
+
+
+def blocks(n: int, start: int = 0):
+    """``n`` vLLM block hashes and their addresses (two per block, in lookup order)."""
+    chain = token_chain(list(range(start, start + 4 * n)), 4)
+    hashes = [b"vllm-%d" % (start + i) for i in range(n)]
+    return hashes, lookup_addresses(chain, FMTS)
+
+
+def ev(seq: int, kind: str, address: str) -> Event:
+    return Event(seq, kind, "put" if kind == "stored" else "evict", address, 10)
+
+
+def test_a_block_is_stored_once_every_shard_is_held_and_removed_when_one_goes():
+    relay = EventRelay(shards=2)
+    hashes, addrs = blocks(2)
+    relay.remember(hashes, addrs)
+    relay.apply("s", ev(1, "stored", addrs[0]))  # block 0, shard 0: not yet loadable
+    assert relay.take() == []
+    relay.apply("s", ev(2, "stored", addrs[1]))
+    relay.apply("s", ev(3, "stored", addrs[2]))
+    relay.apply("s", ev(4, "stored", addrs[3]))
+    assert relay.take() == [("stored", [hashes[0], hashes[1]])]
+    relay.apply("s", ev(5, "removed", addrs[1]))
+    relay.apply("s", ev(6, "removed", addrs[0]))  # already not loadable: nothing more
+    relay.apply("s", ev(7, "stored", addrs[1]))
+    assert relay.take() == [("removed", [hashes[0]])]
+    assert relay.held_blocks() == 1
+    # An address never computed here cannot be mapped back: counted, not relayed.
+    relay.apply("s", ev(8, "stored", "someone-elses"))
+    assert relay.take() == [] and relay.counters["unmapped"] == 1
+
+
+def test_a_mapping_learned_while_held_relays_the_store_and_snapshots_diff():
+    relay = EventRelay(shards=2)
+    hashes, addrs = blocks(3)
+    relay.apply("a", Snapshot("e1", 10, [Block(a, 10) for a in addrs[:4]]))
+    assert relay.take() == [] and relay.counters["unmapped"] == 4
+    relay.remember(hashes, addrs)  # learned by a lookup: blocks 0 and 1 are held
+    assert relay.take() == [("stored", [hashes[0], hashes[1]])]
+    # A gap: the new snapshot says block 1 went and block 2 came.
+    relay.apply("a", Snapshot("e1", 50, [Block(a, 10) for a in addrs[:2] + addrs[4:]]))
+    assert relay.take() == [("removed", [hashes[1]]), ("stored", [hashes[2]])]
+    # Two servers: a block held by either is held.
+    relay.apply("b", ev(1, "stored", addrs[2]))
+    relay.apply("b", ev(2, "stored", addrs[3]))
+    assert relay.take() == [("stored", [hashes[1]])]
+    relay.apply("a", ev(51, "stored", addrs[2]))
+    relay.apply("b", ev(3, "removed", addrs[2]))  # server a still holds it
+    assert relay.take() == []
+
+
+def test_the_relays_tables_are_bounded():
+    relay = EventRelay(shards=1, max_mapped=4, max_pending=3)
+    hashes = [b"h%d" % i for i in range(6)]
+    addrs = [f"a{i}" for i in range(6)]
+    relay.remember(hashes, addrs)
+    assert relay.counters["forgotten"] == 2  # the oldest mappings go first
+    for i in range(6):
+        relay.apply("s", ev(i + 1, "stored", addrs[i]))
+    assert relay.counters["unmapped"] == 2
+    assert relay.take() == [("stored", hashes[3:6])]  # 4 relayed, the oldest dropped
+    assert relay.counters["dropped"] == 1 and relay.counters["stored"] == 4
+
+
+def test_followers_relay_a_real_servers_log(server_factory):
+    srv = server_factory(
+        workers=2, capacity="1MiB", extra=("--events", "64", "--page-size", "4KiB")
+    )
+    relay = EventRelay(shards=2)
+    hashes, addrs = blocks(4)
+    relay.remember(hashes, addrs)
+    followers = LogFollowers(relay, [srv.url], {"timeout_s": 5.0}, wait=0.5)
+    seen: list = []
+
+    def taken(want):
+        seen.extend(relay.take())
+        flat = [(k, h) for k, hs in seen for h in hs]
+        return flat == want
+
+    try:
+        with ServerConnector(base_url=srv.url, timeout_s=5) as c:
+            for a in addrs[:4]:
+                assert c.put(a, b"kv")
+            wait_for(lambda: taken([("stored", hashes[0]), ("stored", hashes[1])]), timeout=20,
+                     what="two stored blocks relayed")  # fmt: skip
+            assert c.delete(addrs[3])
+            seen.clear()
+            wait_for(lambda: taken([("removed", hashes[1])]), timeout=20, what="the removal")
+            # Fall behind the 64 entries of the log: the follower resyncs from a snapshot.
+            for i in range(100):
+                c.put(f"noise{i}", b"n")
+                c.delete(f"noise{i}")
+            assert c.put(addrs[3], b"kv")
+            seen.clear()
+            wait_for(lambda: taken([("stored", hashes[1])]), timeout=20, what="a resync")
+            # Every worker is SIGKILLed (the follower's long-poll among them): it resumes.
+            for pid in workers_of(srv):
+                os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=30,
+                     what="the workers to be replaced")  # fmt: skip
+            assert c.delete(addrs[0])
+            seen.clear()
+            wait_for(lambda: taken([("removed", hashes[0])]), timeout=30, what="a resume")
+    finally:
+        followers.close()
+    assert all(not t.is_alive() for t in followers._threads)
+
+
+@pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (run scripts/setup-vllm)")
+def test_vllm_gets_its_own_event_objects():
+    code = (
+        "import json, msgspec\n"
+        "from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved\n"
+        "from eg_kv.vllm.events import vllm_events, MEDIUM\n"
+        "evs = vllm_events([('stored', [b'a', b'b']), ('removed', [7])], 16)\n"
+        "batch = KVEventBatch(ts=1.0, events=evs)\n"
+        "back = msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KVEventBatch)\n"
+        "print(json.dumps([[type(e).__name__, [h if isinstance(h, int) else h.decode() "
+        "for h in e.block_hashes], e.medium] for e in back.events]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(VLLM_PY), "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=80)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
+        ["BlockStored", ["a", "b"], "EG_KV"],
+        ["BlockRemoved", [7], "EG_KV"],
+    ]
