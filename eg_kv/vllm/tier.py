@@ -167,6 +167,7 @@ class EgKvTier(SecondaryTierManager):
             self._client, primary_kv_view, row_bytes, threads=self.settings.io_threads
         )
         self._job_keys: dict[int, tuple[bool, list[OffloadKey]]] = {}
+        self._load_leases: dict[int, list[str]] = {}
         self._releases = ThreadPoolExecutor(1, thread_name_prefix="eg-kv-tier-release")
         self._to_release: list[str] = []
         self._lock = threading.Lock()
@@ -262,7 +263,9 @@ class EgKvTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         self._job_keys[job_metadata.job_id] = (True, keys)
         addresses = [self.address(k) for k in keys]
-        self._lookups.consume(addresses)
+        # Only the leases this tier's lookups took are released after the load: a count
+        # released twice would end another holder's lease on the same block.
+        self._load_leases[job_metadata.job_id] = self._lookups.consume(addresses)
         self._copies.submit(job_metadata.job_id, True, addresses, list(job_metadata.chunk_ids))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -284,8 +287,8 @@ class EgKvTier(SecondaryTierManager):
             for key in ok_keys:  # held by eg-kv: report when the server removes it
                 self._removals.watch(self.address(key), key)
         if is_load:
-            # The loads read their blocks with a lease taken by the lookup: end them.
-            self._release([self.address(k) for k in keys])
+            # The loads read their blocks under the leases their lookups took: end them.
+            self._release(self._load_leases.pop(done.job_id, []))
             if failed:
                 # Answer miss from now on: no promotion livelock on a block that fails.
                 self._lookups.mark_miss(failed)

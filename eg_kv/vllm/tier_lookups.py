@@ -216,9 +216,12 @@ class StepLookups:
             return [verdict.address]
         return []
 
-    def consume(self, addresses: Iterable[str]) -> None:
-        """These hits are being loaded (the load ends their leases)."""
-        self.leased.difference_update(addresses)
+    def consume(self, addresses: Iterable[str]) -> list[str]:
+        """These hits are being loaded: the ones that hold a lease this tier took (each
+        at most once), for the load to end; the rest took none (or it was handed on)."""
+        taken = [a for a in dict.fromkeys(addresses) if a in self.leased]
+        self.leased.difference_update(taken)
+        return taken
 
     def mark_miss(self, keys: Collection[Hashable]) -> None:
         """A load of these keys failed: answer miss for them from now on (until no request

@@ -83,7 +83,8 @@ def test_a_step_is_one_probe_and_hits_come_back(client):
         assert _wait_answers(lookups, keys, "r") == [True] * 3 + [False] * 3
         assert probes == [6]  # one probe for the step's keys, whoever asked
         assert lookups.leased == {_address(i) for i in range(3)}
-        lookups.consume([_address(0)])
+        assert lookups.consume([_address(0), _address(0), _address(5)]) == [_address(0)]
+        assert lookups.consume([_address(0)]) == []  # its lease was handed on once
         lookups.mark_miss([1])
         assert lookups.lookup(1, "r") is False
         # r leaves 2 a hit never loaded: its lease is released; r2 still refers to 0, 1.
