@@ -598,7 +598,7 @@ class AsyncServerConnector:
         host, answered from its slab instead, unless it leases (``lease_ms``: the server
         takes the lease, so a leasing lookup always asks it).
         """
-        lease = {LEASE_HEADER: str(lease_ms)} if lease_ms else {}
+        lease = {LEASE_HEADER: str(lease_ms)} if lease_ms and lease_ms > 0 else {}
         slab = await self._local(probe=timeout_s is None)  # mapped for the loads even so
         if not lease:
             found = self._core.local_exists(slab, addresses)

@@ -527,7 +527,9 @@ class ServerConnector:
         server's host, answered from its slab instead, unless it leases: a lease is the
         server's to take (``X-Eg-Kv-Lease-Ms``), so a leasing lookup always asks it.
         """
-        lease = b"%s: %d\r\n" % (LEASE_HEADER.encode(), lease_ms) if lease_ms else b""
+        lease = (
+            b"%s: %d\r\n" % (LEASE_HEADER.encode(), lease_ms) if lease_ms and lease_ms > 0 else b""
+        )
         slab = self._local(probe=timeout_s is None)  # mapped for the loads even so
         if not lease:
             found = self._core.local_exists(slab, addresses)

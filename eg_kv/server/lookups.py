@@ -92,9 +92,12 @@ def granted_lease(request: web.Request) -> int:
     raw = request.headers.get(LEASE_HEADER)
     if raw is None:
         return 0
-    if not raw.strip().isdigit() or len(raw) > 12:
+    raw = raw.strip()
+    if not raw.isascii() or not raw.isdigit():
         raise BadRequest(f"{LEASE_HEADER} must be a whole number of milliseconds (0: none)")
-    return min(int(raw), request.app[SETTINGS].lease_ms)
+    most = request.app[SETTINGS].lease_ms
+    # Past 12 digits (30 years) it is the most, whatever it says: never a huge int().
+    return most if len(raw) > 12 else min(int(raw), most)
 
 
 def release_on_load(request: web.Request, tenant: Tenant) -> None:

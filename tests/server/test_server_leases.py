@@ -75,11 +75,23 @@ def test_a_leasing_lookup_says_what_it_granted_clamped_to_the_server(srv):
     assert status == 200 and headers[LEASE_HEADER] == "100" and body == b"\x01\x00"
     status, headers, _ = exists(srv.url, ["k0"], None)
     assert status == 200 and LEASE_HEADER not in headers  # no header: no lease, as before
+    status, headers, _ = exists(srv.url, ["k0"], "9" * 400)  # a huge ask gets the most
+    assert status == 200 and headers[LEASE_HEADER] == "3000"
     st = stats(srv.url)
-    assert st["leases_taken"] == 3 and st["leased_blocks"] == 2
+    assert st["leases_taken"] == 4 and st["leased_blocks"] == 2
 
 
-@pytest.mark.parametrize("bad", ["-1", "1.5", "soon", "9" * 20, ""])
+def test_release_batches_are_bounded_like_lookups(srv):
+    body = json.dumps({"addresses": [f"a{i}" for i in range(1025)]}).encode()
+    status, _, out = request(srv.url + BATCH_RELEASE_PATH, "POST", body)
+    assert status == 413 and b"1024" in out
+    status, _, out = request(srv.url + BATCH_RELEASE_PATH, "POST", b"x" * (513 * 1024))
+    assert status == 413 and out.count(b"\n") == 1
+    status, _, out = request(srv.url + BATCH_RELEASE_PATH, "POST", b'{"addresses": ["bad/one"]}')
+    assert status == 400
+
+
+@pytest.mark.parametrize("bad", ["-1", "1.5", "soon", "", "\u00b2"])
 def test_a_bad_lease_header_gets_a_400_with_its_reason(srv, bad):
     status, _, body = exists(srv.url, ["k0"], bad)
     assert status == 400 and LEASE_HEADER.encode() in body and body.count(b"\n") == 1
