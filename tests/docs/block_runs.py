@@ -31,9 +31,10 @@ from md_blocks import Block, console_parts, output_matches
 from eg_kv.slab.store import Slab
 
 #: The documented ports: each, as a whole word in a block, becomes a free port.
-#: 9130 is eg-kv's (the test's server's, unless ``no-server``); 5555, 8080 and 9090 are
-#: LMCache's server, its HTTP admin API and its Prometheus endpoint.
-PORTS = (9130, 5555, 8080, 9090)
+#: 9130 is eg-kv's (the test's server's, unless ``no-server``), 9131 a second eg-kv the
+#: docs start on "another port"; 5555, 8080 and 9090 are LMCache's server, its HTTP admin
+#: API and its Prometheus endpoint.
+PORTS = (9130, 9131, 5555, 8080, 9090)
 EG_KV_PORT = 9130
 #: An access-log line of eg-kv's aiohttp workers: the method, path and status.
 _ACCESS = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" (?P<status>\d{3}) ')
@@ -188,13 +189,15 @@ def start_block(
     block: Block, workdir: Path, ports: dict[int, int], token: str | None, serving: bool
 ) -> Result:
     """Start a ``start`` block, wait until it listens on every documented port it names
-    (eg-kv's too when the test runs no server: ``serving`` False), check it is still up,
-    then stop it.
+    outside comments (eg-kv's too when the test runs no server: ``serving`` False; eg-kv's
+    alone when it names none), check it is still up, then stop it.
 
     Raises:
         AssertionError: it exited, or did not listen within its timeout.
     """
-    names = {p for p in PORTS if re.search(rf"(?<![\w.]){p}(?![\w])", block.text)}
+    # Ports in comments (``# 127.0.0.1:9130``, ``# another port: --addr 9131``) only explain.
+    code = re.sub(r"(^|\s)#.*", "", block.text)
+    names = {p for p in PORTS if re.search(rf"(?<![\w.]){p}(?![\w])", code)}
     if serving:
         names.discard(EG_KV_PORT)
     wanted = sorted(ports[p] for p in names) or [ports[EG_KV_PORT]]

@@ -210,14 +210,15 @@ def test_what_a_block_leaves_running_is_stopped_and_a_hang_times_out(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_start_blocks_listen_or_fail(tmp_path):
-    """A server on a documented port is waited on (then stopped); one that exits fails."""
+    """A server on a documented port is waited on (not on one in a comment), then stopped;
+    one that exits fails."""
     (tmp_path / "a").mkdir()
     ok = one(
         tmp_path / "a",
         """\
         <!-- example: start no-server timeout=20 -->
         ```bash
-        python -m http.server --bind 127.0.0.1 5555
+        python -m http.server --bind 127.0.0.1 5555   # a port in a comment: 9131
         ```
         """,
     )
