@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers.tenants import token_of, write_tokens
 
 from eg_kv.client.aio import AsyncServerConnector
 from eg_kv.client.core import KvCacheConfig
@@ -163,6 +164,31 @@ def test_the_clients_lease_and_release_sync_and_async(srv):
     asyncio.run(run())
     st = stats(srv.url)
     assert (st["leased_blocks"], st["leases_taken"], st["leases_released"]) == (0, 5, 5)
+
+
+def test_tenants_lease_only_their_own_blocks_and_never_past_their_quota(server_factory, tmp_path):
+    """A tenant's lookups lease its namespace's blocks alone (the same address elsewhere
+    is another block), and a tenant at its quota evicts its own leased blocks."""
+    tenants = [{"name": "capped", "quota": "512KiB"}, {"name": "other"}]
+    path = write_tokens(tmp_path / "tokens.toml", tenants)
+    srv = server_factory(workers=1, capacity="4MiB", extra=(*SMALL, "--tokens", str(path)))
+    capped, other = (
+        ServerConnector(KvCacheConfig(base_url=srv.url, token=token_of(t["name"]))) for t in tenants
+    )
+    with capped, other:
+        keys = [f"t{k}" for k in range(8)]  # 8 pages: capped's whole quota
+        for k in keys:
+            assert capped.put(k, bytes(BLOCK)) and other.put(k, bytes(BLOCK))
+        assert capped.exists_many(keys, lease_ms=3000) == [True] * 8
+        assert other.release(keys) == 0  # other's blocks hold no lease; capped's are not its
+        assert other.exists_many(keys, lease_ms=3000) == [True] * 8
+        more = [f"more{k}" for k in range(4)]
+        for k in more:  # past its quota: its leased blocks go (unleased ones first)
+            assert capped.put(k, bytes(BLOCK))
+        assert sum(capped.exists_many(keys)) < 8  # a leased block went for the first
+        assert sum(capped.exists_many(keys + more)) == 8  # never past the quota
+        assert all(other.exists_many(keys))
+        assert other.release(keys) == 8
 
 
 def test_lease_ms_0_turns_leases_off(server_factory):
