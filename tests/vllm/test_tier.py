@@ -104,6 +104,34 @@ def test_two_managers_in_two_processes_share_one_server(server_factory):
     assert stats["leased_blocks"] == 0
 
 
+def batch_requests(url: str) -> float:
+    """POSTs to batch exists a server answered (its /metrics; one worker)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("eg_kv_requests_total{") and 'route="batch_exists"' in line
+    )
+
+
+def test_a_server_set_gets_one_batch_per_member_per_step(server_factory):
+    """The tier on a set of two servers: a step's 16 lookups are one probe that reaches
+    each member as ONE batch-exists (its share of the keys); loads come from the members
+    that stored the blocks, bytes equal."""
+    a = server_factory(workers=1, capacity="32MiB")
+    b = server_factory(workers=1, capacity="32MiB")
+    url = f"{a.url},{b.url}"
+    stored, loaded = drive(
+        {"scenario": "store", "url": url, "keys": 16, "options": {"local_reads": False}},
+        {"scenario": "load", "url": url, "keys": 16, "options": {"local_reads": False}},
+    )
+    assert stored["stats"]["stored_blocks"] == 16
+    assert loaded["hits"] == 16 and loaded["equal"] == 16 and loaded["wrong"] == 0
+    assert loaded["stats"]["lookup_probes"] == 1
+    assert batch_requests(a.url) == 1 and batch_requests(b.url) == 1
+
+
 def test_a_lying_server_costs_misses_never_wrong_bytes(server_factory):
     """Right-length wrong bytes at the keys' addresses (the digest refuses them), a server
     that says every block exists and answers wrong lengths, one that answers garbage:
