@@ -123,8 +123,6 @@ class EgKvTier(SecondaryTierManager):
         primary_kv_view: the primary tier's memoryview, one slot per row.
         tier_type: the name vLLM registered this tier under (``EgKvTier``).
         backpressure_detector: vLLM's optional back-pressure detector.
-        client: a ready client to use instead of building one from ``options`` (tests,
-            benchmarks); closed by :meth:`shutdown` all the same.
         **options: the tier entry's keys (:mod:`eg_kv.vllm.tier_settings`).
 
     Raises:
@@ -140,7 +138,6 @@ class EgKvTier(SecondaryTierManager):
         primary_kv_view: memoryview,
         tier_type: str,
         backpressure_detector: BackpressureDetector | None = None,
-        client: KvConnector | None = None,
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -149,7 +146,7 @@ class EgKvTier(SecondaryTierManager):
         row_bytes = self.block_size_bytes
         self.format = tier_format(offloading_spec, row_bytes)
         self._salt = self.format.salt(0)
-        self._client: KvConnector = client if client is not None else connect(self.settings.client)
+        self._client: KvConnector = connect(self.settings.client)
         lease_ms = self.settings.lease_ms
         if lease_ms and not _takes_leases(self._client):
             log.warning("EgKvTier: this eg-kv client takes no leases; lookups take none")
@@ -176,7 +173,7 @@ class EgKvTier(SecondaryTierManager):
         if self.settings.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self.events = []
-                self._removals = self._follow_removals(client)
+                self._removals = self._follow_removals()
             else:
                 log.warning(
                     "EgKvTier: enable_kv_events is set but vLLM's KV cache events are off; "
@@ -197,10 +194,10 @@ class EgKvTier(SecondaryTierManager):
             lease_ms,
         )
 
-    def _follow_removals(self, client: KvConnector | None) -> RemovalRelay | None:
+    def _follow_removals(self) -> RemovalRelay | None:
         """Follow the server's event log for removals (one server with a log: a set's
         members each keep their own, not followed here)."""
-        if client is not None or not self.settings.client.single:
+        if not self.settings.client.single:
             log.info("EgKvTier: relaying the tier's stores; removals only with one server")
             return None
         return RemovalRelay(
