@@ -93,8 +93,12 @@ assert GEOMETRY.size <= SLAB_ID_OFFSET
     ST_LEASES_TAKEN,
     ST_LEASES_RELEASED,
     ST_LEASES_EXPIRED,
+    # the last sweep that found only leased blocks: when the first of them ends, and the
+    # stamp (eg_kv.slab.leases) of what could have made one evictable since
+    ST_LEASE_WALL_END,
+    ST_LEASE_WALL_STAMP,
     STATE_WORDS,
-) = range(28)
+) = range(30)
 
 #: Byte offset of the owner pid (state word ST_OWNER_PID, a native int64) in EVERY layout
 #: version so far. It must never move: ``--fresh`` reads it from a slab of another

@@ -30,6 +30,7 @@ import itertools
 import time
 from collections.abc import Iterable
 
+from ..errors import InsufficientStorage
 from . import layout as L
 from .check import SlabChecks
 
@@ -128,6 +129,34 @@ class SlabLeases(SlabChecks):
         out = super().stats(timeout)
         out["leased_blocks"] = self.leased_blocks()
         return out
+
+    def _lease_stamp(self) -> int:
+        """What changes whenever a block may have become evictable without a lease ending:
+        a release, a block published, a repair (counters that only grow)."""
+        st = self._state
+        return st[L.ST_LEASES_RELEASED] + st[L.ST_PUTS_CREATED] + st[L.ST_REPAIRS]
+
+    def _raise_lease_wall(self, first_end: int) -> None:
+        """Record that a sweep found only leased blocks, the first ending at ``first_end``
+        (under the lock): until then, or until the stamp moves, another sweep would find
+        the same, so :meth:`_behind_lease_wall` refuses at once. Two sweeps of a table of
+        32,768 slots took 49 ms; of a 64 GiB slab's 2 M, seconds under the lock."""
+        self._state[L.ST_LEASE_WALL_END] = first_end
+        self._state[L.ST_LEASE_WALL_STAMP] = self._lease_stamp()
+
+    def _behind_lease_wall(self, now: int) -> bool:
+        """Whether the last sweep's finding (only leased blocks) still holds."""
+        st = self._state
+        return now < st[L.ST_LEASE_WALL_END] and st[L.ST_LEASE_WALL_STAMP] == self._lease_stamp()
+
+    def _leased_full(self, n: int, first_end: int, now: int) -> InsufficientStorage:
+        """The 507 of a put that only leased blocks stand in the way of."""
+        st = self._state
+        return InsufficientStorage(
+            f"no room for {n} pages: {st[L.ST_FREE_COUNT]} free, {st[L.ST_RESV_PAGES]} held "
+            "by uploads in flight, the rest by leased blocks (leases end within "
+            f"{max(0, first_end - now) / 1000:.1f} s, the first of them)"
+        )
 
     def _forget_leases(self, i: int, held: int, now: int) -> None:
         """Clear slot ``i``'s ``held`` leases before its block is evicted (under the lock);

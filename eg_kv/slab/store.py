@@ -328,11 +328,13 @@ class Slab(SlabLeases):
         # eviction then lands at the front of the same cluster.
         # The visit is inline, not _clock_visit(): a method call per visited slot cost
         # evicting 4 KiB puts about 5% (measured).
-        mask, hand, mm, base = self._mask, st[L.ST_CLOCK_HAND], self._mm, self.geometry.slots_off
         leases, ends, now = self._slot_leases, self._slot_lease_end, now_ms()
+        if self._behind_lease_wall(now):  # only leased blocks, as the last sweep found
+            raise self._leased_full(n, st[L.ST_LEASE_WALL_END], now)
+        mask, hand, mm, base = self._mask, st[L.ST_CLOCK_HAND], self._mm, self.geometry.slots_off
         # Slots visited since the last eviction: two sweeps without one (the first may only
         # clear reference bits) mean only leased blocks are left.
-        idle, held_until = 0, 0
+        idle, first_end = 0, 1 << 62
         while st[L.ST_FREE_COUNT] < n:
             i = (hand * _CLOCK_STRIDE) & mask
             off = base + i * L.SLOT_SIZE
@@ -340,7 +342,7 @@ class Slab(SlabLeases):
                 if mm[off + L.SLOT_REF_OFFSET]:
                     mm[off + L.SLOT_REF_OFFSET] = 0  # second chance
                 elif leases[i] and ends[i] > now:
-                    held_until = max(held_until, ends[i])  # leased: passed over
+                    first_end = min(first_end, ends[i])  # leased: passed over
                 else:
                     if leases[i]:
                         self._forget_leases(i, leases[i], now)
@@ -351,11 +353,8 @@ class Slab(SlabLeases):
             idle += 1
             if idle > 2 * (mask + 1):
                 st[L.ST_CLOCK_HAND] = hand
-                raise InsufficientStorage(
-                    f"no room for {n} pages: {st[L.ST_FREE_COUNT]} free, "
-                    f"{st[L.ST_RESV_PAGES]} held by uploads in flight, the rest by leased "
-                    f"blocks (their leases end within {max(0, held_until - now) / 1000:.1f} s)"
-                )
+                self._raise_lease_wall(first_end)
+                raise self._leased_full(n, first_end, now)
         st[L.ST_CLOCK_HAND] = hand
 
     # ------------------------------------------------------------------ reservations

@@ -79,6 +79,27 @@ def test_only_leased_blocks_left_refuses_the_put_and_says_when_they_end(small):
     assert small.check() == []
 
 
+def test_a_refusal_is_remembered_until_a_lease_ends_or_a_block_can_go(small):
+    """After two sweeps found only leased blocks, the next put is refused without a sweep
+    (the hand stays put) until something could have changed that: here an upload that
+    was in flight is published, and the put after it evicts that block."""
+    upload = small.begin_put("upload", PAGE)
+    upload.write(bytes(PAGE))
+    keys = fill(small, "k", 63)
+    assert all(small.exists_many(keys, lease_ms=10_000))
+    with pytest.raises(InsufficientStorage, match="leases end within"):
+        small.put("one", bytes(PAGE))
+    hand = small._state[L.ST_CLOCK_HAND]
+    assert small._state[L.ST_LEASE_WALL_END] > now_ms()
+    with pytest.raises(InsufficientStorage, match=r"leases end within \d+\.\d s"):
+        small.put("two", bytes(PAGE))
+    assert small._state[L.ST_CLOCK_HAND] == hand  # refused at once: no sweep
+    assert upload.commit() is True  # a block without a lease: the wall is gone
+    assert small.put("three", bytes(PAGE)) is True
+    assert not small.exists("upload") and all(small.exists(k) for k in keys)
+    assert small.check() == []
+
+
 def test_a_lease_ends_by_expiry_and_is_counted_expired_when_seen(small):
     keys = fill(small, "k", 64)
     small.exists_many(keys, lease_ms=50)
