@@ -199,6 +199,7 @@ def test_lease_ms_0_turns_leases_off(server_factory):
     assert stats(srv.url)["leases_taken"] == 0
 
 
+@pytest.mark.slow
 def test_hits_that_miss_their_load_none_with_leases_some_without(server_factory):
     """THE acceptance run (scripts/bench_leases.py): a 2 MiB slab, two writer processes
     putting a slab's worth each between every lookup and its loads, rounds alternating

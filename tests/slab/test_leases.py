@@ -219,6 +219,7 @@ def _lease_holder(slab_name: str, lease_ms: int, keys: list[str]) -> subprocess.
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_holder_sigkilled_costs_nothing_after_its_leases_end(small, slab_name):
     keys = fill(small, "k", 64)
     proc = _lease_holder(slab_name, 1500, keys)
