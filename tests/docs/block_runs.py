@@ -21,11 +21,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 from helpers.common import ROOT, free_port, wait_for
-from helpers.servers import start_server, stop_server
+from helpers.servers import Server, start_server, stop_server
 from md_blocks import Block, console_parts, output_matches
 
 from eg_kv.slab.store import Slab
@@ -36,6 +37,7 @@ from eg_kv.slab.store import Slab
 #: API and its Prometheus endpoint.
 PORTS = (9130, 9131, 5555, 8080, 9090)
 EG_KV_PORT = 9130
+SECOND_EG_KV_PORT = 9131
 #: An access-log line of eg-kv's aiohttp workers: the method, path and status.
 _ACCESS = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" (?P<status>\d{3}) ')
 #: Top-level keys that make a YAML mapping an LMCache configuration.
@@ -240,6 +242,24 @@ def check_requests(block: Block, log: str) -> list[tuple[str, str, int]]:
     return seen
 
 
+def mark_log(srv: Server) -> int:
+    """Where the block's requests begin in ``srv``'s log: after a marked /healthz of ours.
+
+    start_server's own /healthz polls are logged as their answers go out, possibly after
+    it returned: a length taken then could count one as the block's.
+    """
+    mark = f"/healthz?example-begins={secrets.token_hex(4)}"
+    with urllib.request.urlopen(srv.url + mark, timeout=10) as r:
+        r.read()
+
+    def marked() -> str:
+        text = srv.log()  # the whole line: the mark and its end
+        return text if mark in text and "\n" in text[text.index(mark) :] else ""
+
+    log = wait_for(marked, timeout=10, what="the mark in the access log")
+    return log.index("\n", log.index(mark)) + 1
+
+
 def exercise(block: Block, tmp: Path) -> Result:
     """Run or start ``block`` as the convention says: the test's eg-kv server first (unless
     ``no-server``; with a token under ``token``), the block in a checkout-like directory,
@@ -261,9 +281,8 @@ def exercise(block: Block, tmp: Path) -> Result:
         env = {"EPISTEMIC_GRAPH_KVCACHE_TOKEN": token} if token else None
         srv = start_server(tmp, workers=1, capacity="64MiB", extra=("--access-log",), env=env)
     ports = port_map(srv.port if srv else None)
-    # Only what the block sent counts (start_server's /healthz polls are logged too).
-    before = len(srv.log()) if srv else 0
     try:
+        before = mark_log(srv) if srv else 0
         if block.mode == "start":
             return start_block(block, workdir, ports, token, serving)
         res = run_block(block, workdir, ports, token)
@@ -277,10 +296,11 @@ def exercise(block: Block, tmp: Path) -> Result:
         if srv is not None:
             stop_server(srv)
         else:
-            # A block that ran eg-kv itself, on the port it was given, named its slab after
+            # A block that ran eg-kv itself, on a port it was given, named its slab after
             # it; SIGTERM removes it, this is for one that was killed.
-            with contextlib.suppress(Exception):
-                Slab.unlink_named(f"/eg-kv-{ports[EG_KV_PORT]}")
+            for port in (ports[EG_KV_PORT], ports[SECOND_EG_KV_PORT]):
+                with contextlib.suppress(Exception):
+                    Slab.unlink_named(f"/eg-kv-{port}")
 
 
 # ------------------------------------------------------------------------------- parse
