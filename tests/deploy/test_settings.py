@@ -59,6 +59,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "keepalive_timeout_s": ("5", 5.0),
     "max_connections": ("6", 6),
     "lease_ms": ("250", 250),
+    "events": ("4096", 4096),
     "heartbeat_timeout_s": ("7", 7.0),
     "lock_timeout_s": ("0.5", 0.5),
 }
