@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import mmap
 import os
 import struct
@@ -229,6 +230,13 @@ class EventRing:
 
 
 _E = TypeVar("_E", bound="SlabEventLog")
+#: A slot's state byte -> 1 if it is ready, else 0 (bytes.translate, in C).
+_READY_ONLY = bytes(int(b == L.SLOT_READY) for b in range(256))
+#: The int64 word of a slot that holds its block length (byte 8 of SLOT).
+_LENGTH_WORD = 1
+assert L.SLOT.unpack_from(bytes(8) + (7).to_bytes(8, "little") + bytes(L.SLOT.size))[
+    L.F_LENGTH
+] == 7  # fmt: skip
 
 
 class SlabEventLog(SlabSegment):
@@ -458,18 +466,21 @@ class SlabEventLog(SlabSegment):
         ring = self._events
         if ring is None:
             raise SlabError("this server keeps no event log")
-        g, ss, head = self.geometry, L.SLOT_SIZE, L.SLOT.size
-        out: list[tuple[int, str, int]] = []
+        g, ss = self.geometry, L.SLOT_SIZE
         with self._locked(timeout, write=False):
             seq = ring.head
+            # Columns read in C; per ready slot only its address is sliced (the lock is
+            # held for the walk: 0.4 µs a block, measured in docs/events.md).
             states = self._mv[g.slots_off : g.slots_off + g.nslots * ss : ss].tobytes()
+            heads = self._slots_u32[:: ss // 4].tolist()  # state, refbit, address length
             col = self._slot_ns.tolist()
-            i = states.find(L.SLOT_READY)
-            while i >= 0:
-                if ns is None or col[i] == ns:
-                    s = self._read_slot(i)
-                    off = self._slot_off(i) + head
-                    address = self._mm[off : off + s[L.F_ALEN]].decode("ascii", "replace")
-                    out.append((s[L.F_NS], address, s[L.F_LENGTH]))
-                i = states.find(L.SLOT_READY, i + 1)
+            lengths = self._slots_i64[_LENGTH_WORD :: ss // 8].tolist()
+            mm, at = self._mm, g.slots_off + L.SLOT.size
+            ready = itertools.compress(range(g.nslots), states.translate(_READY_ONLY))
+            found = [
+                (col[i], mm[at + i * ss : at + i * ss + (heads[i] >> 16)], lengths[i])
+                for i in ready
+                if ns is None or col[i] == ns
+            ]
+        out = [(n, raw.decode("ascii", "replace"), length) for n, raw, length in found]
         return ring.epoch, seq, out
