@@ -237,3 +237,32 @@ def test_sigkill_inside_the_lock_loses_and_repeats_nothing(slab_name, op, where,
     finally:
         s.close()
         s.unlink()
+
+
+def test_an_events_segment_of_another_user_is_refused_and_left_alone(slab_name):
+    """Like the readers segment: another user's (or a 0666) ``<slab>.events`` is never
+    mapped, written or removed; the slab's own is 0600."""
+    import posix_ipc
+
+    from eg_kv.slab.segment import ForeignSegment
+
+    name = slab_name + E.EVENTS_SUFFIX
+    path = "/dev/shm" + name
+    s = Slab.create(slab_name, 64 * PAGE, page_size=PAGE, max_block_size=4 * PAGE)
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=4096)
+        shm.close_fd()
+        os.chmod(path, 0o666)
+        os.chown(path, 65534, 65534)
+        before = os.stat(path)
+        with pytest.raises(ForeignSegment, match=r"\.events .* owned by uid 65534"):
+            s.setup_events(64)
+        with pytest.raises(ForeignSegment, match=r"\.events .* owned by uid 65534"):
+            Slab.attach(slab_name)
+        Slab.unlink_named(slab_name)  # by name (--fresh): another user's stays
+        after = os.stat(path)
+        assert (after.st_ino, after.st_uid, after.st_size) == (before.st_ino, 65534, 4096)
+    finally:
+        s.close()
+        if os.path.exists(path):
+            os.unlink(path)

@@ -156,3 +156,57 @@ def test_vllm_gets_its_own_event_objects():
         ["BlockStored", ["a", "b"], "EG_KV"],
         ["BlockRemoved", [7], "EG_KV"],
     ]
+
+
+#: In .venv-vllm: a real vLLM Request (its own block hasher), the connector's scheduler
+#: state without an engine, a save of blocks 1 and 2 remembered, eg-kv events applied.
+_CONNECTOR_DRIVER = """
+import json
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from eg_kv.client.events import Event
+from eg_kv.vllm.addresses import BlockFormat, lookup_addresses, token_chain
+from eg_kv.vllm.connector import EgKvConnector
+from eg_kv.vllm.events import EventRelay
+
+init_none_hash(sha256)
+tokens = list(range(100, 164))
+req = Request("r1", tokens, SamplingParams(max_tokens=1), None,
+              block_hasher=get_request_block_hasher(16, sha256))
+fmt = BlockFormat(model="m", dtype="bfloat16", block_size=16, layout="l")
+conn = EgKvConnector.__new__(EgKvConnector)  # the scheduler side's state, no engine
+conn._relay, conn._formats, conn._block_size = EventRelay(1), [fmt], 16
+chain = token_chain(tokens, 16)
+conn._remember(req, 1, chain[1:3])  # a save of blocks 1 and 2
+addrs = lookup_addresses(chain, [fmt])
+for seq, a in enumerate(addrs, 1):
+    conn._relay.apply("s", Event(seq, "stored", "put", a, 10))
+conn._relay.apply("s", Event(9, "removed", "evict", addrs[2], 10))
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+out = [[type(e).__name__, [str(h) for h in e.block_hashes], e.medium,
+        getattr(e, "block_size", None)] for e in conn.take_events()]
+hashes = [str(maybe_convert_block_hash(h)) for h in req.block_hashes]
+print("RESULT " + json.dumps({"events": out, "hashes": hashes,
+                              "unmapped": conn._relay.counters["unmapped"]}))
+"""
+
+
+@pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (run scripts/setup-vllm)")
+def test_the_connector_relays_with_vllms_own_block_hashes(tmp_path):
+    driver = tmp_path / "driver.py"
+    driver.write_text(_CONNECTOR_DRIVER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(VLLM_PY), str(driver)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=80)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][7:])
+    h = got["hashes"]  # vLLM's hashes of the request's 4 blocks, as its events carry them
+    assert got["events"] == [
+        ["BlockStored", [h[1], h[2]], "EG_KV", 16],  # the blocks this engine saved
+        ["BlockRemoved", [h[2]], "EG_KV", None],
+    ]
+    assert got["unmapped"] == 2  # blocks 0 and 3: never computed by this engine
