@@ -595,15 +595,15 @@ class AsyncServerConnector:
 
         Sent in the compact format (:mod:`eg_kv.wire`); a server that refuses it (one that
         predates it) is asked again in JSON, and in JSON from then on. On the server's
-        host, answered from its slab instead, unless it leases (``lease_ms``: the server
-        takes the lease, so a leasing lookup always asks it).
+        host, answered from its slab instead. A lease (``lease_ms``) is the server's to
+        take, so a leasing lookup asks it, unless the slab says every address is a miss
+        (nothing to lease: that answer stays local).
         """
         lease = {LEASE_HEADER: str(lease_ms)} if lease_ms and lease_ms > 0 else {}
         slab = await self._local(probe=timeout_s is None)  # mapped for the loads even so
-        if not lease:
-            found = self._core.local_exists(slab, addresses)
-            if found is not None:
-                return found, leading_hits(found)
+        found = self._core.local_exists(slab, addresses)
+        if found is not None and not (lease and any(found)):
+            return found, leading_hits(found)
         if self._compact_batches:
             try:
                 found = await self._exchange(

@@ -524,17 +524,18 @@ class ServerConnector:
 
         Sent in the compact format (:mod:`eg_kv.wire`); a server that refuses it
         (one that predates it) is asked again in JSON, and in JSON from then on. On the
-        server's host, answered from its slab instead, unless it leases: a lease is the
-        server's to take (``X-Eg-Kv-Lease-Ms``), so a leasing lookup always asks it.
+        server's host, answered from its slab instead. A lease is the server's to take
+        (``X-Eg-Kv-Lease-Ms``), so a leasing lookup asks it, unless the slab says every
+        address is a miss: there is nothing to lease then, and the usual answer of a
+        prompt nobody has computed stays a local one.
         """
         lease = (
             b"%s: %d\r\n" % (LEASE_HEADER.encode(), lease_ms) if lease_ms and lease_ms > 0 else b""
         )
         slab = self._local(probe=timeout_s is None)  # mapped for the loads even so
-        if not lease:
-            found = self._core.local_exists(slab, addresses)
-            if found is not None:
-                return found, leading_hits(found)
+        found = self._core.local_exists(slab, addresses)
+        if found is not None and not (lease and any(found)):
+            return found, leading_hits(found)
         if self._compact_batches:
             try:
                 found = self._exchange(

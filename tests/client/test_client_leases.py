@@ -110,3 +110,38 @@ def test_the_connectors_lease_setting():
         settings_from({"url": "http://127.0.0.1:9", "lease_ms": -1}, env={})
     with pytest.raises(ConfigError, match="io_threads must be at least 1"):
         settings_from({"url": "http://127.0.0.1:9", "io_threads": 0}, env={})
+
+
+def test_a_leasing_lookup_that_finds_only_misses_stays_on_the_hosts_slab(server_factory):
+    """On the server's host a lookup reads the slab; with lease_ms it asks the server only
+    when the slab shows a hit (there is nothing to lease otherwise), sync and async."""
+    import re
+
+    from helpers.common import wait_for
+
+    from eg_kv.client.aio import AsyncServerConnector
+
+    srv = server_factory(workers=1, capacity="8MiB")
+
+    def batches() -> int:
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        pattern = r'eg_kv_requests_total\{method="POST",route="batch_exists",status="200"\} (\S+)'
+        return int(sum(float(v) for v in re.findall(pattern, text)))
+
+    with connect(KvCacheConfig(base_url=srv.url)) as kv:
+        assert kv.put("held", bytes(ROW))
+        assert kv.exists_many(["absent-1", "absent-2"], lease_ms=5000) == [False, False]
+
+        async def aio_miss() -> list[bool]:
+            async with AsyncServerConnector(KvCacheConfig(base_url=srv.url)) as akv:
+                return await akv.exists_many(["absent-3"], lease_ms=5000)
+
+        assert asyncio.run(aio_miss()) == [False]
+        assert leases(srv.url)[0] == 0
+        # A hit goes to the server, which leases it: the one batch request counted.
+        assert kv.exists_many(["held", "absent-1"], lease_ms=5000) == [True, False]
+        assert leases(srv.url)[:1] == (1,)
+        # Requests are counted in order: once the hit's request shows, any earlier one would.
+        wait_for(lambda: batches() >= 1, what="the leasing hit's batch request counted")
+        assert batches() == 1
