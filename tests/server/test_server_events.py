@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from helpers.common import wait_for
+from helpers.common import unique_slab_name, wait_for
 from helpers.server_http import request
 from helpers.server_procs import eg_kv_check, stop_a_lock_holder, workers_of
 from helpers.tenants import token_of, write_tokens
@@ -379,3 +379,29 @@ def test_churn_with_workers_sigkilled_loses_and_repeats_no_event(server_factory)
         f"{stats.get('repairs')} repairs, follower: {seen['snapshots']} snapshot(s), "
         f"{seen['resumes']} resumes"
     )
+
+
+def test_a_warm_restart_keeps_the_log_and_another_size_starts_a_new_one(server_factory):
+    """--keep: the log survives the restart (same epoch, seqs go on, a reader resumes);
+    a restart with another --events size starts a new log: an old reader gets a gap."""
+    name = unique_slab_name("evwarm")
+    opts = ("--keep", "--page-size", "4KiB")
+    first = server_factory(workers=1, capacity="1MiB", slab_name=name, extra=opts)
+    request(first, "PUT", "/kv/w1", b"1")
+    before = request(first, "GET", "/kv/events").json()
+    assert first.stop() == 0 and os.path.exists(f"/dev/shm{name}.events")
+    second = server_factory(workers=1, capacity="1MiB", slab_name=name, extra=opts)
+    request(second, "PUT", "/kv/w2", b"2")
+    doc = request(second, "GET", f"/kv/events?since={before['next']}&epoch={before['epoch']}")
+    doc = doc.json()
+    assert doc["gap"] is False and doc["epoch"] == before["epoch"]
+    assert [(e["seq"], e["hash"]) for e in doc["events"]] == [(2, "w2")]
+    assert second.stop() == 0
+    third = server_factory(workers=1, capacity="1MiB", slab_name=name,
+                           extra=(*opts, "--events", "128"))  # fmt: skip
+    doc = request(third, "GET", f"/kv/events?since=2&epoch={before['epoch']}").json()
+    assert doc["gap"] is True and doc["epoch"] != before["epoch"]
+    assert held_in(snapshot(third)) == {(None, "w1"), (None, "w2")}  # the blocks stayed
+    assert third.stop() == 0
+    Slab.unlink_named(name)
+    assert not os.path.exists(f"/dev/shm{name}.events")
