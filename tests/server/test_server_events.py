@@ -405,3 +405,14 @@ def test_a_warm_restart_keeps_the_log_and_another_size_starts_a_new_one(server_f
     assert third.stop() == 0
     Slab.unlink_named(name)
     assert not os.path.exists(f"/dev/shm{name}.events")
+
+
+def test_a_long_poll_is_not_cut_as_a_stalled_request(server_factory):
+    """A waiter moves no byte while it waits: the connection sweeper must not take it
+    for a stalled body or answer (--body-timeout 1, a wait of 2.5 s)."""
+    srv = server_factory(workers=1, capacity="1MiB", extra=("--body-timeout", "1"))
+    head = request(srv, "GET", "/kv/events").json()["next"]
+    t0 = time.monotonic()
+    reply = request(srv, "GET", f"/kv/events?since={head}&wait=2.5")
+    assert reply.status == 200 and reply.json()["events"] == []
+    assert 2.4 < time.monotonic() - t0 < 10
