@@ -75,3 +75,15 @@ def test_the_readmes_lmcache_server_command_is_started():
     for b in found:
         assert b.mode == "start", f"{b.where}: mark it <!-- example: start -->, not {b.mode}"
         assert "--http-host 127.0.0.1" in b.text, f"{b.where}: LMCache's HTTP API off loopback"
+
+
+def test_the_quick_start_and_the_client_examples_run():
+    """The issue's other failures as pasted: the Quick start's page PUT with curl, and the
+    client API's Python (sync and async) must stay ``run`` blocks, never skipped or parsed."""
+    front = ("README.md", "docs/getting-started.md", "docs/clients.md")
+    python = [b for b in BLOCKS if b.path in front and b.lang == "python"]
+    curl = [b for b in BLOCKS if b.path in front and "--data-binary @page.bin" in b.text]
+    assert len({b.path for b in python}) == 3 and curl, "the examples moved: update this test"
+    for b in python + curl:
+        assert b.mode == "run", f"{b.where} is {b.mode!r}: it must run as pasted"
+    assert any("asyncio.run(" in b.text for b in python), "the async client's example"
