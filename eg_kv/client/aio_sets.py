@@ -252,13 +252,7 @@ class AsyncSetConnector:
         Never raises."""
         if self._closed:
             return 0
-        view, down = self._router.view(), self._router.down()
-        by_home: dict[str, list[str]] = {}
-        for key in keys:
-            address = to_address(key)
-            home = view.placement.home(address, down)
-            if home is not None:
-                by_home.setdefault(home, []).append(address)
+        view, by_home = self._router.homes(keys)
         done = await asyncio.gather(
             *(self._members.get(view, m).release(part) for m, part in by_home.items())
         )

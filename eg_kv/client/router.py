@@ -155,6 +155,18 @@ class Router:
         before = view.previous_home(address, down)
         return before if before is not None and before != home and before not in down else None
 
+    def homes(self, keys: Sequence[str | bytes]) -> tuple[View, dict[str, list[str]]]:
+        """The current view and the addresses of ``keys`` grouped by their home (keys with
+        no member up are left out): where a release of each one's lease goes."""
+        view, down = self.membership.view(), self.health.down()
+        by_home: dict[str, list[str]] = {}
+        for key in keys:
+            address = to_address(key)
+            home = view.placement.home(address, down)
+            if home is not None:
+                by_home.setdefault(home, []).append(address)
+        return view, by_home
+
     def plan(self, addresses: Sequence[str]) -> tuple[View, Groups]:
         """A batch split by member, down members skipped."""
         view = self.membership.view()

@@ -283,13 +283,7 @@ class SetConnector:
         """
         if self._closed:
             return 0
-        view, down = self._router.view(), self._router.down()
-        by_home: dict[str, list[str]] = {}
-        for key in keys:
-            address = to_address(key)
-            home = view.placement.home(address, down)
-            if home is not None:
-                by_home.setdefault(home, []).append(address)
+        view, by_home = self._router.homes(keys)
         try:
             done = self._fanout.map(
                 lambda job: self._members.get(view, job[0]).release(job[1]), by_home.items()
