@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 from .aio import AsyncServerConnector
 from .core import KvCacheConfig, KvCacheStats, to_address
+from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
+from .events import EventBatch, Snapshot
 from .interface import AsyncSink, Unreachable
 from .placement import prefix_hits
 from .router import Ask, BatchPlan, MemberConnectors, Router, Waiting, absent, set_health
@@ -257,6 +259,19 @@ class AsyncSetConnector:
             *(self._members.get(view, m).release(part) for m, part in by_home.items())
         )
         return sum(done)
+
+    async def events(
+        self, since: int = 0, wait: float = 0.0, limit: int = DEFAULT_EVENTS_LIMIT,
+        epoch: str | None = None,
+    ) -> EventBatch:  # fmt: skip
+        """The event log of a set of one member: see :meth:`SetConnector.events
+        <eg_kv.client.sets.SetConnector.events>` (ConfigError for several members)."""
+        member = self._members.get(*self._router.only_member())
+        return await member.events(since, wait, limit, epoch)
+
+    async def snapshot(self) -> Snapshot:
+        """The snapshot of a set of one member: see :meth:`events`."""
+        return await self._members.get(*self._router.only_member()).snapshot()
 
     async def member_stats(self) -> list[MemberStats]:
         """Each member's stats (gathered in parallel), sorted by member id."""

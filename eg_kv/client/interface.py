@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from .core import KvCacheConfig, KvCacheStats
+from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
+from .events import EventBatch, Snapshot
 from .setstats import MemberStats
 
 T = TypeVar("T")
@@ -83,6 +85,13 @@ class KvConnector(Protocol):
     def release(self, keys: Sequence[str | bytes]) -> int:
         """End one lease on each key's block (leases come from ``lease_ms`` lookups)."""
 
+    def events(
+        self, since: int = 0, wait: float = 0.0, limit: int = DEFAULT_EVENTS_LIMIT,
+        epoch: str | None = None,
+    ) -> EventBatch:  # fmt: skip
+        """The event log after ``since`` (a set: of its one member)."""
+
+    def snapshot(self) -> Snapshot: ...
     def stats(self) -> KvCacheStats: ...
     def healthz(self) -> dict[str, Any] | None: ...
     def member_stats(self) -> list[MemberStats]: ...
@@ -138,6 +147,13 @@ class AsyncKvConnector(Protocol):
     async def release(self, keys: Sequence[str | bytes]) -> int:
         """End one lease on each key's block (leases come from ``lease_ms`` lookups)."""
 
+    async def events(
+        self, since: int = 0, wait: float = 0.0, limit: int = DEFAULT_EVENTS_LIMIT,
+        epoch: str | None = None,
+    ) -> EventBatch:  # fmt: skip
+        """The event log after ``since`` (a set: of its one member)."""
+
+    async def snapshot(self) -> Snapshot: ...
     async def stats(self) -> KvCacheStats: ...
     async def healthz(self) -> dict[str, Any] | None: ...
     async def member_stats(self) -> list[MemberStats]: ...

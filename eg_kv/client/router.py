@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from ..config import parse_addr
+from ..errors import ConfigError
 from .core import KvCacheConfig, to_address
 from .health import Health
 from .interface import KvConnector, Unreachable
@@ -166,6 +167,22 @@ class Router:
             if home is not None:
                 by_home.setdefault(home, []).append(address)
         return view, by_home
+
+    def only_member(self) -> tuple[View, str]:
+        """The current view and its one member: what a set's event log is.
+
+        Raises:
+            ConfigError: the set has several members; each keeps its own log (its own
+                sequence numbers), so a reader follows each member's URL.
+        """
+        view = self.membership.view()
+        members = view.placement.members
+        if len(members) != 1:
+            raise ConfigError(
+                f"a server set of {len(members)} members has one event log per member: "
+                "follow each member's URL (eg_kv.client.events.follow on a client of it)"
+            )
+        return view, members[0]
 
     def plan(self, addresses: Sequence[str]) -> tuple[View, Groups]:
         """A batch split by member, down members skipped."""

@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from .core import KvCacheConfig, KvCacheStats, batches, to_address
+from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
+from .events import EventBatch, Snapshot
 from .placement import prefix_hits
 from .router import (
     Ask,
@@ -291,6 +293,24 @@ class SetConnector:
             return sum(done)
         except RuntimeError:  # close() shut the fan-out pool down
             return 0
+
+    def events(
+        self, since: int = 0, wait: float = 0.0, limit: int = DEFAULT_EVENTS_LIMIT,
+        epoch: str | None = None,
+    ) -> EventBatch:  # fmt: skip
+        """The event log of a set of one member (a ``dnssrv+`` name that resolves to one
+        server): that server's; see :meth:`ServerConnector.events
+        <eg_kv.client.sync.ServerConnector.events>`.
+
+        Raises:
+            ConfigError: the set has several members (each keeps its own log: follow
+                each member's URL); else as ``ServerConnector.events``.
+        """
+        return self._members.get(*self._router.only_member()).events(since, wait, limit, epoch)
+
+    def snapshot(self) -> Snapshot:
+        """The snapshot of a set of one member: see :meth:`events`."""
+        return self._members.get(*self._router.only_member()).snapshot()
 
     # -- the set
 
