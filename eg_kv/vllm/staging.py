@@ -27,6 +27,8 @@ class BlockReader(Protocol):
         self, key: str | bytes, buffer: Any, release_lease: bool = False
     ) -> int | None: ...
 
+    def release(self, keys: Sequence[str | bytes]) -> int: ...
+
 
 def load_rows(
     client: BlockReader,
@@ -38,7 +40,9 @@ def load_rows(
 ) -> tuple[list[int], list[int]]:
     """GET ``addresses[i]`` into ``rows[i]`` (a writable buffer of one stored block's
     exact length), with ``map_fn`` (e.g. a thread pool's ``map``) running the GETs.
-    ``release_lease``: each GET ends one lease the lookup took on its block.
+    ``release_lease``: end the lease the lookup took on each block, once every GET is
+    done, in one :meth:`release` (one request per server; a GET read from the slab on the
+    server's host could not end it itself, and a release per block cost a request each).
 
     Returns:
         ``(ok, failed)``: the indices (``rows`` is any indexable of buffers with a
@@ -52,13 +56,13 @@ def load_rows(
 
     def one(i: int) -> int | None:
         try:
-            if release_lease:
-                return client.get_into(addresses[i], rows[i], release_lease=True)
             return client.get_into(addresses[i], rows[i])
         except Exception:  # a client that raises counts as a failed block, never a crash
             return None
 
     got = list(map_fn(one, range(len(rows))))
+    if release_lease and addresses:
+        client.release(addresses)  # never raises
     ok = [i for i, n in enumerate(got) if n is not None and n == sizes[i]]
     good = set(ok)
     failed = [i for i in range(len(rows)) if i not in good]
