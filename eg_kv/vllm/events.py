@@ -96,12 +96,15 @@ class EventRelay:
         with self._lock:
             held = self._held.setdefault(source, set())
             if isinstance(item, Snapshot):
-                now = {b.hash for b in item.blocks}
-                for address in held - now:
+                # In the snapshot's order (not a set's, which follows the hash seed), so
+                # what a resync relays is the same in every process.
+                order = list(dict.fromkeys(b.hash for b in item.blocks))
+                now = set(order)
+                for address in sorted(held - now):
                     held.discard(address)
                     if not self._anywhere(address):
                         self._down(address)
-                for address in now - held:
+                for address in (a for a in order if a not in held):
                     fresh = not self._anywhere(address)
                     held.add(address)
                     if fresh:
