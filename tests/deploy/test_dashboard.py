@@ -303,3 +303,55 @@ def test_the_component_kustomization_validates(tmp_path):
     kubernetes_validate.validate(cm, kubernetes_validate.latest_version(), strict=True)
     assert gen["options"]["labels"]["grafana_dashboard"] == "1"
     assert gen["options"]["disableNameSuffixHash"] is True
+
+
+def _snapshot_module():
+    """scripts/dashboard_snapshot.py, imported from its path (scripts/ is no package)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "dashboard_snapshot", ROOT / "scripts" / "dashboard_snapshot.py"
+    )
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks itself up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(
+    not shutil.which("prometheus"),
+    reason="prometheus not installed (scripts/setup installs it as root: apt-get)",
+)
+def test_every_panel_evaluates_in_a_real_prometheus(tmp_path):
+    """The snapshot script's run, short: a real Prometheus scraping a real eg-kv through 15 s
+    of traffic accepts every panel's expressions, and the panels that traffic must move
+    show data; the SVG has every panel."""
+    snap = _snapshot_module()
+    out = tmp_path / "dashboard.svg"
+    entries, statuses = snap.snapshot(15, out)
+    assert statuses.get(201) and statuses.get(404) and statuses.get(401), statuses
+    by_title = {e["panel"]["title"]: e for e in entries if e["panel"]["type"] != "row"}
+    errors = {t: e["errors"] for t, e in by_title.items() if e["errors"]}
+    assert not errors, f"Prometheus rejected: {errors}"
+    for title in (
+        "Hit ratio", "Request rate by route and status", "Bytes resident against capacity",
+        "Evictions", "Namespace use against quota", "Namespace bytes: used, resident, quota",
+    ):  # fmt: skip
+        assert by_title[title]["series"], f"{title}: no data after the traffic"
+    # Hits and evictions happened, and both tenants with quotas show their use.
+    (ratio,) = by_title["Hit ratio"]["series"]
+    assert 0 < ratio[1][-1][1] < 1, ratio
+    assert max(v for _, pts, _ in by_title["Evictions"]["series"] for _, v in pts) > 0
+    quota = {
+        legend.split(" @ ")[0] for legend, _, _ in by_title["Namespace use against quota"]["series"]
+    }
+    assert quota == {"team-a", "team-b"}, quota
+    svg = out.read_text()
+    assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    for title in by_title:
+        assert snap.esc(title, 1000) in svg, title
+    assert not list(Path("/dev/shm").glob(f"eg-kv-dash-{os.getpid()}*")), "slab left behind"
