@@ -14,7 +14,8 @@ in the same run, on the same server, alternating round by round::
 
 It also times what a lease costs a lookup (``--latency-calls``, 0 to skip): the median of
 batch lookups of 16 and 256 addresses, plain (answered from the slab on the server's host),
-plain over HTTP, leased (always over HTTP: the server takes the lock), and the release.
+plain over HTTP, leased (a lookup that finds a hit asks the server, which takes the
+lock), and the release.
 
 The server (own or given) needs leases on (``--lease-ms`` above 0) and a slab of about
 ``--capacity`` (the bursts are sized from the server's stats). Every process started here
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +177,8 @@ def latency(url: str, calls: int) -> dict[str, dict[str, float]]:
                     times.append(time.perf_counter() - t)
                 return round(statistics.median(times) * 1e6, 1)
 
-            local.exists_many(batch)  # maps the slab
+            if not all(local.exists_many(batch)):  # maps the slab, and checks the batch
+                raise SystemExit(f"latency: {n} addresses are not all held (a slab too small?)")
             out[str(n)] = {
                 "plain_local_us": timed(local.exists_many),
                 "plain_http_us": timed(remote.exists_many),
@@ -186,6 +189,32 @@ def latency(url: str, calls: int) -> dict[str, dict[str, float]]:
         local.close()
         remote.close()
     return out
+
+
+@contextlib.contextmanager
+def _server(url: str | None, capacity: str, role: str) -> Iterator[str]:
+    """``url`` when given, else a server of its own (2 workers, 64 KiB pages, ``capacity``)
+    for the block, stopped by pid after it."""
+    if url is not None:
+        yield url
+        return
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{port}",
+         "--workers", "2", "--capacity", capacity, "--page-size", "64KiB",
+         "--slab-name", f"/eg-kv-bench-leases-{role}-{os.getpid()}", "--fresh"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", server)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
 
 
 def main() -> int:
@@ -202,33 +231,15 @@ def main() -> int:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
-    server: subprocess.Popen[bytes] | None = None
-    slab_name = f"/eg-kv-bench-leases-{os.getpid()}"
-    url = args.url
-    try:
-        if url is None:
-            port = _free_port()
-            url = f"http://127.0.0.1:{port}"
-            server = subprocess.Popen(
-                [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{port}",
-                 "--workers", "2", "--capacity", args.capacity, "--page-size", "64KiB",
-                 "--slab-name", slab_name, "--fresh"],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            _wait_healthy(url, server)
+    with _server(args.url, args.capacity, "pressure") as url:
         start = time.monotonic()
         out: dict[str, object] = dict(run(url, args.rounds, args.blocks, args.size, args.lease_ms))
         seconds = time.monotonic() - start
-        if args.latency_calls > 0:
+    if args.latency_calls > 0:
+        # A slab that holds every timed block (the pressure run's evicts them: its
+        # lookups would be misses, answered locally, leased or not).
+        with _server(args.url, "64MiB", "latency") as url:
             out["latency"] = latency(url, args.latency_calls)
-    finally:
-        if server is not None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(10)
     if args.json:
         print(json.dumps({**out, "seconds": round(seconds, 1)}))
         return 0
