@@ -35,6 +35,35 @@ ZERO_OK = frozenset({"lease_ms", "events"})
 ALIASES = {"url": "base_url"}
 
 
+def split_options(
+    options: Mapping[str, Any] | None, own_keys: Mapping[str, Any], who: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a component's options into client keywords and its own keys (``url`` is
+    ``base_url``); the connector and the tier (eg_kv.vllm.tier_settings) share it.
+
+    Returns:
+        ``(client_kw, own)``: :class:`KvCacheConfig` keywords, and the keys of ``own_keys``.
+
+    Raises:
+        ConfigError: an unknown key (naming the known ones) or one given twice (``url``
+            and ``base_url``); the message starts with ``who``.
+    """
+    client_kw: dict[str, Any] = {}
+    own: dict[str, Any] = {}
+    for key, value in (options or {}).items():
+        name = ALIASES.get(key, key)
+        if name in own_keys:
+            own[name] = value
+        elif name in CONFIG_KEYWORDS:
+            if name in client_kw:
+                raise ConfigError(f"{who}: {name!r} is given twice (url is base_url)")
+            client_kw[name] = value
+        else:
+            known = sorted({*CONFIG_KEYWORDS, *own_keys, *ALIASES})
+            raise ConfigError(f"{who}: unknown key {key!r}; known: {', '.join(known)}")
+    return client_kw, own
+
+
 @dataclasses.dataclass(frozen=True)
 class ConnectorSettings:
     """A connector's client config and its own knobs."""
@@ -56,24 +85,9 @@ def settings_from(
         ConfigError: an unknown key (with the known ones), a key given twice (``url`` and
             ``base_url``), or a value the client config refuses.
     """
-    client_kw: dict[str, Any] = {}
-    own: dict[str, Any] = {}
-    for key, value in (extra or {}).items():
-        name = ALIASES.get(key, key)
-        if name in CONNECTOR_KEYS:
-            own[name] = value
-        elif name in CONFIG_KEYWORDS:
-            if name in client_kw:
-                raise ConfigError(
-                    f"kv_connector_extra_config names {name!r} twice (url is base_url)"
-                )
-            client_kw[name] = value
-        else:
-            known = sorted({*CONFIG_KEYWORDS, *CONNECTOR_KEYS, *ALIASES})
-            raise ConfigError(
-                f"kv_connector_extra_config key {key!r} is unknown to EgKvConnector; "
-                f"known: {', '.join(known)}"
-            )
+    client_kw, own = split_options(
+        extra, CONNECTOR_KEYS, "EgKvConnector (kv_connector_extra_config)"
+    )
     client = KvCacheConfig.from_env(env, **client_kw)
     values: dict[str, Any] = {}
     for name, default in CONNECTOR_KEYS.items():

@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ..client.core import CONFIG_KEYWORDS, KvCacheConfig
+from ..client.core import KvCacheConfig
 from ..errors import ConfigError
-from .settings import ALIASES
+from .settings import split_options
 
 __all__ = ["TIER_KEYS", "TierSettings", "tier_settings_from"]
 
@@ -73,19 +73,7 @@ def tier_settings_from(
         ConfigError: an unknown key (naming the known ones), a key given twice (``url``
             and ``base_url``), a value out of range, or one the client config refuses.
     """
-    client_kw: dict[str, Any] = {}
-    own: dict[str, Any] = {}
-    for key, value in (options or {}).items():
-        name = ALIASES.get(key, key)
-        if name in TIER_KEYS:
-            own[name] = value
-        elif name in CONFIG_KEYWORDS:
-            if name in client_kw:
-                raise ConfigError(f"EgKvTier: {name!r} is given twice (url is base_url)")
-            client_kw[name] = value
-        else:
-            known = sorted({*CONFIG_KEYWORDS, *TIER_KEYS, *ALIASES})
-            raise ConfigError(f"EgKvTier: unknown key {key!r}; known: {', '.join(known)}")
+    client_kw, own = split_options(options, TIER_KEYS, "EgKvTier")
     client = KvCacheConfig.from_env(env, **client_kw)
     deadline_raw = own.get("lookup_deadline_s")
     if deadline_raw is None:
