@@ -34,8 +34,9 @@ deadline (:mod:`eg_kv.lmcache.write_gate`).
 
 Leases (:mod:`eg_kv.slab.leases`): LMCache's lookup-and-lock is ``submit_batch_exists``, so
 each lookup leases its hits for ``lease_ms`` (an ``adapter_params`` key, default
-:data:`DEFAULT_LEASE_MS`; the server grants at most its ``--lease-ms``; 0: none), and each
-load of a key releases one lease on it. LMCache's unlock stays in its adapter (the plugin
+:data:`DEFAULT_LEASE_MS`; the server grants at most its ``--lease-ms``; 0: none), and the
+load of a key a lookup leased releases one lease on it (a load no lookup of this
+connector leased releases nothing). LMCache's unlock stays in its adapter (the plugin
 never hears of it): a lock released without a load ends when its lease does.
 """
 
@@ -173,6 +174,10 @@ class RemoteKVL2Connector:
         self._gates = GateSet()
         self._warn = StoreWarnings(self._client, "eg-kv LMCache L2 adapter")
         self._stored: OrderedDict[str, str] = OrderedDict()  # key -> address it went to
+        # Address -> leases this connector's lookups took and no load ended yet (the
+        # newest MAX_STORED addresses): only those are released, so a load that no
+        # lookup leased sends nothing extra, and one never ends another client's lease.
+        self._leased: OrderedDict[str, int] = OrderedDict()
         self._digests: dict[str, str] = {}  # key -> address_for_key(key), bounded
         self._inline_after = 0.0  # monotonic time before which lookups use the pool
 
@@ -256,10 +261,35 @@ class RemoteKVL2Connector:
     def _fetch(self, address: str, sink: Callable[..., bool], gate: WriteGate) -> bool | None:
         # Over a set a miss may ask the previous home with a fresh timeout_s: only while
         # the batch's deadline still has room for it (the same gate).
-        # The load ends one of the leases the lookup took (docs/leases.md).
+        # The load ends one of the leases this connector's lookup took (docs/leases.md).
         return self._client.fetch(
-            address, sink, may_start=gate.can_start, release_lease=self._lease_ms > 0
+            address, sink, may_start=gate.can_start, release_lease=self._take_lease(address)
         )
+
+    def _note_leases(self, addresses: list[str], found: list[bool]) -> list[bool]:
+        """Record the leases a lookup's hits took (when it asked for them); returns
+        ``found``."""
+        if self._lease_ms > 0:
+            with self._lock:
+                leased = self._leased
+                for address, hit in zip(addresses, found, strict=True):
+                    if hit:
+                        leased[address] = leased.get(address, 0) + 1
+                        leased.move_to_end(address)
+                while len(leased) > MAX_STORED:
+                    leased.popitem(last=False)
+        return found
+
+    def _take_lease(self, address: str) -> bool:
+        """Whether a lookup of this connector leased ``address`` (one lease is taken
+        off the record: the load about to run ends it)."""
+        if self._lease_ms <= 0:
+            return False
+        with self._lock:
+            count = self._leased.pop(address, 0)
+            if count > 1:
+                self._leased[address] = count - 1
+        return count > 0
 
     def submit_batch_delete(self, keys: Sequence[str]) -> int:
         """Release each key's reference on the server; never blocks.
@@ -306,24 +336,24 @@ class RemoteKVL2Connector:
             and len(keys) <= INLINE_MAX_KEYS
             and time.monotonic() >= self._inline_after
         ):
+            addresses = self._addresses(keys)
             found = client.try_exists_addresses(
-                self._addresses(keys),
+                addresses,
                 min(INLINE_TIMEOUT_S, self.config.timeout_s),
                 lease_ms=self._lease_ms or None,
             )
             if found is not None:
-                self._complete(fid, True, "", found)
+                self._complete(fid, True, "", self._note_leases(addresses, found))
                 return fid
             self._inline_after = time.monotonic() + INLINE_BACKOFF_S
 
         def run() -> None:
-            found = self._client.try_exists_addresses(
-                self._addresses(keys), lease_ms=self._lease_ms or None
-            )
+            addresses = self._addresses(keys)
+            found = self._client.try_exists_addresses(addresses, lease_ms=self._lease_ms or None)
             if found is None:  # could not ask: a failed lookup, which LMCache counts as misses
                 self._complete(fid, False, "eg-kv batch exists failed", [False] * len(keys))
             else:
-                self._complete(fid, True, "", found)
+                self._complete(fid, True, "", self._note_leases(addresses, found))
 
         self._spawn(fid, run)
         return fid

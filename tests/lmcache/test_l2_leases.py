@@ -75,3 +75,50 @@ def test_lease_ms_0_takes_no_lease_and_a_bad_one_is_refused(server_factory):
     for bad in (-1, "soon", True):
         with pytest.raises(ConfigError, match="lease_ms"):
             RemoteKVL2Connector(base_url=srv.url, lease_ms=bad)
+
+
+def test_a_load_releases_only_what_this_connectors_lookup_leased(server_factory):
+    """Another client's lease on a chunk survives this connector's load of it (a load
+    ends only a lease this connector's lookup took), and a load with no lookup before
+    it sends no release at all (no batch-release request reaches the server)."""
+    import re
+
+    from helpers.common import wait_for
+
+    from eg_kv.client.core import KvCacheConfig
+    from eg_kv.client.sync import ServerConnector
+
+    srv = server_factory(workers=1, capacity="8MiB")
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=10, local_reads=True)
+
+    def release_requests() -> int:
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        pattern = r'eg_kv_requests_total\{method="POST",route="batch_release",status="200"\} (\S+)'
+        return int(sum(float(v) for v in re.findall(pattern, text)))
+
+    try:
+        keys = lm_keys(2)
+        f = conn.submit_batch_set(keys, [memoryview(bytes(CHUNK)) for _ in keys])
+        assert wait_completions(conn, {f})[f][1] is True
+        # Another client leases the first chunk.
+        with ServerConnector(KvCacheConfig(base_url=srv.url, local_reads=False)) as other:
+            assert other.try_exists_addresses(conn._addresses(keys[:1]), lease_ms=60000) == [True]
+        assert stats(srv.url)["leased_blocks"] == 1
+        bufs = [bytearray(CHUNK) for _ in keys]
+        f = conn.submit_batch_get(keys, [memoryview(b) for b in bufs])
+        assert wait_completions(conn, {f})[f][3] == [True, True]
+        assert stats(srv.url)["leased_blocks"] == 1  # the other client's lease stands
+        # This connector's own lookup leases both; its load then releases them, once.
+        f = conn.submit_batch_exists(keys)
+        assert wait_completions(conn, {f})[f][3] == [True, True]
+        assert stats(srv.url)["leased_blocks"] == 2
+        f = conn.submit_batch_get(keys, [memoryview(b) for b in bufs])
+        assert wait_completions(conn, {f})[f][3] == [True, True]
+        st = stats(srv.url)
+        assert (st["leased_blocks"], st["leases_released"]) == (1, 2)
+        # Two releases went out (local reads release with one POST each); none before.
+        wait_for(lambda: release_requests() >= 2, what="the releases counted")
+        assert release_requests() == 2
+    finally:
+        conn.close()
