@@ -387,10 +387,12 @@ class AsyncServerConnector:
         address = to_address(key)
         limit = self.config.max_block_size
         local = await self._local_block(address)
+        slab = self._core.local.slab
         if local is not OVER_HTTP:
             if release_lease:
                 await self.release([address])
             return local  # type: ignore[no-any-return]
+        release_header = self._core.release_header(slab, address, release_lease)
 
         async def on_response(resp: aiohttp.ClientResponse) -> bytes | None:
             length = resp.content_length
@@ -408,11 +410,14 @@ class AsyncServerConnector:
                 "GET",
                 self._core.block_path(address),
                 on_response,
-                headers=_RELEASE if release_lease else None,
+                headers=_RELEASE if release_header else None,
             )
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss("GET", address, exc)
             return None
+        finally:
+            if release_lease and not release_header:
+                await self.release([address])  # this client's local lease: no request
 
     async def _local_block(self, address: str) -> Any:
         """The block from the slab on the server's host: its bytes, None (a miss), or
@@ -452,8 +457,10 @@ class AsyncServerConnector:
         limit = self.config.max_block_size
         core = self._core
         local = await self._local_block(address)
+        slab = core.local.slab
         if local is not OVER_HTTP and release_lease:
             await self.release([address])
+        release_header = core.release_header(slab, address, release_lease)
         if isinstance(local, bytes):
             try:
                 return await _sink_from_memory(local, sink)
@@ -494,11 +501,14 @@ class AsyncServerConnector:
                 "GET",
                 core.block_path(address),
                 on_response,
-                headers=_RELEASE if release_lease else None,
+                headers=_RELEASE if release_header else None,
             )
         except Exception as exc:  # asyncio.TimeoutError included
             core.miss("GET", address, exc)
             return None
+        finally:
+            if release_lease and not release_header:
+                await self.release([address])  # this client's local lease: no request
 
     async def get_into(
         self, key: str | bytes, buffer: Any, release_lease: bool = False
@@ -601,8 +611,8 @@ class AsyncServerConnector:
         """
         lease = {LEASE_HEADER: str(lease_ms)} if lease_ms and lease_ms > 0 else {}
         slab = await self._local(probe=timeout_s is None)  # mapped for the loads even so
-        found = self._core.local_exists(slab, addresses)
-        if found is not None and not (lease and any(found)):
+        found = self._core.local_lookup(slab, addresses, bool(lease), lease_ms)
+        if found is not None:
             return found, leading_hits(found)
         if self._compact_batches:
             try:
@@ -705,13 +715,14 @@ class AsyncServerConnector:
         return total
 
     async def release(self, keys: Sequence[str | bytes]) -> int:
-        """End one lease on each key's block (``POST /kv/batch/release``, one per 1024).
+        """End one lease on each key's block: here, for a lease this client took on the
+        local slab; else ``POST /kv/batch/release``, one per 1024.
 
         Returns:
             How many leases were released; 0 for a batch that failed. Never raises.
         """
-        released = 0
-        for chunk in batches([to_address(k) for k in keys]):
+        released, remote = self._core.local_release([to_address(k) for k in keys])
+        for chunk in batches(remote):
             try:
                 found = await self._exchange(
                     "POST",

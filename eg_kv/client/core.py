@@ -609,6 +609,59 @@ class ClientCore:
             self.local.step_aside(exc)
             return None
 
+    def local_lookup(
+        self, slab: LocalSlab | None, addresses: list[str], lease: bool, lease_ms: int | None
+    ) -> list[bool] | None:
+        """A batch lookup answered from the local slab; None: ask over HTTP.
+
+        A leasing lookup (``lease``) leases its hits locally
+        (:meth:`~eg_kv.slab.local.LocalSlab.lease_addresses`); where this reader cannot, it
+        still answers an all-miss lookup here (nothing to lease) and asks the server about
+        the rest, which takes the leases.
+
+        Raises:
+            InvalidAddress: as the server would answer 400 (the caller's miss).
+        """
+        if slab is None:
+            return None
+        try:
+            if lease and lease_ms:
+                found = slab.lease_addresses(addresses, lease_ms)
+                if found is not None:
+                    return found
+            found = slab.exists_addresses(addresses)
+        except LocalUnavailable as exc:
+            self.local.step_aside(exc)
+            return None
+        return None if lease and any(found) else found
+
+    def local_release(self, addresses: list[str]) -> tuple[int, list[str]]:
+        """End the leases this client took on the local slab on ``addresses``.
+
+        Returns:
+            How many were released here (a lease that had ended counts 0, as the server
+            counts it), and the addresses it holds no local lease on: the server's to
+            release (``POST /kv/batch/release``).
+        """
+        slab = self.local.slab
+        if slab is None or slab.leases is None:
+            return 0, addresses
+        released, rest = 0, []
+        for address in addresses:
+            done = slab.release_lease(address)
+            if done is None:
+                rest.append(address)
+            else:
+                released += done
+        return released, rest
+
+    @staticmethod
+    def release_header(slab: LocalSlab | None, address: str, release_lease: bool) -> bool:
+        """Whether a GET of ``address`` that ends a lease asks the server to end it: not
+        when the lease is this client's on the local slab (released here after the read:
+        the server would end another client's)."""
+        return release_lease and (slab is None or not slab.holds_lease(address))
+
     def local_has(self, slab: LocalSlab | None, what: str, address: str) -> bool | None:
         """Whether ``address`` is resident, from the local slab; None: ask over HTTP. A bad
         address is a logged miss (False), as the server's 400 would be. Never raises."""

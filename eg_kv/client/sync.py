@@ -335,11 +335,13 @@ class ServerConnector:
         """
         address = to_address(key)
         limit = self.config.max_block_size
-        local = self._core.local_fetch(self._local(), address, sink)
+        core, slab = self._core, self._local()
+        local = core.local_fetch(slab, address, sink)
         if local is not OVER_HTTP:
             if release_lease:
-                self.release([address])
+                self.release([address])  # here, if the lease was taken here
             return local  # type: ignore[no-any-return]
+        release_header = core.release_header(slab, address, release_lease)
 
         def on_response(resp: Response) -> T | None:
             raw = resp.headers.get(b"content-encoding")
@@ -359,13 +361,16 @@ class ServerConnector:
         try:
             return self._exchange(
                 "GET",
-                self._core.block_path(address),
+                core.block_path(address),
                 on_response,
-                headers=self._release_head if release_lease else b"",
+                headers=self._release_head if release_header else b"",
             )
         except Exception as exc:
-            self._core.miss("GET", address, exc)
+            core.miss("GET", address, exc)
             return None
+        finally:
+            if release_lease and not release_header:
+                self.release([address])  # this client's local lease: no request
 
     def _local(self, probe: bool = True) -> LocalSlab | None:
         """The server's slab mapped here, when this client is on its host (else None).
@@ -533,8 +538,8 @@ class ServerConnector:
             b"%s: %d\r\n" % (LEASE_HEADER.encode(), lease_ms) if lease_ms and lease_ms > 0 else b""
         )
         slab = self._local(probe=timeout_s is None)  # mapped for the loads even so
-        found = self._core.local_exists(slab, addresses)
-        if found is not None and not (lease and any(found)):
+        found = self._core.local_lookup(slab, addresses, bool(lease), lease_ms)
+        if found is not None:
             return found, leading_hits(found)
         if self._compact_batches:
             try:
@@ -653,14 +658,15 @@ class ServerConnector:
         return total
 
     def release(self, keys: Sequence[str | bytes]) -> int:
-        """End one lease on each key's block (``POST /kv/batch/release``, one per 1024).
+        """End one lease on each key's block: here, for a lease this client took on the
+        local slab; else ``POST /kv/batch/release``, one per 1024.
 
         Returns:
             How many leases were released (one that had ended, or none held, counts 0);
             0 for a batch that failed. Never raises.
         """
-        released = 0
-        for chunk in batches([to_address(k) for k in keys]):
+        released, remote = self._core.local_release([to_address(k) for k in keys])
+        for chunk in batches(remote):
             try:
                 found = self._exchange(
                     "POST",

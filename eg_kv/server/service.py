@@ -14,7 +14,7 @@ from aiohttp import web
 
 from ..slab.local import LocalInfo
 from . import runstate
-from .keys import AUTH, HEALTH, METRICS, SLAB
+from .keys import AUTH, HEALTH, METRICS, SETTINGS, SLAB
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .tenants import Tenant
 
@@ -23,13 +23,16 @@ _V = TypeVar("_V")
 
 async def local_slab(request: web.Request, tenant: Tenant) -> web.Response:
     """``GET /kv/local/slab``: where the slab is, for a client on this host that reads it
-    itself (:mod:`eg_kv.slab.local`): names, id, layout and the token's namespace id.
+    itself (:mod:`eg_kv.slab.local`): names, id, layout, the token's namespace id and the
+    longest lease granted (local leases keep to it: :mod:`eg_kv.slab.local_leases`).
 
     Only an admin (any token without a tokens file) may ask; the slab's mode (0600) decides
     who on the host can open it.
     """
     slab = request.app[SLAB]
-    info = LocalInfo.of(slab.name, slab.slab_id, slab.geometry.total_size, tenant.ns)
+    info = LocalInfo.of(
+        slab.name, slab.slab_id, slab.geometry.total_size, tenant.ns, request.app[SETTINGS].lease_ms
+    )
     return web.json_response(info)
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import time
 
 from ..address import ADDRESS_MAX
 
@@ -217,10 +218,12 @@ NS_WORDS = NS_NAME_WORD + NS_NAME_MAX // 8  # 32
 NS_ENTRY_SIZE = 8 * NS_WORDS  # 256
 NS_OFFSET = HEADER_SIZE
 NS_TABLE_SIZE = NS_COUNT * NS_ENTRY_SIZE  # 1 MiB
+SLOT_BLOCK_ID_OFFSET = 32  # byte offset of the block id inside a slot (a uint64)
 SLOT_NS_OFFSET = 48  # byte offset of the namespace id inside a slot (a uint32)
 SLOT_LEASES_OFFSET = 52  # byte offset of the lease count inside a slot (a uint32)
 SLOT_LEASE_END_OFFSET = 56  # byte offset of the newest lease's expiry (an int64)
 assert SLOT_SIZE % 8 == 0 and SLOT.size - 8 == SLOT_LEASE_END_OFFSET
+assert struct.calcsize("<BBHIQqQ") == SLOT_BLOCK_ID_OFFSET
 NS_MIX = 0x9E3779B97F4A7C15
 
 
@@ -233,32 +236,62 @@ def ns_fingerprint(fp: int, ns: int) -> int:
 # The readers segment, ``<slab name>.readers``: what clients that read the slab locally
 # (read-only) may write. Mode 0600 like the slab; created with it and removed with it.
 #
-#     0        64                          64 + NREADERS * 64
-#     ┌────────┬───────────────────────────┬──────────────────────┐
-#     │ header │ entries: NREADERS × 8 q   │ hit hints: S bytes   │
-#     └────────┴───────────────────────────┴──────────────────────┘
+#     0        64                         64 + NREADERS * 64        leases_off (8-aligned)
+#     ┌────────┬──────────────────────────┬──────────────────────┬──────────────────────────┐
+#     │ header │ entries: NREADERS × 8 q  │ hit hints: S bytes   │ lease tables:            │
+#     │        │                          │                      │ LEASE_READERS × LEASE_   │
+#     │        │                          │                      │ RECORDS × (id q, end q)  │
+#     └────────┴──────────────────────────┴──────────────────────┴──────────────────────────┘
 #     header:  READERS_HEAD: magic, slab id, entries, slots
-#     entry:   pid (informational), namespace id, get hits, get misses, 4 spare. An entry
-#              is owned by whoever holds an OFD write lock on its first byte (the kernel
-#              drops it when the owner dies, in any pid namespace); its counts only grow
-#              and stay when the owner dies, so the slab's stats add every entry.
+#     entry:   pid (informational), namespace id, get hits, get misses, lease records in
+#              use (the table's high-water mark), leases taken, leases released, and the
+#              table's generation (bumped after every change of it: the server rereads a
+#              table only when it moved).
+#              An entry is owned by whoever holds an OFD write lock on its first byte (the
+#              kernel drops it when the owner dies, in any pid namespace); its counts only
+#              grow and stay when the owner dies, so the slab's stats add every entry.
 #     hints:   hint[i] = 1: a local reader hit slot i; the owner folds it into the slot's
 #              CLOCK reference bit and clears it (a moved slot's hint is a second chance
 #              it did not earn, as a lock-free reference bit may be).
-READERS_MAGIC = b"EGKVRDR1"
+#     leases:  entry e < LEASE_READERS owns table e: the leases its lookups took locally
+#              (eg_kv.slab.local_leases), one record per block: the block id (0: free) and
+#              when the lease ends (monotonic ms). Eviction passes over a block whose id a
+#              record holds with an end still ahead, as over a slot's own lease.
+READERS_MAGIC = b"EGKVRDR2"  # 2: lease tables, and the entry's lease words
 READERS_HEAD = struct.Struct("<8s16sQQ")  # magic, slab id, entries, slots
 READERS_HEADER_SIZE = 64
 NREADERS = 1024
 READER_WORDS = 8
 READER_ENTRY_SIZE = 8 * READER_WORDS
-(R_PID, R_NS, R_HITS, R_MISSES) = range(4)
+(R_PID, R_NS, R_HITS, R_MISSES, R_LEASE_TOP, R_LEASES_TAKEN, R_LEASES_RELEASED, R_LEASE_GEN) = (
+    range(8)
+)
 READERS_HINTS_OFFSET = READERS_HEADER_SIZE + NREADERS * READER_ENTRY_SIZE
 READERS_SUFFIX = ".readers"
+#: Reader entries that may lease locally (the rest lease over HTTP: a host runs a few
+#: engines), and the records each holds: 16 batches of 1024 addresses leased at once
+#: (LMCache's bench of 1024-key rounds leases 4,096 before its loads). 16 x 16384 x 16 B:
+#: 4 MiB, touched only by readers that lease.
+LEASE_READERS = 16
+LEASE_RECORDS = 16384
+LEASE_RECORD_WORDS = 2  # block id, end (monotonic ms)
+LEASE_TABLE_SIZE = LEASE_RECORDS * LEASE_RECORD_WORDS * 8
+
+
+def now_ms() -> int:
+    """The lease clock: ``CLOCK_MONOTONIC`` in milliseconds (system-wide on Linux), the
+    unit of every lease end, a slot's or a local reader's."""
+    return time.monotonic_ns() // 1_000_000
+
+
+def readers_leases_offset(nslots: int) -> int:
+    """Where the lease tables of a slab with ``nslots`` slots start in its readers segment."""
+    return _align(READERS_HINTS_OFFSET + nslots, 8)
 
 
 def readers_size(nslots: int) -> int:
     """Bytes of the readers segment of a slab with ``nslots`` slots."""
-    return READERS_HINTS_OFFSET + nslots
+    return readers_leases_offset(nslots) + LEASE_READERS * LEASE_TABLE_SIZE
 
 
 # Reservation: writer pid (0 = entry free), first page, page count, namespace id (charged

@@ -20,6 +20,15 @@ What a lease does, and does not:
   lease, a release), and counted then as expired (``leases_expired``).
 - A repair (a process died inside the lock) rebuilds the slot table without leases.
 
+Local leases: a client on the slab's host answers a leasing lookup from its read-only
+mapping and records each lease in its own table of the readers segment
+(:mod:`eg_kv.slab.local_leases`, :mod:`eg_kv.slab.layout`): no HTTP request, the lease a
+store of a block id and an end. Eviction reads those tables once per sweep
+(:meth:`SlabLeases._local_leases`) and passes over their blocks as over a slot's own
+lease; their counts join ``leases_taken``, ``leases_released`` and ``leased_blocks``. A
+record's block id names one block for good (ids only grow), so a record left behind by a
+block that went, or by a reader that died, protects nothing once its end has passed.
+
 Lease changes take the lock but leave the seqlock alone (``write=False``): lock-free
 lookups read no lease field, so they need not retry for one.
 """
@@ -27,24 +36,22 @@ lookups read no lease field, so they need not retry for one.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterable
 
 from ..errors import InsufficientStorage
 from . import layout as L
 from .check import SlabChecks
+from .layout import now_ms
 
 #: The most leases one slot counts (its field is a uint32): more are taken but not counted.
 _MAX_COUNT = 0xFFFFFFFF
 
 
-def now_ms() -> int:
-    """The lease clock: ``CLOCK_MONOTONIC`` in milliseconds (system-wide on Linux)."""
-    return time.monotonic_ns() // 1_000_000
-
-
 class SlabLeases(SlabChecks):
     """The leases' part of :class:`eg_kv.slab.store.Slab` (see the module docstring)."""
+
+    #: The local readers' leases as last read, with the tables' generations then.
+    _local_cache: tuple[list[int], dict[int, int]] | None = None
 
     def exists_many(self, addresses: Iterable[str], ns: int = 0, lease_ms: int = 0) -> list[bool]:
         """Existence of each address in namespace ``ns``, looked up in one pass.
@@ -127,14 +134,61 @@ class SlabLeases(SlabChecks):
         """The slab's counters (:meth:`eg_kv.slab.stats.SlabStats.stats`) and
         ``leased_blocks``: blocks under a lease that has not ended, now."""
         out = super().stats(timeout)
+        out["leases_taken"] += sum(self._reader_lease_column(L.R_LEASES_TAKEN))
+        out["leases_released"] += sum(self._reader_lease_column(L.R_LEASES_RELEASED))
         out["leased_blocks"] = self.leased_blocks()
         return out
 
     def _lease_stamp(self) -> int:
         """What changes whenever a block may have become evictable without a lease ending:
-        a release, a block published, a repair (counters that only grow)."""
+        a release (over HTTP or local), a block published, a repair (counters that only
+        grow)."""
         st = self._state
-        return st[L.ST_LEASES_RELEASED] + st[L.ST_PUTS_CREATED] + st[L.ST_REPAIRS]
+        local = sum(self._reader_lease_column(L.R_LEASES_RELEASED))
+        return st[L.ST_LEASES_RELEASED] + st[L.ST_PUTS_CREATED] + st[L.ST_REPAIRS] + local
+
+    def _reader_lease_column(self, word: int) -> list[int]:
+        """Word ``word`` of every reader entry that may lease locally."""
+        readers = self._readers
+        if readers is None:
+            return []
+        return readers[word :: L.READER_WORDS][: L.LEASE_READERS].tolist()
+
+    def _local_leases(self) -> dict[int, int]:
+        """The blocks local readers lease: block id -> when the last lease on it ends
+        (compare with the lease clock: an end may have passed since it was read).
+
+        One pass in C over the records each table has in use (up to its high-water mark,
+        bounded; a record not yet written has id 0, free), and only when a table's
+        generation moved since the last pass; a slab no local reader leases costs one
+        read of 16 words. Read under the lock after a writing section's sequence
+        (:func:`eg_kv.slab.view.full_fence`): a reader that leased before then is seen; one
+        that leases after sees the sequence move and checks its blocks again
+        (:mod:`eg_kv.slab.local_leases`).
+        """
+        gens = self._reader_lease_column(L.R_LEASE_GEN)
+        cached = self._local_cache
+        if cached is not None and cached[0] == gens:
+            return cached[1]
+        tops, tables = self._lease_tops, self._lease_tables
+        out: dict[int, int] = {}
+        if tops is None or tables is None:
+            return out
+        words = L.LEASE_RECORDS * L.LEASE_RECORD_WORDS
+        for e, top in enumerate(tops.tolist()):
+            if top <= 0:
+                continue
+            start = e * words
+            stop = start + min(top, L.LEASE_RECORDS) * L.LEASE_RECORD_WORDS
+            # Ids before ends: a record's end is written before its id (x86 keeps stores,
+            # and loads, in order), so an id read here has its end written.
+            ids = tables[start:stop:2].tolist()
+            ends = tables[start + 1 : stop : 2].tolist()
+            for block, end in zip(ids, ends, strict=True):
+                if block and end > out.get(block, 0):
+                    out[block] = end
+        self._local_cache = (gens, out)
+        return out
 
     def _raise_lease_wall(self, first_end: int) -> None:
         """Record that a sweep found only leased blocks, the first ending at ``first_end``
@@ -166,14 +220,28 @@ class SlabLeases(SlabChecks):
             self._state[L.ST_LEASES_EXPIRED] += held
 
     def leased_blocks(self) -> int:
-        """Blocks under a lease that has not ended, over the whole slab.
+        """Blocks under a lease that has not ended, over the whole slab: a slot's own or a
+        local reader's (a block leased both ways counts once).
 
         The count column is searched in C; only the slots with a count are looked at one
         by one (few, in use), so a large slab with no leases costs one pass in C.
         """
+        now = now_ms()
+        local = {block for block, end in self._local_leases().items() if end > now}
         counts = self._slot_leases.tolist()
-        if counts.count(0) == len(counts):
-            return 0
-        ends, now = self._slot_lease_end, now_ms()
-        held = itertools.compress(range(len(counts)), counts)
-        return sum(1 for i in held if ends[i] > now and self._mm[self._slot_off(i)])
+        held: set[int] = set()
+        if counts.count(0) != len(counts):
+            ends, ids = self._slot_lease_end, self._slot_block_ids
+            for i in itertools.compress(range(len(counts)), counts):
+                if ends[i] > now and self._mm[self._slot_off(i)]:
+                    held.add(ids[i])
+        if local:  # a local lease counts while its block is published
+            held.update(local & self._published_ids())
+        return len(held)
+
+    def _published_ids(self) -> set[int]:
+        """The ids of every published block: the id column less the empty slots' (an
+        emptied slot keeps its old fields), both read in C."""
+        g = self.geometry
+        states = self._mm[g.slots_off : g.slots_off + g.nslots * L.SLOT_SIZE : L.SLOT_SIZE]
+        return set(itertools.compress(self._slot_block_ids.tolist(), states))

@@ -36,7 +36,8 @@ from typing import Any, TypeVar
 
 from ..errors import SlabError
 from . import layout as L
-from .view import LOCKFREE_READS, BlockGone, BlockReader, SlabView
+from .local_leases import LocalLeases
+from .view import LOCKFREE_READS, BlockGone, BlockReader, SlabView, full_fence
 
 #: Where Linux keeps POSIX shared memory: segment ``/name`` is the file ``/dev/shm/name``.
 SHM_DIR = "/dev/shm"
@@ -49,6 +50,7 @@ NAME_CHECK_S = 1.0
 #: Runs at least this long are copied by ``memmove`` without the GIL (see _Copier).
 MEMMOVE_MIN = 64 * 1024
 _T = TypeVar("_T")
+_F_BLOCK_ID = L.F_BLOCK_ID
 
 
 class _Torn(Exception):
@@ -99,6 +101,8 @@ class LocalInfo:
         ns: the namespace id of the token's tenant.
         uid: the server's effective uid, which must own both segments (None from a
             server that does not say: then this process's own uid must).
+        lease_ms: the longest lease the server grants (its ``--lease-ms``; 0: none), which
+            local leases (:mod:`eg_kv.slab.local_leases`) keep to as well.
     """
 
     slab: str
@@ -108,6 +112,7 @@ class LocalInfo:
     total_size: int
     ns: int
     uid: int | None = None
+    lease_ms: int = 0
 
     @classmethod
     def from_json(cls, doc: Any) -> LocalInfo:
@@ -125,6 +130,7 @@ class LocalInfo:
                 total_size=int(doc["total_size"]),
                 ns=int(doc["namespace_id"]),
                 uid=None if doc.get("uid") is None else int(doc["uid"]),
+                lease_ms=max(0, int(doc.get("lease_ms", 0))),
             )
         except (TypeError, KeyError, ValueError) as e:
             raise LocalUnavailable(f"the server's slab description is malformed ({e})") from None
@@ -134,7 +140,9 @@ class LocalInfo:
         return info
 
     @classmethod
-    def of(cls, slab_name: str, slab_id: bytes, total_size: int, ns: int) -> dict[str, Any]:
+    def of(
+        cls, slab_name: str, slab_id: bytes, total_size: int, ns: int, lease_ms: int = 0
+    ) -> dict[str, Any]:
         """The JSON a server answers for its slab (the inverse of :meth:`from_json`)."""
         return {
             "slab": slab_name,
@@ -144,6 +152,7 @@ class LocalInfo:
             "total_size": total_size,
             "namespace_id": ns,
             "uid": os.geteuid(),  # the server's: a client trusts no other user's segment
+            "lease_ms": lease_ms,
         }
 
 
@@ -189,7 +198,8 @@ class LocalSlab(SlabView):
         self._rmm = mmap.mmap(rfd, L.readers_size(geometry.nslots))
         rmv = memoryview(self._rmm)
         self._entries = rmv[L.READERS_HEADER_SIZE : L.READERS_HINTS_OFFSET].cast("q")
-        self._hints = rmv[L.READERS_HINTS_OFFSET :]
+        self._hints = rmv[L.READERS_HINTS_OFFSET : L.READERS_HINTS_OFFSET + geometry.nslots]
+        self._tables = rmv[L.readers_leases_offset(geometry.nslots) :].cast("q")
         rmv.release()
         self._lock = threading.Lock()
         self._copying = 0  # fetches copying now (close() leaves the unmapping to the last)
@@ -204,12 +214,20 @@ class LocalSlab(SlabView):
         try:
             self._me = self._claim_entry(info.ns)
         except BaseException:
-            for view in (self._entries, self._hints):
+            for view in (self._entries, self._hints, self._tables):
                 view.release()
             self._rmm.close()
             self._release_views()
             self._unmap_base()
             raise  # open() closes the slab's mapping and both descriptors
+        #: This entry's lease table, when it has one (the first LEASE_READERS entries)
+        #: and the server grants leases; else a leasing lookup goes over HTTP.
+        self.leases: LocalLeases | None = None
+        entry = self._me // L.READER_WORDS
+        if entry < L.LEASE_READERS and info.lease_ms > 0:
+            words = L.LEASE_RECORDS * L.LEASE_RECORD_WORDS
+            table = self._tables[entry * words : (entry + 1) * words]
+            self.leases = LocalLeases(table, self._entries, self._me)
         self.closed = False
 
     @classmethod
@@ -392,6 +410,51 @@ class LocalSlab(SlabView):
         """
         return self.exists_many(addresses, self.info.ns)
 
+    def lease_addresses(self, addresses: list[str], lease_ms: int) -> list[bool] | None:
+        """Existence of each address, every hit leased here for ``lease_ms`` (at most the
+        server's): a leasing lookup without HTTP (:mod:`eg_kv.slab.local_leases`).
+
+        Returns:
+            One bool per address; None when this reader cannot lease locally (no table,
+            or no room in it): ask over HTTP instead.
+
+        Raises:
+            LocalUnavailable: ask over HTTP instead. InvalidAddress: as the server's 400.
+        """
+        leases, ns = self.leases, self.info.ns
+        if leases is None:
+            return None
+        keys = [self._key(a, ns) for a in addresses]
+        seq, ids = self._read(self._find_ids, keys, ns)
+        hits = [(a, block) for a, block in zip(addresses, ids, strict=True) if block]
+        if hits:
+            if not leases.take(hits, min(lease_ms, self.info.lease_ms)):
+                return None
+            full_fence()
+            if self._state[L.ST_SEQ] != seq:  # a writer came in: are they still there?
+                again = self._read(self._find_ids, [self._key(a, ns) for a, _ in hits], ns)[1]
+                gone = {b for (_, b), now in zip(hits, again, strict=True) if now != b}
+                for address, block in hits:
+                    if block in gone:
+                        leases.undo(address)
+                ids = [0 if block in gone else block for block in ids]
+        return [bool(block) for block in ids]
+
+    def _find_ids(self, keys: list[tuple[bytes, int]], ns: int) -> tuple[int, list[int]]:
+        """The slab's sequence and each key's block id (0: absent), for :meth:`_read`."""
+        find, seq = self._find, self._state[L.ST_SEQ]
+        ids = [0 if (s := find(raw, fp, ns)[1]) is None else s[_F_BLOCK_ID] for raw, fp in keys]
+        return seq, ids
+
+    def holds_lease(self, address: str) -> bool:
+        """Whether this reader holds a local lease on ``address``'s block."""
+        return self.leases is not None and self.leases.holds(address)
+
+    def release_lease(self, address: str) -> bool | None:
+        """End one of this reader's local leases on ``address``'s block: True released,
+        False ended already, None none held here (release it over HTTP)."""
+        return None if self.leases is None else self.leases.release(address)
+
     # ------------------------------------------------------------------ lifecycle
 
     def _unmap_base(self) -> None:
@@ -400,7 +463,9 @@ class LocalSlab(SlabView):
             self._base = 0
 
     def _release_maps(self) -> None:
-        for view in (self._entries, self._hints):
+        if self.leases is not None:
+            self.leases.close()
+        for view in (self._entries, self._hints, self._tables):
             view.release()
         self._rmm.close()
         self._unmap_base()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import SlabError
 from . import layout as L
-from .view import SlabView
+from .view import SlabView, full_fence
 
 # struct flock for F_OFD_SETLKW: l_type, l_whence, l_start, l_len, l_pid (must be 0).
 _FLOCK = struct.Struct("hhqqi4x")
@@ -73,6 +73,7 @@ class Held:
             self._write = write = self._want_write or bool(dead)
             if write:
                 st[L.ST_SEQ] |= 1  # odd: lock-free readers retry (stays odd if holder died)
+                full_fence()  # before any read of the readers' leases (Dekker's pattern)
             if dead:
                 slab.repaired_on_entry = (dead, slab._repair_locked(count=True))
         except BaseException:

@@ -190,6 +190,9 @@ class SlabSegment(SlabLocking):
         self._rmm: mmap.mmap | None = None  # the readers segment (see _map_readers)
         self._readers: memoryview | None = None
         self._hints: memoryview | None = None
+        #: The readers' lease tables (int64 words) and each entry's records in use.
+        self._lease_tables: memoryview | None = None
+        self._lease_tops: memoryview | None = None
         self._procs = self._mv[L.PROCS_OFFSET : L.HEADER_SIZE].cast("q")
         self._nsw = self._mv[L.NS_OFFSET : L.NS_OFFSET + L.NS_TABLE_SIZE].cast("q")
         # The namespace id of every slot, as one strided column (searched in C).
@@ -200,6 +203,8 @@ class SlabSegment(SlabLocking):
         self._slot_leases = slots[L.SLOT_LEASES_OFFSET // 4 :: L.SLOT_SIZE // 4]
         self._slots_i64 = self._mv[g.slots_off : g.slots_off + g.nslots * L.SLOT_SIZE].cast("q")
         self._slot_lease_end = self._slots_i64[L.SLOT_LEASE_END_OFFSET // 8 :: L.SLOT_SIZE // 8]
+        # Every slot's block id: what a local reader's lease names (eg_kv.slab.leases).
+        self._slot_block_ids = self._slots_i64[L.SLOT_BLOCK_ID_OFFSET // 8 :: L.SLOT_SIZE // 8]
         # The reservation table as int64 words, and its pid column (0 = entry free).
         self._resv = self._mv[g.resv_off : g.resv_off + g.nresv * L.RESV_SIZE].cast("q")
         self._resv_pids = self._resv[:: L.RESV_SIZE // 8]
@@ -388,7 +393,9 @@ class SlabSegment(SlabLocking):
             self._rmm[: len(head)] = head
         rmv = memoryview(self._rmm)
         self._readers = rmv[L.READERS_HEADER_SIZE : L.READERS_HINTS_OFFSET].cast("q")
-        self._hints = rmv[L.READERS_HINTS_OFFSET : size]
+        self._hints = rmv[L.READERS_HINTS_OFFSET : L.READERS_HINTS_OFFSET + self.geometry.nslots]
+        self._lease_tables = rmv[L.readers_leases_offset(self.geometry.nslots) : size].cast("q")
+        self._lease_tops = self._readers[L.R_LEASE_TOP :: L.READER_WORDS][: L.LEASE_READERS]
         rmv.release()
 
     def _open_readers(self, create: bool) -> posix_ipc.SharedMemory:
@@ -443,13 +450,14 @@ class SlabSegment(SlabLocking):
         hints, rmm, mm, n = self._hints, self._rmm, self._mm, 0
         if hints is None or rmm is None:
             return 0
-        i = rmm.find(b"\x01", L.READERS_HINTS_OFFSET)
+        end = L.READERS_HINTS_OFFSET + self.geometry.nslots  # the lease tables follow
+        i = rmm.find(b"\x01", L.READERS_HINTS_OFFSET, end)
         while i != -1:
             slot = i - L.READERS_HINTS_OFFSET
             hints[slot] = 0
             mm[self._slot_off(slot) + L.SLOT_REF_OFFSET] = 1
             n += 1
-            i = rmm.find(b"\x01", i + 1)
+            i = rmm.find(b"\x01", i + 1, end)
         return n
 
     @staticmethod
@@ -544,13 +552,13 @@ class SlabSegment(SlabLocking):
             self._release_proc_entry()
         self.closed = True
         views = (self._procs, self._nsw, self._slot_ns, self._slot_leases, self._slots_u32,
-                 self._slot_lease_end, self._slots_i64, self._resv_pids, self._resv,
-                 self._resv_raw)  # fmt: skip
+                 self._slot_lease_end, self._slot_block_ids, self._slots_i64, self._resv_pids,
+                 self._resv, self._resv_raw)  # fmt: skip
         for view in views:
             view.release()
         self._release_views()
         if self._rmm is not None:
-            for mapped in (self._readers, self._hints):
+            for mapped in (self._lease_tops, self._lease_tables, self._readers, self._hints):
                 if mapped is not None:
                     mapped.release()
             self._rmm.close()

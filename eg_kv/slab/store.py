@@ -260,6 +260,7 @@ class Slab(SlabLeases):
         col, nslots = self._slot_ns, self.geometry.nslots
         i = nsw[e + L.NS_HAND] % nslots
         for now in (now_ms(), 0):  # leases honoured, then not
+            local = self._local_leases() if now else {}
             scanned, step = 0, 256
             while nsw[e + _NS_PAGES] > target and scanned < 2 * nslots:
                 end = min(nslots, i + step)
@@ -273,7 +274,7 @@ class Slab(SlabLeases):
                     step = min(step * 4, _NS_SCAN)
                     continue
                 scanned += j - i + 1
-                if self._clock_visit(j, now):
+                if self._clock_visit(j, now, local):
                     i = j  # backward shift may have moved another block into slot j
                     continue
                 i = (j + 1) % nslots
@@ -281,7 +282,7 @@ class Slab(SlabLeases):
         if nsw[e + _NS_PAGES] > target:  # two passes missed blocks moved by backward shifts
             raise Busy(f"namespace {self._ns_name(ns)} is at its quota of {quota} bytes; retry")
 
-    def _clock_visit(self, i: int, now: int = 0) -> bool:
+    def _clock_visit(self, i: int, now: int = 0, local: dict[int, int] | None = None) -> bool:
         """CLOCK's visit of slot ``i``: clear its reference bit (a second chance), or
         evict its block if the bit was clear. True if it evicted (the backward shift may
         have moved another block into slot ``i``).
@@ -289,12 +290,15 @@ class Slab(SlabLeases):
         Args:
             now: the lease clock (:func:`eg_kv.slab.leases.now_ms`): a block leased until
                 after it is passed over. 0: leases do not protect it.
+            local: the local readers' leases (:meth:`_local_leases`), honoured with ``now``.
         """
         mm, off = self._mm, self.geometry.slots_off + i * L.SLOT_SIZE
         if mm[off] != L.SLOT_READY:
             return False
         if mm[off + L.SLOT_REF_OFFSET]:
             mm[off + L.SLOT_REF_OFFSET] = 0
+            return False
+        if local and local.get(self._slot_block_ids[i], 0) > now:
             return False
         held = self._slot_leases[i]
         if held:
@@ -331,6 +335,7 @@ class Slab(SlabLeases):
         leases, ends, now = self._slot_leases, self._slot_lease_end, now_ms()
         if self._behind_lease_wall(now):  # only leased blocks, as the last sweep found
             raise self._leased_full(n, st[L.ST_LEASE_WALL_END], now)
+        local, ids = self._local_leases(), self._slot_block_ids
         mask, hand, mm, base = self._mask, st[L.ST_CLOCK_HAND], self._mm, self.geometry.slots_off
         # Slots visited since the last eviction: two sweeps without one (the first may only
         # clear reference bits) mean only leased blocks are left.
@@ -343,6 +348,8 @@ class Slab(SlabLeases):
                     mm[off + L.SLOT_REF_OFFSET] = 0  # second chance
                 elif leases[i] and ends[i] > now:
                     first_end = min(first_end, ends[i])  # leased: passed over
+                elif local and local.get(ids[i], 0) > now:
+                    first_end = min(first_end, local[ids[i]])  # leased locally: passed over
                 else:
                     if leases[i]:
                         self._forget_leases(i, leases[i], now)

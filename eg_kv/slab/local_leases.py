@@ -1,0 +1,189 @@
+"""A local reader's leases: a leasing lookup answered on the slab's host without HTTP.
+
+A client that maps the slab read-only (:mod:`eg_kv.slab.local`) cannot write a slot's lease
+fields, and asking its server to lease costs a round trip (about 0.3 ms here, ten times the
+lookup). So its entry in the readers segment owns a table of lease records
+(:mod:`eg_kv.slab.layout`): one per block it leases, the block's id and when the lease
+ends. The server's eviction reads the tables under the lock and passes over those blocks
+(:meth:`eg_kv.slab.leases.SlabLeases._local_leases`).
+
+Why a hit the lookup answered is still there when the server reads the record (no window
+where both sides miss each other):
+
+1. the lookup finds the blocks lock-free, at slab sequence ``seq`` (even: no writer in);
+2. the reader writes each hit's record (end, then id), then a full barrier
+   (:func:`eg_kv.slab.view.full_fence`), then reads the sequence again;
+3. a writer makes the sequence odd, then a full barrier, then reads the records
+   (:class:`eg_kv.slab.lock.Held`), and only then evicts.
+
+If the sequence is still ``seq``, no writer has entered since the lookup, and any that
+enters later reads the records. If it moved, the hits are looked up again (a validated
+lock-free read, after the writer left): a block still there with the same id is leased
+for good (any later writer reads its record), one gone is a miss and its record is
+dropped. Either way the lookup never answers a hit that an eviction may take before its
+lease ends.
+
+Releases are the reader's own: it counts leases per block and clears a record at zero,
+so one client never ends another's lease. A record outlives nothing: its block id names
+one block for good (ids only grow), and its end passes. A reader that takes an entry
+clears the table a dead owner left. The table is bounded (:data:`~eg_kv.slab.layout.
+LEASE_RECORDS`); a lookup that does not fit leases over HTTP instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from . import layout as L
+from .layout import now_ms
+
+_WORDS = L.LEASE_RECORD_WORDS
+
+
+class _Record:
+    """One address's leases in this reader's table (mirrored here: the table is written,
+    never read back)."""
+
+    __slots__ = ("block", "count", "end", "index")
+
+    def __init__(self, index: int, block: int, end: int) -> None:
+        self.index, self.block, self.count, self.end = index, block, 0, end
+
+
+class LocalLeases:
+    """The lease table of one reader entry (see the module docstring). Thread-safe.
+
+    Records are kept by address: an address names one block at a time in a namespace, so
+    a lease on an address whose block was replaced moves its record to the new block
+    (the old one is gone, and with it what its leases protected).
+
+    Args:
+        table: the entry's table as int64 words (LEASE_RECORDS x (id, end)).
+        entries: the readers' entries as int64 words; ``me`` the first word of this one.
+    """
+
+    def __init__(self, table: memoryview, entries: memoryview, me: int) -> None:
+        self._table, self._entries, self._me = table, entries, me
+        self._records: dict[str, _Record] = {}  # address -> its record
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+        # What a dead owner left: the mark first (the server reads no record past it).
+        top = min(max(entries[me + L.R_LEASE_TOP], 0), L.LEASE_RECORDS)
+        entries[me + L.R_LEASE_TOP] = 0
+        table[: top * _WORDS] = memoryview(bytes(8 * top * _WORDS)).cast("q")
+        self._top = 0
+        self._moved()
+
+    def take(self, hits: Sequence[tuple[str, int]], lease_ms: int) -> bool:
+        """Lease each ``(address, block id)`` for ``lease_ms`` (a block twice: twice).
+
+        Returns:
+            False, with nothing taken, when the table has no room for them all.
+        """
+        now = now_ms()
+        end = now + lease_ms
+        table, records = self._table, self._records
+        with self._lock:
+            room = len(self._free) + L.LEASE_RECORDS - self._top
+            if len(hits) > room:
+                new = sum(1 for address, _ in hits if address not in records)
+                if new > room:
+                    self._reclaim(now)
+                    if new > len(self._free) + L.LEASE_RECORDS - self._top:
+                        return False
+            for address, block in hits:
+                rec = records.get(address)
+                if rec is None:
+                    index = self._free.pop() if self._free else self._grow()
+                    rec = records[address] = _Record(index, block, end)
+                    at = index * _WORDS
+                    table[at + 1] = end  # the end before the id: see SlabLeases._local_leases
+                    table[at] = block
+                elif rec.block != block or rec.end <= now:  # another block, or ended
+                    rec.block, rec.count, rec.end = block, 0, end
+                    at = rec.index * _WORDS
+                    table[at + 1] = end
+                    table[at] = block
+                elif rec.end < end:
+                    rec.end = table[rec.index * _WORDS + 1] = end
+                rec.count += 1
+            self._entries[self._me + L.R_LEASES_TAKEN] += len(hits)
+            self._moved()
+        return True
+
+    def undo(self, address: str) -> None:
+        """Take back one lease on ``address`` that :meth:`take` took (its lookup found the
+        block gone after all): not counted as a release."""
+        with self._lock:
+            rec = self._records.get(address)
+            if rec is not None:
+                rec.count -= 1
+                if rec.count <= 0:
+                    self._drop(address, rec)
+                    self._moved()
+                self._entries[self._me + L.R_LEASES_TAKEN] -= 1
+
+    def release(self, address: str) -> bool | None:
+        """End one of this reader's leases on ``address``'s block.
+
+        Returns:
+            True: released; False: the lease had ended; None: this reader holds no lease on
+            it (one taken over HTTP is the server's to release).
+        """
+        with self._lock:
+            rec = self._records.get(address)
+            if rec is None:
+                return None
+            if rec.end <= now_ms():
+                self._drop(address, rec)
+                return False
+            rec.count -= 1
+            if rec.count <= 0:
+                self._drop(address, rec)
+            self._entries[self._me + L.R_LEASES_RELEASED] += 1
+            self._moved()  # after the count: the server's wall stamp reads both
+            return True
+
+    def holds(self, address: str) -> bool:
+        """Whether a lease of this reader is on ``address``'s block (ended or not)."""
+        return address in self._records
+
+    def held(self) -> int:
+        """Blocks this reader leases now (its records whose end is ahead)."""
+        now = now_ms()
+        with self._lock:
+            return sum(1 for rec in self._records.values() if rec.end > now)
+
+    def close(self) -> None:
+        """Let go of the table's view (the mapping is closed after it); the records stay
+        until the next owner of the entry clears them, or their ends pass."""
+        self._table.release()
+
+    # ------------------------------------------------------------------ internals
+
+    def _grow(self) -> int:
+        index = self._top
+        self._top += 1
+        # The mark may rise before the record is written: a record never written has id 0,
+        # which the server reads as free.
+        self._entries[self._me + L.R_LEASE_TOP] = self._top
+        return index
+
+    def _moved(self) -> None:
+        """Bump the table's generation, after the records it covers changed: a server
+        that finds it as it last read it uses what it read then."""
+        self._entries[self._me + L.R_LEASE_GEN] += 1
+
+    def _drop(self, address: str, rec: _Record) -> None:
+        """Free ``address``'s record (under the lock): its id first, which the server reads."""
+        self._table[rec.index * _WORDS] = 0
+        self._free.append(rec.index)
+        del self._records[address]
+
+    def _reclaim(self, now: int) -> None:
+        """Free every record whose lease has ended (under the lock)."""
+        for address, rec in list(self._records.items()):
+            if rec.end <= now:
+                self._drop(address, rec)
+        self._moved()
