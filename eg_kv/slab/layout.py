@@ -239,8 +239,8 @@ def ns_fingerprint(fp: int, ns: int) -> int:
 #     0        64                         64 + NREADERS * 64        leases_off (8-aligned)
 #     ┌────────┬──────────────────────────┬──────────────────────┬──────────────────────────┐
 #     │ header │ entries: NREADERS × 8 q  │ hit hints: S bytes   │ lease tables:            │
-#     │        │                          │                      │ LEASE_READERS × LEASE_   │
-#     │        │                          │                      │ RECORDS × (id q, end q)  │
+#     │        │                          │                      │ LEASE_READERS × lease_   │
+#     │        │                          │                      │ records × (id q, end q)  │
 #     └────────┴──────────────────────────┴──────────────────────┴──────────────────────────┘
 #     header:  READERS_HEAD: magic, slab id, entries, slots
 #     entry:   pid (informational), namespace id, get hits, get misses, lease records in
@@ -269,13 +269,19 @@ READER_ENTRY_SIZE = 8 * READER_WORDS
 READERS_HINTS_OFFSET = READERS_HEADER_SIZE + NREADERS * READER_ENTRY_SIZE
 READERS_SUFFIX = ".readers"
 #: Reader entries that may lease locally (the rest lease over HTTP: a host runs a few
-#: engines), and the records each holds: 16 batches of 1024 addresses leased at once
-#: (LMCache's bench of 1024-key rounds leases 4,096 before its loads). 16 x 16384 x 16 B:
-#: 4 MiB, touched only by readers that lease.
+#: engines), and the most records each holds: 16 batches of 1024 addresses leased at once
+#: (LMCache's bench of 1024-key rounds leases 4,096 before its loads), fewer in a slab of
+#: fewer blocks (:func:`lease_records`). At most 16 x 16384 x 16 B: 4 MiB, touched only by
+#: readers that lease.
 LEASE_READERS = 16
 LEASE_RECORDS = 16384
 LEASE_RECORD_WORDS = 2  # block id, end (monotonic ms)
-LEASE_TABLE_SIZE = LEASE_RECORDS * LEASE_RECORD_WORDS * 8
+
+
+def lease_records(nslots: int) -> int:
+    """Records in each lease table of a slab with ``nslots`` slots: as many as it can hold
+    blocks (half its slots: a block owns a page), at most :data:`LEASE_RECORDS`."""
+    return min(LEASE_RECORDS, max(16, nslots // 2))
 
 
 def now_ms() -> int:
@@ -291,7 +297,7 @@ def readers_leases_offset(nslots: int) -> int:
 
 def readers_size(nslots: int) -> int:
     """Bytes of the readers segment of a slab with ``nslots`` slots."""
-    return readers_leases_offset(nslots) + LEASE_READERS * LEASE_TABLE_SIZE
+    return readers_leases_offset(nslots) + LEASE_READERS * lease_records(nslots) * 16
 
 
 # Reservation: writer pid (0 = entry free), first page, page count, namespace id (charged

@@ -174,12 +174,13 @@ class SlabLeases(SlabChecks):
         out: dict[int, int] = {}
         if tops is None or tables is None:
             return out
-        words = L.LEASE_RECORDS * L.LEASE_RECORD_WORDS
+        records = L.lease_records(self.geometry.nslots)
+        words = records * L.LEASE_RECORD_WORDS
         for e, top in enumerate(tops.tolist()):
             if top <= 0:
                 continue
             start = e * words
-            stop = start + min(top, L.LEASE_RECORDS) * L.LEASE_RECORD_WORDS
+            stop = start + min(top, records) * L.LEASE_RECORD_WORDS
             # Ids before ends: a record's end is written before its id (x86 keeps stores,
             # and loads, in order), so an id read here has its end written.
             ids = tables[start:stop:2].tolist()

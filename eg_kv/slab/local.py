@@ -225,7 +225,7 @@ class LocalSlab(SlabView):
         self.leases: LocalLeases | None = None
         entry = self._me // L.READER_WORDS
         if entry < L.LEASE_READERS and info.lease_ms > 0:
-            words = L.LEASE_RECORDS * L.LEASE_RECORD_WORDS
+            words = L.lease_records(geometry.nslots) * L.LEASE_RECORD_WORDS
             table = self._tables[entry * words : (entry + 1) * words]
             self.leases = LocalLeases(table, self._entries, self._me)
         self.closed = False

@@ -27,7 +27,7 @@ Releases are the reader's own: it counts leases per block and clears a record at
 so one client never ends another's lease. A record outlives nothing: its block id names
 one block for good (ids only grow), and its end passes. A reader that takes an entry
 clears the table a dead owner left. The table is bounded (:data:`~eg_kv.slab.layout.
-LEASE_RECORDS`); a lookup that does not fit leases over HTTP instead.
+lease_records`); a lookup that does not fit leases over HTTP instead.
 """
 
 from __future__ import annotations
@@ -59,17 +59,18 @@ class LocalLeases:
     (the old one is gone, and with it what its leases protected).
 
     Args:
-        table: the entry's table as int64 words (LEASE_RECORDS x (id, end)).
+        table: the entry's table as int64 words (records x (id, end)).
         entries: the readers' entries as int64 words; ``me`` the first word of this one.
     """
 
     def __init__(self, table: memoryview, entries: memoryview, me: int) -> None:
         self._table, self._entries, self._me = table, entries, me
+        self._capacity = len(table) // _WORDS
         self._records: dict[str, _Record] = {}  # address -> its record
         self._free: list[int] = []
         self._lock = threading.Lock()
         # What a dead owner left: the mark first (the server reads no record past it).
-        top = min(max(entries[me + L.R_LEASE_TOP], 0), L.LEASE_RECORDS)
+        top = min(max(entries[me + L.R_LEASE_TOP], 0), self._capacity)
         entries[me + L.R_LEASE_TOP] = 0
         table[: top * _WORDS] = memoryview(bytes(8 * top * _WORDS)).cast("q")
         self._top = 0
@@ -85,12 +86,12 @@ class LocalLeases:
         end = now + lease_ms
         table, records = self._table, self._records
         with self._lock:
-            room = len(self._free) + L.LEASE_RECORDS - self._top
+            room = len(self._free) + self._capacity - self._top
             if len(hits) > room:
                 new = sum(1 for address, _ in hits if address not in records)
                 if new > room:
                     self._reclaim(now)
-                    if new > len(self._free) + L.LEASE_RECORDS - self._top:
+                    if new > len(self._free) + self._capacity - self._top:
                         return False
             for address, block in hits:
                 rec = records.get(address)

@@ -112,9 +112,12 @@ def test_the_connectors_lease_setting():
         settings_from({"url": "http://127.0.0.1:9", "io_threads": 0}, env={})
 
 
-def test_a_leasing_lookup_that_finds_only_misses_stays_on_the_hosts_slab(server_factory):
-    """On the server's host a lookup reads the slab; with lease_ms it asks the server only
-    when the slab shows a hit (there is nothing to lease otherwise), sync and async."""
+def test_a_leasing_lookup_on_the_hosts_slab_sends_no_request(server_factory):
+    """On the server's host a leasing lookup reads the slab and leases its hits in the
+    reader's own lease table (eg_kv.slab.local_leases): no batch request, hit or miss, sync
+    and async; the server counts the lease, and the load releases it without a request
+    either. Requests are counted in order, so the marker request (a lookup over HTTP)
+    showing in /metrics means any earlier one would have."""
     import re
 
     from helpers.common import wait_for
@@ -123,25 +126,30 @@ def test_a_leasing_lookup_that_finds_only_misses_stays_on_the_hosts_slab(server_
 
     srv = server_factory(workers=1, capacity="8MiB")
 
-    def batches() -> int:
+    def requests(route: str) -> int:
         with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
             text = r.read().decode()
-        pattern = r'eg_kv_requests_total\{method="POST",route="batch_exists",status="200"\} (\S+)'
+        pattern = rf'eg_kv_requests_total{{method="(?:POST|GET)",route="{route}",status="200"}} (\S+)'
         return int(sum(float(v) for v in re.findall(pattern, text)))
 
     with connect(KvCacheConfig(base_url=srv.url)) as kv:
         assert kv.put("held", bytes(ROW))
         assert kv.exists_many(["absent-1", "absent-2"], lease_ms=5000) == [False, False]
-
-        async def aio_miss() -> list[bool]:
-            async with AsyncServerConnector(KvCacheConfig(base_url=srv.url)) as akv:
-                return await akv.exists_many(["absent-3"], lease_ms=5000)
-
-        assert asyncio.run(aio_miss()) == [False]
-        assert leases(srv.url)[0] == 0
-        # A hit goes to the server, which leases it: the one batch request counted.
         assert kv.exists_many(["held", "absent-1"], lease_ms=5000) == [True, False]
-        assert leases(srv.url)[:1] == (1,)
-        # Requests are counted in order: once the hit's request shows, any earlier one would.
-        wait_for(lambda: batches() >= 1, what="the leasing hit's batch request counted")
-        assert batches() == 1
+
+        async def aio_lookup() -> list[bool]:
+            async with AsyncServerConnector(KvCacheConfig(base_url=srv.url)) as akv:
+                found = await akv.exists_many(["held", "absent-3"], lease_ms=5000)
+                assert await akv.get("held", release_lease=True) == bytes(ROW)
+                return found
+
+        assert asyncio.run(aio_lookup()) == [True, False]
+        assert leases(srv.url) == (2, 1, 1)  # the sync lookup's lease is still held
+        assert kv.get("held", release_lease=True) == bytes(ROW)
+        assert leases(srv.url) == (2, 2, 0)
+        with connect(KvCacheConfig(base_url=srv.url, local_reads=False)) as remote:
+            assert remote.exists_many(["held"]) == [True]  # the marker
+        wait_for(lambda: requests("batch_exists") >= 1, what="the marker request counted")
+        assert requests("batch_exists") == 1
+        assert requests("batch_release") == 0
+        assert requests("block") == 0  # both loads read the slab

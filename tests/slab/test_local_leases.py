@@ -1,0 +1,178 @@
+"""Local leases on a real slab (eg_kv.slab.local_leases): a reader on the slab's host leases
+its hits in its own table of the readers segment, eviction honours them as it does a slot's
+lease, the reader releases its own, a writer that comes between the lookup and the lease
+turns a hit it took into a miss, and a reader that died costs nothing once its leases end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from eg_kv.errors import InsufficientStorage
+from eg_kv.slab import layout as L
+from eg_kv.slab.leases import now_ms
+from eg_kv.slab.local import LocalInfo, LocalSlab
+from eg_kv.slab.store import Slab
+
+KiB, MiB = 1024, 1024 * 1024
+PAGE = 64 * KiB
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def small(slab_name):
+    """4 MiB of 64 KiB pages: 64 one-page blocks fill it."""
+    s = Slab.create(slab_name, 4 * MiB, page_size=PAGE, max_block_size=MiB)
+    yield s
+    s.close()
+
+
+def info(slab: Slab, lease_ms: int = 5000) -> LocalInfo:
+    doc = LocalInfo.of(slab.name, slab.slab_id, slab.geometry.total_size, 0, lease_ms)
+    return LocalInfo.from_json(json.loads(json.dumps(doc)))
+
+
+def fill(slab: Slab, prefix: str, n: int) -> list[str]:
+    keys = [f"{prefix}{k}" for k in range(n)]
+    for k in keys:
+        slab.put(k, bytes(PAGE))
+    return keys
+
+
+def counts(slab: Slab) -> tuple[int, int, int]:
+    st = slab.stats()
+    return st["leases_taken"], st["leases_released"], st["leased_blocks"]
+
+
+def test_a_local_lease_holds_its_block_against_eviction_until_released(small):
+    keys = fill(small, "a", 64)
+    with LocalSlab.open(info(small)) as local:
+        assert local.lease_addresses([*keys[:8], "absent"], 60000) == [True] * 8 + [False]
+        assert counts(small) == (8, 0, 8)
+        fill(small, "b", 400)  # six slabs' worth: everything unleased goes
+        assert all(small.exists(k) for k in keys[:8])
+        assert not any(small.exists(k) for k in keys[8:])
+        assert [local.release_lease(k) for k in keys[:8]] == [True] * 8
+        assert local.release_lease(keys[0]) is None  # none held any more: the server's
+        assert counts(small) == (8, 8, 0)
+        fill(small, "c", 400)
+        assert not any(small.exists(k) for k in keys[:8])
+
+
+def test_a_lease_taken_twice_needs_two_releases_and_the_server_is_not_asked(small):
+    keys = fill(small, "a", 4)
+    with LocalSlab.open(info(small)) as local:
+        assert local.lease_addresses(keys[:1], 60000) == [True]
+        assert local.lease_addresses(keys[:1], 60000) == [True]
+        assert local.release_lease(keys[0]) is True
+        fill(small, "b", 400)
+        assert small.exists(keys[0])  # one lease left
+        assert local.release_lease(keys[0]) is True
+        assert counts(small) == (2, 2, 0)
+
+
+def test_only_locally_leased_blocks_left_is_a_507_until_one_is_released(small):
+    keys = fill(small, "a", 64)
+    with LocalSlab.open(info(small)) as local:
+        assert local.lease_addresses(keys, 60000) == [True] * 64
+        with pytest.raises(InsufficientStorage, match="leased blocks"):
+            small.put("new", bytes(PAGE))
+        with pytest.raises(InsufficientStorage):  # the wall: refused without a sweep
+            small.put("new", bytes(PAGE))
+        assert local.release_lease(keys[5]) is True  # lifts the wall at once
+        assert small.put("new", bytes(PAGE))
+        assert not small.exists(keys[5]) and small.exists(keys[4])
+
+
+def test_a_writer_between_the_lookup_and_the_lease_turns_that_hit_into_a_miss(small):
+    """The lookup found the block; a writer evicted it before the lease was checked: the
+    sequence moved, the lookup looks again, answers a miss and drops that record."""
+    keys = fill(small, "a", 3)
+    with LocalSlab.open(info(small)) as local:
+        assert local.leases is not None
+        take = local.leases.take
+
+        def take_then_a_writer_deletes(hits, lease_ms):
+            ok = take(hits, lease_ms)
+            small.delete(keys[1])  # a writing section: the sequence moves
+            return ok
+
+        local.leases.take = take_then_a_writer_deletes  # type: ignore[method-assign]
+        assert local.lease_addresses(keys, 60000) == [True, False, True]
+        assert not local.holds_lease(keys[1]) and local.holds_lease(keys[0])
+        assert counts(small) == (2, 0, 2)
+
+
+def test_a_full_table_asks_the_server_instead(small):
+    records = L.lease_records(small.geometry.nslots)
+    assert records == 64  # the slab's 128 slots: as many records as it holds blocks
+    keys = fill(small, "a", 64)
+    with LocalSlab.open(info(small)) as local:
+        assert local.lease_addresses(keys, 60000) == [True] * 64
+        for k in keys:
+            assert small.delete(k)  # a DELETE frees a leased block; the records stay
+        fresh = fill(small, "b", 1)
+        assert local.lease_addresses(fresh, 60000) is None  # no room: over HTTP
+        assert local.lease_addresses(keys[:1], 60000) == [False]  # a miss needs no room
+
+
+def test_a_server_without_leases_is_not_leased_locally(small):
+    keys = fill(small, "a", 1)
+    with LocalSlab.open(info(small, lease_ms=0)) as local:
+        assert local.leases is None
+        assert local.lease_addresses(keys, 5000) is None
+
+
+_HOLDER = textwrap.dedent(
+    """
+    import json, sys
+    from eg_kv.slab.local import LocalInfo, LocalSlab
+    local = LocalSlab.open(LocalInfo.from_json(json.loads(sys.argv[1])))
+    found = local.lease_addresses(json.loads(sys.argv[2]), int(sys.argv[3]))
+    print(json.dumps(found), local._me, flush=True)
+    sys.stdin.read()  # wait to be killed
+    """
+)
+
+
+def test_a_sigkilled_readers_leases_end_and_the_next_reader_clears_its_table(small):
+    keys = fill(small, "a", 64)
+    doc = LocalInfo.of(small.name, small.slab_id, small.geometry.total_size, 0, 60000)
+    lease_ms = 1500
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, json.dumps(doc), json.dumps(keys[:4]), str(lease_ms)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        found, me = child.stdout.readline().rsplit(" ", 1)
+        end = now_ms() + lease_ms
+        assert json.loads(found) == [True] * 4
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        child.stdin.close()  # type: ignore[union-attr]
+        child.stdout.close()  # type: ignore[union-attr]
+    if now_ms() < end - 300:  # its leases still hold after its death
+        fill(small, "b", 400)
+        assert all(small.exists(k) for k in keys[:4])
+    while now_ms() <= end:  # bounded: the lease's own length
+        time.sleep(0.01)
+    assert counts(small)[2] == 0
+    fill(small, "c", 400)
+    assert not any(small.exists(k) for k in keys[:4])  # nothing left of its leases
+    assert small._readers is not None and small._readers[int(me) + L.R_LEASE_TOP] > 0
+    with LocalSlab.open(info(small)) as local:  # takes the dead reader's entry
+        assert local._me == int(me)
+        assert small._readers[int(me) + L.R_LEASE_TOP] == 0
