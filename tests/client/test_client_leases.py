@@ -129,7 +129,8 @@ def test_a_leasing_lookup_on_the_hosts_slab_sends_no_request(server_factory):
     def requests(route: str) -> int:
         with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
             text = r.read().decode()
-        pattern = rf'eg_kv_requests_total{{method="(?:POST|GET)",route="{route}",status="200"}} (\S+)'
+        method = r'method="(?:POST|GET)"'
+        pattern = rf'eg_kv_requests_total{{{method},route="{route}",status="200"}} (\S+)'
         return int(sum(float(v) for v in re.findall(pattern, text)))
 
     with connect(KvCacheConfig(base_url=srv.url)) as kv:
