@@ -1,25 +1,37 @@
 #!/usr/bin/env python3
-"""``lmcache bench l2`` side by side: eg-kv's native_plugin against LMCache's ``resp``
-adapter on ``redis-server``, same chunk size, same key count, one run.
+"""``lmcache bench l2`` side by side: eg-kv's native_plugin against a baseline commit of
+eg-kv and LMCache's ``resp`` adapter on ``redis-server``, interleaved in one run.
 
-eg-kv runs twice per repetition: as shipped (the bench runs on the server's host, so the
-adapter reads the slab itself: local reads) and with ``local_reads`` off (HTTP only);
-the table's last column is local / HTTP. Last, one 14 MiB block read into a caller's
-buffer with ``get_into``, both ways, ``--get-into-reads`` times each: the per-block time.
+The cells are issue 37's: two shapes (16 keys x 14 MiB chunks, 1,024 keys x 64 KiB), each
+measured for lookup (keys/s), load and store (ops/s: keys/s) by the real ``lmcache bench
+l2`` (``--rounds 3 --lookup-max-hit-rate 1.0 --no-skip-verify``, one batch in flight).
+Every run gets a fresh server: eg-kv with 2 workers, a token and a 1 GiB slab; the adapter
+at its defaults (leases on, local reads on: the bench runs on the server's host). The
+sides:
 
-Starts an eg-kv server and a redis-server on free loopback ports (one after the other, so
-they never compete for the cores), runs the same ``lmcache bench l2`` against each, stops
-each by pid, and prints store / load throughput (MB/s) and lookup rate (keys/s) with the
-ratio ours / redis: the median of ``--repeat`` repetitions, run in alternating order so
-that drifting background load does not favour one side. Lookup is measured twice: inside
-the main run (a handful of batches) and in its own run of ``--lookup-rounds`` batches,
-which is the figure to read.
+- ``eg-kv``: this checkout (or ``--tree REV``'s);
+- ``baseline``: ``--baseline REV`` (``git archive`` into ``.cache/bench-trees/``), its
+  server and its adapter, interleaved with this one;
+- ``eg-kv HTTP``: this checkout with ``local_reads`` off (the local/HTTP column);
+- ``redis``: LMCache's ``resp`` adapter on a throwaway redis-server (8 threads).
+
+Each cell is the median of ``--repeat`` repetitions, the sides in rotating order so that
+background load favours none; the per-run ratios are printed too (the box is noisy).
+
+``--guard`` is CI's short form: this checkout against the commit the README's figures come
+from (recorded in :data:`REV_FILE`), no redis and no HTTP side, and exit 1 when any cell
+falls below ``--guard-ratio`` (0.7) of it: a guard against drops like issue 37's, not a
+timing test. ``--readme`` writes the table into README.md and docs/benchmarks.md between
+their markers, with the date and the commit, and records that commit in :data:`REV_FILE`
+(a clean tree only).
 
 Run it alone (the box is shared)::
 
-    flock /tmp/eg-kv-bench.lock .venv/bin/python scripts/bench_lmcache.py
+    flock /tmp/eg-kv-bench.lock .venv/bin/python scripts/bench_lmcache.py --baseline ac33560
+    .venv/bin/python scripts/bench_lmcache.py --guard       # CI's guard
 
-Needs ``redis-server`` on PATH (Debian: ``apt-get install -y redis-server``).
+Needs ``redis-server`` on PATH for the redis side (Debian: ``apt-get install -y
+redis-server``); ``--no-redis`` leaves it out.
 """
 
 from __future__ import annotations
@@ -37,10 +49,25 @@ import sys
 import tempfile
 import time
 import urllib.request
+from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024
+#: The commit whose figures the README's LMCache table shows: ``--guard``'s baseline, and
+#: what ``--readme`` records. One line, a commit id.
+REV_FILE = ROOT / "scripts" / "bench_lmcache.rev"
+#: Where ``--baseline`` and ``--guard`` unpack a commit's tree (``git archive``).
+TREES = ROOT / ".cache" / "bench-trees"
+#: Issue 37's shapes: name -> (keys per batch, chunk KiB).
+SHAPES = {"16 x 14 MiB": (16, 14 * 1024), "1,024 x 64 KiB": (1024, 64)}
+#: The operations of each shape, as ``lmcache bench l2`` names them, and their unit.
+OPS = {"Lookup": "lookup (keys/s)", "Load": "load (ops/s)", "Store": "store (ops/s)"}
+#: The README's and docs/benchmarks.md's table sits between these lines.
+MARK_BEGIN = "<!-- bench_lmcache: begin -->"
+MARK_END = "<!-- bench_lmcache: end -->"
+#: The token every eg-kv server of a run gets (the adapters read it from the environment).
+TOKEN = "bench-lmcache-" + os.urandom(8).hex()
 
 
 def free_port() -> int:
@@ -70,8 +97,9 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
 
 
 @contextlib.contextmanager
-def egkv_server(workers: int, capacity: int, logdir: Path):
-    """An eg-kv server on a free port with its own slab; yields its URL."""
+def egkv_server(workers: int, capacity: int, logdir: Path, root: Path = ROOT):
+    """An eg-kv server from source tree ``root`` on a free port with its own slab (and the
+    environment's token, if any); yields its URL."""
     port = free_port()
     slab = f"/eg-kv-bench-{os.getpid()}-{port}"
     # Logs go to a file, never to a pipe nobody reads; the child keeps its own descriptor.
@@ -80,7 +108,7 @@ def egkv_server(workers: int, capacity: int, logdir: Path):
             [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{port}",
              "--workers", str(workers), "--capacity", f"{capacity // MiB}MiB",
              "--slab-name", slab, "--fresh"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            stdout=log, stderr=subprocess.STDOUT, cwd=root,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
 
@@ -143,29 +171,14 @@ def egkv_spec(url: str, threads: int, local_reads: bool = True) -> str:
     })  # fmt: skip
 
 
-def get_into_times(url: str, size: int, reads: int) -> dict[str, float]:
-    """Median seconds of one ``get_into`` of a ``size``-byte block: local and HTTP."""
-    from eg_kv.kvcache import RemoteKVConnector
-
-    block = os.urandom(size)
-    out: dict[str, float] = {}
-    with RemoteKVConnector(base_url=url, local_reads=False, timeout_s=60) as http:
-        assert http.put("bench-get-into", block)
-    for label, local in (("local", True), ("HTTP", False)):
-        buf = bytearray(size)
-        with RemoteKVConnector(base_url=url, local_reads=local, timeout_s=60) as kv:
-            assert kv.get_into("bench-get-into", buf) == size  # warm: probe, connection
-            if local and kv._core.local.slab is None:
-                raise RuntimeError("the local client could not map the slab")
-            times = []
-            for _ in range(reads):
-                t0 = time.perf_counter()
-                n = kv.get_into("bench-get-into", buf)
-                times.append(time.perf_counter() - t0)
-                assert n == size
-        assert buf == block
-        out[label] = statistics.median(times)
-    return out
+def default_spec(url: str, local_reads: bool = True) -> str:
+    """The ``--l2-adapter`` JSON of eg-kv's native_plugin at ``url`` with LMCache users'
+    ``adapter_params``: the URL alone (``local_reads`` off for the HTTP side)."""
+    params: dict[str, object] = {"base_url": url}
+    if not local_reads:
+        params["local_reads"] = False
+    return json.dumps({"type": "native_plugin", "module_path": "eg_kv.kvcache",
+                       "class_name": "RemoteKVL2Connector", "adapter_params": params})  # fmt: skip
 
 
 def redis_spec(port: int, threads: int) -> str:
@@ -176,8 +189,9 @@ def redis_spec(port: int, threads: int) -> str:
 
 def run_bench(adapter_json: str, args: argparse.Namespace, out_json: Path,
               lookup_only: bool = False, num_keys: int | None = None,
-              lookup_rounds: int | None = None) -> dict:  # fmt: skip
-    """One ``lmcache bench l2`` run; returns {Store/Lookup/Load: section} from its JSON.
+              lookup_rounds: int | None = None, root: Path = ROOT) -> dict:  # fmt: skip
+    """One ``lmcache bench l2`` run, with ``root``'s eg-kv importable first; returns
+    {Store/Lookup/Load: section} from its JSON.
 
     ``lookup_only``: ``--only lookup`` with ``--lookup-rounds`` rounds of small chunks: a
     lookup round is one batch, well under a millisecond, so a rate needs many rounds.
@@ -198,7 +212,8 @@ def run_bench(adapter_json: str, args: argparse.Namespace, out_json: Path,
         if args.verify:
             cmd.append("--no-skip-verify")
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    # ``python -m`` puts its working directory first on sys.path: root's eg_kv is imported.
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"lmcache bench l2 failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     doc = json.loads(out_json.read_text())
@@ -219,109 +234,186 @@ def _sections(doc) -> list[dict]:
     return found
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-keys", type=int, default=32, help="keys per submit (default 32)")
-    p.add_argument("--in-flight", type=int, default=1)
-    p.add_argument("--data-size-kb", type=int, default=14 * 1024, help="chunk KiB (14 MiB)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup-rounds", type=int, default=1)
-    p.add_argument("--lookup-max-hit-rate", type=float, default=0.0)
-    p.add_argument("--lookup-rounds", type=int, default=300, help="rounds of the lookup run")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="eg-kv workers")
-    # Each adapter at the thread count that served it best on the 2-core box (measured:
-    # eg-kv 2-4 threads beat 8; redis's resp adapter does best at its default 8).
-    p.add_argument("--egkv-threads", type=int, default=4, help="eg-kv num_workers")
-    p.add_argument("--redis-threads", type=int, default=8, help="resp adapter num_workers")
-    p.add_argument("--verify", action="store_true", help="also check the round trip")
-    p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (median)")
-    p.add_argument("--get-into-reads", type=int, default=50, help="reads per way (50)")
-    args = p.parse_args()
+def git(*argv: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *argv], check=True, capture_output=True,
+                          text=True).stdout.strip()  # fmt: skip
 
-    keys = (args.rounds + args.warmup_rounds) * args.in_flight * args.num_keys
-    stored = keys * args.data_size_kb * 1024
-    # Room for every chunk plus slack, so the load phase never meets an eviction.
-    capacity = int(stored * 1.25) + 64 * MiB
-    rows = [
-        ("store (MB/s)", "Store", "throughput_avg_mbps"),
-        ("load (MB/s)", "Load", "throughput_avg_mbps"),
-        (f"lookup (keys/s), {args.lookup_rounds} rounds", "Lookup-long", "ops_per_sec_avg"),
-        (f"lookup (keys/s), {args.rounds} rounds", "Lookup", "ops_per_sec_avg"),
-    ]
-    # samples[name][op] = one figure per repetition
-    samples: dict[str, dict[str, list[float]]] = {
-        n: {op: [] for _, op, _ in rows} for n in ("eg-kv", "eg-kv HTTP", "redis")
-    }
-    failures: list[str] = []
 
-    def record(name: str, main_run: dict, lookup_run: dict) -> None:
-        main_run["Lookup-long"] = lookup_run["Lookup"]
-        for _, op, field in rows:
-            samples[name][op].append(float(main_run[op][field]))
-        for op in ("Store", "Load"):
-            total, succ = main_run[op].get("total_keys"), main_run[op].get("total_success")
-            if total != succ:
-                failures.append(f"{name} {op}: {succ}/{total} keys succeeded")
+def tree_of(rev: str) -> tuple[str, Path]:
+    """``rev``'s commit id and its source tree under :data:`TREES` (unpacked once).
 
-    def run_ours(logdir: Path, local_reads: bool = True) -> None:
-        # A fresh server (and slab) per repetition: every store is a new block.
-        with egkv_server(args.workers, capacity, logdir) as url:
-            spec = egkv_spec(url, args.egkv_threads, local_reads)
-            record("eg-kv" if local_reads else "eg-kv HTTP",
-                   run_bench(spec, args, logdir / "o.json"),
-                   run_bench(spec, args, logdir / "ol.json", lookup_only=True))  # fmt: skip
+    Raises:
+        SystemExit: ``rev`` is no commit of this repository (a shallow clone lacks it).
+    """
+    try:
+        sha = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise SystemExit(
+            f"{rev!r} is not a commit here (a shallow clone? git fetch --unshallow)"
+        ) from None
+    tree = TREES / sha
+    if not (tree / "eg_kv").is_dir():
+        part = TREES / f"{sha}.part"
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir(parents=True)
+        archive = subprocess.Popen(["git", "-C", str(ROOT), "archive", sha], stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", str(part)], stdin=archive.stdout, check=True)
+        if archive.wait() != 0:
+            raise SystemExit(f"git archive {sha} failed")
+        part.rename(tree)
+    return sha, tree
 
-    def run_http(logdir: Path) -> None:
-        run_ours(logdir, local_reads=False)
 
-    def run_redis(logdir: Path) -> None:
-        with redis_server(logdir) as port:
-            spec = redis_spec(port, args.redis_threads)
-            record("redis", run_bench(spec, args, logdir / "r.json"),
-                   run_bench(spec, args, logdir / "rl.json", lookup_only=True))  # fmt: skip
+def shape_args(args: argparse.Namespace, keys: int, kib: int) -> argparse.Namespace:
+    """``run_bench``'s arguments for one shape (issue 37's flags)."""
+    return argparse.Namespace(num_keys=keys, in_flight=1, warmup_rounds=1,
+                              lookup_max_hit_rate=1.0, rounds=args.rounds, data_size_kb=kib,
+                              verify=True)  # fmt: skip
 
+
+class Side:
+    """One column: how to run a shape against it (a fresh server each time)."""
+
+    def __init__(self, name: str, tree: Path | None, local_reads: bool = True) -> None:
+        self.name, self.tree, self.local_reads = name, tree, local_reads
+
+    def run(self, sargs: argparse.Namespace, logdir: Path, workers: int) -> dict:
+        if self.tree is None:  # redis
+            with redis_server(logdir) as port:
+                return run_bench(redis_spec(port, 8), sargs, logdir / "r.json")
+        with egkv_server(workers, 1024 * MiB, logdir, self.tree) as url:
+            spec = default_spec(url, self.local_reads)
+            return run_bench(spec, sargs, logdir / "o.json", root=self.tree)
+
+
+def measure(sides: list[Side], args: argparse.Namespace) -> dict[tuple[str, str, str], list]:
+    """samples[(side, shape, op)]: one figure per repetition, sides rotating."""
+    samples: dict[tuple[str, str, str], list[float]] = {}
+    os.environ["EPISTEMIC_GRAPH_KVCACHE_TOKEN"] = TOKEN  # servers and adapters alike
     with tempfile.TemporaryDirectory(prefix="eg-kv-bench-") as tmp:
         logdir = Path(tmp)
-        sides = [run_ours, run_http, run_redis]
         for rep in range(args.repeat):
-            # Rotate who goes first: on a shared box, background load drifts.
-            for fn in sides[rep % 3 :] + sides[: rep % 3]:
-                fn(logdir)
-        with egkv_server(args.workers, 2 * args.data_size_kb * 1024 + 64 * MiB, logdir) as url:
-            per_block = get_into_times(url, args.data_size_kb * 1024, args.get_into_reads)
+            for shape, (keys, kib) in SHAPES.items():
+                sargs = shape_args(args, keys, kib)
+                k = (rep + list(SHAPES).index(shape)) % len(sides)
+                for side in sides[k:] + sides[:k]:
+                    t0 = time.monotonic()
+                    got = side.run(sargs, logdir, args.workers)
+                    for op in OPS:
+                        total, ok = got[op].get("total_keys"), got[op].get("total_success")
+                        if op != "Lookup" and total != ok:
+                            raise SystemExit(f"{side.name} {shape} {op}: {ok}/{total} keys")
+                        samples.setdefault((side.name, shape, op), []).append(
+                            float(got[op]["ops_per_sec_avg"])
+                        )
+                    figures = ", ".join(
+                        f"{op} {samples[(side.name, shape, op)][-1]:,.0f}" for op in OPS
+                    )
+                    took = time.monotonic() - t0
+                    print(f"  rep {rep + 1} {shape:>14} {side.name:>10}: {figures} ({took:.0f} s)",
+                          file=sys.stderr, flush=True)  # fmt: skip
+    return samples
 
-    print(
-        f"lmcache bench l2: {args.num_keys} keys/submit x {args.in_flight} in flight, "
-        f"{args.data_size_kb // 1024} MiB chunks, {args.rounds} rounds (+{args.warmup_rounds} "
-        f"warmup), {keys} keys stored; eg-kv: {args.workers} server workers, "
-        f"{args.egkv_threads} client threads; redis: {args.redis_threads} client threads; "
-        f"median of {args.repeat} interleaved repetitions"
+
+def table(samples: dict, names: list[str], header: str) -> tuple[str, list[tuple[str, float]]]:
+    """The markdown table, and (cell, eg-kv / baseline median ratio) per cell."""
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    has = set(names)
+    cols = ["eg-kv"]
+    if "baseline" in has:
+        cols += ["baseline", "eg-kv / baseline", "per run"]
+    if "redis" in has:
+        cols += ["redis", "eg-kv / redis"]
+    if "eg-kv HTTP" in has:
+        cols += ["eg-kv HTTP", "local / HTTP"]
+    lines = [header, "", "| cell | " + " | ".join(cols) + " |",
+             "|---|" + "---:|" * len(cols)]  # fmt: skip
+    ratios = []
+    for shape in SHAPES:
+        for op, label in OPS.items():
+            ours = med[("eg-kv", shape, op)]
+            row = [f"{ours:,.0f}"]
+            if "baseline" in has:
+                base = med[("baseline", shape, op)]
+                pairs = zip(samples[("eg-kv", shape, op)], samples[("baseline", shape, op)],
+                            strict=True)  # fmt: skip
+                per = " ".join(f"{a / b:.2f}" for a, b in pairs)
+                row += [f"{base:,.0f}", f"**{ours / base:.2f}**", per]
+                ratios.append((f"{label.split(' ')[0]}, {shape}", ours / base))
+            if "redis" in has:
+                red = med[("redis", shape, op)]
+                row += [f"{red:,.0f}", f"{ours / red:.2f}"]
+            if "eg-kv HTTP" in has:
+                http = med[("eg-kv HTTP", shape, op)]
+                row += [f"{http:,.0f}", f"{ours / http:.2f}"]
+            lines.append(f"| {label}, {shape} | " + " | ".join(row) + " |")
+    return "\n".join(lines), ratios
+
+
+def write_between_marks(path: Path, text: str) -> None:
+    """Replace what lies between MARK_BEGIN and MARK_END in ``path`` with ``text``."""
+    doc = path.read_text()
+    a, b = doc.index(MARK_BEGIN) + len(MARK_BEGIN), doc.index(MARK_END)
+    path.write_text(doc[:a] + "\n" + text + "\n" + doc[b:])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", metavar="REV", help="also run this commit's eg-kv, interleaved")
+    p.add_argument("--tree", metavar="REV", help="measure this commit instead of the checkout")
+    p.add_argument("--guard", action="store_true",
+                   help="CI: against the commit in scripts/bench_lmcache.rev, no redis or "
+                        "HTTP side; exit 1 below --guard-ratio")  # fmt: skip
+    p.add_argument("--guard-ratio", type=float, default=0.7)
+    p.add_argument("--no-redis", action="store_true", help="leave the redis side out")
+    p.add_argument("--no-http", action="store_true", help="leave the local_reads-off side out")
+    p.add_argument("--readme", action="store_true",
+                   help="write the table into README.md and docs/benchmarks.md and record the "
+                        "commit in scripts/bench_lmcache.rev (a clean tree)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (median)")
+    p.add_argument("--workers", type=int, default=2, help="eg-kv server workers")
+    args = p.parse_args()
+    if args.guard:
+        args.baseline = args.baseline or REV_FILE.read_text().split()[0]
+        args.no_redis = args.no_http = True
+    if args.readme and git("status", "--porcelain", "--untracked-files=no"):
+        raise SystemExit("--readme measures a commit: commit or stash the changes first")
+    head = git("rev-parse", "HEAD")
+    ours = ROOT
+    if args.tree:
+        head, ours = tree_of(args.tree)
+    sides = [Side("eg-kv", ours)]
+    base_sha = None
+    if args.baseline:
+        base_sha, base_tree = tree_of(args.baseline)
+        sides.append(Side("baseline", base_tree))
+    if not args.no_http:
+        sides.append(Side("eg-kv HTTP", ours, local_reads=False))
+    if not args.no_redis:
+        sides.append(Side("redis", None))
+    samples = measure(sides, args)
+    header = (
+        f"`scripts/bench_lmcache.py{' --baseline ' + args.baseline if args.baseline else ''}`"
+        f" on {date.today().isoformat()}: eg-kv at {head[:12]}"
+        + (f", baseline {base_sha[:12]}" if base_sha else "")
+        + f"; lmcache bench l2, {args.rounds} rounds (+1 warmup), lookup hit rate 1.0, "
+        f"verified; {args.workers}-worker servers with a token and a 1 GiB slab, adapters at "
+        f"their defaults; medians of {args.repeat} interleaved runs"
     )
-    print(f"| {'':30} | {'eg-kv':>10} | {'eg-kv HTTP':>10} | {'redis':>10} | "
-          f"{'ours/redis':>10} | {'local/HTTP':>10} | ours/redis per run |")  # fmt: skip
-    print(f"|{'-' * 32}|{'-' * 11}:|{'-' * 11}:|{'-' * 11}:|{'-' * 11}:|{'-' * 11}:|---|")
-    ok = True
-    for label, op, _ in rows:
-        a = statistics.median(samples["eg-kv"][op])
-        h = statistics.median(samples["eg-kv HTTP"][op])
-        b = statistics.median(samples["redis"][op])
-        ratio = a / b if b else float("inf")
-        per_run = " ".join(
-            f"{x / y:.2f}" for x, y in zip(samples["eg-kv"][op], samples["redis"][op], strict=True)
-        )
-        if op != "Lookup":  # the 3-round lookup is shown, but too few samples to judge
-            ok &= ratio >= 1.0
-        print(f"| {label:30} | {a:>10,.0f} | {h:>10,.0f} | {b:>10,.0f} | {ratio:>10.2f} | "
-              f"{a / h if h else float('inf'):>10.2f} | {per_run} |")  # fmt: skip
-    size = args.data_size_kb * 1024
-    print(f"\nget_into of one {args.data_size_kb // 1024} MiB block, median of "
-          f"{args.get_into_reads}:")  # fmt: skip
-    for way, t in per_block.items():
-        print(f"  {way:>5}: {t * 1e3:.2f} ms ({size / t / 1e9:.1f} GB/s)")
-    print(f"  local / HTTP speed-up: {per_block['HTTP'] / per_block['local']:.2f}x")
-    for f in failures:
-        print(f"warning: {f}")
-    return 0 if ok and not failures else 1
+    text, ratios = table(samples, [s.name for s in sides], header)
+    print(text)
+    if args.readme:
+        for path in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md"):
+            write_between_marks(path, text)
+        REV_FILE.write_text(head + "\n")
+    low = [(cell, r) for cell, r in ratios if r < args.guard_ratio]
+    if args.guard:
+        for cell, r in ratios:
+            verdict = "BELOW" if r < args.guard_ratio else "at least"
+            print(f"guard: {cell}: {r:.2f}x the baseline ({verdict} {args.guard_ratio})")
+        return 1 if low else 0
+    return 0
 
 
 if __name__ == "__main__":

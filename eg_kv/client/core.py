@@ -644,16 +644,9 @@ class ClientCore:
             release (``POST /kv/batch/release``).
         """
         slab = self.local.slab
-        if slab is None or slab.leases is None:
+        if slab is None:
             return 0, addresses
-        released, rest = 0, []
-        for address in addresses:
-            done = slab.release_lease(address)
-            if done is None:
-                rest.append(address)
-            else:
-                released += done
-        return released, rest
+        return slab.release_leases(addresses)
 
     @staticmethod
     def release_header(slab: LocalSlab | None, address: str, release_lease: bool) -> bool:

@@ -51,7 +51,7 @@ import math
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -179,7 +179,7 @@ class RemoteKVL2Connector:
         # Address -> leases this connector's lookups took and no load ended yet (the
         # newest MAX_STORED addresses): only those are released, so a load that no
         # lookup leased sends nothing extra, and one never ends another client's lease.
-        self._leased: OrderedDict[str, int] = OrderedDict()
+        self._leased: Counter[str] = Counter()
         self._digests: dict[str, str] = {}  # key -> address_for_key(key), bounded
         self._inline_after = 0.0  # monotonic time before which lookups use the pool
 
@@ -271,16 +271,15 @@ class RemoteKVL2Connector:
 
     def _note_leases(self, addresses: list[str], found: list[bool]) -> list[bool]:
         """Record the leases a lookup's hits took (when it asked for them); returns
-        ``found``."""
+        ``found``. The counting runs in C (``Counter.update``): a Python step per hit was
+        a tenth of a 1,024-key lookup."""
         if self._lease_ms > 0:
             with self._lock:
                 leased = self._leased
-                for address, hit in zip(addresses, found, strict=True):
-                    if hit:
-                        leased[address] = leased.get(address, 0) + 1
-                        leased.move_to_end(address)
-                while len(leased) > MAX_STORED:
-                    leased.popitem(last=False)
+                leased.update(itertools.compress(addresses, found))
+                if len(leased) > MAX_STORED:  # the oldest first (a dict keeps its order)
+                    for address in list(itertools.islice(leased, len(leased) - MAX_STORED)):
+                        del leased[address]
         return found
 
     def _release_leases(self, keys: list[str]) -> None:

@@ -426,19 +426,18 @@ class LocalSlab(SlabView):
             return None
         keys = [self._key(a, ns) for a in addresses]
         seq, ids = self._read(self._find_ids, keys, ns)
-        hits = [(a, block) for a, block in zip(addresses, ids, strict=True) if block]
-        if hits:
-            if not leases.take(hits, min(lease_ms, self.info.lease_ms)):
+        found = list(map(bool, ids))
+        if any(found):
+            if not leases.take(addresses, ids, min(lease_ms, self.info.lease_ms)):
                 return None
             full_fence()
             if self._state[L.ST_SEQ] != seq:  # a writer came in: are they still there?
-                again = self._read(self._find_ids, [self._key(a, ns) for a, _ in hits], ns)[1]
-                gone = {b for (_, b), now in zip(hits, again, strict=True) if now != b}
-                for address, block in hits:
-                    if block in gone:
-                        leases.undo(address)
-                ids = [0 if block in gone else block for block in ids]
-        return [bool(block) for block in ids]
+                again = self._read(self._find_ids, keys, ns)[1]
+                for i, (before, now) in enumerate(zip(ids, again, strict=True)):
+                    if before and now != before:  # gone (or replaced): a miss after all
+                        leases.undo(addresses[i])
+                        found[i] = False
+        return found
 
     def _find_ids(self, keys: list[tuple[bytes, int]], ns: int) -> tuple[int, list[int]]:
         """The slab's sequence and each key's block id (0: absent), for :meth:`_read`."""
@@ -450,10 +449,16 @@ class LocalSlab(SlabView):
         """Whether this reader holds a local lease on ``address``'s block."""
         return self.leases is not None and self.leases.holds(address)
 
-    def release_lease(self, address: str) -> bool | None:
-        """End one of this reader's local leases on ``address``'s block: True released,
-        False ended already, None none held here (release it over HTTP)."""
-        return None if self.leases is None else self.leases.release(address)
+    def release_leases(self, addresses: list[str]) -> tuple[int, list[str]]:
+        """End one of this reader's local leases on each address's block.
+
+        Returns:
+            How many were released, and the addresses it holds none on (release those
+            over HTTP).
+        """
+        if self.leases is None:
+            return 0, addresses
+        return self.leases.release(addresses)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -41,14 +41,9 @@ from .layout import now_ms
 _WORDS = L.LEASE_RECORD_WORDS
 
 
-class _Record:
-    """One address's leases in this reader's table (mirrored here: the table is written,
-    never read back)."""
-
-    __slots__ = ("block", "count", "end", "index")
-
-    def __init__(self, index: int, block: int, end: int) -> None:
-        self.index, self.block, self.count, self.end = index, block, 0, end
+# A record, mirrored here (the table is written, never read back): a list, not an object
+# (creating one per lease was most of a lookup's lease cost).
+_INDEX, _BLOCK, _COUNT, _END = range(4)
 
 
 class LocalLeases:
@@ -66,7 +61,7 @@ class LocalLeases:
     def __init__(self, table: memoryview, entries: memoryview, me: int) -> None:
         self._table, self._entries, self._me = table, entries, me
         self._capacity = len(table) // _WORDS
-        self._records: dict[str, _Record] = {}  # address -> its record
+        self._records: dict[str, list[int]] = {}  # address -> [index, block, count, end]
         self._free: list[int] = []
         self._lock = threading.Lock()
         # What a dead owner left: the mark first (the server reads no record past it).
@@ -76,41 +71,50 @@ class LocalLeases:
         self._top = 0
         self._moved()
 
-    def take(self, hits: Sequence[tuple[str, int]], lease_ms: int) -> bool:
-        """Lease each ``(address, block id)`` for ``lease_ms`` (a block twice: twice).
+    def take(self, addresses: Sequence[str], ids: Sequence[int], lease_ms: int) -> bool:
+        """Lease each address whose block id (its lookup's) is not 0, for ``lease_ms`` (an
+        address twice: twice).
 
         Returns:
             False, with nothing taken, when the table has no room for them all.
         """
         now = now_ms()
         end = now + lease_ms
-        table, records = self._table, self._records
+        table, records, free = self._table, self._records, self._free
         with self._lock:
-            room = len(self._free) + self._capacity - self._top
-            if len(hits) > room:
-                new = sum(1 for address, _ in hits if address not in records)
-                if new > room:
-                    self._reclaim(now)
-                    if new > len(self._free) + self._capacity - self._top:
-                        return False
-            for address, block in hits:
+            top, taken = self._top, 0
+            if len(addresses) > len(free) + self._capacity - top:  # else surely room
+                held = {a for a, block in zip(addresses, ids, strict=True) if block}
+                if not self._room_for(len(held - records.keys()), now):
+                    return False
+            for address, block in zip(addresses, ids, strict=True):
+                if not block:
+                    continue
                 rec = records.get(address)
                 if rec is None:
-                    index = self._free.pop() if self._free else self._grow()
-                    rec = records[address] = _Record(index, block, end)
-                    at = index * _WORDS
-                    table[at + 1] = end  # the end before the id: see SlabLeases._local_leases
-                    table[at] = block
-                elif rec.block != block or rec.end <= now:  # another block, or ended
-                    rec.block, rec.count, rec.end = block, 0, end
-                    at = rec.index * _WORDS
-                    table[at + 1] = end
-                    table[at] = block
-                elif rec.end < end:
-                    rec.end = table[rec.index * _WORDS + 1] = end
-                rec.count += 1
-            self._entries[self._me + L.R_LEASES_TAKEN] += len(hits)
-            self._moved()
+                    if free:
+                        index = free.pop()
+                    else:  # a record never used (the mark rises below)
+                        index, top = top, top + 1
+                    rec = records[address] = [index, block, 0, end]
+                    table[index * _WORDS + 1] = end  # the end before the id: the server
+                    table[index * _WORDS] = block  # reads an id with its end written
+                elif rec[_BLOCK] == block and rec[_END] > now:  # held: extend it
+                    if rec[_END] < end:
+                        rec[_END] = table[rec[_INDEX] * _WORDS + 1] = end
+                else:  # ended, or the address names another block now: a new lease
+                    rec[_BLOCK], rec[_COUNT], rec[_END] = block, 0, end
+                    table[rec[_INDEX] * _WORDS + 1] = end
+                    table[rec[_INDEX] * _WORDS] = block
+                rec[_COUNT] += 1
+                taken += 1
+            # The mark after the records under it: the server reads none past the mark,
+            # and the barrier after take (LocalSlab.lease_addresses) orders all of these.
+            self._top = top
+            entries, me = self._entries, self._me
+            entries[me + L.R_LEASE_TOP] = top
+            entries[me + L.R_LEASES_TAKEN] += taken
+            entries[me + L.R_LEASE_GEN] += 1  # _moved(), inline
         return True
 
     def undo(self, address: str) -> None:
@@ -119,32 +123,40 @@ class LocalLeases:
         with self._lock:
             rec = self._records.get(address)
             if rec is not None:
-                rec.count -= 1
-                if rec.count <= 0:
+                rec[_COUNT] -= 1
+                if rec[_COUNT] <= 0:
                     self._drop(address, rec)
                     self._moved()
                 self._entries[self._me + L.R_LEASES_TAKEN] -= 1
 
-    def release(self, address: str) -> bool | None:
-        """End one of this reader's leases on ``address``'s block.
+    def release(self, addresses: Sequence[str]) -> tuple[int, list[str]]:
+        """End one of this reader's leases on each address's block.
 
         Returns:
-            True: released; False: the lease had ended; None: this reader holds no lease on
-            it (one taken over HTTP is the server's to release).
+            How many were released (a lease that had ended counts 0, and is forgotten),
+            and the addresses this reader holds no lease on: one taken over HTTP is the
+            server's to release.
         """
+        released, rest = 0, []
+        now = now_ms()
+        records = self._records
         with self._lock:
-            rec = self._records.get(address)
-            if rec is None:
-                return None
-            if rec.end <= now_ms():
-                self._drop(address, rec)
-                return False
-            rec.count -= 1
-            if rec.count <= 0:
-                self._drop(address, rec)
-            self._entries[self._me + L.R_LEASES_RELEASED] += 1
-            self._moved()  # after the count: the server's wall stamp reads both
-            return True
+            for address in addresses:
+                rec = records.get(address)
+                if rec is None:
+                    rest.append(address)
+                    continue
+                if rec[_END] <= now:
+                    self._drop(address, rec)
+                    continue
+                rec[_COUNT] -= 1
+                if rec[_COUNT] <= 0:
+                    self._drop(address, rec)
+                released += 1
+            if released:
+                self._entries[self._me + L.R_LEASES_RELEASED] += released
+                self._moved()  # after the count: the server's wall stamp reads both
+        return released, rest
 
     def holds(self, address: str) -> bool:
         """Whether a lease of this reader is on ``address``'s block (ended or not)."""
@@ -154,7 +166,7 @@ class LocalLeases:
         """Blocks this reader leases now (its records whose end is ahead)."""
         now = now_ms()
         with self._lock:
-            return sum(1 for rec in self._records.values() if rec.end > now)
+            return sum(1 for rec in self._records.values() if rec[_END] > now)
 
     def close(self) -> None:
         """Let go of the table's view (the mapping is closed after it); the records stay
@@ -163,28 +175,24 @@ class LocalLeases:
 
     # ------------------------------------------------------------------ internals
 
-    def _grow(self) -> int:
-        index = self._top
-        self._top += 1
-        # The mark may rise before the record is written: a record never written has id 0,
-        # which the server reads as free.
-        self._entries[self._me + L.R_LEASE_TOP] = self._top
-        return index
+    def _room_for(self, n: int, now: int) -> bool:
+        """Whether ``n`` new records fit, after freeing ended ones if they must (under the
+        lock)."""
+        if n <= len(self._free) + self._capacity - self._top:
+            return True
+        for address, rec in list(self._records.items()):
+            if rec[_END] <= now:
+                self._drop(address, rec)
+        self._moved()
+        return n <= len(self._free) + self._capacity - self._top
 
     def _moved(self) -> None:
         """Bump the table's generation, after the records it covers changed: a server
         that finds it as it last read it uses what it read then."""
         self._entries[self._me + L.R_LEASE_GEN] += 1
 
-    def _drop(self, address: str, rec: _Record) -> None:
+    def _drop(self, address: str, rec: list[int]) -> None:
         """Free ``address``'s record (under the lock): its id first, which the server reads."""
-        self._table[rec.index * _WORDS] = 0
-        self._free.append(rec.index)
+        self._table[rec[_INDEX] * _WORDS] = 0
+        self._free.append(rec[_INDEX])
         del self._records[address]
-
-    def _reclaim(self, now: int) -> None:
-        """Free every record whose lease has ended (under the lock)."""
-        for address, rec in list(self._records.items()):
-            if rec.end <= now:
-                self._drop(address, rec)
-        self._moved()

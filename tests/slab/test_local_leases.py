@@ -60,8 +60,8 @@ def test_a_local_lease_holds_its_block_against_eviction_until_released(small):
         fill(small, "b", 400)  # six slabs' worth: everything unleased goes
         assert all(small.exists(k) for k in keys[:8])
         assert not any(small.exists(k) for k in keys[8:])
-        assert [local.release_lease(k) for k in keys[:8]] == [True] * 8
-        assert local.release_lease(keys[0]) is None  # none held any more: the server's
+        assert local.release_leases(keys[:8]) == (8, [])
+        assert local.release_leases(keys[:1]) == (0, keys[:1])  # none held: the server's
         assert counts(small) == (8, 8, 0)
         fill(small, "c", 400)
         assert not any(small.exists(k) for k in keys[:8])
@@ -72,10 +72,10 @@ def test_a_lease_taken_twice_needs_two_releases_and_the_server_is_not_asked(smal
     with LocalSlab.open(info(small)) as local:
         assert local.lease_addresses(keys[:1], 60000) == [True]
         assert local.lease_addresses(keys[:1], 60000) == [True]
-        assert local.release_lease(keys[0]) is True
+        assert local.release_leases(keys[:1]) == (1, [])
         fill(small, "b", 400)
         assert small.exists(keys[0])  # one lease left
-        assert local.release_lease(keys[0]) is True
+        assert local.release_leases(keys[:1]) == (1, [])
         assert counts(small) == (2, 2, 0)
 
 
@@ -87,7 +87,7 @@ def test_only_locally_leased_blocks_left_is_a_507_until_one_is_released(small):
             small.put("new", bytes(PAGE))
         with pytest.raises(InsufficientStorage):  # the wall: refused without a sweep
             small.put("new", bytes(PAGE))
-        assert local.release_lease(keys[5]) is True  # lifts the wall at once
+        assert local.release_leases(keys[5:6]) == (1, [])  # lifts the wall at once
         assert small.put("new", bytes(PAGE))
         assert not small.exists(keys[5]) and small.exists(keys[4])
 
@@ -100,8 +100,8 @@ def test_a_writer_between_the_lookup_and_the_lease_turns_that_hit_into_a_miss(sm
         assert local.leases is not None
         take = local.leases.take
 
-        def take_then_a_writer_deletes(hits, lease_ms):
-            ok = take(hits, lease_ms)
+        def take_then_a_writer_deletes(addresses, ids, lease_ms):
+            ok = take(addresses, ids, lease_ms)
             small.delete(keys[1])  # a writing section: the sequence moves
             return ok
 
