@@ -59,8 +59,9 @@ from .layout import (
     F_REFBIT,
     F_REFS,
     F_STATE,
+    now_ms,
 )
-from .leases import SlabLeases, now_ms
+from .leases import SlabLeases
 
 # BlockGone and BlockReader are read through this module too (the server's handlers).
 from .view import BlockGone as BlockGone

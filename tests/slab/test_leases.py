@@ -13,7 +13,7 @@ import pytest
 
 from eg_kv.errors import InsufficientStorage
 from eg_kv.slab import layout as L
-from eg_kv.slab.leases import now_ms
+from eg_kv.slab.layout import now_ms
 from eg_kv.slab.store import Slab
 
 KiB, MiB = 1024, 1024 * 1024

@@ -17,7 +17,7 @@ import pytest
 
 from eg_kv.errors import InsufficientStorage
 from eg_kv.slab import layout as L
-from eg_kv.slab.leases import now_ms
+from eg_kv.slab.layout import now_ms
 from eg_kv.slab.local import LocalInfo, LocalSlab
 from eg_kv.slab.store import Slab
 
