@@ -401,7 +401,12 @@ def main() -> int:
                         "(--guard: 640)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (median)")
     p.add_argument("--workers", type=int, default=2, help="eg-kv server workers")
+    p.add_argument("--shape", action="append", choices=list(SHAPES),
+                   help="only this shape (repeat for several; default: both)")  # fmt: skip
     args = p.parse_args()
+    if args.shape:  # one table, fewer rows: the module's shapes are the run's
+        for name in [n for n in SHAPES if n not in args.shape]:
+            del SHAPES[name]
     if args.guard:
         args.baseline = args.baseline or REV_FILE.read_text().split()[0]
         args.no_redis = args.no_http = True

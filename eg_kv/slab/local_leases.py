@@ -33,6 +33,7 @@ lease_records`); a lookup that does not fit leases over HTTP instead.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections.abc import Sequence
 
 from . import layout as L
@@ -41,9 +42,9 @@ from .layout import now_ms
 _WORDS = L.LEASE_RECORD_WORDS
 
 
-# A record, mirrored here (the table is written, never read back): a list, not an object
-# (creating one per lease was most of a lookup's lease cost).
-_INDEX, _BLOCK, _COUNT, _END = range(4)
+#: Leases one reader takes are mirrored here (the table is written, never read back) in
+#: columns indexed like the table's records: an object or a list per lease was most of a
+#: lookup's lease cost (issue 37), columns let a lookup's new leases be written in slices.
 
 
 class LocalLeases:
@@ -60,18 +61,21 @@ class LocalLeases:
 
     def __init__(self, table: memoryview, entries: memoryview, me: int) -> None:
         self._table, self._entries, self._me = table, entries, me
-        self._capacity = len(table) // _WORDS
-        self._records: dict[str, list[int]] = {}  # address -> [index, block, count, end]
+        self._capacity = n = len(table) // _WORDS
+        self._records: dict[str, int] = {}  # address -> its record's index
+        # Each record's block id, lease count, end (monotonic ms) and address.
+        self._blocks, self._counts, self._ends = [0] * n, [0] * n, [0] * n
+        self._addresses: list[str] = [""] * n
         self._free: list[int] = []
         self._lock = threading.Lock()
         # What a dead owner left: the mark first (the server reads no record past it).
-        top = min(max(entries[me + L.R_LEASE_TOP], 0), self._capacity)
+        top = min(max(entries[me + L.R_LEASE_TOP], 0), n)
         entries[me + L.R_LEASE_TOP] = 0
         table[: top * _WORDS] = memoryview(bytes(8 * top * _WORDS)).cast("q")
         self._top = 0
         self._moved()
 
-    def take(self, addresses: Sequence[str], ids: Sequence[int], lease_ms: int) -> bool:
+    def take(self, addresses: Sequence[str], ids: list[int], lease_ms: int) -> bool:
         """Lease each address whose block id (its lookup's) is not 0, for ``lease_ms`` (an
         address twice: twice).
 
@@ -81,51 +85,96 @@ class LocalLeases:
         now = now_ms()
         end = now + lease_ms
         table, records, free = self._table, self._records, self._free
+        blocks, counts, ends = self._blocks, self._counts, self._ends
         with self._lock:
-            top, taken = self._top, 0
-            if len(addresses) > len(free) + self._capacity - top:  # else surely room
-                held = {a for a, block in zip(addresses, ids, strict=True) if block}
-                if not self._room_for(len(held - records.keys()), now):
-                    return False
-            for address, block in zip(addresses, ids, strict=True):
-                if not block:
-                    continue
-                rec = records.get(address)
-                if rec is None:
-                    if free:
-                        index = free.pop()
-                    else:  # a record never used (the mark rises below)
-                        index, top = top, top + 1
-                    rec = records[address] = [index, block, 0, end]
-                    table[index * _WORDS + 1] = end  # the end before the id: the server
-                    table[index * _WORDS] = block  # reads an id with its end written
-                elif rec[_BLOCK] == block and rec[_END] > now:  # held: extend it
-                    if rec[_END] < end:
-                        rec[_END] = table[rec[_INDEX] * _WORDS + 1] = end
+            # The leases held already (record index, block), and the new ones (address ->
+            # block): parallel lists, not tuples, so that a lookup's leases leave little
+            # for the garbage collector to count (LMCache's process holds torch's objects).
+            held_at: list[int] = []
+            held_ids: list[int] = []
+            new: dict[str, int] = {}
+            again = 0  # new addresses asked twice in one lookup
+            if records.keys().isdisjoint(addresses):  # (in C) a lookup of blocks new to it
+                new = {
+                    address: block for address, block in zip(addresses, ids, strict=True) if block
+                }
+                again = len(ids) - ids.count(0) - len(new)
+            else:
+                for address, block in zip(addresses, ids, strict=True):
+                    if block:
+                        i = records.get(address)
+                        if i is not None:
+                            held_at.append(i)
+                            held_ids.append(block)
+                        elif address in new:
+                            again += 1
+                        else:
+                            new[address] = block
+            if len(new) > len(free) + self._capacity - self._top and not self._room_for(
+                len(new), now
+            ):
+                return False
+            for i, block in zip(held_at, held_ids, strict=True):
+                if blocks[i] == block and ends[i] > now:  # held: one more, and extend it
+                    counts[i] += 1
+                    if ends[i] < end:
+                        ends[i] = table[i * _WORDS + 1] = end
                 else:  # ended, or the address names another block now: a new lease
-                    rec[_BLOCK], rec[_COUNT], rec[_END] = block, 0, end
-                    table[rec[_INDEX] * _WORDS + 1] = end
-                    table[rec[_INDEX] * _WORDS] = block
-                rec[_COUNT] += 1
-                taken += 1
-            # The mark after the records under it: the server reads none past the mark,
-            # and the barrier after take (LocalSlab.lease_addresses) orders all of these.
-            self._top = top
+                    blocks[i], counts[i], ends[i] = block, 1, end
+                    table[i * _WORDS + 1] = end  # the end before the id: the server
+                    table[i * _WORDS] = block  # reads an id with its end written
+            if new:
+                self._add(new, end)
+                if again:  # the second asks of an address new in this lookup
+                    self._count_again(addresses, ids)
             entries, me = self._entries, self._me
-            entries[me + L.R_LEASE_TOP] = top
-            entries[me + L.R_LEASES_TAKEN] += taken
+            entries[me + L.R_LEASE_TOP] = self._top  # after the records under it
+            entries[me + L.R_LEASES_TAKEN] += len(held_at) + len(new) + again
             entries[me + L.R_LEASE_GEN] += 1  # _moved(), inline
         return True
+
+    def _add(self, new: dict[str, int], end: int) -> None:
+        """Records for ``new`` (address -> block), one lease each (under the lock): freed
+        records first, one by one, then never used ones, in slices."""
+        table, free, records = self._table, self._free, self._records
+        names, ids = list(new), list(new.values())
+        k = min(len(free), len(names))
+        for address, block in zip(names[:k], ids[:k], strict=True):
+            i = free.pop()
+            records[address] = i
+            self._blocks[i], self._counts[i], self._ends[i] = block, 1, end
+            self._addresses[i] = address
+            table[i * _WORDS + 1] = end
+            table[i * _WORDS] = block
+        if k < len(names):
+            names, ids = names[k:], ids[k:]
+            lo = self._top
+            hi = self._top = lo + len(names)
+            self._blocks[lo:hi], self._addresses[lo:hi] = ids, names
+            self._counts[lo:hi], self._ends[lo:hi] = [1] * len(names), [end] * len(names)
+            records.update(zip(names, range(lo, hi), strict=True))
+            # Every end before any id (the server reads an id with its end written).
+            table[lo * _WORDS + 1 : hi * _WORDS : _WORDS] = array("q", [end] * len(names))
+            table[lo * _WORDS : hi * _WORDS : _WORDS] = array("q", ids)
+
+    def _count_again(self, addresses: Sequence[str], ids: Sequence[int]) -> None:
+        """One more lease for every repeat of an address that was new in this lookup."""
+        seen: set[str] = set()
+        for address, block in zip(addresses, ids, strict=True):
+            if block:
+                if address in seen:
+                    self._counts[self._records[address]] += 1
+                seen.add(address)
 
     def undo(self, address: str) -> None:
         """Take back one lease on ``address`` that :meth:`take` took (its lookup found the
         block gone after all): not counted as a release."""
         with self._lock:
-            rec = self._records.get(address)
-            if rec is not None:
-                rec[_COUNT] -= 1
-                if rec[_COUNT] <= 0:
-                    self._drop(address, rec)
+            i = self._records.get(address)
+            if i is not None:
+                self._counts[i] -= 1
+                if self._counts[i] <= 0:
+                    self._drop(i)
                     self._moved()
                 self._entries[self._me + L.R_LEASES_TAKEN] -= 1
 
@@ -139,19 +188,19 @@ class LocalLeases:
         """
         released, rest = 0, []
         now = now_ms()
-        records = self._records
+        records, counts, ends = self._records, self._counts, self._ends
         with self._lock:
             for address in addresses:
-                rec = records.get(address)
-                if rec is None:
+                i = records.get(address)
+                if i is None:
                     rest.append(address)
                     continue
-                if rec[_END] <= now:
-                    self._drop(address, rec)
+                if ends[i] <= now:
+                    self._drop(i)
                     continue
-                rec[_COUNT] -= 1
-                if rec[_COUNT] <= 0:
-                    self._drop(address, rec)
+                counts[i] -= 1
+                if counts[i] <= 0:
+                    self._drop(i)
                 released += 1
             if released:
                 self._entries[self._me + L.R_LEASES_RELEASED] += released
@@ -166,7 +215,7 @@ class LocalLeases:
         """Blocks this reader leases now (its records whose end is ahead)."""
         now = now_ms()
         with self._lock:
-            return sum(1 for rec in self._records.values() if rec[_END] > now)
+            return sum(1 for i in self._records.values() if self._ends[i] > now)
 
     def close(self) -> None:
         """Let go of the table's view (the mapping is closed after it); the records stay
@@ -180,9 +229,9 @@ class LocalLeases:
         lock)."""
         if n <= len(self._free) + self._capacity - self._top:
             return True
-        for address, rec in list(self._records.items()):
-            if rec[_END] <= now:
-                self._drop(address, rec)
+        for i in list(self._records.values()):
+            if self._ends[i] <= now:
+                self._drop(i)
         self._moved()
         return n <= len(self._free) + self._capacity - self._top
 
@@ -191,8 +240,8 @@ class LocalLeases:
         that finds it as it last read it uses what it read then."""
         self._entries[self._me + L.R_LEASE_GEN] += 1
 
-    def _drop(self, address: str, rec: list[int]) -> None:
-        """Free ``address``'s record (under the lock): its id first, which the server reads."""
-        self._table[rec[_INDEX] * _WORDS] = 0
-        self._free.append(rec[_INDEX])
-        del self._records[address]
+    def _drop(self, i: int) -> None:
+        """Free record ``i`` (under the lock): its id first, which the server reads."""
+        self._table[i * _WORDS] = 0
+        self._free.append(i)
+        del self._records[self._addresses[i]]
