@@ -23,6 +23,30 @@ from collections.abc import Sequence
 
 from .errors import BadRequest
 
+# ---------------------------------------------------------------------------- numbers
+
+#: The most significant digits :func:`whole_number` turns into an int; more is "huge".
+WHOLE_NUMBER_DIGITS = 18
+
+
+def whole_number(text: str) -> int | None:
+    """``text`` as a whole number if it is ASCII digits alone (``0``-``9``, at least one),
+    else None: no sign, no space, no ``_``, no other script's digits (``str.isdigit`` is
+    true of ``²`` and ``①``, which ``int`` then refuses). Leading zeros do not count
+    toward its size (``0000000000000`` is 0); past :data:`WHOLE_NUMBER_DIGITS`
+    significant digits it is ``10 ** 18``, beyond any limit a caller clamps to, and no
+    huge int is ever built.
+
+    Every numeric query argument and header the server reads goes through it.
+    """
+    if not text or not text.isascii() or not text.isdigit():
+        return None
+    digits = text.lstrip("0")
+    if len(digits) > WHOLE_NUMBER_DIGITS:
+        return 10**WHOLE_NUMBER_DIGITS
+    return int(digits) if digits else 0
+
+
 # ---------------------------------------------------------------------------- routes
 
 #: A block's path is this prefix and its address (``/kv/<hash>``); the reserved words

@@ -36,6 +36,7 @@ from aiohttp import web
 from ..errors import BadRequest, Busy, NotFound
 from ..slab.events import KINDS, REASONS, Event, EventRing
 from ..slab.store import Slab
+from ..wire import whole_number
 from .answers import reply
 from .keys import AUTH, DRAIN, SLAB
 from .replies import JSON
@@ -64,9 +65,9 @@ def _int_arg(request: web.Request, name: str, default: int, low: int, high: int)
     text = request.query.get(name)
     if text is None:
         return default
-    if not text.isdigit() or len(text) > 19:
-        raise BadRequest(f"{name}={text[:40]!r}: want a non-negative integer")
-    value = int(text)
+    value = whole_number(text)
+    if value is None:
+        raise BadRequest(f"{name}={text[:40]!r}: want a whole number in ASCII digits")
     if value < low:
         raise BadRequest(f"{name}={value}: want at least {low}")
     return min(value, high)
@@ -82,9 +83,11 @@ def _wait_arg(request: web.Request) -> float:
     if text is None:
         return 0.0
     try:
+        if not text.isascii():  # float() reads other scripts' digits too
+            raise ValueError(text)
         value = float(text)
     except ValueError:
-        raise BadRequest(f"wait={text[:40]!r}: want seconds, e.g. 10") from None
+        raise BadRequest(f"wait={text[:40]!r}: want seconds in ASCII, e.g. 10") from None
     if math.isnan(value) or value < 0:
         raise BadRequest(f"wait={text[:40]!r}: want seconds, at least 0")
     return min(value, MAX_WAIT_S)

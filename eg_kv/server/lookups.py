@@ -27,7 +27,7 @@ from aiohttp import web
 
 from .. import wire
 from ..errors import BadRequest, InvalidAddress, TooLarge
-from ..wire import BATCH_EXISTS_MAX, BATCH_EXISTS_MAX_BYTES, LEASE_HEADER
+from ..wire import BATCH_EXISTS_MAX, BATCH_EXISTS_MAX_BYTES, LEASE_HEADER, whole_number
 from .answers import reply, why
 from .keys import SETTINGS, SLAB
 from .replies import JSON
@@ -92,12 +92,10 @@ def granted_lease(request: web.Request) -> int:
     raw = request.headers.get(LEASE_HEADER)
     if raw is None:
         return 0
-    raw = raw.strip()
-    if not raw.isascii() or not raw.isdigit():
+    value = whole_number(raw.strip())
+    if value is None:
         raise BadRequest(f"{LEASE_HEADER} must be a whole number of milliseconds (0: none)")
-    most = request.app[SETTINGS].lease_ms
-    # Past 12 digits (30 years) it is the most, whatever it says: never a huge int().
-    return most if len(raw) > 12 else min(int(raw), most)
+    return min(value, request.app[SETTINGS].lease_ms)
 
 
 def release_on_load(request: web.Request, tenant: Tenant) -> None:
@@ -114,9 +112,10 @@ async def _batch_body(request: web.Request, what: str) -> bytes:
         BadRequest: no Content-Length, or the body broke off. TooLarge: over 512 KiB.
     """
     raw = request.headers.get("Content-Length")
-    if raw is None or not raw.isdigit():
+    length = None if raw is None else whole_number(raw)
+    if length is None:
         raise BadRequest(f"batch {what} needs a body with a Content-Length")
-    if int(raw) > BATCH_EXISTS_MAX_BYTES:
+    if length > BATCH_EXISTS_MAX_BYTES:
         raise TooLarge(f"batch body of {raw} bytes is over {BATCH_EXISTS_MAX_BYTES}")
     try:
         return await request.read()

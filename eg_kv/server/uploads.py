@@ -25,6 +25,7 @@ from aiohttp import HttpVersion11, web
 
 from ..errors import BadRequest, EgKvError, TooLarge
 from ..slab.store import SMALL_PUT, Slab
+from ..wire import whole_number
 from ._compat import forget_interim
 from .answers import error_response, label, reply, unauthorized, why
 from .auth import authorize
@@ -47,9 +48,9 @@ def _announced_length(request: web.BaseRequest, max_block: int) -> int | None:
         if "chunked" in request.headers.get("Transfer-Encoding", "").lower():
             return None
         raise BadRequest("PUT needs a Content-Length header (or a chunked body)")
-    if not raw.isdigit():
+    n = whole_number(raw)
+    if n is None:
         raise BadRequest(f"invalid Content-Length {raw[:40]!r}")
-    n = int(raw)
     if n > max_block:
         raise TooLarge(f"body of {n} bytes is over the maximum block size of {max_block}")
     return n

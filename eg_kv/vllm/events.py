@@ -28,7 +28,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..client.events import Event, Snapshot
+from ..client.events import Event, Pacer, Snapshot
 from ..client.sync import ServerConnector
 from ..errors import EgKvError
 
@@ -200,27 +200,34 @@ class LogFollowers:
             t.start()
 
     def _follow(self, url: str, client_kw: dict[str, Any]) -> None:
-        pause = 0.5
+        # The follower paces itself (eg_kv.client.events.Pacer): whatever the server
+        # answers, at most 20 requests a second and one snapshot per 5 s.
+        pacer, stop = Pacer(), self._stop
         with ServerConnector(base_url=url, **client_kw) as client:
             since: int | None = None
             epoch = ""
-            while not self._stop.is_set():
+            while not stop.is_set():
                 try:
                     if since is None:
+                        if stop.wait(pacer.turn(snapshot=True)):
+                            break
                         snap = client.snapshot()
                         self.relay.apply(url, snap)
                         since, epoch = snap.seq, snap.epoch
+                    if stop.wait(pacer.turn()):
+                        break
                     batch = client.events(since, self.wait, epoch=epoch)
                     if batch.gap:
+                        pacer.trouble()
                         since = None
                         continue
+                    pacer.answered()
                     for ev in batch.events:
                         self.relay.apply(url, ev)
-                    since, pause = batch.next, 0.5
+                    since = batch.next
                 except EgKvError as e:  # down, restarting, or without a log: try later
                     log.debug("eg-kv events from %s: %s", url, e)
-                    self._stop.wait(pause)
-                    pause = min(pause * 2, 10.0)
+                    pacer.trouble()
 
     def close(self) -> None:
         """Stop following (each thread ends within about ``wait`` seconds)."""

@@ -86,13 +86,14 @@ class RemovalRelay:
                     self._removed.append(key)
 
     def _run(self) -> None:
-        from ..client.events import Snapshot, follow
+        from ..client.events import Pacer, Snapshot, follow
 
+        pacer = Pacer()  # across reconnections: at most 20 requests/s, a snapshot per 5 s
         while not self._stop.is_set():
             client = None
             try:
                 client = self._source()
-                for item in follow(client, wait=self.wait_s):
+                for item in follow(client, wait=self.wait_s, pacer=pacer, sleep=self._stop.wait):
                     if self._stop.is_set():
                         break
                     if isinstance(item, Snapshot):
@@ -106,6 +107,7 @@ class RemovalRelay:
             except Exception as exc:  # the next attempt starts from a snapshot
                 self.errors += 1
                 log.debug("EgKvTier: following the event log failed: %s", exc)
+                pacer.trouble()
                 self._stop.wait(self.retry_s)
             finally:
                 if client is not None:

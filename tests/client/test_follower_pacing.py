@@ -1,0 +1,131 @@
+"""Followers pace themselves (issue 31, item 8): against a server that answers
+``GET /kv/events`` at once, or one that always answers ``gap``, every follower of the log
+(``follow``, the vLLM connector's ``LogFollowers``, the tier's ``RemovalRelay``) sends at
+most 20 requests a second and takes at most one snapshot per 5 s. Before, the pacing
+rested on the server: 18,385 requests in 5 s, or 200 snapshots.
+
+The lying servers are real HTTP servers on loopback that count what they are asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from eg_kv.client.core import KvCacheConfig
+from eg_kv.client.events import MIN_INTERVAL_S, SNAPSHOT_INTERVAL_S, Pacer, follow
+from eg_kv.client.sync import ServerConnector
+from eg_kv.vllm.events import EventRelay, LogFollowers
+from eg_kv.vllm.tier_events import RemovalRelay
+
+pytestmark = pytest.mark.timeout(60)
+#: How long each follower runs against a lying server.
+RUN_S = 2.5
+
+
+@contextlib.contextmanager
+def lying_server(gap: bool):
+    """A server whose ``/kv/events`` answers at once: nothing new, or always ``gap``."""
+    asked: Counter[str] = Counter()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server calls it by this name
+            path = self.path.split("?")[0]
+            asked[path] += 1
+            if path == "/kv/events/snapshot":
+                doc = {"epoch": "00", "seq": 5, "blocks": []}
+            elif path == "/kv/events":
+                doc = {"epoch": "00", "events": [], "next": 5, "gap": gap}
+            else:
+                self.send_error(404)
+                return
+            body = json.dumps(doc).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def assert_paced(asked: Counter[str], seconds: float) -> None:
+    events, snaps = asked["/kv/events"], asked["/kv/events/snapshot"]
+    assert events + snaps <= seconds / MIN_INTERVAL_S + 2, asked  # 20 a second
+    assert snaps <= 1 + seconds / SNAPSHOT_INTERVAL_S, asked  # one per 5 s
+    assert events + snaps >= 1, asked  # it did follow
+
+
+@pytest.mark.parametrize("gap", [False, True], ids=["answers-at-once", "always-gap"])
+def test_follow_paces_itself(gap):
+    with lying_server(gap) as (url, asked):
+        client = ServerConnector(KvCacheConfig(base_url=url, local_reads=False))
+        t0 = time.monotonic()
+        with client:
+            for _item in follow(client, wait=10):
+                if time.monotonic() - t0 > RUN_S:
+                    break
+        assert_paced(asked, time.monotonic() - t0)
+
+
+@pytest.mark.parametrize("gap", [False, True], ids=["answers-at-once", "always-gap"])
+def test_the_connectors_log_followers_pace_themselves(gap):
+    with lying_server(gap) as (url, asked):
+        followers = LogFollowers(EventRelay(shards=1), [url], {"local_reads": False}, wait=1.0)
+        t0 = time.monotonic()
+        try:
+            time.sleep(RUN_S)  # the run itself: what is counted is what it sent meanwhile
+        finally:
+            followers.close()
+        assert_paced(asked, time.monotonic() - t0)
+
+
+@pytest.mark.parametrize("gap", [False, True], ids=["answers-at-once", "always-gap"])
+def test_the_tiers_removal_relay_paces_itself(gap):
+    with lying_server(gap) as (url, asked):
+        relay = RemovalRelay(
+            lambda: ServerConnector(KvCacheConfig(base_url=url, local_reads=False)), wait_s=1.0
+        )
+        t0 = time.monotonic()
+        try:
+            time.sleep(RUN_S)
+        finally:
+            relay.close(10)
+        assert_paced(asked, time.monotonic() - t0)
+
+
+def test_the_pacer_backs_off_with_jitter_and_spaces_snapshots():
+    now = [100.0]
+    pacer = Pacer(clock=lambda: now[0], jitter=lambda: 1.0)
+    assert pacer.turn(snapshot=True) == 0
+    assert pacer.turn() == pytest.approx(MIN_INTERVAL_S)
+    now[0] += 1
+    assert pacer.turn(snapshot=True) == pytest.approx(SNAPSHOT_INTERVAL_S - 1)
+    now[0] += 10
+    waits = []
+    for _ in range(8):
+        pacer.trouble()
+        waits.append(pacer.turn())
+        now[0] += waits[-1]
+    assert waits[0] == pytest.approx(0.1) and waits[-1] == pytest.approx(5.0)
+    assert waits == sorted(waits)  # doubling up to the cap
+    pacer.answered()
+    pacer.trouble()
+    assert pacer.turn() == pytest.approx(0.1)
