@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 
 from aiohttp import web
@@ -73,6 +74,10 @@ def _int_arg(request: web.Request, name: str, default: int, low: int, high: int)
     return min(value, high)
 
 
+#: What ``wait`` may be: ASCII digits, perhaps a decimal point and more of them.
+_SECONDS = re.compile(r"[0-9]{1,64}(?:\.[0-9]{1,64})?")
+
+
 def _wait_arg(request: web.Request) -> float:
     """``wait`` in seconds, clamped to [0, MAX_WAIT_S].
 
@@ -82,12 +87,9 @@ def _wait_arg(request: web.Request) -> float:
     text = request.query.get("wait")
     if text is None:
         return 0.0
-    try:
-        if not text.isascii():  # float() reads other scripts' digits too
-            raise ValueError(text)
-        value = float(text)
-    except ValueError:
-        raise BadRequest(f"wait={text[:40]!r}: want seconds in ASCII, e.g. 10") from None
+    if not _SECONDS.fullmatch(text):  # float() reads signs, spaces, "inf", other scripts
+        raise BadRequest(f"wait={text[:40]!r}: want seconds in ASCII digits, e.g. 10 or 0.5")
+    value = float(text[:24])  # a longer one is past the clamp anyway
     if math.isnan(value) or value < 0:
         raise BadRequest(f"wait={text[:40]!r}: want seconds, at least 0")
     return min(value, MAX_WAIT_S)

@@ -30,6 +30,10 @@ __all__ = ["RemovalRelay"]
 log = logging.getLogger("eg_kv.vllm.tier")
 
 
+class _Stopped(Exception):
+    """Internal: :meth:`RemovalRelay.close` ended the follower's wait."""
+
+
 class RemovalRelay:
     """Follows a server's event log for the removals of watched addresses.
 
@@ -93,7 +97,7 @@ class RemovalRelay:
             client = None
             try:
                 client = self._source()
-                for item in follow(client, wait=self.wait_s, pacer=pacer, sleep=self._stop.wait):
+                for item in follow(client, wait=self.wait_s, pacer=pacer, sleep=self._pause):
                     if self._stop.is_set():
                         break
                     if isinstance(item, Snapshot):
@@ -104,6 +108,8 @@ class RemovalRelay:
                         self.following.set()
                     elif item.kind == "removed":
                         self._gone([item.hash])
+            except _Stopped:
+                break
             except Exception as exc:  # the next attempt starts from a snapshot
                 self.errors += 1
                 log.debug("EgKvTier: following the event log failed: %s", exc)
@@ -112,6 +118,12 @@ class RemovalRelay:
             finally:
                 if client is not None:
                     client.close()
+
+    def _pause(self, seconds: float) -> None:
+        """The follower's wait for its turn; raises :class:`_Stopped` once closed (a
+        follower that gets no events never yields, so it is stopped here)."""
+        if self._stop.wait(seconds):
+            raise _Stopped
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stop following (waits up to ``timeout_s`` for the thread; a daemon otherwise)."""
