@@ -25,17 +25,16 @@ from .errors import BadRequest
 
 # ---------------------------------------------------------------------------- numbers
 
-#: The most significant digits :func:`whole_number` turns into an int; more is "huge".
+#: The most significant digits :func:`whole_number` takes (an int64 holds any 18).
 WHOLE_NUMBER_DIGITS = 18
 
 
 def whole_number(text: str) -> int | None:
-    """``text`` as a whole number if it is ASCII digits alone (``0``-``9``, at least one),
-    else None: no sign, no space, no ``_``, no other script's digits (``str.isdigit`` is
-    true of ``²`` and ``①``, which ``int`` then refuses). Leading zeros do not count
-    toward its size (``0000000000000`` is 0); past :data:`WHOLE_NUMBER_DIGITS`
-    significant digits it is ``10 ** 18``, beyond any limit a caller clamps to, and no
-    huge int is ever built.
+    """``text`` as a whole number if it is ASCII digits alone (``0``-``9``, at least one)
+    with at most :data:`WHOLE_NUMBER_DIGITS` significant ones, else None: no sign, no
+    space, no ``_``, no other script's digits (``str.isdigit`` is true of ``²`` and ``①``,
+    which ``int`` then refuses), and no huge int is ever built. Leading zeros do not count
+    (``0000000000000`` is 0).
 
     Every numeric query argument and header the server reads goes through it.
     """
@@ -43,7 +42,7 @@ def whole_number(text: str) -> int | None:
         return None
     digits = text.lstrip("0")
     if len(digits) > WHOLE_NUMBER_DIGITS:
-        return 10**WHOLE_NUMBER_DIGITS
+        return None
     return int(digits) if digits else 0
 
 
