@@ -29,12 +29,12 @@ from .errors import BadRequest
 WHOLE_NUMBER_DIGITS = 18
 
 
-def whole_number(text: str) -> int | None:
-    """``text`` as a whole number if it is ASCII digits alone (``0``-``9``, at least one)
-    with at most :data:`WHOLE_NUMBER_DIGITS` significant ones, else None: no sign, no
-    space, no ``_``, no other script's digits (``str.isdigit`` is true of ``²`` and ``①``,
-    which ``int`` then refuses), and no huge int is ever built. Leading zeros do not count
-    (``0000000000000`` is 0).
+def whole_number(text: str, huge: int | None = None) -> int | None:
+    """``text`` as a whole number if it is ASCII digits alone (``0``-``9``, at least one),
+    else None: no sign, no space, no ``_``, no other script's digits (``str.isdigit`` is
+    true of ``²`` and ``①``, which ``int`` then refuses). Leading zeros do not count
+    (``0000000000000`` is 0); more than :data:`WHOLE_NUMBER_DIGITS` significant ones are
+    ``huge`` (None: refused), and no huge int is ever built.
 
     Every numeric query argument and header the server reads goes through it.
     """
@@ -42,7 +42,7 @@ def whole_number(text: str) -> int | None:
         return None
     digits = text.lstrip("0")
     if len(digits) > WHOLE_NUMBER_DIGITS:
-        return None
+        return huge
     return int(digits) if digits else 0
 
 

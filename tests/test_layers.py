@@ -35,7 +35,8 @@ MAY_IMPORT = {
 }
 #: The slab's read side: what a client on the slab's host maps (no posix_ipc). The clients
 #: may import these and nothing else of the slab; they import nothing else of the slab.
-SLAB_READ_SIDE = {"eg_kv.slab", "eg_kv.slab.layout", "eg_kv.slab.view", "eg_kv.slab.local"}
+SLAB_READ_SIDE = {"eg_kv.slab", "eg_kv.slab.layout", "eg_kv.slab.view", "eg_kv.slab.local",
+                  "eg_kv.slab.local_leases"}  # fmt: skip
 #: Base modules a layer must not use all the same: the slab takes its sizes as arguments,
 #: never the server's settings.
 MAY_NOT_IMPORT = {"slab": {"eg_kv.config"}}

@@ -92,10 +92,11 @@ def granted_lease(request: web.Request) -> int:
     raw = request.headers.get(LEASE_HEADER)
     if raw is None:
         return 0
-    value = whole_number(raw.strip())
+    most = request.app[SETTINGS].lease_ms
+    value = whole_number(raw.strip(), huge=most)  # a huge ask gets the most
     if value is None:
         raise BadRequest(f"{LEASE_HEADER} must be a whole number of milliseconds (0: none)")
-    return min(value, request.app[SETTINGS].lease_ms)
+    return min(value, most)
 
 
 def release_on_load(request: web.Request, tenant: Tenant) -> None:

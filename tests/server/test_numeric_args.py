@@ -95,7 +95,8 @@ def _in_a_header(text: str) -> bool:
 def test_odd_lease_headers_are_400(srv, value):
     reply = lookup(srv, value)
     stripped = value.strip(" \t")
-    assert reply.status == (200 if _whole(stripped) else 400), (value, reply)
+    # a huge ask gets the server's most (test_server_leases): digits are enough
+    assert reply.status == (200 if _only_ascii_digits(stripped) else 400), (value, reply)
 
 
 def test_a_long_run_of_zeros_is_no_lease(srv):
