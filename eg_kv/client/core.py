@@ -610,11 +610,11 @@ class ClientCore:
             return None
 
     def local_lookup(
-        self, slab: LocalSlab | None, addresses: list[str], lease: bool, lease_ms: int | None
+        self, slab: LocalSlab | None, addresses: list[str], lease_ms: int | None
     ) -> list[bool] | None:
         """A batch lookup answered from the local slab; None: ask over HTTP.
 
-        A leasing lookup (``lease``) leases its hits locally
+        A leasing lookup (``lease_ms`` above 0) leases its hits locally
         (:meth:`~eg_kv.slab.local.LocalSlab.lease_addresses`); where this reader cannot, it
         still answers an all-miss lookup here (nothing to lease) and asks the server about
         the rest, which takes the leases.
@@ -624,6 +624,7 @@ class ClientCore:
         """
         if slab is None:
             return None
+        lease = bool(lease_ms and lease_ms > 0)
         try:
             if lease and lease_ms:
                 found = slab.lease_addresses(addresses, lease_ms)

@@ -538,7 +538,7 @@ class ServerConnector:
             b"%s: %d\r\n" % (LEASE_HEADER.encode(), lease_ms) if lease_ms and lease_ms > 0 else b""
         )
         slab = self._local(probe=timeout_s is None)  # mapped for the loads even so
-        found = self._core.local_lookup(slab, addresses, bool(lease), lease_ms)
+        found = self._core.local_lookup(slab, addresses, lease_ms)
         if found is not None:
             return found, leading_hits(found)
         if self._compact_batches:

@@ -211,12 +211,6 @@ class LocalLeases:
         """Whether a lease of this reader is on ``address``'s block (ended or not)."""
         return address in self._records
 
-    def held(self) -> int:
-        """Blocks this reader leases now (its records whose end is ahead)."""
-        now = now_ms()
-        with self._lock:
-            return sum(1 for i in self._records.values() if self._ends[i] > now)
-
     def close(self) -> None:
         """Let go of the table's view (the mapping is closed after it); the records stay
         until the next owner of the entry clears them, or their ends pass."""

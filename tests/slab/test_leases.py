@@ -22,14 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def small(slab_name):
-    """4 MiB of 64 KiB pages: 64 one-page blocks fill it."""
-    s = Slab.create(slab_name, 4 * MiB, page_size=PAGE, max_block_size=MiB)
-    yield s
-    s.close()
-
-
 def fill(slab: Slab, prefix: str, n: int, ns: int = 0) -> list[str]:
     keys = [f"{prefix}{k}" for k in range(n)]
     for k in keys:

@@ -27,14 +27,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def small(slab_name):
-    """4 MiB of 64 KiB pages: 64 one-page blocks fill it."""
-    s = Slab.create(slab_name, 4 * MiB, page_size=PAGE, max_block_size=MiB)
-    yield s
-    s.close()
-
-
 def info(slab: Slab, lease_ms: int = 5000) -> LocalInfo:
     doc = LocalInfo.of(slab.name, slab.slab_id, slab.geometry.total_size, 0, lease_ms)
     return LocalInfo.from_json(json.loads(json.dumps(doc)))
