@@ -47,6 +47,10 @@ DEFAULT_DRAIN_TIMEOUT_S = 10.0
 #: 1 GiB slab is 36 uploads of 14 MiB (LMCache's chunk) at once, nine times what the
 #: benchmark's four 14 MiB writers hold.
 DEFAULT_UPLOAD_SHARE = 0.5
+#: Fraction of the slab's pages (and of a namespace's quota) that leases may hold: past
+#: it a lookup answers its hits without leasing them, so one client re-leasing every block
+#: cannot leave the others' puts a full slab (issue 31).
+DEFAULT_LEASE_SHARE = 0.5
 #: Memory one worker may hold spooling chunked bodies (their length is unknown until the
 #: end, so they wait outside the slab): four bodies of the default 64 MiB maximum block.
 DEFAULT_CHUNKED_SPOOL = 256 * MiB
@@ -180,6 +184,8 @@ class Settings:
     max_connections: int = 0
     #: The longest lease a batch lookup may take, in ms (eg_kv.slab.leases); 0: none.
     lease_ms: int = DEFAULT_LEASE_MS
+    #: Fraction of the slab's pages, and of each namespace's quota, leases may hold.
+    lease_share: float = DEFAULT_LEASE_SHARE
     #: Entries of the event log (GET /kv/events); 0: no log.
     events: int = DEFAULT_EVENTS
 
@@ -226,6 +232,10 @@ class Settings:
         if not 0 <= self.lease_ms <= MAX_LEASE_MS:
             raise ConfigError(
                 f"--lease-ms {self.lease_ms}: want 0 (no leases) to {MAX_LEASE_MS} ms"
+            )
+        if not 0 < self.lease_share <= 1:
+            raise ConfigError(
+                f"--lease-share {self.lease_share:g} must be a fraction in (0, 1], e.g. 0.5"
             )
         if self.max_connections < 0:
             raise ConfigError("--max-connections must be 0 (derive it from the fd limit) or more")
@@ -353,6 +363,11 @@ SERVER_SETTINGS: tuple[ServerSetting, ...] = (
        "eviction passes over them until loaded, released or expired); `0`: no leases",
        more="A client asks for a time and gets at most this; a holder that dies pins its "
        "blocks this long at most (docs/leases.md)."),
+    _S("lease_share", "--lease-share", None, "float", metavar="F",
+       help="fraction of the slab's pages, and of each namespace's quota, that leases may "
+       "hold; past it a lookup answers its hits without leasing them",
+       more="So one client that leases every block it finds cannot leave the others' "
+       "puts a full slab (docs/leases.md)."),
     _S("heartbeat_timeout_s", "--heartbeat-timeout", None, "float", metavar="S", unit="s",
        help="seconds a worker may go without a heartbeat (stopped, stuck) before the "
        "supervisor kills and replaces it"),

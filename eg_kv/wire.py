@@ -99,6 +99,9 @@ WORKER_HEADER = "X-EgKv-Worker"
 #: server clamps it to its ``--lease-ms``). The answer carries it too: the ms granted
 #: (absent: a server without leases).
 LEASE_HEADER = "X-Eg-Kv-Lease-Ms"
+#: On a leasing lookup's answer whose hits were not leased (the ms granted is then 0):
+#: why, in one line (the leases' caps, ``--lease-share``). Its hits must not be released.
+LEASE_REFUSED_HEADER = "X-Eg-Kv-Lease-Refused"
 #: On ``GET /kv/<addr>`` (any value): this load ends one of the caller's leases on it.
 RELEASE_HEADER = "X-Eg-Kv-Release"
 

@@ -62,17 +62,20 @@ from .answers import error_response, label, unauthorized
 from .auth import auth_from, authorize, roles_refused
 from .blocks import delete_block, get_block, head_block
 from .connections import Connections, Limits, resolve_max_connections
-from .events import get_events, get_snapshot
+from .events import event_gates, get_events, get_snapshot
 from .inflight import Drain, SpoolBudget
 from .keys import (
     AUTH,
     CONNECTIONS,
     DRAIN,
+    EVENT_READS,
+    EVENT_WAITERS,
     FLUSH_TASK,
     HEALTH,
     METRICS,
     SETTINGS,
     SLAB,
+    SNAPSHOTS,
     SPOOL,
     SWEEP_TASK,
 )
@@ -230,6 +233,7 @@ def make_app(
     app[METRICS] = Metrics(metrics_path)
     app[DRAIN] = Drain()
     app[SPOOL] = SpoolBudget(settings.chunked_spool)
+    app[EVENT_READS], app[EVENT_WAITERS], app[SNAPSHOTS] = event_gates()
     app[HEALTH] = health or health_from(
         run_dir, settings.workers, runstate.health_window(settings.heartbeat_timeout_s)
     )

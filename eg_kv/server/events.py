@@ -19,9 +19,17 @@ A tenant sees its own namespace's events and blocks; an admin of a tokens file s
 namespace's, each named (``"namespace"``). Waiting: each waiter polls the log's newest seq
 (a word of shared memory any worker's write moves), every :data:`POLL_MIN_S` at first and
 backing off to :data:`POLL_MAX_S`: an event reaches a waiting reader within about 50 ms,
-and an idle waiter costs its worker ~20 wake-ups a second. At most :data:`MAX_WAITERS`
-wait at once per worker; one more gets ``503``. A draining worker answers its waiters at
-once.
+and an idle waiter costs its worker ~20 wake-ups a second. A waiter whose client left
+stops waiting at its next look. A draining worker answers its waiters at once.
+
+Bounds (:mod:`eg_kv.server.gates`: beyond one, ``503`` with ``Retry-After``, at once): at
+most :data:`MAX_WAITERS` waiters per worker and :data:`MAX_WAITERS_PER_NAMESPACE` of one
+namespace, so one tenant's long polls leave room for every other's; at most
+:data:`MAX_READS` reads walking the log at once per worker (:data:`MAX_READS_PER_NAMESPACE`
+of one namespace), each looking at :data:`READ_STEP` entries between two turns of the
+loop and stopping when its client has left; at most :data:`MAX_SNAPSHOTS` snapshots
+(:data:`MAX_SNAPSHOTS_PER_NAMESPACE` of one namespace), encoded :data:`ENCODE_STEP` blocks
+a turn.
 """
 
 from __future__ import annotations
@@ -35,11 +43,12 @@ import time
 from aiohttp import web
 
 from ..errors import BadRequest, Busy, NotFound
-from ..slab.events import KINDS, REASONS, Event, EventRing
+from ..slab.events import KINDS, REASONS, SCAN_MAX, Event, EventRing
 from ..slab.store import Slab
 from ..wire import whole_number
 from .answers import reply
-from .keys import AUTH, DRAIN, SLAB
+from .gates import Gate, client_gone
+from .keys import AUTH, DRAIN, EVENT_READS, EVENT_WAITERS, SLAB, SNAPSHOTS
 from .replies import JSON
 from .tenants import Tenant
 
@@ -48,13 +57,29 @@ MAX_WAIT_S = 30.0
 #: Entries one answer carries by default, and at most.
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 10000
-#: Waiting readers per worker; one more gets 503.
+#: Waiting readers per worker, and of one namespace on a worker; one more gets 503.
 MAX_WAITERS = 64
+MAX_WAITERS_PER_NAMESPACE = 16
+#: Reads of the log in flight (between their steps) per worker, and of one namespace.
+MAX_READS, MAX_READS_PER_NAMESPACE = 4, 2
+#: Snapshots in flight per worker, and of one namespace.
+MAX_SNAPSHOTS, MAX_SNAPSHOTS_PER_NAMESPACE = 4, 2
+#: Log entries one step of a read looks at, and snapshot blocks one step encodes: each
+#: step holds the loop for a few ms at most (a whole read held it for 81-150 ms).
+READ_STEP = 1024
+ENCODE_STEP = 8192
 #: How often a waiter looks at the log: first, and at most (it backs off in between).
 POLL_MIN_S = 0.005
 POLL_MAX_S = 0.05
-#: Waiters per worker now (one event loop per worker: a plain counter).
-_waiting = [0]
+
+
+def event_gates() -> tuple[Gate, Gate, Gate]:
+    """This worker's gates of the log's reads, its waiters and its snapshots."""
+    return (
+        Gate("read the event log", MAX_READS, MAX_READS_PER_NAMESPACE),
+        Gate("wait for events", MAX_WAITERS, MAX_WAITERS_PER_NAMESPACE),
+        Gate("take a snapshot", MAX_SNAPSHOTS, MAX_SNAPSHOTS_PER_NAMESPACE),
+    )
 
 
 def _int_arg(request: web.Request, name: str, default: int, low: int, high: int) -> int:
@@ -114,17 +139,17 @@ def _epoch_text(ring: EventRing) -> str:
     return f"{ring.epoch:016x}"
 
 
-def _event_json(ev: Event, names: dict[int, str] | None) -> dict[str, object]:
-    out: dict[str, object] = {
-        "seq": ev.seq,
-        "kind": KINDS.get(ev.kind, "?"),
-        "reason": REASONS.get(ev.reason, "?"),
-        "hash": ev.address.decode("ascii", "replace"),
-        "length": ev.length,
-    }
-    if names is not None:
-        out["namespace"] = names.get(ev.ns, f"id:{ev.ns}")
-    return out
+def _event_text(ev: Event, names: dict[int, str] | None) -> str:
+    """One event as its JSON object (formatted directly: a dict and ``json.dumps`` per
+    event cost twice as much, most of a read's time)."""
+    text = (
+        f'{{"seq": {ev.seq}, "kind": "{KINDS.get(ev.kind, "?")}", '
+        f'"reason": "{REASONS.get(ev.reason, "?")}", '
+        f'"hash": {json.dumps(ev.address.decode("ascii", "replace"))}, "length": {ev.length}'
+    )
+    if names is None:
+        return text + "}"
+    return f'{text}, "namespace": {json.dumps(names.get(ev.ns, f"id:{ev.ns}"))}}}'
 
 
 def _names(request: web.Request, tenant: Tenant) -> dict[int, str] | None:
@@ -139,7 +164,9 @@ async def get_events(request: web.Request, tenant: Tenant) -> web.StreamResponse
     """``GET /kv/events``: the log after ``since`` (see the module docstring).
 
     Raises:
-        BadRequest: a bad argument. NotFound: no event log. Busy: too many waiters.
+        BadRequest: a bad argument. NotFound: no event log. Busy: too many reads or
+        waiters, on this worker or of this namespace. ConnectionResetError: the client
+        left (nobody to answer).
     """
     slab = request.app[SLAB]
     ring = _ring(slab)
@@ -150,48 +177,84 @@ async def get_events(request: web.Request, tenant: Tenant) -> web.StreamResponse
     ns = _scope(request, tenant)
     names = _names(request, tenant)
     if epoch is not None and epoch != _epoch_text(ring):
-        return _answer(request, ring, [], ring.head, True, names, wait)
-    events, nxt, gap = ring.read(since, limit, ns)
+        return _answer(request, ring, [], ring.head, True, wait)
+    with request.app[EVENT_READS].admit(ns):
+        events, nxt, gap = await _read(request, ring, since, limit, ns, names)
     if events or gap or wait <= 0:
-        return _answer(request, ring, events, nxt, gap, names, wait)
-    if _waiting[0] >= MAX_WAITERS:
-        raise Busy(f"{MAX_WAITERS} readers already wait for events on this worker; retry")
-    _waiting[0] += 1
-    try:
+        return _answer(request, ring, events, nxt, gap, wait)
+    with request.app[EVENT_WAITERS].admit(ns):
         drain, deadline, pause = request.app[DRAIN], time.monotonic() + wait, POLL_MIN_S
         while not drain.draining:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             await asyncio.sleep(min(pause, left))
+            if client_gone(request):  # its slot is free for a reader that is still there
+                raise ConnectionResetError("the reader left while it waited")
             pause = min(pause * 2, POLL_MAX_S)
             if ring.head <= nxt:
                 continue
-            events, nxt, gap = ring.read(nxt, limit, ns)
+            try:
+                with request.app[EVENT_READS].admit(ns):
+                    events, nxt, gap = await _read(request, ring, nxt, limit, ns, names)
+            except Busy:  # other reads of this namespace walk the log now: look again
+                continue
             if events or gap:
                 break
-    finally:
-        _waiting[0] -= 1
-    return _answer(request, ring, events, nxt, gap, names, wait)
+    return _answer(request, ring, events, nxt, gap, wait)
+
+
+async def _read(
+    request: web.Request,
+    ring: EventRing,
+    since: int,
+    limit: int,
+    ns: int | None,
+    names: dict[int, str] | None,
+) -> tuple[list[str], int, bool]:
+    """The log after ``since`` as JSON texts, one per event, in steps of
+    :data:`READ_STEP` entries with the loop free in between (at most
+    :data:`~eg_kv.slab.events.SCAN_MAX` entries looked at in all).
+
+    Returns:
+        ``(events, next, gap)`` as :meth:`EventRing.read` (a gap after some events
+        returns those: the next read finds it).
+
+    Raises:
+        ConnectionResetError: the client left between two steps.
+    """
+    out: list[str] = []
+    nxt, budget = since, SCAN_MAX
+    while True:
+        step = min(READ_STEP, budget)
+        events, after, gap = ring.read(nxt, limit - len(out), ns, step)
+        if gap:
+            return (out, nxt, False) if out else ([], after, True)
+        out += [_event_text(ev, names) for ev in events]
+        budget -= after - nxt
+        done = after == nxt or len(out) >= limit or budget <= 0 or after >= ring.head
+        nxt = after
+        if done:
+            return out, nxt, False
+        await asyncio.sleep(0)  # a long walk shares the loop with every other request
+        if client_gone(request):
+            raise ConnectionResetError("the reader left during its read")
 
 
 def _answer(
     request: web.Request,
     ring: EventRing,
-    events: list[Event],
+    events: list[str],
     nxt: int,
     gap: bool,
-    names: dict[int, str] | None,
     wait: float,
 ) -> web.StreamResponse:
-    body = {
-        "epoch": _epoch_text(ring),
-        "events": [_event_json(ev, names) for ev in events],
-        "next": nxt,
-        "gap": gap,
-        "wait": wait,  # as clamped: the most this answer could have waited
-    }
-    return reply(request, 200, json.dumps(body).encode(), JSON)
+    """The answer, ``events`` being each event's JSON already."""
+    body = (
+        f'{{"epoch": "{_epoch_text(ring)}", "events": [{", ".join(events)}], '
+        f'"next": {nxt}, "gap": {json.dumps(gap)}, "wait": {json.dumps(wait)}}}'
+    )  # "wait" as clamped: the most this answer could have waited
+    return reply(request, 200, body.encode(), JSON)
 
 
 async def get_snapshot(request: web.Request, tenant: Tenant) -> web.StreamResponse:
@@ -199,22 +262,37 @@ async def get_snapshot(request: web.Request, tenant: Tenant) -> web.StreamRespon
     namespace's for an admin) and the seq of the log they are consistent with.
 
     Raises:
-        NotFound: no event log.
+        NotFound: no event log. Busy: too many snapshots in flight, on this worker or of
+        this namespace. ConnectionResetError: the client left (nobody to answer).
     """
     slab = request.app[SLAB]
     _ring(slab)
     names = _names(request, tenant)
-    # On a thread: the walk takes the slab lock slice by slice (ms each) and lasts
-    # ~2 µs a block; this worker's other requests go on meanwhile.
-    loop = asyncio.get_running_loop()
-    epoch, seq, blocks = await loop.run_in_executor(
-        None, slab.events_snapshot, _scope(request, tenant)
-    )
-    listed: list[dict[str, object]] = []
-    for ns, address, length in blocks:
-        item: dict[str, object] = {"hash": address, "length": length}
-        if names is not None:
-            item["namespace"] = names.get(ns, f"id:{ns}")
-        listed.append(item)
-    body = {"epoch": f"{epoch:016x}", "seq": seq, "blocks": listed}
-    return reply(request, 200, json.dumps(body).encode(), JSON)
+    ns = _scope(request, tenant)
+    with request.app[SNAPSHOTS].admit(ns):
+        # On a thread: the walk takes the slab lock slice by slice (ms each) and lasts
+        # ~2 µs a block; this worker's other requests go on meanwhile.
+        loop = asyncio.get_running_loop()
+        epoch, seq, blocks = await loop.run_in_executor(None, slab.events_snapshot, ns)
+        parts: list[str] = []
+        for lo in range(0, len(blocks), ENCODE_STEP):  # encoded in steps: the loop goes on
+            if lo:
+                await asyncio.sleep(0)
+                if client_gone(request):
+                    raise ConnectionResetError("the reader left during its snapshot")
+            parts.append(_blocks_json(blocks[lo : lo + ENCODE_STEP], names))
+    listed = ", ".join(p for p in parts if p)
+    body = f'{{"epoch": "{epoch:016x}", "seq": {seq}, "blocks": [{listed}]}}'
+    return reply(request, 200, body.encode(), JSON)
+
+
+def _blocks_json(blocks: list[tuple[int, str, int]], names: dict[int, str] | None) -> str:
+    """``blocks`` ((namespace id, address, length)) as the snapshot's JSON items, joined."""
+    if names is None:
+        items = [{"hash": address, "length": length} for _, address, length in blocks]
+    else:
+        items = [
+            {"hash": address, "length": length, "namespace": names.get(ns, f"id:{ns}")}
+            for ns, address, length in blocks
+        ]
+    return json.dumps(items)[1:-1]

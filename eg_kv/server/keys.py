@@ -15,6 +15,7 @@ from ..config import Settings
 from ..slab.store import Slab
 from .auth import Auth
 from .connections import Connections
+from .gates import Gate
 from .inflight import Drain, SpoolBudget
 from .metrics import Metrics
 
@@ -31,3 +32,7 @@ SPOOL = web.AppKey("spool", SpoolBudget)
 #: The background tasks a worker runs (:mod:`eg_kv.server.app`).
 FLUSH_TASK = web.AppKey("metrics_flush", asyncio.Task)
 SWEEP_TASK = web.AppKey("connection_sweep", asyncio.Task)
+#: The gates of the event log's costly requests (:mod:`eg_kv.server.gates`).
+EVENT_READS = web.AppKey("event_reads", Gate)
+EVENT_WAITERS = web.AppKey("event_waiters", Gate)
+SNAPSHOTS = web.AppKey("snapshots", Gate)

@@ -15,7 +15,10 @@ says the ms granted in the same header (0: none taken). A lease ends at the firs
   lease that had not ended was released;
 - its end: nothing to do.
 
-Leases only reach the caller's namespace (its token's), like every lookup.
+Leases only reach the caller's namespace (its token's), like every lookup. Leases hold at
+most ``--lease-share`` of the slab's pages, and of a namespace's quota: a lookup whose new
+leases would pass that answers its hits unleased, with ``X-Eg-Kv-Lease-Ms: 0`` and
+``X-Eg-Kv-Lease-Refused`` saying why (its hits are not the caller's to release).
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ from aiohttp import web
 
 from .. import wire
 from ..errors import BadRequest, InvalidAddress, TooLarge
-from ..wire import BATCH_EXISTS_MAX, BATCH_EXISTS_MAX_BYTES, LEASE_HEADER, whole_number
+from ..wire import (
+    BATCH_EXISTS_MAX,
+    BATCH_EXISTS_MAX_BYTES,
+    LEASE_HEADER,
+    LEASE_REFUSED_HEADER,
+    whole_number,
+)
 from .answers import reply, why
 from .keys import SETTINGS, SLAB
 from .replies import JSON
@@ -58,12 +67,23 @@ async def batch_exists(request: web.Request, tenant: Tenant) -> web.StreamRespon
     lease_ms = granted_lease(request)
     content_type = request.headers.get("Content-Type")
     addresses = batch_addresses(content_type, await _batch_body(request, "exists"))
-    found = request.app[SLAB].exists_many(addresses, tenant.ns, lease_ms)
+    slab = request.app[SLAB]
+    if lease_ms <= 0:
+        found = slab.exists_many(addresses, tenant.ns)
+    else:
+        share = request.app[SETTINGS].lease_share
+        found, leased = slab.exists_leased(addresses, tenant.ns, lease_ms, share)
     answer, answer_type = batch_answer_body(found, content_type)
     if LEASE_HEADER not in request.headers:
         return reply(request, 200, answer, answer_type)
     # A leasing lookup takes the lock anyway: aiohttp's response, with the header.
     headers = {"Content-Type": answer_type, LEASE_HEADER: str(lease_ms)}
+    if lease_ms > 0 and not leased:
+        headers[LEASE_HEADER] = "0"
+        headers[LEASE_REFUSED_HEADER] = (
+            f"leases hold {share:g} of the slab's pages or of this namespace's quota "
+            "(--lease-share): hits answered, none leased"
+        )
     return web.Response(status=200, body=answer, headers=headers)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from array import array
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -371,6 +372,9 @@ class SlabChecks(SlabNamespaces):
         self._rebuild_free_list(owner)
         for key, idx in L.DERIVED_COUNTERS.items():
             st[idx] = totals[key]
+        # The table was rebuilt without leases: no page is leased now.
+        st[L.ST_LEASED_PAGES] = 0
+        nsw[L.NS_LEASED_PAGES :: _NS_WORDS] = array("q", bytes(8 * L.NS_COUNT))
         st[L.ST_CLOCK_HAND] = st[L.ST_CLOCK_HAND] & self._mask
         self._log_repair_drops(dropped, seen)
         return problems

@@ -98,8 +98,13 @@ assert GEOMETRY.size <= SLAB_ID_OFFSET
     # stamp (eg_kv.slab.leases) of what could have made one evictable since
     ST_LEASE_WALL_END,
     ST_LEASE_WALL_STAMP,
+    # pages of the blocks whose slot counts a lease (ended or not, until it is forgotten),
+    # and the latest end of any lease a slot took (eg_kv.slab.leases: the caps)
+    ST_LEASED_PAGES,
+    ST_LEASE_LATEST_END,
+    ST_LEASES_REFUSED,  # hits a lookup answered without leases: a cap was reached
     STATE_WORDS,
-) = range(30)
+) = range(33)
 
 #: Byte offset of the owner pid (state word ST_OWNER_PID, a native int64) in EVERY layout
 #: version so far. It must never move: ``--fresh`` reads it from a slab of another
@@ -127,6 +132,7 @@ EVENT_COUNTERS = {
     "leases_taken": ST_LEASES_TAKEN,
     "leases_released": ST_LEASES_RELEASED,
     "leases_expired": ST_LEASES_EXPIRED,
+    "leases_refused": ST_LEASES_REFUSED,
 }
 
 # Per-process read counters (see the header picture): one writer each, summed by stats().
@@ -193,7 +199,9 @@ NS_COUNT = 4096
     # derived from the reservations (check() recomputes it): pages its uploads in flight
     # hold. The quota counts them with NS_PAGES, so uploads cannot overrun it unseen.
     NS_RESV_PAGES,
-) = range(17)
+    # pages of its blocks whose slot counts a lease (ST_LEASED_PAGES, by namespace)
+    NS_LEASED_PAGES,
+) = range(18)
 #: Counters check() recomputes: from the slots, then (the last) from the reservations.
 NS_DERIVED = {
     "unique_blocks": NS_BLOCKS,
@@ -213,7 +221,7 @@ NS_EVENTS = {
     "deletes": NS_DELETES,
 }
 NS_NAME_MAX = 64
-NS_NAME_WORD = 24  # the name's bytes start at this word (17-23: spare, zero)
+NS_NAME_WORD = 24  # the name's bytes start at this word (18-23: spare, zero)
 NS_WORDS = NS_NAME_WORD + NS_NAME_MAX // 8  # 32
 NS_ENTRY_SIZE = 8 * NS_WORDS  # 256
 NS_OFFSET = HEADER_SIZE

@@ -36,6 +36,7 @@ lookups read no lease field, so they need not retry for one.
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Iterable
 
 from ..errors import InsufficientStorage
@@ -69,19 +70,49 @@ class SlabLeases(SlabChecks):
         """
         if lease_ms <= 0:
             return super().exists_many(addresses, ns)
+        return self.exists_leased(addresses, ns, lease_ms)[0]
+
+    def exists_leased(
+        self, addresses: Iterable[str], ns: int = 0, lease_ms: int = 1, share: float = 1.0
+    ) -> tuple[list[bool], bool]:
+        """Existence of each address in namespace ``ns``, every hit leased for
+        ``lease_ms`` (above 0) unless that would take the leased pages past a cap.
+
+        The caps: the pages under leases (:data:`~eg_kv.slab.layout.ST_LEASED_PAGES`, a
+        block's pages counted once however many leases it holds) stay within ``share`` of
+        the slab's pages, and a namespace's within ``share`` of its quota. A lookup whose
+        new leases would pass one takes none: its hits are answered all the same.
+
+        Returns:
+            ``(found, leased)``: one bool per address; whether the hits were leased.
+
+        Raises:
+            InvalidAddress: an address is not one (nothing is leased).
+        """
         keys = [self._key(a, ns) for a in addresses]
         counts, ends, st = self._slot_leases, self._slot_lease_end, self._state
         found: list[bool] = []
-        taken = expired = 0
+        hits: list[int] = []
         with self._locked(write=False):
             now = now_ms()
-            end = now + lease_ms
+            self._forget_if_all_ended(now)
+            fresh: dict[int, int] = {}  # slot -> its pages, for hits without a lease yet
             for raw, fp in keys:
                 i, s = self._find(raw, fp, ns)
                 if s is None:
                     found.append(False)
                     continue
                 found.append(True)
+                hits.append(i)
+                if not counts[i]:
+                    fresh[i] = s[L.F_NPAGES]
+            pages = sum(fresh.values())
+            if pages and not self._lease_room(ns, pages, share):
+                st[L.ST_LEASES_REFUSED] += len(hits)
+                return found, False
+            end = now + lease_ms
+            expired = 0
+            for i in hits:
                 held = counts[i]
                 if held and ends[i] <= now:  # ended: forgotten now
                     expired += held
@@ -90,10 +121,51 @@ class SlabLeases(SlabChecks):
                     counts[i] = held + 1
                 if not held or ends[i] < end:
                     ends[i] = end
-                taken += 1
-            st[L.ST_LEASES_TAKEN] += taken
+            if pages:
+                self._count_leased(ns, pages)
+            if end > st[L.ST_LEASE_LATEST_END]:
+                st[L.ST_LEASE_LATEST_END] = end
+            st[L.ST_LEASES_TAKEN] += len(hits)
             st[L.ST_LEASES_EXPIRED] += expired
-        return found
+        return found, True
+
+    def _lease_room(self, ns: int, pages: int, share: float) -> bool:
+        """Whether ``pages`` more leased pages of namespace ``ns`` keep within the caps
+        (under the lock)."""
+        if self._state[L.ST_LEASED_PAGES] + pages > share * self.geometry.npages:
+            return False
+        if not 0 < ns < L.NS_COUNT:
+            return True
+        e = ns * L.NS_WORDS
+        quota = self._nsw[e + L.NS_QUOTA]
+        if not quota:
+            return True
+        return self._nsw[e + L.NS_LEASED_PAGES] + pages <= share * (quota // self.page_size)
+
+    def _count_leased(self, ns: int, pages: int) -> None:
+        """Add ``pages`` (negative: take them away) to the leased pages, the slab's and
+        namespace ``ns``'s (under the lock; never below 0: a slab leased before these
+        counters existed counts from 0)."""
+        st = self._state
+        st[L.ST_LEASED_PAGES] = max(0, st[L.ST_LEASED_PAGES] + pages)
+        if 0 <= ns < L.NS_COUNT:
+            w = ns * L.NS_WORDS + L.NS_LEASED_PAGES
+            self._nsw[w] = max(0, self._nsw[w] + pages)
+
+    def _forget_if_all_ended(self, now: int) -> None:
+        """Once every lease a slot took has ended, forget them all at once (under the
+        lock): the count column and the leased pages, in C. A lease ended but not yet
+        forgotten (no sweep, release or new lease saw it) still counts against the caps
+        until then: the caps err towards refusing a lease, never towards more."""
+        st = self._state
+        if not st[L.ST_LEASED_PAGES] or now < st[L.ST_LEASE_LATEST_END]:
+            return
+        counts = self._slot_leases
+        st[L.ST_LEASES_EXPIRED] += sum(counts.tolist())
+        counts[:] = array("I", bytes(4 * len(counts)))
+        st[L.ST_LEASED_PAGES] = 0
+        column = self._nsw[L.NS_LEASED_PAGES :: L.NS_WORDS]
+        column[:] = array("q", bytes(8 * len(column)))
 
     def release_leases(self, addresses: Iterable[str], ns: int = 0) -> list[bool]:
         """Release one lease on each address's block in namespace ``ns``.
@@ -118,12 +190,16 @@ class SlabLeases(SlabChecks):
                 if not held:
                     out.append(False)
                     continue
+                assert s is not None
                 if ends[i] <= now:
                     counts[i] = 0
+                    self._count_leased(ns, -s[L.F_NPAGES])
                     expired += held
                     out.append(False)
                     continue
                 counts[i] = held - 1
+                if held == 1:
+                    self._count_leased(ns, -s[L.F_NPAGES])
                 released += 1
                 out.append(True)
             st[L.ST_LEASES_RELEASED] += released
@@ -137,6 +213,7 @@ class SlabLeases(SlabChecks):
         out["leases_taken"] += sum(self._reader_lease_column(L.R_LEASES_TAKEN))
         out["leases_released"] += sum(self._reader_lease_column(L.R_LEASES_RELEASED))
         out["leased_blocks"] = self.leased_blocks()
+        out["leased_pages"] = self._state[L.ST_LEASED_PAGES]
         return out
 
     def _lease_stamp(self) -> int:
@@ -204,19 +281,23 @@ class SlabLeases(SlabChecks):
         st = self._state
         return now < st[L.ST_LEASE_WALL_END] and st[L.ST_LEASE_WALL_STAMP] == self._lease_stamp()
 
-    def _leased_full(self, n: int, first_end: int, now: int) -> InsufficientStorage:
-        """The 507 of a put that only leased blocks stand in the way of."""
+    def _leased_full(self, n: int, end: int, now: int, first: bool = True) -> InsufficientStorage:
+        """The 507 of a put that only leased blocks stand in the way of; ``end`` is when
+        the first of their leases ends (``first``), or the last."""
         st = self._state
+        which = "the first of them" if first else "all of them"
         return InsufficientStorage(
             f"no room for {n} pages: {st[L.ST_FREE_COUNT]} free, {st[L.ST_RESV_PAGES]} held "
             "by uploads in flight, the rest by leased blocks (leases end within "
-            f"{max(0, first_end - now) / 1000:.1f} s, the first of them)"
+            f"{max(0, end - now) / 1000:.1f} s, {which})"
         )
 
     def _forget_leases(self, i: int, held: int, now: int) -> None:
         """Clear slot ``i``'s ``held`` leases before its block is evicted (under the lock);
         counted as expired when they had ended (``now`` 0: the lease clock was not read)."""
         self._slot_leases[i] = 0
+        s = self._read_slot(i)
+        self._count_leased(s[L.F_NS], -s[L.F_NPAGES])
         if self._slot_lease_end[i] <= (now or now_ms()):
             self._state[L.ST_LEASES_EXPIRED] += held
 

@@ -24,7 +24,7 @@ from eg_kv.client.aio import AsyncServerConnector
 from eg_kv.client.events import Event, Snapshot, follow, follow_async
 from eg_kv.client.sync import ServerConnector
 from eg_kv.errors import RemoteError
-from eg_kv.server.events import MAX_WAIT_S, MAX_WAITERS
+from eg_kv.server.events import MAX_WAIT_S, MAX_WAITERS_PER_NAMESPACE
 from eg_kv.slab.store import Slab
 
 KiB = 1024
@@ -144,7 +144,7 @@ def test_too_many_waiters_get_503(server_factory):
     head = request(srv, "GET", "/kv/events").json()["next"]
     socks = []
     try:
-        for _ in range(MAX_WAITERS):
+        for _ in range(MAX_WAITERS_PER_NAMESPACE):
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
             s.sendall(b"GET /kv/events?since=%d&wait=3 HTTP/1.1\r\nHost: t\r\n\r\n" % head)
             socks.append(s)
@@ -152,7 +152,7 @@ def test_too_many_waiters_get_503(server_factory):
         def refused():
             return request(srv, "GET", f"/kv/events?since={head}&wait=0.2").status == 503
 
-        wait_for(refused, timeout=20, what="the 65th waiter to get 503")
+        wait_for(refused, timeout=20, what="one waiter past the namespace's share to get 503")
         reply = request(srv, "GET", f"/kv/events?since={head}&wait=0.2")
         assert reply.headers["Retry-After"] and "wait for events" in reply.text
         # The waiters' time runs out: their slots come back.

@@ -1,0 +1,193 @@
+"""Issue 31, items 1 and 4: a hostile readonly tenant against the event log's routes, with
+real servers, real sockets and the real followers.
+
+- A burst of costly reads on connections closed at once (the log full) kills no worker,
+  and another tenant's requests during it all succeed, quickly.
+- Long polls held and abandoned by one tenant leave another namespace's followers their
+  delay, and its removal relay needs no snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import statistics
+import threading
+import time
+
+import pytest
+from helpers.common import wait_for
+from helpers.server_http import request
+from helpers.server_procs import workers_of
+from helpers.tenants import token_of, write_tokens
+
+from eg_kv.client.sync import ServerConnector
+from eg_kv.server.events import MAX_WAITERS_PER_NAMESPACE
+from eg_kv.slab.store import Slab
+from eg_kv.vllm.events import EventRelay, LogFollowers
+from eg_kv.vllm.tier_events import RemovalRelay
+
+TENANTS = [
+    {"name": "mallory", "role": "readonly", "namespace": "mallory-ns"},
+    {"name": "victim", "role": "readwrite", "namespace": "victim-ns"},
+]
+RING = 65536
+#: Long polls the hostile tenant holds: past both workers' 64 waiter slots on d29c8d3.
+HELD = 160
+
+
+def _send_and_close(port: int, token: str, target: bytes) -> None:
+    """One request on a fresh connection, closed as soon as it is sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(
+            b"GET %s HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n\r\n"
+            % (target, token.encode())
+        )
+
+
+class Latencies:
+    """A thread that sends ``victim``'s requests one after another until stopped, and keeps
+    each status and duration."""
+
+    def __init__(self, srv, token: str, path: str) -> None:
+        self.srv, self.token, self.path = srv, token, path
+        self.seen: list[tuple[int, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and len(self.seen) < 20000:
+            t0 = time.monotonic()
+            try:
+                status = request(self.srv, "GET", self.path, token=self.token, timeout=10).status
+            except OSError:
+                status = 0
+            self.seen.append((status, time.monotonic() - t0))
+
+    def stop(self) -> list[tuple[int, float]]:
+        self._stop.set()
+        self._thread.join(30)
+        return self.seen
+
+
+@pytest.mark.timeout(240)
+def test_a_burst_of_costly_reads_on_closed_connections_kills_no_worker(server_factory, tmp_path):
+    """300 reads of 10,000 events of the reader's namespace from a full log, each on a
+    connection closed at once: on d29c8d3 each cost a worker 81-150 ms of its loop, and
+    the burst got both workers SIGKILLed by the watchdog."""
+    path = write_tokens(tmp_path / "tokens.toml", TENANTS)
+    srv = server_factory(
+        workers=2,
+        capacity="4MiB",
+        extra=("--tokens", str(path), "--events", str(RING), "--page-size", "4KiB",
+               "--heartbeat-timeout", "2"),
+    )  # fmt: skip
+    victim = token_of("victim")
+    assert request(srv, "PUT", "/kv/mine", b"v" * 100, token=victim).status == 201
+    with Slab.attach(srv.slab_name) as slab:  # the log filled with mallory's namespace's
+        ns = slab.bind_namespaces({"mallory-ns": 0})["mallory-ns"]
+        for i in range(RING // 2):
+            slab.put(f"fill-{i}", b"f", ns)
+            slab.delete(f"fill-{i}", ns)
+        head = slab.events.head
+    assert head > RING
+    pids = workers_of(srv)
+    watcher = Latencies(srv, victim, "/kv/mine")
+    target = b"/kv/events?since=%d&limit=10000" % (head - 60000)
+    mallory = token_of("mallory")
+    t_end = time.monotonic() + 60
+    for _ in range(300):
+        _send_and_close(srv.port, mallory, target)
+        assert time.monotonic() < t_end
+    # Let the burst be served (or refused), and the watchdog look twice over.
+    wait_for(lambda: len(watcher.seen) > 0, timeout=20, what="the victim's first answer")
+    deadline = time.monotonic() + 5
+    wait_for(lambda: time.monotonic() > deadline, timeout=10, what="5 s under watch")
+    seen = watcher.stop()
+    assert workers_of(srv) == pids, f"a worker was replaced:\n{srv.log()[-3000:]}"
+    assert "SIGKILL" not in srv.log()
+    statuses = {status for status, _ in seen}
+    assert statuses == {200}, statuses
+    worst = max(t for _, t in seen)
+    assert worst < 1.0, f"the victim's slowest request took {worst:.2f} s"
+    # The reader still gets what it asked for when it stays: no events of its own.
+    doc = request(srv, "GET", target.decode(), token=mallory).json()
+    assert len(doc["events"]) == 10000 and doc["gap"] is False
+    assert doc["events"][0]["seq"] == head - 60000 + 1
+
+
+@pytest.mark.timeout(240)
+def test_one_tenants_long_polls_leave_another_namespace_its_followers(
+    server_factory, tmp_path, caplog
+):
+    """160 long polls held plus 20 a second opened and abandoned by a readonly tenant: on
+    d29c8d3 they took every waiter slot of both workers (one counter for all tenants, a
+    gone client's slot held for its whole wait), so another namespace's followers waited
+    seconds and its removal relay resynced from snapshots."""
+    caplog.set_level(logging.DEBUG, logger="eg_kv")
+    path = write_tokens(tmp_path / "tokens.toml", TENANTS)
+    srv = server_factory(workers=2, capacity="4MiB", extra=("--tokens", str(path)))
+    victim, mallory = token_of("victim"), token_of("mallory")
+    snapshots = [0]
+
+    class Counting(ServerConnector):  # a real client that counts the snapshots it takes
+        def snapshot(self, *a, **kw):
+            snapshots[0] += 1
+            return super().snapshot(*a, **kw)
+
+    relay = EventRelay(shards=1)
+    followers = LogFollowers(relay, [srv.url], {"token": victim, "timeout_s": 10}, wait=2.0)
+    removals = RemovalRelay(
+        lambda: Counting(base_url=srv.url, token=victim, timeout_s=10), wait_s=2.0
+    )
+    held: list[socket.socket] = []
+    try:
+        assert removals.following.wait(20)
+        before, errors = snapshots[0], removals.errors
+        head = request(srv, "GET", "/kv/events", token=mallory).json()["next"]
+        target = b"/kv/events?since=%d&wait=30" % head
+        for _ in range(HELD):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(
+                b"GET %s HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n\r\n"
+                % (target, mallory.encode())
+            )
+            held.append(s)
+        stop = threading.Event()
+
+        def abandon() -> None:  # 20 a second, each closed as soon as it is sent
+            for _ in range(400):
+                if stop.wait(0.05):
+                    return
+                _send_and_close(srv.port, mallory, target)
+
+        churn = threading.Thread(target=abandon, daemon=True)
+        churn.start()
+        delays = []
+        for i in range(20):
+            address = f"v{i}"
+            relay.remember([address.encode()], [address])
+            assert request(srv, "PUT", f"/kv/{address}", b"v", token=victim).status == 201
+            t0 = time.monotonic()
+            got: list = []
+
+            def arrived(address=address, got=got) -> bool:
+                got += [h for kind, hs in relay.take() if kind == "stored" for h in hs]
+                return address.encode() in got
+
+            wait_for(arrived, timeout=30, interval=0.002, what=f"{address} relayed")
+            delays.append(time.monotonic() - t0)
+            assert request(srv, "DELETE", f"/kv/{address}", token=victim).status == 204
+            time.sleep(0.2)
+        stop.set()
+        churn.join(30)
+        seen = (statistics.median(delays), snapshots[0] - before, removals.errors - errors)
+        why = f"median delay, snapshots, errors: {seen}; {caplog.text}"
+        assert seen[0] < 0.1 and seen[1:] == (0, 0), why
+    finally:
+        for s in held:
+            s.close()
+        followers.close()
+        removals.close(10)
+    assert MAX_WAITERS_PER_NAMESPACE * 2 < HELD  # the attack is past the per-namespace bound
