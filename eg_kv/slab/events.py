@@ -9,17 +9,26 @@ with no gap. Dedup hits and deletes that leave references change no block: no en
 The log lives in its own segment, ``<slab name>.events`` (mode 0600, owned and checked
 like the readers segment, created by the server's supervisor, removed with the slab)::
 
-    0        64       128                              128 + N × 288
-    ┌────────┬────────┬──────────────────────────────────┐
-    │ header │ words  │ entries: N × ENTRY (288 B), ring │
-    └────────┴────────┴──────────────────────────────────┘
+    0        64       128                                 128 + N × 304     + 4096 × 16
+    ┌────────┬────────┬─────────────────────────────────────┬────────────────┐
+    │ header │ words  │ entries: N × ENTRY (304 B), a ring  │ namespaces     │
+    └────────┴────────┴─────────────────────────────────────┴────────────────┘
     header:  EVENTS_HEAD: magic, slab id, N (entries), epoch (8 random bytes as an int:
              a new log of the same slab has another, so a reader knows its seq is void)
     words:   W_HEAD: seq of the newest published entry (0: none yet);
              W_PENDING: seq of the entry being written inside the lock (0: none)
     entry:   ENTRY: seq, block id, block length, namespace id, kind, reason, address
-             length; then the address (ASCII, padded to 256). Entry ``seq`` lies at
-             index ``(seq - 1) % N``.
+             length, nseq, prev; then the address (ASCII, padded to 256). Entry ``seq``
+             lies at index ``(seq - 1) % N``.
+    namespaces: per namespace id, two int64: NS_LAST, the seq of its newest entry (0:
+             none), and NS_COUNT_WORD, its nseq.
+
+Positions per namespace: a tenant's reader must learn nothing of other namespaces, not
+even how many events they had (issue 31), so it counts in its namespace's own positions:
+entry ``nseq`` is the namespace's n-th event, and ``prev`` links the namespace's entries
+backwards. A reader at position ``p`` walks back from the namespace's newest entry to
+``p + 1`` (:meth:`EventRing.read_ns`, at most :data:`HOPS_MAX` entries); the admin's
+reader reads every entry by ``seq``, as before.
 
 Crash safety (a process SIGKILLed inside the lock): an entry is written as *pending*
 (W_PENDING) before the slot table changes and published (W_HEAD) after. Whoever next takes
@@ -39,7 +48,10 @@ one after W_HEAD, which lies where entry ``W_HEAD + 1 - N`` did, so everything f
 ``W_HEAD + 2 - N`` on is intact. A reader whose ``seq`` fell before that is told so (a
 gap) and resyncs from a snapshot (:meth:`SlabEventLog.events_snapshot`, taken under the
 lock, with the seq it is consistent with). x86 keeps stores in order, which is all this
-needs (as the slab's seqlock).
+needs (as the slab's seqlock). A namespace's words are written at the commit, NS_LAST
+first, before W_HEAD: a reader that finds NS_LAST beyond W_HEAD takes the entry's ``prev``
+and ``nseq - 1`` instead (:meth:`EventRing.ns_position`); a repair that drops a pending
+entry puts them back.
 """
 
 from __future__ import annotations
@@ -63,17 +75,33 @@ from .segment import ForeignSegment, Inode, Progress, SlabSegment, _check_owned,
 from .segment import _unlink_ours as unlink_ours
 
 EVENTS_SUFFIX = ".events"
-EVENTS_MAGIC = b"EGKVEVT1"
+EVENTS_MAGIC = b"EGKVEVT2"  # 2: per-namespace positions (nseq, prev, the namespace table)
 EVENTS_HEAD = struct.Struct("<8s16sQQ")  # magic, slab id, entries, epoch
 EVENTS_WORDS_OFFSET = 64
 EVENTS_ENTRIES_OFFSET = 128
 W_HEAD, W_PENDING = 0, 1
-#: An entry: seq, block id, block length, namespace id, kind, reason, address length.
-ENTRY = struct.Struct("<QQQIBBH")
-ENTRY_SIZE = ENTRY.size + ADDRESS_MAX  # 288
+#: An entry: seq, block id, block length, namespace id, kind, reason, address length, its
+#: namespace's position (nseq: that namespace's events counted from 1), and the seq of
+#: that namespace's entry before it (prev; 0: none).
+ENTRY = struct.Struct("<QQQIBBHQQ")
+ENTRY_SIZE = ENTRY.size + ADDRESS_MAX  # 304
+#: Namespaces the table after the entries has room for (the slab's namespace ids).
+EVENTS_NAMESPACES = L.NS_COUNT
+#: A namespace's words in that table: the seq of its newest entry, and its nseq.
+NS_LAST, NS_COUNT_WORD = 0, 1
+#: The most entries a namespace's reader walks back through to find where it stands (one
+#: whose position is further behind resyncs, as after a gap): a few ms.
+HOPS_MAX = 16384
+#: Int64 words of an entry, and where in them its seq, namespace id (the low half), nseq
+#: and prev lie.
+_EW = ENTRY_SIZE // 8
+_E_SEQ, _E_NS, _E_NSEQ, _E_PREV = 0, 3, 4, 5
 #: The uint32 word of an entry that holds its namespace id (bytes 24-27 of ENTRY).
 _NS_WORD = 6
-assert ENTRY.unpack(bytes(24) + (7).to_bytes(4, "little") + bytes(4))[3] == 7  # fmt: skip
+assert ENTRY.unpack(bytes(24) + (7).to_bytes(4, "little") + bytes(20))[3] == 7  # fmt: skip
+assert ENTRY.unpack(bytes(32) + (5).to_bytes(8, "little") + (9).to_bytes(8, "little"))[7:] == (
+    5, 9,
+)  # fmt: skip
 
 STORED, REMOVED = 1, 2
 R_PUT, R_EVICT, R_DELETE, R_REPAIR, R_QUOTA = 1, 2, 3, 4, 5
@@ -98,7 +126,7 @@ def events_name(slab_name: str) -> str:
 
 def events_size(entries: int) -> int:
     """Bytes of an events segment of ``entries`` entries."""
-    return EVENTS_ENTRIES_OFFSET + entries * ENTRY_SIZE
+    return EVENTS_ENTRIES_OFFSET + entries * ENTRY_SIZE + EVENTS_NAMESPACES * 16
 
 
 class Event(NamedTuple):
@@ -116,12 +144,15 @@ class Event(NamedTuple):
 class EventRing:
     """One process's mapping of an events segment (see the module docstring)."""
 
-    __slots__ = ("_mm", "_mv", "_w", "capacity", "epoch")
+    __slots__ = ("_eq", "_mm", "_mv", "_nsw", "_w", "capacity", "epoch")
 
     def __init__(self, mm: mmap.mmap, capacity: int, epoch: int) -> None:
         self._mm, self.capacity, self.epoch = mm, capacity, epoch
         self._mv = memoryview(mm)
         self._w = self._mv[EVENTS_WORDS_OFFSET:EVENTS_ENTRIES_OFFSET].cast("q")
+        end = EVENTS_ENTRIES_OFFSET + capacity * ENTRY_SIZE
+        self._eq = self._mv[EVENTS_ENTRIES_OFFSET:end].cast("q")  # the entries as words
+        self._nsw = self._mv[end:].cast("q")
 
     @property
     def head(self) -> int:
@@ -137,10 +168,15 @@ class EventRing:
         self, kind: int, reason: int, ns: int, raw: bytes, block_id: int, length: int
     ) -> None:
         """Write the next entry as pending (under the slab lock, before the change)."""
-        w = self._w
+        w, nsw = self._w, self._nsw
         seq = w[W_HEAD] + 1
+        nseq = prev = 0
+        if 0 <= ns < EVENTS_NAMESPACES:
+            prev, nseq = nsw[2 * ns + NS_LAST], nsw[2 * ns + NS_COUNT_WORD] + 1
         off = EVENTS_ENTRIES_OFFSET + (seq - 1) % self.capacity * ENTRY_SIZE
-        ENTRY.pack_into(self._mm, off, seq, block_id, length, ns, kind, reason, len(raw))
+        ENTRY.pack_into(
+            self._mm, off, seq, block_id, length, ns, kind, reason, len(raw), nseq, prev
+        )
         self._mm[off + ENTRY.size : off + ENTRY.size + len(raw)] = raw
         w[W_PENDING] = seq  # after the entry: a pending seq always names a whole entry
 
@@ -149,12 +185,24 @@ class EventRing:
         w = self._w
         seq = w[W_PENDING]
         if seq:
+            _, _, _, ns, _, _, _, nseq, _ = ENTRY.unpack_from(self._entry_bytes(seq))
+            if nseq:  # its namespace's words, NS_LAST first (see the module docstring)
+                self._nsw[2 * ns + NS_LAST] = seq
+                self._nsw[2 * ns + NS_COUNT_WORD] = nseq
             w[W_HEAD] = seq  # a crash before the next line leaves W_PENDING == W_HEAD: done
             w[W_PENDING] = 0
 
     def drop_pending(self) -> None:
-        """Forget the pending entry: its change did not happen (repair)."""
-        self._w[W_PENDING] = 0
+        """Forget the pending entry: its change did not happen (repair). Its namespace's
+        words go back to the entry before it, if a commit had begun to move them."""
+        w = self._w
+        seq = w[W_PENDING]
+        if seq:
+            _, _, _, ns, _, _, _, nseq, prev = ENTRY.unpack_from(self._entry_bytes(seq))
+            if nseq and self._nsw[2 * ns + NS_LAST] == seq:
+                self._nsw[2 * ns + NS_COUNT_WORD] = nseq - 1
+                self._nsw[2 * ns + NS_LAST] = prev
+        w[W_PENDING] = 0
 
     def pending(self) -> Event | None:
         """The entry a dead holder left pending, if any (under the lock)."""
@@ -171,12 +219,79 @@ class EventRing:
         return self._mv[off : off + ENTRY_SIZE]
 
     @staticmethod
-    def _entry(seq: int, raw: bytes) -> Event | None:
-        got, block_id, length, ns, kind, reason, alen = ENTRY.unpack_from(raw)
-        if got != seq or alen > ADDRESS_MAX or kind not in KINDS:
+    def _entry(seq: int, raw: bytes, nseq: int = 0) -> Event | None:
+        """Entry ``seq`` from its bytes (None: another entry, or not one); with ``nseq``,
+        as its namespace's reader sees it (``seq`` its position, None unless it is that)."""
+        got, block_id, length, ns, kind, reason, alen, pos, _ = ENTRY.unpack_from(raw)
+        if got != seq or alen > ADDRESS_MAX or kind not in KINDS or (nseq and pos != nseq):
             return None
         address = raw[ENTRY.size : ENTRY.size + alen]
-        return Event(seq, kind, reason, ns, address, length, block_id)
+        return Event(nseq or seq, kind, reason, ns, address, length, block_id)
+
+    def ns_position(self, ns: int) -> tuple[int, int]:
+        """Namespace ``ns``'s published position and the seq of its newest published entry
+        (``(0, 0)``: none yet), without the lock."""
+        w, nsw = self._w, self._nsw
+        if not 0 <= ns < EVENTS_NAMESPACES:
+            return 0, 0
+        for _ in range(1000):  # a commit moves the words in a few instructions
+            last = nsw[2 * ns + NS_LAST]
+            count = nsw[2 * ns + NS_COUNT_WORD]
+            if nsw[2 * ns + NS_LAST] != last:  # a commit moved it meanwhile: again
+                continue
+            if not last:
+                return 0, 0
+            if last <= w[W_HEAD]:
+                # Its entry, where the ring still holds it, says its nseq (count may be a
+                # commit's newer word); one lapped is too old for a commit to be on it.
+                e = (last - 1) % self.capacity * _EW
+                got, nseq = self._eq[e + _E_SEQ], self._eq[e + _E_NSEQ]
+                if got == last and last >= w[W_HEAD] + 2 - self.capacity:
+                    return nseq, last
+                return count, last
+            # Committing now (NS_LAST moves before W_HEAD): the entry before it.
+            e = (last - 1) % self.capacity * _EW
+            if self._eq[e + _E_SEQ] == last:
+                return self._eq[e + _E_NSEQ] - 1, self._eq[e + _E_PREV]
+        raise SlabError(f"namespace {ns}'s event words kept moving; the log may be damaged")
+
+    def read_ns(
+        self, since: int, limit: int, ns: int, at: tuple[int, int] | None = None
+    ) -> tuple[list[Event], int, bool]:
+        """Namespace ``ns``'s published entries after its position ``since``, each with
+        ``seq`` its position (see the module docstring), without the lock.
+
+        Args:
+            at: where the namespace stands (:meth:`ns_position`), if the caller read it.
+
+        Returns:
+            ``(events, next, gap)`` as :meth:`read`, in the namespace's positions: a gap
+            when ``since`` is beyond the namespace's position, or its entries after it
+            are no longer all in the log (or more than :data:`HOPS_MAX` back).
+        """
+        count, last = at or self.ns_position(ns)
+        if since > count or count - since > HOPS_MAX:
+            return [], count, True
+        if since == count:
+            return [], count, False
+        # Walk back from the newest to since + 1, checking each link, then read the oldest.
+        seqs: list[int] = []
+        seq, n, eq = last, self.capacity, self._eq
+        for pos in range(count, since, -1):
+            e = (seq - 1) % n * _EW
+            if eq[e + _E_SEQ] != seq or eq[e + _E_NSEQ] != pos or eq[e + _E_NS] & 0xFFFFFFFF != ns:
+                return [], count, True
+            seqs.append(seq)
+            seq = eq[e + _E_PREV]
+        out: list[Event] = []
+        for k, seq in enumerate(reversed(seqs[-limit:] if len(seqs) > limit else seqs)):
+            ev = self._entry(seq, bytes(self._entry_bytes(seq)), since + k + 1)
+            if ev is None:
+                return [], count, True
+            out.append(ev)
+        if seqs[-1] + 1 < self._w[W_HEAD] + 2 - n:  # a writer lapped the oldest meanwhile
+            return [], count, True
+        return out, since + len(out), False
 
     def read(
         self, since: int, limit: int, ns: int | None = None, scan: int = SCAN_MAX
@@ -230,6 +345,8 @@ class EventRing:
     def release(self) -> None:
         """Unmap (views first)."""
         self._w.release()
+        self._eq.release()
+        self._nsw.release()
         self._mv.release()
         with contextlib.suppress(BufferError):
             self._mm.close()
@@ -474,7 +591,9 @@ class SlabEventLog(SlabSegment):
 
         Returns:
             ``(epoch, seq, [(namespace id, address, length), ...])``: replaying the log's
-            entries after ``seq`` over these gives the slab's blocks at any later seq.
+            entries after ``seq`` over these gives the slab's blocks at any later seq;
+            ``seq`` is namespace ``ns``'s position when ``ns`` is given
+            (:meth:`EventRing.read_ns`).
 
         Raises:
             SlabError: the slab has no event log. LockTimeout: after ``timeout``.
@@ -495,12 +614,12 @@ class SlabEventLog(SlabSegment):
                 if hi == nslots:  # the last slice: what changed since the first, then check
                     seq = ring.head
                     if self._catch_up(ring, held, first, seq, ns):
-                        return ring.epoch, seq, _decoded(held)
+                        return ring.epoch, _position(ring, seq, ns), _decoded(held)
             if hi < nslots:
                 time.sleep(0.0005)  # step aside: writers woken by the release go first
         self.snapshot_fallbacks += 1
         with self._locked(timeout, write=False):
-            seq = ring.head
+            seq = _position(ring, ring.head, ns)
             held = dict(self._held_in(0, nslots, ns))
         return ring.epoch, seq, _decoded(held)
 
@@ -555,6 +674,12 @@ class SlabEventLog(SlabSegment):
         if ns:
             return column[ns]
         return total - sum(column.tolist()[1:])  # the default namespace's is derived
+
+
+def _position(ring: EventRing, seq: int, ns: int | None) -> int:
+    """The log's position ``seq`` as namespace ``ns`` counts it (None: every namespace's,
+    ``seq`` itself); under the lock, where no commit is half done."""
+    return seq if ns is None else ring.ns_position(ns)[0]
 
 
 def _decoded(held: dict[tuple[int, bytes], int]) -> list[tuple[int, str, int]]:

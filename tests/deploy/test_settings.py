@@ -52,6 +52,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "drain_timeout_s": ("3.5", 3.5),
     "access_log": ("", True),
     "upload_share": ("0.25", 0.25),
+    "lease_share": ("0.75", 0.75),
     "chunked_spool": ("64MiB", 64 << 20),
     "header_timeout_s": ("3", 3.0),
     "body_timeout_s": ("4", 4.0),

@@ -23,6 +23,7 @@ from helpers.tenants import token_of, write_tokens
 
 from eg_kv.client.sync import ServerConnector
 from eg_kv.server.events import MAX_WAITERS_PER_NAMESPACE
+from eg_kv.slab.events import HOPS_MAX
 from eg_kv.slab.store import Slab
 from eg_kv.vllm.events import EventRelay, LogFollowers
 from eg_kv.vllm.tier_events import RemovalRelay
@@ -74,8 +75,9 @@ class Latencies:
 @pytest.mark.timeout(240)
 def test_a_burst_of_costly_reads_on_closed_connections_kills_no_worker(server_factory, tmp_path):
     """300 reads of 10,000 events of the reader's namespace from a full log, each on a
-    connection closed at once: on d29c8d3 each cost a worker 81-150 ms of its loop, and
-    the burst got both workers SIGKILLed by the watchdog."""
+    connection closed at once: on d29c8d3 each cost a worker 81-150 ms of its loop
+    (``since=<head-60000>``), the burst stalled the other tenant for seconds and got
+    workers SIGKILLed by the watchdog."""
     path = write_tokens(tmp_path / "tokens.toml", TENANTS)
     srv = server_factory(
         workers=2,
@@ -94,7 +96,10 @@ def test_a_burst_of_costly_reads_on_closed_connections_kills_no_worker(server_fa
     assert head > RING
     pids = workers_of(srv)
     watcher = Latencies(srv, victim, "/kv/mine")
-    target = b"/kv/events?since=%d&limit=10000" % (head - 60000)
+    # The heaviest read there is: 10,000 events, HOPS_MAX back in the namespace's positions
+    # (the namespace's own count: the fill's events and nothing else).
+    since = RING - HOPS_MAX
+    target = b"/kv/events?since=%d&limit=10000" % since
     mallory = token_of("mallory")
     t_end = time.monotonic() + 60
     for _ in range(300):
@@ -114,7 +119,7 @@ def test_a_burst_of_costly_reads_on_closed_connections_kills_no_worker(server_fa
     # The reader still gets what it asked for when it stays: no events of its own.
     doc = request(srv, "GET", target.decode(), token=mallory).json()
     assert len(doc["events"]) == 10000 and doc["gap"] is False
-    assert doc["events"][0]["seq"] == head - 60000 + 1
+    assert doc["events"][0]["seq"] == since + 1
 
 
 @pytest.mark.timeout(240)
@@ -191,3 +196,33 @@ def test_one_tenants_long_polls_leave_another_namespace_its_followers(
         followers.close()
         removals.close(10)
     assert MAX_WAITERS_PER_NAMESPACE * 2 < HELD  # the attack is past the per-namespace bound
+
+
+@pytest.mark.timeout(120)
+def test_the_log_tells_a_tenant_nothing_of_another_tenants_blocks(server_factory, tmp_path):
+    """On d29c8d3 a readonly tenant with an empty namespace read the exact number of
+    another tenant's new blocks in the ``next`` of every answer (the server-wide seq, in
+    gap and epoch answers too). Its answers are now the same bytes whether the other
+    tenant stored 1 block or 40."""
+    path = write_tokens(tmp_path / "tokens.toml", [*TENANTS, {"name": "ops", "role": "admin"}])
+    srv = server_factory(workers=2, capacity="4MiB", extra=("--tokens", str(path)))
+    victim, mallory = token_of("victim"), token_of("mallory")
+    queries = ("/kv/events", "/kv/events?since=0&wait=0.1", "/kv/events?since=7",
+               "/kv/events?since=0&epoch=not-this-log", "/kv/events/snapshot")  # fmt: skip
+
+    def answers() -> list[bytes]:
+        out = []
+        for q in queries:
+            reply = request(srv, "GET", q, token=mallory)
+            assert reply.status == 200, (q, reply)
+            out.append(reply.body)
+        return out
+
+    assert request(srv, "PUT", "/kv/v0", b"v", token=victim).status == 201
+    after_one = answers()
+    for i in range(1, 40):
+        assert request(srv, "PUT", f"/kv/v{i}", b"v", token=victim).status == 201
+    assert answers() == after_one
+    # The admin still sees every namespace's events, in one order.
+    every = request(srv, "GET", "/kv/events?limit=100", token=token_of("ops")).json()
+    assert [e["seq"] for e in every["events"]] == list(range(1, 41)) and every["next"] == 40

@@ -334,3 +334,47 @@ def test_a_block_moved_across_the_walks_frontier_is_caught(eslab, monkeypatch):
     _epoch, seq, blocks = s.events_snapshot(None)
     assert calls == [True] and s.snapshot_fallbacks == 1
     assert {a for _n, a, _l in blocks} == {moved} and seq == s.events.head
+
+
+def test_a_namespace_counts_its_own_positions_and_a_dropped_pending_entry_restores_them(eslab):
+    s = eslab
+    ring = s.events
+    for i in range(3):
+        s.put(f"a{i}", b"a", 0)
+        s.put(f"b{i}", b"b", 5)
+    assert ring.ns_position(5) == (3, 6) and ring.ns_position(0) == (3, 5)
+    got, nxt, gap = ring.read_ns(1, 10, 5)
+    assert [(e.seq, e.address) for e in got] == [(2, b"b1"), (3, b"b2")] and (nxt, gap) == (
+        3,
+        False,
+    )
+    assert ring.read_ns(3, 10, 5) == ([], 3, False)
+    assert ring.read_ns(4, 10, 5) == ([], 3, True)  # beyond its position: a gap
+    assert ring.ns_position(9) == (0, 0) and ring.read_ns(0, 10, 9) == ([], 0, False)
+    # A commit that moved the namespace's words and died before publishing: a reader takes
+    # the entry before it, and a repair that drops the entry puts the words back.
+    ring.begin(E.STORED, E.R_PUT, 5, b"b3", 99, 1)
+    seq = ring.head + 1
+    ring._nsw[2 * 5 + E.NS_LAST] = seq
+    assert ring.ns_position(5) == (3, 6)
+    ring._nsw[2 * 5 + E.NS_COUNT_WORD] = 4
+    assert ring.ns_position(5) == (3, 6)
+    ring.drop_pending()
+    assert ring.ns_position(5) == (3, 6) and ring._nsw[2 * 5 + E.NS_COUNT_WORD] == 3
+
+
+def test_a_namespace_reader_too_far_behind_or_lapped_gets_a_gap(slab_name):
+    s = Slab.create(slab_name, 64 * PAGE, page_size=PAGE, max_block_size=4 * PAGE)
+    try:
+        s.setup_events(16)
+        for i in range(12):
+            s.put(f"a{i}", b"a", 2)
+            s.delete(f"a{i}", 2)
+        ring = s.events
+        assert ring.ns_position(2)[0] == 24
+        assert ring.read_ns(2, 5, 2)[2] is True  # its entries after 2 left the ring
+        got, nxt, gap = ring.read_ns(20, 5, 2)
+        assert [e.seq for e in got] == [21, 22, 23, 24] and (nxt, gap) == (24, False)
+    finally:
+        s.close()
+        s.unlink()
