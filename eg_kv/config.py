@@ -89,7 +89,7 @@ DEFAULT_LEASE_MS = 5000
 #: The largest --lease-ms accepted: ten minutes (past it, a dead holder pins too long).
 MAX_LEASE_MS = 600_000
 ENV_EVENTS = "EPISTEMIC_GRAPH_KVCACHE_EVENTS"
-#: Entries of the event log (eg_kv.slab.events: 288 bytes each, 18 MiB of /dev/shm): at
+#: Entries of the event log (eg_kv.slab.events: 304 bytes each, 19 MiB of /dev/shm): at
 #: the rate a 2-core server creates and evicts 4 KiB blocks (~10 k/s each), about three
 #: seconds of churn for a reader to fall behind before it must resync from a snapshot;
 #: far more at the rates 14 MiB blocks change.
@@ -354,7 +354,7 @@ SERVER_SETTINGS: tuple[ServerSetting, ...] = (
        # eg_kv.server.connections.DEFAULT_MAX_CONNECTIONS (test_settings checks the number)
        default_text="from the fd limit, at most 10000"),
     _S("events", "--events", ENV_EVENTS, "int", metavar="N",
-       help="entries of the event log of stores and removals (`GET /kv/events`), 288 bytes "
+       help="entries of the event log of stores and removals (`GET /kv/events`), 304 bytes "
        "each in `/dev/shm`; `0`: no log",
        more="A reader that falls more than this many events behind resyncs from "
        "`GET /kv/events/snapshot` (docs/events.md)."),
