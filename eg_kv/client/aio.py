@@ -70,9 +70,9 @@ from .events import (
     SNAPSHOT_ANSWER_MAX,
     EventBatch,
     Snapshot,
+    SnapshotReader,
     events_target,
     parse_events,
-    parse_snapshot,
 )
 from .interface import AsyncReadExact, AsyncSink, MayStart, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
@@ -781,27 +781,34 @@ class AsyncServerConnector:
         return parse_events(doc)
 
     async def snapshot(self) -> Snapshot:
-        """``GET /kv/events/snapshot``: the blocks held and the log's seq they match.
+        """``GET /kv/events/snapshot``: the blocks held and the log's seq they match, read a
+        piece at a time (:class:`~eg_kv.client.events.SnapshotReader`).
 
         Raises:
             The same as :meth:`events`.
         """
 
-        async def on_response(resp: aiohttp.ClientResponse) -> Any:
+        async def on_response(resp: aiohttp.ClientResponse) -> Snapshot:
             check_final(resp.status)
             if resp.status != 200:
                 raise Miss(f"HTTP {resp.status}")
-            if (resp.content_length or 0) > SNAPSHOT_ANSWER_MAX:
-                raise Miss(f"answer of {resp.content_length} bytes is over {SNAPSHOT_ANSWER_MAX}")
-            return json_answer(resp.status, await resp.read())
+            reader, got = SnapshotReader(), 0
+            async for piece in resp.content.iter_chunked(1 << 16):
+                got += len(piece)
+                if got > SNAPSHOT_ANSWER_MAX:
+                    raise Miss(f"answer of more than {SNAPSHOT_ANSWER_MAX} bytes")
+                reader.feed(piece)
+            return reader.result()
 
         try:
-            doc = await self._exchange("GET", self._core.path(EVENTS_SNAPSHOT_PATH), on_response)
+            snap: Snapshot = await self._exchange(
+                "GET", self._core.path(EVENTS_SNAPSHOT_PATH), on_response
+            )
+            return snap
         except EgKvError:
             raise
         except Exception as exc:  # asyncio.TimeoutError included
             raise self._core.unreachable(EVENTS_SNAPSHOT_PATH, exc) from None
-        return parse_snapshot(doc)
 
     async def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""

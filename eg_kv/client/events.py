@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -34,8 +35,10 @@ from ..wire import EVENTS_PATH
 
 #: Entries one ``events()`` asks for by default (the server's own default).
 DEFAULT_LIMIT = 1000
-#: The most bytes a snapshot's answer may take (a slab of a million blocks is ~70 MiB).
+#: The most bytes a snapshot's answer may take (a slab of a million blocks is ~70 MiB),
+#: and one of its lines (a block's is under 400 bytes).
 SNAPSHOT_ANSWER_MAX = 512 * 1024 * 1024
+_SNAPSHOT_LINE_MAX = 4096
 #: A follower's pace (:class:`Pacer`): the least time between two of its requests (at most
 #: 20 a second against a server that answers at once), the backoff after an error or a
 #: gap (doubling, with jitter, from the first to the second), and the least time between
@@ -162,19 +165,80 @@ def parse_events(doc: Any) -> EventBatch:
         raise _bad("events") from None
 
 
-def parse_snapshot(doc: Any) -> Snapshot:
-    """A :class:`Snapshot` from the decoded JSON answer.
+class SnapshotReader:
+    """Builds a :class:`Snapshot` from ``GET /kv/events/snapshot``'s NDJSON stream
+    (:mod:`eg_kv.server.events`), a line at a time as the bytes come: what it holds is the
+    set of blocks and one unfinished line, never the whole answer.
+
+    Feed it the body's bytes in any pieces (:meth:`feed`), then take :meth:`result`.
+    """
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self._epoch: str | None = None
+        self._seq: int | None = None
+        self._held: dict[tuple[str | None, str], Block] = {}
+
+    def feed(self, data: bytes) -> None:
+        """Take the next bytes of the answer.
+
+        Raises:
+            RemoteError: a line that is not what eg-kv sends, a line after the end, or
+                the server's ``error`` line (the walk must be taken again).
+        """
+        lines = (self._tail + data).split(b"\n")
+        self._tail = lines.pop()
+        if len(self._tail) > _SNAPSHOT_LINE_MAX:
+            raise _bad("snapshot")
+        for line in lines:
+            self._line(line)
+
+    def result(self) -> Snapshot:
+        """The snapshot, once the whole answer was fed.
+
+        Raises:
+            RemoteError: the answer was cut before its end line.
+        """
+        if self._tail:
+            self._line(self._tail)
+            self._tail = b""
+        if self._epoch is None or self._seq is None:
+            raise RemoteError("the server's snapshot answer was cut short")
+        return Snapshot(self._epoch, self._seq, list(self._held.values()))
+
+    def _line(self, line: bytes) -> None:
+        try:
+            doc = json.loads(line)
+            if self._seq is not None or not isinstance(doc, dict):
+                raise ValueError
+            if self._epoch is None:
+                self._epoch = str(doc["epoch"])
+            elif "error" in doc:
+                raise RemoteError(f"the server's snapshot failed: {str(doc['error'])[:200]}")
+            elif "hash" not in doc:
+                self._seq = int(doc["seq"])
+            else:
+                block = Block(str(doc["hash"]), int(doc["length"]), doc.get("namespace"))
+                key = (block.namespace, block.hash)
+                if doc.get("kind", "stored") == "stored":
+                    self._held[key] = block
+                elif doc["kind"] == "removed":
+                    self._held.pop(key, None)
+                else:
+                    raise ValueError
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise _bad("snapshot") from None
+
+
+def parse_snapshot(body: bytes) -> Snapshot:
+    """A :class:`Snapshot` from the whole NDJSON answer (:class:`SnapshotReader`).
 
     Raises:
-        RemoteError: it is not an answer of ``GET /kv/events/snapshot``.
+        RemoteError: it is not an answer of ``GET /kv/events/snapshot``, or it was cut.
     """
-    try:
-        blocks = [
-            Block(str(b["hash"]), int(b["length"]), b.get("namespace")) for b in doc["blocks"]
-        ]
-        return Snapshot(str(doc["epoch"]), int(doc["seq"]), blocks)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise _bad("snapshot") from None
+    reader = SnapshotReader()
+    reader.feed(body)
+    return reader.result()
 
 
 class EventSource(Protocol):

@@ -733,17 +733,19 @@ class ServerConnector:
             The same as :meth:`events`.
         """
 
-        def on_response(resp: Response) -> Any:
+        def on_response(resp: Response) -> bytes:
             check_final(resp.status)
-            return json_answer(resp.status, resp.read_all(SNAPSHOT_ANSWER_MAX))
+            if resp.status != 200:
+                raise Miss(f"HTTP {resp.status}")
+            return resp.read_all(SNAPSHOT_ANSWER_MAX)
 
         try:
-            doc = self._exchange("GET", self._core.path(EVENTS_SNAPSHOT_PATH), on_response)
+            body = self._exchange("GET", self._core.path(EVENTS_SNAPSHOT_PATH), on_response)
         except EgKvError:
             raise
         except Exception as exc:
             raise self._core.unreachable(EVENTS_SNAPSHOT_PATH, exc) from None
-        return parse_snapshot(doc)
+        return parse_snapshot(body)
 
     def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""

@@ -10,10 +10,21 @@ Ask again with ``since=next``. With none yet, the answer waits up to ``wait`` se
 (at most :data:`MAX_WAIT_S`: a larger one is clamped, and the answer's ``"wait"`` says
 what it was) for one. A reader whose ``since`` fell out of the
 bounded log, or is beyond it, or whose ``epoch`` (when it sends one) is not the log's
-(the server started a new log), gets ``"gap": true`` and ``next`` the newest seq: it
-fetches ``GET /kv/events/snapshot`` (the blocks held and the ``seq`` they are consistent
-with, ``{"epoch", "seq", "blocks": [{"hash", "length"}, ...]}``) and follows the log
-from that ``seq``.
+(the server started a new log), gets ``"gap": true`` and ``next`` the newest position: it
+fetches ``GET /kv/events/snapshot`` and follows the log from the snapshot's ``seq``.
+
+The snapshot is streamed (:data:`SNAPSHOT_TYPE`, NDJSON: one JSON object per line), so
+neither the server nor a reader holds more than a slice of it besides the set it builds::
+
+    {"epoch": "<hex>"}
+    {"hash": "<address>", "length": 4096}          one per block (perhaps twice)
+    {"kind": "removed", "reason": "evict", "hash": "<address>", "length": 4096}
+    {"seq": 42}
+
+The block lines, then the event lines applied over them in order (stored: add, removed:
+drop), give the blocks held at ``seq``; a reader keeps a set (a block stored during the
+walk may come twice). A stream without its ``seq`` line was cut; one that ends with
+``{"error": ...}`` must be taken again.
 
 A tenant sees its own namespace's events and blocks; an admin of a tokens file sees every
 namespace's, each named (``"namespace"``). Waiting: each waiter polls the log's newest seq
@@ -28,8 +39,8 @@ namespace, so one tenant's long polls leave room for every other's; at most
 :data:`MAX_READS` reads walking the log at once per worker (:data:`MAX_READS_PER_NAMESPACE`
 of one namespace), each looking at :data:`READ_STEP` entries between two turns of the
 loop and stopping when its client has left; at most :data:`MAX_SNAPSHOTS` snapshots
-(:data:`MAX_SNAPSHOTS_PER_NAMESPACE` of one namespace), encoded :data:`ENCODE_STEP` blocks
-a turn.
+(:data:`MAX_SNAPSHOTS_PER_NAMESPACE` of one namespace), each walking only its own
+namespace's slots in Python and stopping when its client has left.
 """
 
 from __future__ import annotations
@@ -43,10 +54,10 @@ import time
 from aiohttp import web
 
 from ..errors import BadRequest, Busy, NotFound
-from ..slab.events import KINDS, REASONS, SCAN_MAX, Event, EventRing
+from ..slab.events import KINDS, REASONS, SCAN_MAX, Event, EventRing, SnapshotPart, SnapshotVoid
 from ..slab.store import Slab
 from ..wire import whole_number
-from .answers import reply
+from .answers import label, reply
 from .gates import Gate, client_gone
 from .keys import AUTH, DRAIN, EVENT_READS, EVENT_WAITERS, SLAB, SNAPSHOTS
 from .replies import JSON
@@ -64,10 +75,11 @@ MAX_WAITERS_PER_NAMESPACE = 16
 MAX_READS, MAX_READS_PER_NAMESPACE = 4, 2
 #: Snapshots in flight per worker, and of one namespace.
 MAX_SNAPSHOTS, MAX_SNAPSHOTS_PER_NAMESPACE = 4, 2
-#: Log entries one step of a read looks at, and snapshot blocks one step encodes: each
-#: step holds the loop for a few ms at most (a whole read held it for 81-150 ms).
+#: Log entries one step of a read looks at: each step holds the loop for a few ms at most
+#: (a whole read held it for 81-150 ms).
 READ_STEP = 1024
-ENCODE_STEP = 8192
+#: The snapshot's answer: one JSON object per line (see the module docstring).
+SNAPSHOT_TYPE = "application/x-ndjson"
 #: How often a waiter looks at the log: first, and at most (it backs off in between).
 POLL_MIN_S = 0.005
 POLL_MAX_S = 0.05
@@ -139,17 +151,22 @@ def _epoch_text(ring: EventRing) -> str:
     return f"{ring.epoch:016x}"
 
 
-def _event_text(ev: Event, names: dict[int, str] | None) -> str:
+def _event_text(ev: Event, names: dict[int, str] | None, seq: bool = True) -> str:
     """One event as its JSON object (formatted directly: a dict and ``json.dumps`` per
-    event cost twice as much, most of a read's time)."""
+    event cost twice as much, most of a read's time); without its ``seq`` in a snapshot."""
     text = (
-        f'{{"seq": {ev.seq}, "kind": "{KINDS.get(ev.kind, "?")}", '
-        f'"reason": "{REASONS.get(ev.reason, "?")}", '
+        (f'{{"seq": {ev.seq}, ' if seq else "{")
+        + f'"kind": "{KINDS.get(ev.kind, "?")}", "reason": "{REASONS.get(ev.reason, "?")}", '
         f'"hash": {json.dumps(ev.address.decode("ascii", "replace"))}, "length": {ev.length}'
     )
     if names is None:
         return text + "}"
-    return f'{text}, "namespace": {json.dumps(names.get(ev.ns, f"id:{ev.ns}"))}}}'
+    return f'{text}, "namespace": {_name_text(names, ev.ns)}}}'
+
+
+def _name_text(names: dict[int, str], ns: int) -> str:
+    """Namespace ``ns``'s name as a JSON string (an id it has no name for: ``id:<n>``)."""
+    return json.dumps(names.get(ns, f"id:{ns}"))
 
 
 def _names(request: web.Request, tenant: Tenant) -> dict[int, str] | None:
@@ -277,40 +294,59 @@ def _answer(
 
 async def get_snapshot(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``GET /kv/events/snapshot``: the blocks held (the tenant's namespace's, or every
-    namespace's for an admin) and the seq of the log they are consistent with.
+    namespace's for an admin), streamed as NDJSON (:data:`SNAPSHOT_TYPE`, the module
+    docstring): the walk goes slice by slice on a thread
+    (:meth:`~eg_kv.slab.events.SlabEventLog.snapshot_stream`), each slice written before
+    the next is walked, so the worker holds one slice at a time, whatever the slab.
 
     Raises:
         NotFound: no event log. Busy: too many snapshots in flight, on this worker or of
-        this namespace. ConnectionResetError: the client left (nobody to answer).
+        this namespace, or the walk met a repair before it answered. ConnectionResetError:
+        the client left (nobody to answer).
     """
     slab = request.app[SLAB]
-    _ring(slab)
+    ring = _ring(slab)
     names = _names(request, tenant)
     ns = _scope(request, tenant)
     with request.app[SNAPSHOTS].admit(ns):
-        # On a thread: the walk takes the slab lock slice by slice (ms each) and lasts
-        # ~2 µs a block; this worker's other requests go on meanwhile.
+        await asyncio.sleep(0)  # in flight before any work: a burst meets the gate
+        if client_gone(request):
+            raise ConnectionResetError("the reader left before its snapshot")
         loop = asyncio.get_running_loop()
-        epoch, seq, blocks = await loop.run_in_executor(None, slab.events_snapshot, ns)
-        parts: list[str] = []
-        for lo in range(0, len(blocks), ENCODE_STEP):  # encoded in steps: the loop goes on
-            if lo:
-                await asyncio.sleep(0)
+        parts = slab.snapshot_stream(ns)
+        resp: web.StreamResponse | None = None
+        try:
+            while (part := await loop.run_in_executor(None, next, parts, None)) is not None:
+                if resp is None:  # answered once the walk has begun: errors before are 4xx/5xx
+                    resp = label(web.StreamResponse(headers={"Content-Type": SNAPSHOT_TYPE}))
+                    await resp.prepare(request)
+                    await resp.write(f'{{"epoch": "{ring.epoch:016x}"}}\n'.encode())
+                await resp.write(_part_lines(part, names))
                 if client_gone(request):
                     raise ConnectionResetError("the reader left during its snapshot")
-            parts.append(_blocks_json(blocks[lo : lo + ENCODE_STEP], names))
-    listed = ", ".join(p for p in parts if p)
-    body = f'{{"epoch": "{epoch:016x}", "seq": {seq}, "blocks": [{listed}]}}'
-    return reply(request, 200, body.encode(), JSON)
+        except SnapshotVoid as e:
+            if resp is None:
+                raise Busy(f"{e}; take it again") from None
+            await resp.write(f'{{"error": "{e}; take it again"}}\n'.encode())
+        finally:
+            parts.close()
+        assert resp is not None  # a stream always has its end part
+        await resp.write_eof()
+        return resp
 
 
-def _blocks_json(blocks: list[tuple[int, str, int]], names: dict[int, str] | None) -> str:
-    """``blocks`` ((namespace id, address, length)) as the snapshot's JSON items, joined."""
-    if names is None:
-        items = [{"hash": address, "length": length} for _, address, length in blocks]
+def _part_lines(part: SnapshotPart, names: dict[int, str] | None) -> bytes:
+    """A snapshot part as NDJSON lines: a block per line, an event per line (with its
+    ``kind``), or the end (``seq``)."""
+    if part.kind == "end":
+        return f'{{"seq": {part.position}}}\n'.encode()
+    lines: list[str]
+    if part.kind == "events":
+        lines = [_event_text(ev, names, seq=False) for ev in part.events]
     else:
-        items = [
-            {"hash": address, "length": length, "namespace": names.get(ns, f"id:{ns}")}
-            for ns, address, length in blocks
+        lines = [
+            f'{{"hash": {json.dumps(raw.decode("ascii", "replace"))}, "length": {length}'
+            + ("}" if names is None else f', "namespace": {_name_text(names, ns)}}}')
+            for ns, raw, length in part.blocks
         ]
-    return json.dumps(items)[1:-1]
+    return "".join(line + "\n" for line in lines).encode()

@@ -60,9 +60,11 @@ import contextlib
 import errno
 import itertools
 import mmap
+import operator
 import os
 import struct
 import time
+from collections.abc import Generator
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import posix_ipc
@@ -144,7 +146,7 @@ class Event(NamedTuple):
 class EventRing:
     """One process's mapping of an events segment (see the module docstring)."""
 
-    __slots__ = ("_eq", "_mm", "_mv", "_nsw", "_w", "capacity", "epoch")
+    __slots__ = ("_eq", "_mm", "_mv", "_nsw", "_staged", "_w", "capacity", "epoch")
 
     def __init__(self, mm: mmap.mmap, capacity: int, epoch: int) -> None:
         self._mm, self.capacity, self.epoch = mm, capacity, epoch
@@ -153,6 +155,8 @@ class EventRing:
         end = EVENTS_ENTRIES_OFFSET + capacity * ENTRY_SIZE
         self._eq = self._mv[EVENTS_ENTRIES_OFFSET:end].cast("q")  # the entries as words
         self._nsw = self._mv[end:].cast("q")
+        #: The pending entry this process began: (seq, namespace, nseq), for its commit.
+        self._staged = (0, 0, 0)
 
     @property
     def head(self) -> int:
@@ -178,6 +182,7 @@ class EventRing:
             self._mm, off, seq, block_id, length, ns, kind, reason, len(raw), nseq, prev
         )
         self._mm[off + ENTRY.size : off + ENTRY.size + len(raw)] = raw
+        self._staged = (seq, ns, nseq)
         w[W_PENDING] = seq  # after the entry: a pending seq always names a whole entry
 
     def commit(self) -> None:
@@ -185,7 +190,10 @@ class EventRing:
         w = self._w
         seq = w[W_PENDING]
         if seq:
-            _, _, _, ns, _, _, _, nseq, _ = ENTRY.unpack_from(self._entry_bytes(seq))
+            staged, ns, nseq = self._staged
+            if staged != seq:  # another process's entry (a repair commits it): read it
+                e = (seq - 1) % self.capacity * _EW
+                ns, nseq = self._eq[e + _E_NS] & 0xFFFFFFFF, self._eq[e + _E_NSEQ]
             if nseq:  # its namespace's words, NS_LAST first (see the module docstring)
                 self._nsw[2 * ns + NS_LAST] = seq
                 self._nsw[2 * ns + NS_COUNT_WORD] = nseq
@@ -353,7 +361,8 @@ class EventRing:
 
 
 _E = TypeVar("_E", bound="SlabEventLog")
-#: Slots one hold of the lock walks for a snapshot (~5 ms here with every other slot held).
+#: Slots one hold of the lock walks for a snapshot (~5 ms here with every other slot held;
+#: a slice runs on to the next empty slot).
 SNAPSHOT_SLICE = 8192
 #: A slot's state byte -> 1 if it is ready, else 0 (bytes.translate, in C).
 _READY_ONLY = bytes(int(b == L.SLOT_READY) for b in range(256))
@@ -374,8 +383,6 @@ class SlabEventLog(SlabSegment):
 
     def __init__(self, name: str, shm: posix_ipc.SharedMemory, geometry: L.Geometry) -> None:
         super().__init__(name, shm, geometry)
-        #: Snapshots whose sliced walk missed a block and were taken again in one hold.
-        self.snapshot_fallbacks = 0
         #: The event log this handle appends to (None: the server runs without one).
         self._events: EventRing | None = None
         #: The events segment this handle maps, once it does.
@@ -572,108 +579,147 @@ class SlabEventLog(SlabSegment):
             ring.begin(REMOVED, R_REPAIR, ns, raw, block_id, length)
             ring.commit()
 
-    def events_snapshot(
+    def snapshot_stream(
         self, ns: int | None, timeout: float | None = None
-    ) -> tuple[int, int, list[tuple[int, str, int]]]:
-        """The blocks held, and the seq of the log they are consistent with.
+    ) -> Generator[SnapshotPart, None, None]:
+        """The blocks held, as a stream: what a reader applies in order to get the blocks
+        held at the position the stream ends with (see :class:`SnapshotPart`).
 
-        The slot table is walked in slices of :data:`SNAPSHOT_SLICE` slots, each under
-        the lock (write=False: lock-free readers need not retry), so writers wait for a
-        slice (a few ms), never for the whole walk. What changed between slices is in
-        the log: the last slice applies the entries logged since the first, and checks
-        the result against the slab's exact block count. A block that moved across the
-        walk's frontier (a backward shift, a repair) would be missing: the count tells,
-        and the walk is then taken again in one hold of the lock
-        (:attr:`snapshot_fallbacks` counts those).
+        The slot table is walked in slices of about :data:`SNAPSHOT_SLICE` slots, each
+        under the lock (write=False: lock-free readers need not retry), so writers wait
+        for a slice (a few ms), never for the whole walk; nothing is kept between slices.
+        Each slice ends at an empty slot, and the walk starts after one: a delete's
+        backward shift moves a block only towards its home, through occupied slots, so a
+        block can cross into the walked part only if it was stored after that part was
+        walked, and then its "stored" entry is in the log. So the walk's blocks, then the
+        log's entries from the walk's first seq to its last (the stream's ``events``
+        parts), give exactly the blocks held at the last. A block may come twice (walked,
+        and stored meanwhile): a reader keeps a set.
 
         Args:
             ns: only this namespace's blocks (None: every namespace's).
 
-        Returns:
-            ``(epoch, seq, [(namespace id, address, length), ...])``: replaying the log's
-            entries after ``seq`` over these gives the slab's blocks at any later seq;
-            ``seq`` is namespace ``ns``'s position when ``ns`` is given
-            (:meth:`EventRing.read_ns`).
+        Yields:
+            :class:`SnapshotPart` s: ``blocks`` parts, then ``events`` parts, then one
+            ``end`` part with the log's epoch and the position (namespace ``ns``'s, when
+            given: :meth:`EventRing.read_ns`).
 
         Raises:
-            SlabError: the slab has no event log. LockTimeout: after ``timeout``.
+            SlabError: the slab has no event log; SnapshotVoid: the slab was repaired or
+            the log lapped the walk meanwhile (take it again). LockTimeout: after
+            ``timeout``.
         """
         ring = self._events
         if ring is None:
             raise SlabError("this server keeps no event log")
-        nslots = self.geometry.nslots
-        held: dict[tuple[int, bytes], int] = {}
-        first = -1
-        for lo in range(0, nslots, SNAPSHOT_SLICE):
-            hi = min(nslots, lo + SNAPSHOT_SLICE)
-            with self._locked(timeout, write=False):
-                if first < 0:
-                    first = ring.head
-                for key, length in self._held_in(lo, hi, ns):
-                    held[key] = length
-                if hi == nslots:  # the last slice: what changed since the first, then check
-                    seq = ring.head
-                    if self._catch_up(ring, held, first, seq, ns):
-                        return ring.epoch, _position(ring, seq, ns), _decoded(held)
-            if hi < nslots:
-                time.sleep(0.0005)  # step aside: writers woken by the release go first
-        self.snapshot_fallbacks += 1
+        g, st, mm = self.geometry, self._state, self._mm
+        nslots, base = g.nslots, g.slots_off
+
+        def empty(rotated: int) -> bool:
+            return mm[base + (start + 1 + rotated) % nslots * L.SLOT_SIZE] == L.SLOT_EMPTY
+
         with self._locked(timeout, write=False):
-            seq = _position(ring, ring.head, ns)
-            held = dict(self._held_in(0, nslots, ns))
-        return ring.epoch, seq, _decoded(held)
-
-    def _held_in(self, lo: int, hi: int, ns: int | None) -> list[tuple[tuple[int, bytes], int]]:
-        """``((namespace id, address), length)`` of the ready slots in ``[lo, hi)`` (of
-        namespace ``ns`` if given), under the lock: columns read in C, one address slice
-        per block."""
-        g, ss = self.geometry, L.SLOT_SIZE
-        w4, w8 = ss // 4, ss // 8
-        states = self._mv[g.slots_off + lo * ss : g.slots_off + hi * ss : ss].tobytes()
-        heads = self._slots_u32[lo * w4 : hi * w4 : w4].tolist()  # state, refbit, alen
-        col = self._slot_ns[lo:hi].tolist()
-        lengths = self._slots_i64[lo * w8 + _LENGTH_WORD : hi * w8 : w8].tolist()
-        mm, at = self._mm, g.slots_off + L.SLOT.size + lo * ss
-        ready = itertools.compress(range(hi - lo), states.translate(_READY_ONLY))
-        return [
-            ((col[k], mm[at + k * ss : at + k * ss + (heads[k] >> 16)]), lengths[k])
-            for k in ready
-            if ns is None or col[k] == ns
-        ]
-
-    def _catch_up(
-        self,
-        ring: EventRing,
-        held: dict[tuple[int, bytes], int],
-        since: int,
-        seq: int,
-        ns: int | None,
-    ) -> bool:
-        """Apply the log's entries ``since``..``seq`` to ``held`` and check it against
-        the slab's block count (under the lock). False: the log lapped the walk, or a
-        block was missed (the caller walks again in one hold)."""
-        while since < seq:
+            first, repairs = ring.head, st[L.ST_REPAIRS]
+            states = self._mv[base : base + nslots * L.SLOT_SIZE : L.SLOT_SIZE].tobytes()
+            start = states.find(bytes([L.SLOT_EMPTY]))  # the table is never full
+        done = 0
+        while done < nslots:
+            with self._locked(timeout, write=False):
+                if st[L.ST_REPAIRS] != repairs:
+                    raise SnapshotVoid("the slab was repaired during the snapshot")
+                hi = min(nslots, done + SNAPSHOT_SLICE)
+                while hi < nslots and not empty(hi - 1):  # end the slice at an empty slot
+                    hi += 1
+                lo_slot = (start + 1 + done) % nslots
+                first_part = min(hi - done, nslots - lo_slot)
+                blocks = self._held_in(lo_slot, lo_slot + first_part, ns)
+                if first_part < hi - done:  # the slice wraps round the table's end
+                    blocks += self._held_in(0, hi - done - first_part, ns)
+            yield SnapshotPart("blocks", blocks)
+            done = hi
+            if done < nslots:
+                time.sleep(0.0005)  # step aside: writers woken by the release go first
+        with self._locked(timeout, write=False):
+            if st[L.ST_REPAIRS] != repairs:
+                raise SnapshotVoid("the slab was repaired during the snapshot")
+            last = ring.head
+            position = _position(ring, last, ns)
+        since = first
+        while since < last:
             events, since, gap = ring.read(since, SCAN_MAX, ns)
             if gap:
-                return False
-            for ev in events:
-                if ev.seq > seq:
-                    break
-                if ev.kind == STORED:
-                    held[(ev.ns, ev.address)] = ev.length
-                else:
-                    held.pop((ev.ns, ev.address), None)
-        return len(held) == self._block_count(ns)
+                raise SnapshotVoid("the event log lapped the snapshot's walk")
+            yield SnapshotPart("events", events=[ev for ev in events if ev.seq <= last])
+        yield SnapshotPart("end", [], ring.epoch, position)
 
-    def _block_count(self, ns: int | None) -> int:
-        """The exact number of blocks held (in namespace ``ns``), under the lock."""
-        total = self._state[L.ST_UNIQUE_BLOCKS]
-        if ns is None:
-            return total
-        column = self._nsw[L.NS_BLOCKS :: L.NS_WORDS]
-        if ns:
-            return column[ns]
-        return total - sum(column.tolist()[1:])  # the default namespace's is derived
+    def events_snapshot(
+        self, ns: int | None, timeout: float | None = None
+    ) -> tuple[int, int, list[tuple[int, str, int]]]:
+        """:meth:`snapshot_stream`, gathered: the blocks held, and the position of the log
+        they are consistent with.
+
+        Returns:
+            ``(epoch, seq, [(namespace id, address, length), ...])``: replaying the log's
+            entries after ``seq`` over these gives the slab's blocks at any later seq;
+            ``seq`` is namespace ``ns``'s position when ``ns`` is given.
+
+        Raises:
+            As :meth:`snapshot_stream`.
+        """
+        held: dict[tuple[int, bytes], int] = {}
+        for part in self.snapshot_stream(ns, timeout):
+            if part.kind == "blocks":
+                held.update(((n, raw), length) for n, raw, length in part.blocks)
+            elif part.kind == "events":
+                for ev in part.events:
+                    if ev.kind == STORED:
+                        held[(ev.ns, ev.address)] = ev.length
+                    else:
+                        held.pop((ev.ns, ev.address), None)
+            else:
+                return part.epoch, part.position, _decoded(held)
+        raise AssertionError("a snapshot stream ends with its end part")
+
+    def _held_in(self, lo: int, hi: int, ns: int | None) -> list[tuple[int, bytes, int]]:
+        """``(namespace id, address, length)`` of the ready slots in ``[lo, hi)`` (of
+        namespace ``ns`` if given), under the lock: the state and namespace columns are
+        matched in C, so a slot of another namespace costs no Python step."""
+        g, ss = self.geometry, L.SLOT_SIZE
+        w4, w8 = ss // 4, ss // 8
+        wanted = self._mv[g.slots_off + lo * ss : g.slots_off + hi * ss : ss].tobytes()
+        wanted = wanted.translate(_READY_ONLY)
+        if ns is not None:
+            mine = map(ns.__eq__, self._slot_ns[lo:hi].tolist())
+            wanted = bytes(map(operator.and_, wanted, mine))
+        slots = list(itertools.compress(range(lo, hi), wanted))
+        if not slots:
+            return []
+        heads, i64, col = self._slots_u32, self._slots_i64, self._slot_ns
+        mm, at = self._mm, g.slots_off + L.SLOT.size
+        return [
+            (
+                col[k],
+                mm[at + k * ss : at + k * ss + (heads[k * w4] >> 16)],
+                i64[k * w8 + _LENGTH_WORD],
+            )
+            for k in slots
+        ]
+
+
+class SnapshotPart(NamedTuple):
+    """One part of :meth:`SlabEventLog.snapshot_stream`: ``blocks`` (namespace id, address,
+    length), ``events`` (the log's entries to apply over them, in order), or the ``end``
+    (the log's ``epoch`` and the ``position`` the whole is consistent with)."""
+
+    kind: str
+    blocks: list[tuple[int, bytes, int]] = []  # defaults never mutated
+    epoch: int = 0
+    position: int = 0
+    events: list[Event] = []
+
+
+class SnapshotVoid(SlabError):
+    """A snapshot's walk met a repair, or the log lapped it: take it again."""
 
 
 def _position(ring: EventRing, seq: int, ns: int | None) -> int:

@@ -103,8 +103,9 @@ assert GEOMETRY.size <= SLAB_ID_OFFSET
     ST_LEASED_PAGES,
     ST_LEASE_LATEST_END,
     ST_LEASES_REFUSED,  # hits a lookup answered without leases: a cap was reached
+    ST_UNLEASED_HINT,  # 1 + the slot whose last lease a release ended (0: none): a victim
     STATE_WORDS,
-) = range(33)
+) = range(34)
 
 #: Byte offset of the owner pid (state word ST_OWNER_PID, a native int64) in EVERY layout
 #: version so far. It must never move: ``--fresh`` reads it from a slab of another

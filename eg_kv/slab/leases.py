@@ -200,6 +200,7 @@ class SlabLeases(SlabChecks):
                 counts[i] = held - 1
                 if held == 1:
                     self._count_leased(ns, -s[L.F_NPAGES])
+                    st[L.ST_UNLEASED_HINT] = i + 1  # where a put behind the leases looks first
                 released += 1
                 out.append(True)
             st[L.ST_LEASES_RELEASED] += released

@@ -290,7 +290,14 @@ class Slab(SlabLeases):
         if nsw[e + _NS_PAGES] > target:  # two passes missed blocks moved by backward shifts
             raise Busy(f"namespace {self._ns_name(ns)} is at its quota of {quota} bytes; retry")
 
-    def _clock_visit(self, i: int, now: int = 0, local: dict[int, int] | None = None) -> bool:
+    def _clock_visit(
+        self,
+        i: int,
+        now: int = 0,
+        local: dict[int, int] | None = None,
+        reason: int = R_QUOTA,
+        second_chance: bool = True,
+    ) -> bool:
         """CLOCK's visit of slot ``i``: clear its reference bit (a second chance), or
         evict its block if the bit was clear. True if it evicted (the backward shift may
         have moved another block into slot ``i``).
@@ -299,11 +306,13 @@ class Slab(SlabLeases):
             now: the lease clock (:func:`eg_kv.slab.leases.now_ms`): a block leased until
                 after it is passed over. 0: leases do not protect it.
             local: the local readers' leases (:meth:`_local_leases`), honoured with ``now``.
+            reason: the event log's reason for an eviction (a namespace's own: quota).
+            second_chance: False evicts a referenced block too (the hint of a release).
         """
         mm, off = self._mm, self.geometry.slots_off + i * L.SLOT_SIZE
         if mm[off] != L.SLOT_READY:
             return False
-        if mm[off + L.SLOT_REF_OFFSET]:
+        if mm[off + L.SLOT_REF_OFFSET] and second_chance:
             mm[off + L.SLOT_REF_OFFSET] = 0
             return False
         if local and local.get(self._slot_block_ids[i], 0) > now:
@@ -313,7 +322,7 @@ class Slab(SlabLeases):
             if now and self._slot_lease_end[i] > now:
                 return False
             self._forget_leases(i, held, now)
-        self._drop_block(i, self._read_slot(i), evicted=True, reason=R_QUOTA)
+        self._drop_block(i, self._read_slot(i), evicted=True, reason=reason)
         return True
 
     def _make_room(self, n: int) -> None:
@@ -348,6 +357,14 @@ class Slab(SlabLeases):
             # Refused before evicting anything: even every unleased block would not do.
             raise self._leased_full(n, st[L.ST_LEASE_LATEST_END], now, first=False)
         local, ids = self._local_leases(), self._slot_block_ids
+        hint = st[L.ST_UNLEASED_HINT] - 1
+        st[L.ST_UNLEASED_HINT] = 0
+        if hint >= 0 and 8 * (st[L.ST_SLOT_PAGES] - st[L.ST_LEASED_PAGES]) < st[L.ST_SLOT_PAGES]:
+            # Almost every block leased: a sweep would pass over thousands to find the one
+            # whose last lease was just released. It is the victim, second chance or not.
+            self._clock_visit(hint, now, local, reason=R_EVICT, second_chance=False)
+            if st[L.ST_FREE_COUNT] >= n:
+                return
         mask, hand, mm, base = self._mask, st[L.ST_CLOCK_HAND], self._mm, self.geometry.slots_off
         # Slots visited since the last eviction: two sweeps without one (the first may only
         # clear reference bits) mean only leased blocks are left.
@@ -373,7 +390,8 @@ class Slab(SlabLeases):
             hand = (hand + 1) & mask
             idle += 1
             if passed > SWEEP_LEASED_MAX:  # mostly leased: this put has looked long enough
-                st[L.ST_CLOCK_HAND] = hand  # the next one goes on from here
+                st[L.ST_CLOCK_HAND] = hand  # the next one goes on from here, after a change
+                self._raise_lease_wall(first_end)
                 raise self._leased_full(n, first_end, now)
             if idle > 2 * (mask + 1):
                 st[L.ST_CLOCK_HAND] = hand

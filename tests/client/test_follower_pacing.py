@@ -38,14 +38,13 @@ def lying_server(gap: bool):
         def do_GET(self) -> None:  # http.server calls it by this name
             path = self.path.split("?")[0]
             asked[path] += 1
-            if path == "/kv/events/snapshot":
-                doc = {"epoch": "00", "seq": 5, "blocks": []}
+            if path == "/kv/events/snapshot":  # NDJSON: the epoch, no block, the end
+                body = b'{"epoch": "00"}\n{"seq": 5}\n'
             elif path == "/kv/events":
-                doc = {"epoch": "00", "events": [], "next": 5, "gap": gap}
+                body = json.dumps({"epoch": "00", "events": [], "next": 5, "gap": gap}).encode()
             else:
                 self.send_error(404)
                 return
-            body = json.dumps(doc).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

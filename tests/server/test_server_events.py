@@ -21,7 +21,7 @@ from helpers.server_procs import eg_kv_check, stop_a_lock_holder, workers_of
 from helpers.tenants import token_of, write_tokens
 
 from eg_kv.client.aio import AsyncServerConnector
-from eg_kv.client.events import Event, Snapshot, follow, follow_async
+from eg_kv.client.events import Event, Snapshot, follow, follow_async, parse_snapshot
 from eg_kv.client.sync import ServerConnector
 from eg_kv.errors import RemoteError
 from eg_kv.server.events import MAX_WAIT_S, MAX_WAITERS_PER_NAMESPACE
@@ -61,9 +61,16 @@ def read_all(srv, since=0, token=None):
 
 
 def snapshot(srv, token=None):
+    """The NDJSON snapshot, read by the clients' reader, as the JSON answer's fields."""
     reply = request(srv, "GET", "/kv/events/snapshot", token=token)
     assert reply.status == 200, reply
-    return reply.json()
+    assert reply.headers["Content-Type"].startswith("application/x-ndjson")
+    snap = parse_snapshot(reply.body)
+    blocks = [
+        {"hash": b.hash, "length": b.length, **({"namespace": b.namespace} if b.namespace else {})}
+        for b in snap.blocks
+    ]
+    return {"epoch": snap.epoch, "seq": snap.seq, "blocks": blocks}
 
 
 def held_in(snap):

@@ -19,13 +19,19 @@ from helpers.tenants import token_of, write_tokens
 from eg_kv.client.aio import AsyncServerConnector
 from eg_kv.client.core import KvCacheConfig
 from eg_kv.client.sync import ServerConnector
-from eg_kv.wire import ADDRESSES_TYPE, BATCH_RELEASE_PATH, LEASE_HEADER, RELEASE_HEADER
+from eg_kv.wire import (
+    ADDRESSES_TYPE,
+    BATCH_RELEASE_PATH,
+    LEASE_HEADER,
+    LEASE_REFUSED_HEADER,
+    RELEASE_HEADER,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 KiB = 1024
 BLOCK = 64 * KiB
-#: A slab of 16 pages of 64 KiB: 16 blocks fill it.
-SMALL = ("--page-size", "64KiB", "--lease-ms", "3000")
+#: A slab of 16 pages of 64 KiB: 16 blocks fill it; leases may hold all of it.
+SMALL = ("--page-size", "64KiB", "--lease-ms", "3000", "--lease-share", "1")
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -218,3 +224,43 @@ def test_hits_that_miss_their_load_none_with_leases_some_without(server_factory)
     assert leased["missed"] == 0
     assert bare["missed"] > 0
     assert leased["taken"] == leased["released"] == leased["hits"]
+
+
+def test_one_tenant_leasing_every_block_leaves_another_namespace_room(server_factory, tmp_path):
+    """On d29c8d3 a readonly tenant that leased every block of its namespace (1,024 of
+    1,024) got every PUT of another namespace a 507. Leases now stop at --lease-share
+    (default half) of the slab: the lookups past it answer their hits unleased and say
+    so, and the other namespace's PUTs go on by evicting the unleased half."""
+    tenants = [
+        {"name": "writer-x", "namespace": "x"},
+        {"name": "reader-x", "role": "readonly", "namespace": "x"},
+        {"name": "writer-y", "namespace": "y"},
+        {"name": "ops", "role": "admin"},
+    ]
+    path = write_tokens(tmp_path / "tokens.toml", tenants)
+    srv = server_factory(
+        workers=2,
+        capacity="4MiB",
+        extra=("--page-size", "64KiB", "--lease-ms", "30000", "--tokens", str(path)),
+    )
+    auth = {t["name"]: {"Authorization": f"Bearer {token_of(t['name'])}"} for t in tenants}
+    keys = [f"x{k}" for k in range(64)]  # the whole slab
+    for k in keys:
+        assert request(f"{srv.url}/kv/{k}", "PUT", bytes(BLOCK), auth["writer-x"])[0] == 201
+    granted = []
+    for lo in range(0, 64, 8):  # the reader leases every block it finds, 8 at a time
+        body = json.dumps({"addresses": keys[lo : lo + 8]}).encode()
+        headers = {**auth["reader-x"], LEASE_HEADER: "30000", "Content-Type": "application/json"}
+        status, got, answer = request(srv.url + "/kv/batch/exists", "POST", body, headers)
+        assert status == 200 and json.loads(answer)["exists"] == [True] * 8
+        granted.append(got[LEASE_HEADER])
+        assert (got[LEASE_HEADER] == "0") == (LEASE_REFUSED_HEADER in got)
+    assert granted == ["30000"] * 4 + ["0"] * 4  # half the slab's 64 pages, then none
+    for k in range(32):
+        status, _, body = request(f"{srv.url}/kv/y{k}", "PUT", bytes(BLOCK), auth["writer-y"])
+        assert status == 201, body
+    leased = keys[:32]
+    for k in leased:  # the leased half stayed
+        assert request(f"{srv.url}/kv/{k}", headers=auth["reader-x"])[0] == 200
+    st = json.loads(request(srv.url + "/kv/stats", headers=auth["ops"])[2])
+    assert st["leased_pages"] == 32 and st["leases_refused"] == 32
