@@ -313,9 +313,10 @@ _GET_RATE = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_refused_put_behind_a_full_lease_wall_is_cheap(slab_name):
-    """524,288 slots, every block leased, a release every 100 ms: on d29c8d3 each refused
-    put after a release swept the table twice under the lock (2.54 s) and GETs fell from
-    211/s to 3.1/s. Now no put holds the lock over 50 ms and GETs keep half their rate."""
+    """524,288 slots, every block leased, a release every 100 ms, puts of eight pages: on
+    d29c8d3 each refused put after a release swept the table twice under the lock (2.54 s)
+    and GETs fell from 211/s to 3.1/s. Now no put holds the lock over 50 ms (most are
+    refused without it) and GETs in another process keep half their rate."""
     s = Slab.create(slab_name, 1024 * MiB, page_size=4 * KiB, max_block_size=64 * KiB)
     try:
         assert s.geometry.nslots == 524_288
@@ -345,8 +346,8 @@ def test_a_refused_put_behind_a_full_lease_wall_is_cheap(slab_name):
                     s.release_leases([next(released)])
                     next_release += 0.1
                 t0 = time.perf_counter()
-                try:
-                    s.put(f"new{stored}", b"y")
+                try:  # eight pages, where each release frees one
+                    s.put(f"new{stored}", bytes(8 * 4 * KiB))
                     stored += 1
                 except InsufficientStorage:
                     refused += 1
@@ -361,9 +362,11 @@ def test_a_refused_put_behind_a_full_lease_wall_is_cheap(slab_name):
             for pipe in (reader.stdin, reader.stdout):
                 if pipe is not None and not pipe.closed:
                     pipe.close()
-        assert refused > 100 and 10 <= stored <= 16  # each release let one put in
-        assert worst < 0.05, f"a put held the lock {worst * 1000:.0f} ms"
-        assert beside >= alone / 2, (alone, beside)
+        # Refused until eight releases free room for one (each at once, without the lock);
+        # then each new block, unleased, makes room for the next.
+        seen = f"{refused} refused, {stored} stored, {worst * 1e3:.1f} ms, GETs {alone} {beside}"
+        assert refused > 100 and stored >= 1, seen
+        assert worst < 0.05 and beside >= alone / 2, seen
         assert s.check() == []
     finally:
         s.close()
