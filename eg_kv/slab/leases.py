@@ -307,12 +307,15 @@ class SlabLeases(SlabChecks):
         local reader's (a block leased both ways counts once).
 
         The count column is searched in C; only the slots with a count are looked at one
-        by one (few, in use), so a large slab with no leases costs one pass in C.
+        by one (few, in use), so a large slab with no leases costs one pass in C, and none
+        when no leased page is counted.
         """
         now = now_ms()
         local = {block for block, end in self._local_leases().items() if end > now}
-        counts = self._slot_leases.tolist()
         held: set[int] = set()
+        # No leased page counted, no slot to look at: a slab of millions of slots with no
+        # lease costs its stats no pass over the count column.
+        counts = self._slot_leases.tolist() if self._state[L.ST_LEASED_PAGES] else []
         if counts.count(0) != len(counts):
             ends, ids = self._slot_lease_end, self._slot_block_ids
             for i in itertools.compress(range(len(counts)), counts):

@@ -35,8 +35,10 @@ def put_status(url: str, address: str) -> int:
 
 @pytest.mark.parametrize("local_reads", [False, True])
 def test_lookup_and_lock_leases_and_the_load_releases(server_factory, local_reads):
-    # 16 pages of 64 KiB: the 16 chunks fill the slab.
-    srv = server_factory(workers=1, capacity="1MiB", extra=("--page-size", "64KiB"))
+    # 16 pages of 64 KiB: the 16 chunks fill the slab, all of which leases may hold.
+    srv = server_factory(
+        workers=1, capacity="1MiB", extra=("--page-size", "64KiB", "--lease-share", "1")
+    )
     conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=10, local_reads=local_reads)
     try:
         keys = lm_keys(16)
