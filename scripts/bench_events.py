@@ -54,28 +54,45 @@ def get(url: str, timeout: float = 60.0) -> bytes:
         return bytes(r.read())
 
 
+#: The prober: asks ``/healthz`` every 20 ms until its stdin closes, then prints each wait
+#: (in a process of its own: the loads' client threads must not hold its GIL).
+PROBE = r"""
+import sys, threading, time, urllib.request
+stop, waits = threading.Event(), []
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+while not stop.wait(0.02) and len(waits) < 1_000_000:
+    t0 = time.monotonic()
+    urllib.request.urlopen(sys.argv[1] + "/healthz", timeout=60).read()
+    waits.append(time.monotonic() - t0)
+print(" ".join(f"{w:.6f}" for w in waits))
+"""
+
+
 class Prober:
-    """``/healthz`` every 20 ms on a thread; each wait, and the worker's RSS."""
+    """The prober process, and the worker's private memory sampled every 20 ms here."""
 
     def __init__(self, url: str, worker: psutil.Process) -> None:
-        self.url, self.worker = url, worker
+        self.worker = worker
         self.waits: list[float] = []
         self.rss: list[int] = []
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.02) and len(self.waits) < 1_000_000:
-            t0 = time.monotonic()
-            get(self.url + "/healthz")
-            self.waits.append(time.monotonic() - t0)
+        while not self._stop.wait(0.02) and len(self.rss) < 1_000_000:
             info = self.worker.memory_info()
             self.rss.append(info.rss - info.shared)  # its own: the slab's pages are shared
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(60)
+        out, _ = self._proc.communicate("", timeout=120)
+        self.waits = [float(w) for w in out.split()]
 
 
 def cell(url: str, worker: psutil.Process, load: Callable[[], str]) -> dict[str, str]:

@@ -75,9 +75,10 @@ MAX_WAITERS_PER_NAMESPACE = 16
 MAX_READS, MAX_READS_PER_NAMESPACE = 4, 2
 #: Snapshots in flight per worker, and of one namespace.
 MAX_SNAPSHOTS, MAX_SNAPSHOTS_PER_NAMESPACE = 4, 2
-#: Log entries one step of a read looks at: each step holds the loop for a few ms at most
-#: (a whole read held it for 81-150 ms).
-READ_STEP = 1024
+#: Log entries one step of a read looks at: each step holds the loop for under a ms here
+#: (a whole read held it for 81-150 ms); a request that needs several turns of the loop
+#: (a new connection) waits for a step of each read in flight at each turn.
+READ_STEP = 256
 #: The snapshot's answer: one JSON object per line (see the module docstring).
 SNAPSHOT_TYPE = "application/x-ndjson"
 #: How often a waiter looks at the log: first, and at most (it backs off in between).
