@@ -620,11 +620,15 @@ class SlabEventLog(SlabSegment):
 
         with self._locked(timeout, write=False):
             first, repairs = ring.head, st[L.ST_REPAIRS]
-            states = self._mv[base : base + nslots * L.SLOT_SIZE : L.SLOT_SIZE].tobytes()
-            start = states.find(bytes([L.SLOT_EMPTY]))  # the table is never full
             # A namespace without a block has nothing to walk: what it stores meanwhile
-            # is in the log. Its snapshot costs no walk of the others' slots.
-            done = nslots if ns is not None and not self._ns_block_count(ns) else 0
+            # is in the log. Its snapshot costs no look at the others' slots.
+            done, start = (
+                (nslots, 0) if ns is not None and not self._ns_block_count(ns) else (0, -1)
+            )
+            if start < 0:  # the first empty slot (the table is never full: a few steps)
+                start = 0
+                while mm[base + start * L.SLOT_SIZE] != L.SLOT_EMPTY:
+                    start += 1
         while done < nslots:
             with self._locked(timeout, write=False):
                 if st[L.ST_REPAIRS] != repairs:
