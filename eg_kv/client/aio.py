@@ -37,6 +37,7 @@ from ..wire import (
     EVENTS_SNAPSHOT_PATH,
     HEALTHZ_PATH,
     LEASE_HEADER,
+    LEASE_REFUSED_HEADER,
     RELEASE_HEADER,
     STATS_PATH,
     encode_addresses,
@@ -186,6 +187,14 @@ async def _flags(n: int, resp: aiohttp.ClientResponse) -> list[bool]:
     body = await _read_small(resp)
     ctype = resp.headers.get("Content-Type")
     return compact_answer(resp.status, None if ctype is None else ctype.encode("latin-1"), body, n)
+
+
+async def _with_refusal(
+    parse: Callable[[aiohttp.ClientResponse], Awaitable[T]], resp: aiohttp.ClientResponse
+) -> tuple[T, bool]:
+    """``parse``'s answer, and whether the server answered a leasing lookup's hits
+    unleased (a lease cap: :data:`~eg_kv.wire.LEASE_REFUSED_HEADER`)."""
+    return await parse(resp), LEASE_REFUSED_HEADER in resp.headers
 
 
 async def _sink_from_memory(body: bytes, sink: AsyncSink[T]) -> T:
@@ -616,15 +625,17 @@ class AsyncServerConnector:
             return found, leading_hits(found)
         if self._compact_batches:
             try:
-                found = await self._exchange(
+                flags, refused = await self._exchange(
                     "POST",
                     self._core.path(BATCH_EXISTS_PATH),
-                    partial(_flags, len(addresses)),
+                    partial(_with_refusal, partial(_flags, len(addresses))),
                     body=encode_addresses(addresses),
                     headers={"Content-Type": ADDRESSES_TYPE, **lease},
                     timeout_s=timeout_s,
                 )
-                return found, leading_hits(found)
+                if refused:
+                    self._core.note_unleased(addresses, flags)
+                return flags, leading_hits(flags)
             except CompactRefused:
                 answer = await self._json_batch(addresses, timeout_s, lease)
                 self._compact_batches = False  # JSON worked where the compact body did not
@@ -637,15 +648,18 @@ class AsyncServerConnector:
         timeout_s: float | None = None,
         lease: dict[str, str] | None = None,
     ) -> tuple[list[bool], int]:
-        doc = await self._exchange(
+        doc, refused = await self._exchange(
             "POST",
             self._core.path(BATCH_EXISTS_PATH),
-            _json,
+            partial(_with_refusal, _json),
             body=batch_body(addresses),
             headers={"Content-Type": JSON_TYPE, **(lease or {})},
             timeout_s=timeout_s,
         )
-        return batch_answer(doc, len(addresses))
+        answer = batch_answer(doc, len(addresses))
+        if refused:
+            self._core.note_unleased(addresses, answer[0])
+        return answer
 
     async def _try_batch(
         self, chunk: list[str], timeout_s: float | None = None, lease_ms: int | None = None

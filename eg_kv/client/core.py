@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -415,6 +416,10 @@ def compact_answer(status: int, content_type: bytes | None, body: bytes, n: int)
     return found
 
 
+#: Hits answered unleased a client remembers (:meth:`ClientCore.note_unleased`).
+UNLEASED_MAX = 65536
+
+
 def leading_hits(found: list[bool]) -> int:
     """How many of ``found``, from the first, are True without a gap."""
     try:
@@ -538,6 +543,9 @@ class ClientCore:
         self.on_unreachable: Callable[[BaseException], None] | None = None
         #: Reads from the server's slab when this client is on its host.
         self.local = LocalReads(config.local_reads)
+        #: Hits answered unleased (a lease cap), by address: their releases are not sent.
+        self._unleased: dict[str, int] = {}
+        self._unleased_lock = threading.Lock()
 
     def _unreachable_hook(self, exc: BaseException) -> None:
         if self.on_unreachable is not None and isinstance(exc, OSError):
@@ -636,25 +644,59 @@ class ClientCore:
             return None
         return None if lease and any(found) else found
 
+    def note_unleased(self, addresses: list[str], found: list[bool]) -> None:
+        """Remember the hits of a leasing lookup the server answered unleased (a lease cap,
+        ``X-Eg-Kv-Lease-Refused``): their releases must not be sent, or they would end
+        another client's lease on the block. Bounded: the oldest are forgotten first."""
+        with self._unleased_lock:
+            unleased = self._unleased
+            for address, hit in zip(addresses, found, strict=True):
+                if hit:
+                    unleased[address] = unleased.get(address, 0) + 1
+            while len(unleased) > UNLEASED_MAX:
+                del unleased[next(iter(unleased))]
+
+    def _to_release(self, addresses: list[str]) -> list[str]:
+        """``addresses`` less one unleased hit each (:meth:`note_unleased`)."""
+        if not self._unleased:
+            return addresses
+        out = []
+        with self._unleased_lock:
+            unleased = self._unleased
+            for address in addresses:
+                count = unleased.get(address, 0)
+                if count > 1:
+                    unleased[address] = count - 1
+                elif count:
+                    del unleased[address]
+                else:
+                    out.append(address)
+        return out
+
     def local_release(self, addresses: list[str]) -> tuple[int, list[str]]:
         """End the leases this client took on the local slab on ``addresses``.
 
         Returns:
             How many were released here (a lease that had ended counts 0, as the server
             counts it), and the addresses it holds no local lease on: the server's to
-            release (``POST /kv/batch/release``).
+            release (``POST /kv/batch/release``), less the hits it answered unleased.
         """
         slab = self.local.slab
         if slab is None:
-            return 0, addresses
-        return slab.release_leases(addresses)
+            return 0, self._to_release(addresses)
+        released, rest = slab.release_leases(addresses)
+        return released, self._to_release(rest)
 
-    @staticmethod
-    def release_header(slab: LocalSlab | None, address: str, release_lease: bool) -> bool:
+    def release_header(self, slab: LocalSlab | None, address: str, release_lease: bool) -> bool:
         """Whether a GET of ``address`` that ends a lease asks the server to end it: not
         when the lease is this client's on the local slab (released here after the read:
-        the server would end another client's)."""
-        return release_lease and (slab is None or not slab.holds_lease(address))
+        the server would end another client's), nor when its lookup was answered unleased
+        (the caller's release after the read forgets it)."""
+        return (
+            release_lease
+            and (slab is None or not slab.holds_lease(address))
+            and address not in self._unleased
+        )
 
     def local_has(self, slab: LocalSlab | None, what: str, address: str) -> bool | None:
         """Whether ``address`` is resident, from the local slab; None: ask over HTTP. A bad

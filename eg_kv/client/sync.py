@@ -38,6 +38,7 @@ from ..wire import (
     EVENTS_SNAPSHOT_PATH,
     HEALTHZ_PATH,
     LEASE_HEADER,
+    LEASE_REFUSED_HEADER,
     RELEASE_HEADER,
     STATS_PATH,
     encode_addresses,
@@ -164,6 +165,16 @@ class _Pool:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+
+#: The header of a leasing lookup answered unleased, as the sync client reads headers.
+_REFUSED = LEASE_REFUSED_HEADER.lower().encode()
+
+
+def _with_refusal(parse: Callable[[Response], T], resp: Response) -> tuple[T, bool]:
+    """``parse``'s answer, and whether the server answered a leasing lookup's hits
+    unleased (a lease cap: :data:`~eg_kv.wire.LEASE_REFUSED_HEADER`)."""
+    return parse(resp), resp.headers.get(_REFUSED) is not None
 
 
 class ServerConnector:
@@ -543,14 +554,16 @@ class ServerConnector:
             return found, leading_hits(found)
         if self._compact_batches:
             try:
-                found = self._exchange(
+                found, refused = self._exchange(
                     "POST",
                     self._core.path(BATCH_EXISTS_PATH),
-                    partial(self._flags, len(addresses)),
+                    partial(_with_refusal, partial(self._flags, len(addresses))),
                     body=(encode_addresses(addresses),),
                     headers=self._compact_head + lease,
                     timeout_s=timeout_s,
                 )
+                if refused:
+                    self._core.note_unleased(addresses, found)
                 return found, leading_hits(found)
             except CompactRefused:
                 answer = self._json_batch(addresses, timeout_s, lease)
@@ -561,15 +574,18 @@ class ServerConnector:
     def _json_batch(
         self, addresses: list[str], timeout_s: float | None = None, lease: bytes = b""
     ) -> tuple[list[bool], int]:
-        doc = self._exchange(
+        doc, refused = self._exchange(
             "POST",
             self._core.path(BATCH_EXISTS_PATH),
-            self._json,
+            partial(_with_refusal, self._json),
             body=(batch_body(addresses),),
             headers=self._batch_head + lease,
             timeout_s=timeout_s,
         )
-        return batch_answer(doc, len(addresses))
+        answer = batch_answer(doc, len(addresses))
+        if refused:
+            self._core.note_unleased(addresses, answer[0])
+        return answer
 
     @staticmethod
     def _flags(n: int, resp: Response) -> list[bool]:

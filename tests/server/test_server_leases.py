@@ -264,3 +264,31 @@ def test_one_tenant_leasing_every_block_leaves_another_namespace_room(server_fac
         assert request(f"{srv.url}/kv/{k}", headers=auth["reader-x"])[0] == 200
     st = json.loads(request(srv.url + "/kv/stats", headers=auth["ops"])[2])
     assert st["leased_pages"] == 32 and st["leases_refused"] == 32
+
+
+def test_a_client_never_releases_hits_it_was_answered_unleased(server_factory):
+    """Past the cap a lookup's hits are answered unleased: a client that then released
+    them (its loads, or release()) would end another client's leases on the same blocks
+    (a release ends *a* lease on the block). The clients remember such hits and send no
+    release for them, sync and async alike."""
+    srv = server_factory(workers=1, capacity="1MiB", extra=("--page-size", "64KiB"))
+    keys = fill(srv.url, "k", 16)
+    holder = ServerConnector(KvCacheConfig(base_url=srv.url, local_reads=False))
+    late = ServerConnector(KvCacheConfig(base_url=srv.url, local_reads=False))
+    with holder, late:
+        assert holder.exists_many(keys[:8], lease_ms=3000) == [True] * 8  # half: the cap
+        assert late.exists_many(keys, lease_ms=3000) == [True] * 16  # answered, unleased
+        assert late.get("k0", release_lease=True) == bytes(BLOCK)  # a load that releases
+        assert late.release(keys[1:]) == 0  # and the rest
+        st = stats(srv.url)
+        assert (st["leased_blocks"], st["leases_released"], st["leases_refused"]) == (8, 0, 16)
+
+    async def run() -> None:
+        async with AsyncServerConnector(KvCacheConfig(base_url=srv.url, local_reads=False)) as a:
+            assert await a.exists_many(keys, lease_ms=3000) == [True] * 16
+            assert await a.get("k1", release_lease=True) == bytes(BLOCK)
+            assert await a.release([k for k in keys if k != "k1"]) == 0
+
+    asyncio.run(run())
+    st = stats(srv.url)
+    assert (st["leased_blocks"], st["leases_released"]) == (8, 0)
