@@ -352,21 +352,26 @@ def test_an_empty_namespaces_snapshot_burst_costs_the_others_little(million):
     def p99(xs: list[float]) -> float:
         return sorted(xs)[int(0.99 * (len(xs) - 1))]
 
-    baseline = p99(latencies(300))
-    watcher = Latencies(srv, victim, "/kv/b7")
-    start = time.monotonic()
-    for k in range(600):  # 600 over 3 s, each on a connection closed at once
-        _send_and_close(srv.port, mallory, b"/kv/events/snapshot")
-        pause = start + (k + 1) / 200 - time.monotonic()
-        if pause > 0:
-            time.sleep(pause)
-        assert time.monotonic() < start + 60
-    burst_end = len(watcher.seen)
-    wait_for(lambda: len(watcher.seen) >= burst_end + 50, timeout=30, what="the victim after")
-    seen = watcher.stop()
-    during = [t for status, t in seen[:burst_end]]
-    assert {status for status, _ in seen} == {200}
-    assert len(during) >= 10
-    assert p99(during) <= 2 * baseline, (baseline, p99(during))
-    after = p99(latencies(300))
-    assert after <= 2 * baseline, (baseline, after)
+    def under_burst(target: bytes) -> list[float]:
+        """The victim's latencies while 600 requests for ``target`` come in over 3 s, each
+        on a connection closed at once."""
+        watcher = Latencies(srv, victim, "/kv/b7")
+        start = time.monotonic()
+        for k in range(600):
+            _send_and_close(srv.port, mallory, target)
+            pause = start + (k + 1) / 200 - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            assert time.monotonic() < start + 60
+        seen = watcher.stop()
+        assert {status for status, _ in seen} == {200} and len(seen) >= 10
+        return [t for _, t in seen]
+
+    # The baseline: the same burst of a cheap request (/healthz), so the
+    # comparison is of what the snapshots cost, not of 200 connections a second on 2 cores.
+    idle = p99(latencies(300))
+    baseline = p99(under_burst(b"/healthz"))
+    during = under_burst(b"/kv/events/snapshot")
+    assert p99(during) <= 2 * baseline, (idle, baseline, p99(during))
+    after = p99(latencies(300))  # and once the burst is over, as before it
+    assert after <= max(2 * idle, baseline), (idle, baseline, after)
