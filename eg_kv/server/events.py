@@ -244,7 +244,7 @@ async def _read(
     out: list[str] = []
     nxt, budget = since, SCAN_MAX
     at = (0, 0) if ns is None else ring.ns_position(ns)  # one view of the namespace's log
-    if since == (ring.head if ns is None else at[0]):
+    if since == _newest(ring, ns, at):
         return out, since, False  # nothing new: no work, no turn of the loop
     # In flight before any work: a burst of reads meets the gate (503), not the loop, and
     # a read whose client already left costs nothing.
@@ -256,14 +256,12 @@ async def _read(
             step = min(READ_STEP, budget)
             events, after, gap = ring.read(nxt, limit - len(out), None, step)
             budget -= after - nxt
-            newest = ring.head
         else:  # one namespace's, by its positions (each step walks back to nxt: a few ms)
             events, after, gap = ring.read_ns(nxt, min(READ_STEP, limit - len(out)), ns, at)
-            newest = at[0]
         if gap:
             return (out, nxt, False) if out else ([], after, True)
         out += [_event_text(ev, names) for ev in events]
-        done = after == nxt or len(out) >= limit or budget <= 0 or after >= newest
+        done = after == nxt or len(out) >= limit or budget <= 0 or after >= _newest(ring, ns, at)
         nxt = after
         if done:
             return out, nxt, False
@@ -272,9 +270,12 @@ async def _read(
             raise ConnectionResetError("the reader left during its read")
 
 
-def _newest(ring: EventRing, ns: int | None) -> int:
-    """The newest position in the log as namespace ``ns``'s reader counts (None: seq)."""
-    return ring.head if ns is None else ring.ns_position(ns)[0]
+def _newest(ring: EventRing, ns: int | None, at: tuple[int, int] | None = None) -> int:
+    """The newest position in the log as namespace ``ns``'s reader counts (None: seq);
+    ``at``: the namespace's position as the caller read it already."""
+    if ns is None:
+        return ring.head
+    return (at or ring.ns_position(ns))[0]
 
 
 def _answer(
