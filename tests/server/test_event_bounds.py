@@ -373,5 +373,8 @@ def test_an_empty_namespaces_snapshot_burst_costs_the_others_little(million):
     baseline = p99(under_burst(b"/healthz"))
     during = under_burst(b"/kv/events/snapshot")
     assert p99(during) <= 2 * baseline, (idle, baseline, p99(during))
-    after = p99(latencies(300))  # and once the burst is over, as before it
-    assert after <= max(2 * idle, baseline), (idle, baseline, after)
+    # Once the burst is over, nothing of it lingers. Sub-millisecond p99s wobble by 2x on
+    # 2 cores (0.65 ms idle, then 1.78 ms in one CI run), so the bound is 2x the larger of
+    # the two quiet figures: a walk left running would cost tens of ms a request.
+    after = p99(latencies(300))
+    assert after <= 2 * max(idle, baseline), (idle, baseline, after)
