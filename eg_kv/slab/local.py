@@ -48,7 +48,11 @@ LOOKUP_ATTEMPTS = 64
 #: server retired: ``rm /dev/shm/...``).
 NAME_CHECK_S = 1.0
 #: Runs at least this long are copied by ``memmove`` without the GIL (see _Copier).
-MEMMOVE_MIN = 64 * 1024
+#: Shorter ones hold it: eight loader threads each giving up the GIL for a 64 KiB copy
+#: waited on each other to get it back, and loaded 1,024 x 64 KiB at 21,000 chunks/s
+#: against 30,000 holding it (128 KiB: 15,500 against 27,800; 256 KiB even; 512 KiB
+#: 10,200 against 6,700 for memmove: copies that long overlap on both cores).
+MEMMOVE_MIN = 256 * 1024
 _T = TypeVar("_T")
 _F_BLOCK_ID = L.F_BLOCK_ID
 
@@ -509,7 +513,8 @@ class _Copier:
     ``ctypes.memmove``, which releases the GIL: the threads of a loader (the L2 adapter's
     pool) then copy on every core at once (a memoryview slice assignment holds the GIL:
     four threads loaded 14 MiB chunks at one core's speed). A shorter one is copied from
-    the mapping. Either way the tag check afterwards decides (:meth:`finish`).
+    the mapping, holding the GIL: for it, waiting to get the GIL back cost more than the
+    copy. Either way the tag check afterwards decides (:meth:`finish`).
     """
 
     def __init__(self, slab: LocalSlab, reader: BlockReader) -> None:
