@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 
 from .errors import InvalidAddress
 
@@ -12,7 +13,10 @@ ADDRESS_MAX = 256
 
 #: The characters an address may hold: letters, digits and ``. _ : @ + = -``.
 SAFE_CHARS = "A-Za-z0-9._:@+=-"
-_ADDRESS_RE = re.compile(rf"[{SAFE_CHARS}]{{1,{ADDRESS_MAX}}}")
+_ONE = rf"[{SAFE_CHARS}]{{1,{ADDRESS_MAX}}}"
+_ADDRESS_RE = re.compile(_ONE)
+#: Addresses joined by newlines (which no address holds): a batch checked in one match.
+_ADDRESS_LINES_RE = re.compile(rf"(?:{_ONE}\n)*{_ONE}")
 
 #: Words the HTTP routes use under ``/kv/``; they can never be block addresses.
 RESERVED = frozenset({"stats", "batch", "exists", "metrics", "healthz", "events"})
@@ -38,6 +42,20 @@ def validate(address: str) -> bytes:
     if address in DOT_SEGMENTS:
         raise InvalidAddress(f"address {address!r} is a URL dot segment; pick another")
     return address.encode("ascii")
+
+
+def all_valid(addresses: Sequence[object]) -> bool:
+    """Whether every item is a valid address (:func:`validate`), in one regex over the
+    batch (a match per address was a tenth of a 1,024-address lease release)."""
+    if not addresses or not all(isinstance(a, str) for a in addresses):
+        return False
+    joined = "\n".join(addresses)  # type: ignore[arg-type]
+    return (
+        joined.count("\n") == len(addresses) - 1  # no item split in two by its own newline
+        and _ADDRESS_LINES_RE.fullmatch(joined) is not None
+        and RESERVED.isdisjoint(addresses)
+        and DOT_SEGMENTS.isdisjoint(addresses)
+    )
 
 
 def fingerprint(raw: bytes) -> int:

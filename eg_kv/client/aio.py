@@ -64,6 +64,7 @@ from .core import (
     may_resend,
     resolve_config,
     to_address,
+    to_addresses,
     wants_continue,
 )
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
@@ -676,7 +677,7 @@ class AsyncServerConnector:
         """One bool per key (one batch request per 1024 keys); False where a batch failed.
         ``lease_ms``: lease the hits (:meth:`eg_kv.client.sync.ServerConnector.exists_many`)."""
         out: list[bool] = []
-        for chunk in batches([to_address(k) for k in keys]):
+        for chunk in batches(to_addresses(keys)):
             found = await self._try_batch(chunk, lease_ms=lease_ms)
             out.extend(found if found is not None else [False] * len(chunk))
         return out
@@ -686,7 +687,7 @@ class AsyncServerConnector:
     ) -> list[bool] | None:
         """Like :meth:`exists_many`, but None when any batch request failed (so a caller
         can tell "absent" from "could not ask"). Never raises."""
-        return await self.try_exists_addresses([to_address(k) for k in keys], lease_ms=lease_ms)
+        return await self.try_exists_addresses(to_addresses(keys), lease_ms=lease_ms)
 
     async def try_exists_addresses(
         self,
@@ -714,7 +715,7 @@ class AsyncServerConnector:
         """How many keys, from the first, are resident without a gap; 0 on any error.
         ``lease_ms``: lease the prefix's blocks; hits past it are released at once."""
         total = 0
-        for chunk in batches([to_address(k) for k in keys]):
+        for chunk in batches(to_addresses(keys)):
             try:
                 found, prefix = await self._batch_exists(chunk, lease_ms=lease_ms)
             except Exception as exc:  # asyncio.TimeoutError included
@@ -735,7 +736,7 @@ class AsyncServerConnector:
         Returns:
             How many leases were released; 0 for a batch that failed. Never raises.
         """
-        released, remote = self._core.local_release([to_address(k) for k in keys])
+        released, remote = self._core.local_release(to_addresses(keys))
         for chunk in batches(remote):
             try:
                 found = await self._exchange(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from .aio import AsyncServerConnector
-from .core import KvCacheConfig, KvCacheStats, to_address
+from .core import KvCacheConfig, KvCacheStats, to_address, to_addresses
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
 from .interface import AsyncSink, Unreachable
@@ -211,13 +211,13 @@ class AsyncSetConnector:
     ) -> list[bool]:
         """One bool per key; each member asked once (per 1024 keys), in parallel.
         ``lease_ms``: each member leases the hits of its part."""
-        return (await self._lookup([to_address(k) for k in keys], lease_ms=lease_ms))[0]
+        return (await self._lookup(to_addresses(keys), lease_ms=lease_ms))[0]
 
     async def try_exists_many(
         self, keys: Sequence[str | bytes], lease_ms: int | None = None
     ) -> list[bool] | None:
         """:meth:`exists_many`, or None when no member could be asked."""
-        return await self.try_exists_addresses([to_address(k) for k in keys], lease_ms=lease_ms)
+        return await self.try_exists_addresses(to_addresses(keys), lease_ms=lease_ms)
 
     async def try_exists_addresses(
         self,
@@ -240,7 +240,7 @@ class AsyncSetConnector:
     ) -> int:
         """Prefix hits over the merged answer, whichever member holds each key.
         ``lease_ms``: the prefix's blocks are leased; hits past it are released."""
-        addresses = [to_address(k) for k in keys]
+        addresses = to_addresses(keys)
         found = (await self._lookup(addresses, lease_ms=lease_ms))[0]
         prefix = prefix_hits(found)
         if lease_ms and any(found[prefix:]):

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .. import wire
-from ..address import address_for_key, validate
+from ..address import address_for_key, all_valid, validate
 from ..config import (
     DEFAULT_HOST,
     DEFAULT_MAX_BLOCK_SIZE,
@@ -355,6 +355,14 @@ def to_address(key: str | bytes) -> str:
         except InvalidAddress:
             pass
     return address_for_key(key)
+
+
+def to_addresses(keys: Sequence[str | bytes]) -> list[str]:
+    """:func:`to_address` of each key: checked as one batch when every key is an address
+    already (as an adapter's digests are), key by key otherwise."""
+    if all_valid(keys):
+        return list(keys)  # type: ignore[arg-type]
+    return [to_address(k) for k in keys]
 
 
 def batches(addresses: Sequence[str]) -> Iterator[list[str]]:

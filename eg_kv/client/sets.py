@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .core import KvCacheConfig, KvCacheStats, batches, to_address
+from .core import KvCacheConfig, KvCacheStats, batches, to_address, to_addresses
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
 from .placement import prefix_hits
@@ -239,13 +239,13 @@ class SetConnector:
         """One bool per key; each member asked once (per 1024 keys), in parallel.
         ``lease_ms``: each member leases the hits of its part
         (:meth:`ServerConnector.exists_many`)."""
-        return self._lookup([to_address(k) for k in keys], lease_ms=lease_ms)[0]
+        return self._lookup(to_addresses(keys), lease_ms=lease_ms)[0]
 
     def try_exists_many(
         self, keys: Sequence[str | bytes], lease_ms: int | None = None
     ) -> list[bool] | None:
         """:meth:`exists_many`, or None when no member could be asked."""
-        return self.try_exists_addresses([to_address(k) for k in keys], lease_ms=lease_ms)
+        return self.try_exists_addresses(to_addresses(keys), lease_ms=lease_ms)
 
     def try_exists_addresses(
         self,
@@ -266,7 +266,7 @@ class SetConnector:
     def contains_prefix(self, keys: Sequence[str | bytes], lease_ms: int | None = None) -> int:
         """Prefix hits over the merged answer, whichever member holds each key.
         ``lease_ms``: the prefix's blocks are leased; hits past it are released."""
-        addresses = [to_address(k) for k in keys]
+        addresses = to_addresses(keys)
         found = self._lookup(addresses, lease_ms=lease_ms)[0]
         prefix = prefix_hits(found)
         if lease_ms and any(found[prefix:]):

@@ -71,6 +71,7 @@ from .core import (
     may_resend,
     resolve_config,
     to_address,
+    to_addresses,
     wants_continue,
 )
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
@@ -606,7 +607,7 @@ class ServerConnector:
             One bool per key; all False for a batch that failed.
         """
         out: list[bool] = []
-        for chunk in batches([to_address(k) for k in keys]):
+        for chunk in batches(to_addresses(keys)):
             found = self._try_batch(chunk, lease_ms=lease_ms)
             out.extend(found if found is not None else [False] * len(chunk))
         return out
@@ -616,7 +617,7 @@ class ServerConnector:
     ) -> list[bool] | None:
         """Like :meth:`exists_many`, but None when any batch request failed (so a caller
         can tell "absent" from "could not ask"). Never raises."""
-        return self.try_exists_addresses([to_address(k) for k in keys], lease_ms=lease_ms)
+        return self.try_exists_addresses(to_addresses(keys), lease_ms=lease_ms)
 
     def try_exists_addresses(
         self,
@@ -659,7 +660,7 @@ class ServerConnector:
             The prefix length; 0 on any error.
         """
         total = 0
-        for chunk in batches([to_address(k) for k in keys]):
+        for chunk in batches(to_addresses(keys)):
             try:
                 found, prefix = self._batch_exists(chunk, lease_ms=lease_ms)
             except Exception as exc:
@@ -681,7 +682,7 @@ class ServerConnector:
             How many leases were released (one that had ended, or none held, counts 0);
             0 for a batch that failed. Never raises.
         """
-        released, remote = self._core.local_release([to_address(k) for k in keys])
+        released, remote = self._core.local_release(to_addresses(keys))
         for chunk in batches(remote):
             try:
                 found = self._exchange(

@@ -290,14 +290,22 @@ class RemoteKVL2Connector:
         if self._lease_ms <= 0:
             return
         addresses = self._addresses(keys)
-        leased = []
         with self._lock:
-            for address in addresses:
-                count = self._leased.pop(address, 0)
-                if count > 1:
-                    self._leased[address] = count - 1
-                if count:
-                    leased.append(address)
+            # Each address's count, taken off the record in C; a batch with none above 1
+            # (the usual: one lookup, then its load) is done. Else they go back and are
+            # taken one at a time (an address twice in a batch ends two leases).
+            counts = list(map(self._leased.pop, addresses, itertools.repeat(0)))
+            if max(counts, default=0) <= 1:
+                leased = list(itertools.compress(addresses, counts))
+            else:
+                self._leased.update({a: c for a, c in zip(addresses, counts, strict=True) if c})
+                leased = []
+                for address in addresses:
+                    count = self._leased.pop(address, 0)
+                    if count > 1:
+                        self._leased[address] = count - 1
+                    if count:
+                        leased.append(address)
         if leased:
             self._client.release(leased)
 

@@ -170,6 +170,8 @@ SlotFields = tuple[int, ...]
 SLOT_SIZE = SLOT.size + ADDRESS_MAX  # 320
 SLOT_EMPTY = 0
 SLOT_READY = 1
+#: A slot's state and block id alone (a lookup checking a block is still where it was).
+SLOT_STATE_AND_ID = struct.Struct(f"<B{struct.calcsize(SLOT.format[: 1 + F_BLOCK_ID]) - 1}xQ")
 SLOT_REF_OFFSET = 1  # byte offset of the reference bit inside a slot
 
 # The namespace table, right after the header: NS_COUNT entries of NS_WORDS int64 words.

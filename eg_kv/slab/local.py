@@ -54,7 +54,6 @@ NAME_CHECK_S = 1.0
 #: 10,200 against 6,700 for memmove: copies that long overlap on both cores).
 MEMMOVE_MIN = 256 * 1024
 _T = TypeVar("_T")
-_F_BLOCK_ID = L.F_BLOCK_ID
 
 
 class _Torn(Exception):
@@ -428,26 +427,19 @@ class LocalSlab(SlabView):
         leases, ns = self.leases, self.info.ns
         if leases is None:
             return None
-        keys = [self._key(a, ns) for a in addresses]
-        seq, ids = self._read(self._find_ids, keys, ns)
+        seq, ids = self.block_ids(addresses, ns)
         found = list(map(bool, ids))
         if any(found):
             if not leases.take(addresses, ids, min(lease_ms, self.info.lease_ms)):
                 return None
             full_fence()
             if self._state[L.ST_SEQ] != seq:  # a writer came in: are they still there?
-                again = self._read(self._find_ids, keys, ns)[1]
+                again = self.block_ids(addresses, ns)[1]
                 for i, (before, now) in enumerate(zip(ids, again, strict=True)):
                     if before and now != before:  # gone (or replaced): a miss after all
                         leases.undo(addresses[i])
                         found[i] = False
         return found
-
-    def _find_ids(self, keys: list[tuple[bytes, int]], ns: int) -> tuple[int, list[int]]:
-        """The slab's sequence and each key's block id (0: absent), for :meth:`_read`."""
-        find, seq = self._find, self._state[L.ST_SEQ]
-        ids = [0 if (s := find(raw, fp, ns)[1]) is None else s[_F_BLOCK_ID] for raw, fp in keys]
-        return seq, ids
 
     def holds_lease(self, address: str) -> bool:
         """Whether this reader holds a local lease on ``address``'s block."""

@@ -135,27 +135,36 @@ class LocalLeases:
 
     def _add(self, new: dict[str, int], end: int) -> None:
         """Records for ``new`` (address -> block), one lease each (under the lock): freed
-        records first, one by one, then never used ones, in slices."""
-        table, free, records = self._table, self._free, self._records
+        records first, then never used ones. A run of consecutive records (what a batch
+        released, or never used) is written in slices; other freed ones one by one."""
+        free = self._free
         names, ids = list(new), list(new.values())
         k = min(len(free), len(names))
-        for address, block in zip(names[:k], ids[:k], strict=True):
-            i = free.pop()
-            records[address] = i
-            self._blocks[i], self._counts[i], self._ends[i] = block, 1, end
-            self._addresses[i] = address
-            table[i * _WORDS + 1] = end
-            table[i * _WORDS] = block
+        if k:
+            tail = free[-k:]  # freed records are distinct: k of them in k places run
+            lo = min(tail)
+            if max(tail) - lo + 1 == k:
+                del free[-k:]
+                self._fill(lo, names[:k], ids[:k], end)
+            else:
+                for address, block in zip(names[:k], ids[:k], strict=True):
+                    self._fill(free.pop(), [address], [block], end)
         if k < len(names):
-            names, ids = names[k:], ids[k:]
             lo = self._top
-            hi = self._top = lo + len(names)
-            self._blocks[lo:hi], self._addresses[lo:hi] = ids, names
-            self._counts[lo:hi], self._ends[lo:hi] = [1] * len(names), [end] * len(names)
-            records.update(zip(names, range(lo, hi), strict=True))
-            # Every end before any id (the server reads an id with its end written).
-            table[lo * _WORDS + 1 : hi * _WORDS : _WORDS] = array("q", [end] * len(names))
-            table[lo * _WORDS : hi * _WORDS : _WORDS] = array("q", ids)
+            self._top += len(names) - k
+            self._fill(lo, names[k:], ids[k:], end)
+
+    def _fill(self, lo: int, names: list[str], ids: list[int], end: int) -> None:
+        """Records ``lo`` onwards for ``names`` (their blocks ``ids``), one lease each
+        ending at ``end`` (under the lock): every end before any id, since the server
+        reads an id with its end written."""
+        hi = lo + len(names)
+        self._blocks[lo:hi], self._addresses[lo:hi] = ids, names
+        self._counts[lo:hi], self._ends[lo:hi] = [1] * len(names), [end] * len(names)
+        self._records.update(zip(names, range(lo, hi), strict=True))
+        table = self._table
+        table[lo * _WORDS + 1 : hi * _WORDS : _WORDS] = array("q", [end] * len(names))
+        table[lo * _WORDS : hi * _WORDS : _WORDS] = array("q", ids)
 
     def _count_again(self, addresses: Sequence[str], ids: Sequence[int]) -> None:
         """One more lease for every repeat of an address that was new in this lookup."""
@@ -186,10 +195,12 @@ class LocalLeases:
             and the addresses this reader holds no lease on: one taken over HTTP is the
             server's to release.
         """
-        released, rest = 0, []
+        released, rest = 0, list[str]()
         now = now_ms()
         records, counts, ends = self._records, self._counts, self._ends
         with self._lock:
+            if self._release_run(addresses, now):
+                return len(addresses), rest
             for address in addresses:
                 i = records.get(address)
                 if i is None:
@@ -206,6 +217,32 @@ class LocalLeases:
                 self._entries[self._me + L.R_LEASES_RELEASED] += released
                 self._moved()  # after the count: the server's wall stamp reads both
         return released, rest
+
+    def _release_run(self, addresses: Sequence[str], now: int) -> bool:
+        """Release the leases of a batch that holds one each on a run of consecutive
+        records, none ended (what a lookup's :meth:`_add` wrote, then its load releases),
+        in slices (under the lock). Returns False, with nothing done, for any other
+        batch: the caller goes key by key."""
+        n, names = len(addresses), set(addresses)
+        if not n or len(names) != n or not self._records.keys() >= names:
+            return False
+        at = list(map(self._records.__getitem__, addresses))  # n distinct records
+        lo = min(at)
+        hi = lo + n
+        if (
+            max(at) != hi - 1  # so they are the records from lo to hi - 1
+            or self._counts[lo:hi].count(1) != n
+            or min(self._ends[lo:hi]) <= now
+        ):
+            return False
+        self._table[lo * _WORDS : hi * _WORDS : _WORDS] = array("q", bytes(8 * n))  # ids
+        self._free.extend(range(lo, hi))
+        records = self._records
+        for address in addresses:
+            del records[address]
+        self._entries[self._me + L.R_LEASES_RELEASED] += n
+        self._moved()  # after the count: the server's wall stamp reads both
+        return True
 
     def holds(self, address: str) -> bool:
         """Whether a lease of this reader is on ``address``'s block (ended or not)."""

@@ -37,6 +37,8 @@ _KEY_CACHE = 16384
 _KEY_CACHE_TOTAL = 32768
 #: Every namespace's memo until its first address: shared, never written (see _remember).
 _NO_KEYS: dict[str, tuple[bytes, int]] = {}
+#: The same for the memo of where hits were (see SlabView._ids_of).
+_NO_PLACES: dict[str, tuple[int, int]] = {}
 #: Each namespace's fingerprint mix (layout.ns_fingerprint), made once: a multiply and a
 #: mask of a 64-bit int per lookup were a tenth of a namespace's extra cost.
 _NS_MIXES = [(ns * L.NS_MIX) & 0xFFFFFFFFFFFFFFFF for ns in range(L.NS_COUNT)]
@@ -61,6 +63,8 @@ def full_fence() -> None:
 
 
 _unpack_slot = L.SLOT.unpack_from
+_unpack_state_and_id = L.SLOT_STATE_AND_ID.unpack_from
+_SLOT_READY = L.SLOT_READY
 _SLOT_SIZE, _SLOT_HEAD, _SLOT_EMPTY, _ST_SEQ = L.SLOT_SIZE, L.SLOT.size, L.SLOT_EMPTY, L.ST_SEQ
 
 
@@ -87,6 +91,8 @@ class SlabView:
         self._tag = self._mv[g.tag_off : g.tag_off + 8 * g.npages].cast("Q")
         #: Per namespace id: address -> (ASCII bytes, the namespace's fingerprint).
         self._keys: list[dict[str, tuple[bytes, int]]] = [_NO_KEYS] * L.NS_COUNT
+        #: Per namespace id: address -> (slot, block id) where a lookup last found it.
+        self._places: list[dict[str, tuple[int, int]]] = [_NO_PLACES] * L.NS_COUNT
         self._key_cap = _KEY_CACHE
         self._mask = g.nslots - 1
         self._nslots, self._slots_off = g.nslots, g.slots_off
@@ -184,6 +190,7 @@ class SlabView:
         """
         self._key_cap = max(1, min(_KEY_CACHE, _KEY_CACHE_TOTAL // max(1, namespaces)))
         self._keys = [_NO_KEYS] * L.NS_COUNT
+        self._places = [_NO_PLACES] * L.NS_COUNT
 
     def check_address(self, address: str, ns: int = 0) -> None:
         """Raise :class:`~eg_kv.errors.InvalidAddress` unless ``address`` is one (from
@@ -282,12 +289,58 @@ class SlabView:
         return self.length(address, ns) is not None
 
     def exists_many(self, addresses: Iterable[str], ns: int = 0) -> list[bool]:
-        """Existence of each address, looked up in one pass (prefix lookups)."""
-        keys = [self._key(a, ns) for a in addresses]
-        return self._read(self._find_each, keys, ns)
+        """Existence of each address, looked up in one pass (prefix lookups).
 
-    def _find_each(self, keys: list[tuple[bytes, int]], ns: int) -> list[bool]:
-        return [self._find(raw, fp, ns)[1] is not None for raw, fp in keys]
+        Raises:
+            InvalidAddress: see :func:`eg_kv.address.validate`.
+        """
+        return list(map(bool, self.block_ids(list(addresses), ns)[1]))
+
+    def block_ids(self, addresses: list[str], ns: int = 0) -> tuple[int, list[int]]:
+        """Each address's block id (0: absent), in one consistent read of the table, and
+        the slab's sequence (``ST_SEQ``) it was read at.
+
+        An address found before is checked where it was: its slot still ready and
+        holding the same block id (ids are never reused, so that is the same block),
+        one 9-byte read instead of a probe that compares the address (a 1,024-address
+        lookup took 0.22 ms instead of 1.35 ms). Places are learned only from reads that
+        held (the seqlock), and each namespace has its own memo, as with addresses.
+
+        Raises:
+            InvalidAddress: see :func:`eg_kv.address.validate`.
+        """
+        seq, ids, learned = self._read(self._ids_of, addresses, ns, self._places[ns])
+        if learned:
+            places = self._places[ns]
+            if places is _NO_PLACES or len(places) + len(learned) > self._key_cap:
+                places = self._places[ns] = {}
+            places.update(learned)
+        return seq, ids
+
+    def _ids_of(
+        self, addresses: list[str], ns: int, places: dict[str, tuple[int, int]]
+    ) -> tuple[int, list[int], list[tuple[str, tuple[int, int]]]]:
+        """:meth:`block_ids`'s lookup, for :meth:`_read`: the sequence, the ids, and the
+        places of hits that took a probe (kept only if the read holds)."""
+        seq, mm, base = self._state[_ST_SEQ], self._mm, self._slots_off
+        key, find, place_of = self._key, self._find, places.get
+        ids: list[int] = []
+        learned: list[tuple[str, tuple[int, int]]] = []
+        for address in addresses:
+            place = place_of(address)
+            if place is not None:
+                i, block = place
+                if _unpack_state_and_id(mm, base + i * _SLOT_SIZE) == (_SLOT_READY, block):
+                    ids.append(block)
+                    continue
+            raw, fp = key(address, ns)
+            i, s = find(raw, fp, ns)
+            if s is None:
+                ids.append(0)
+            else:
+                ids.append(s[F_BLOCK_ID])
+                learned.append((address, (i, s[F_BLOCK_ID])))
+        return seq, ids, learned
 
 
 class BlockReader:

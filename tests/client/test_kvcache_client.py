@@ -19,7 +19,7 @@ from helpers.common import wait_for
 from helpers.kvcache import RawServer
 
 from eg_kv.address import address_for_key, validate
-from eg_kv.client.core import CONFIG_KEYWORDS, Miss, block_to_read, may_resend
+from eg_kv.client.core import CONFIG_KEYWORDS, Miss, block_to_read, may_resend, to_addresses
 from eg_kv.errors import ConfigError, InvalidAddress, RemoteError, Unauthorized
 from eg_kv.kvcache import (
     AsyncRemoteKVConnector,
@@ -155,6 +155,11 @@ def test_dot_segments_are_not_addresses():
             with pytest.raises(InvalidAddress):
                 validate(key)
             assert to_address(key) == address_for_key(key)  # a digest, never the key
+    # A batch maps as its keys one by one do, whether checked as one or key by key.
+    keys = [k for k, _ in EDGE_KEYS]
+    assert to_addresses(keys) == [to_address(k) for k in keys]
+    good = [k for k, valid in EDGE_KEYS if valid]
+    assert to_addresses(good) == good and to_addresses(["a\nb"]) == [address_for_key("a\nb")]
 
 
 def test_edge_keys_mean_the_same_block_to_both_clients_and_the_server(server_factory):

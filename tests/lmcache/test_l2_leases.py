@@ -58,6 +58,14 @@ def test_lookup_and_lock_leases_and_the_load_releases(server_factory, local_read
         st = stats(srv.url)
         assert (st["leases_released"], st["leased_blocks"]) == (4, 12)
         assert put_status(srv.url, "elsewhere") == 201  # a loaded chunk may go now
+        # Two lookups lease twice: a load ends one, the next load the other.
+        f = conn.submit_batch_exists(keys[4:6])
+        assert wait_completions(conn, {f})[f][3] == [True, True]
+        for loaded, released, leased in ((keys[4:8], 8, 10), (keys[4:6], 10, 8)):
+            f = conn.submit_batch_get(loaded, [memoryview(bytearray(CHUNK)) for _ in loaded])
+            assert wait_completions(conn, {f})[f][3] == [True] * len(loaded)
+            st = stats(srv.url)
+            assert (st["leases_released"], st["leased_blocks"]) == (released, leased)
     finally:
         conn.close()
 

@@ -71,6 +71,30 @@ def test_a_lease_taken_twice_needs_two_releases_and_the_server_is_not_asked(smal
         assert counts(small) == (2, 2, 0)
 
 
+def test_batches_and_pieces_of_leases_hold_exactly_their_blocks(small):
+    """A lookup's leases released as one batch go in slices (LocalLeases._release_run),
+    records freed in a run are taken again in slices (_fill), anything else one by one:
+    whichever way, eviction passes over exactly the blocks still leased."""
+    keys = fill(small, "a", 16)
+    with LocalSlab.open(info(small)) as local:
+        assert local.lease_addresses(keys[:8], 60000) == [True] * 8
+        assert local.release_leases(keys[:8]) == (8, [])  # the whole batch: a run
+        assert local.lease_addresses(keys[:8], 60000) == [True] * 8  # its records again
+        assert local.lease_addresses(keys[2:4], 60000) == [True] * 2  # two hold two
+        assert local.release_leases(keys[:8]) == (8, [])  # not a run: one by one
+        assert local.release_leases([keys[0], keys[0]]) == (0, [keys[0]] * 2)
+        assert local.lease_addresses([*keys[8:12], *keys[8:12]], 60000) == [True] * 8
+        assert local.release_leases([keys[9], keys[11]]) == (2, [])  # freed apart
+        assert local.lease_addresses(keys[12:16], 60000) == [True] * 4  # some records apart
+        held = {keys[2], keys[3], *keys[8:16]}
+        assert counts(small) == (30, 18, len(held))
+        fill(small, "b", 400)
+        assert [k for k in keys if small.exists(k)] == [k for k in keys if k in held]
+        assert local.release_leases(sorted(held)) == (10, [])
+        assert local.release_leases(keys[8:12]) == (2, [keys[9], keys[11]])  # 8, 10 twice
+        assert counts(small) == (30, 30, 0)
+
+
 def test_only_locally_leased_blocks_left_is_a_507_until_one_is_released(small):
     keys = fill(small, "a", 64)
     with LocalSlab.open(info(small)) as local:

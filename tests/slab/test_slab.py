@@ -9,7 +9,7 @@ import signal
 import posix_ipc
 import pytest
 
-from eg_kv.address import fingerprint
+from eg_kv.address import all_valid, fingerprint
 from eg_kv.errors import (
     BadRequest,
     Busy,
@@ -112,6 +112,12 @@ def test_invalid_addresses_are_rejected_everywhere(slab, address):
         with pytest.raises(InvalidAddress):
             op(address)
     assert slab.stats()["unique_blocks"] == 0
+    # A batch checked in one match (eg_kv.address.all_valid) says the same, wherever the
+    # bad one lies: alone, first, last, or joined to a good one by its own newline.
+    good = ["a", "k" + "0" * 40]
+    for batch in ([address], [address, *good], [*good, address], [f"a\n{address}"]):
+        assert not all_valid(batch), batch
+    assert all_valid(good)
 
 
 # ---------------------------------------------------------------- put

@@ -1,5 +1,9 @@
 """Property test: random put / get / exists / delete sequences against a plain dict model.
 
+``exists_many`` asks about every key at once, so the places it remembers from one batch
+(eg_kv.slab.view.SlabView.block_ids) are checked after blocks were evicted, deleted,
+stored again and moved within the table.
+
 The slab is small (32 pages of 4 KiB) and blocks are up to 40 KiB, so sequences keep
 forcing eviction. A block the model holds may vanish only by eviction, and each one that
 vanishes must be counted by ``evictions``; everything resident reads back identical.
@@ -35,6 +39,7 @@ ops = st.lists(
         PUT,
         st.tuples(st.just("get"), st.sampled_from(KEYS), st.just(0)),
         st.tuples(st.just("exists"), st.sampled_from(KEYS), st.just(0)),
+        st.tuples(st.just("exists_many"), st.just(""), st.just(0)),
         st.tuples(st.just("delete"), st.sampled_from(KEYS), st.just(0)),
     ),
     min_size=20,
@@ -79,6 +84,8 @@ def test_slab_matches_dict_model(sequence):
                 assert got == (model[key][0] if key in model else None)
             elif op == "exists":
                 assert slab.exists(key) == (key in model)
+            elif op == "exists_many":
+                assert slab.exists_many(KEYS) == [k in model for k in KEYS]
             else:
                 assert slab.delete(key) == (key in model)
                 if key in model:

@@ -92,6 +92,7 @@ def test_namespaces_isolate_addresses_and_keep_their_ids(small, slab_name):
     a, b = ids["a"], ids["b"]
     assert ids[""] == 0 and len({0, a, b}) == 3
     assert small.put("x", b"A" * 100, a) is True
+    assert small.exists_many(["x"], a) == [True]  # where it lies is remembered for a only
     assert small.get("x", b) is None and small.get("x") is None
     assert not small.exists("x", b) and small.exists_many(["x"], b) == [False]
     assert small.put("x", b"B" * 200, b) is True  # its own copy, another length: no 409
