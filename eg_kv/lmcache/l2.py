@@ -379,15 +379,14 @@ class RemoteKVL2Connector:
     def _addresses(self, keys: list[str]) -> list[str]:
         """``address_for_key`` of each key, from the bounded digest cache where it can."""
         digests = self._digests
-        out = []
-        for key in keys:
-            address = digests.get(key)
-            if address is None:
-                if len(digests) >= MAX_DIGESTS:
-                    digests.clear()
-                address = digests[key] = address_for_key(key)
-            out.append(address)
-        return out
+        out = list(map(digests.get, keys))  # in C: a lookup asks about keys seen before
+        if None in out:
+            if len(digests) + len(keys) > MAX_DIGESTS:
+                digests.clear()
+            for n, address in enumerate(out):
+                if address is None:
+                    out[n] = digests[keys[n]] = address_for_key(keys[n])
+        return out  # type: ignore[return-value]
 
     def drain_completions(self) -> list[Completion]:
         """Every completion queued so far, oldest first; resets the eventfd.

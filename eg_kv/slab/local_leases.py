@@ -95,9 +95,10 @@ class LocalLeases:
             new: dict[str, int] = {}
             again = 0  # new addresses asked twice in one lookup
             if records.keys().isdisjoint(addresses):  # (in C) a lookup of blocks new to it
-                new = {
-                    address: block for address, block in zip(addresses, ids, strict=True) if block
-                }
+                if 0 in ids:
+                    new = {a: block for a, block in zip(addresses, ids, strict=True) if block}
+                else:  # all hits (the usual lookup of a stored prefix): in C
+                    new = dict(zip(addresses, ids, strict=True))
                 again = len(ids) - ids.count(0) - len(new)
             else:
                 for address, block in zip(addresses, ids, strict=True):
@@ -147,8 +148,14 @@ class LocalLeases:
                 del free[-k:]
                 self._fill(lo, names[:k], ids[:k], end)
             else:
+                table, records = self._table, self._records
                 for address, block in zip(names[:k], ids[:k], strict=True):
-                    self._fill(free.pop(), [address], [block], end)
+                    i = free.pop()
+                    records[address] = i
+                    self._blocks[i], self._counts[i], self._ends[i] = block, 1, end
+                    self._addresses[i] = address
+                    table[i * _WORDS + 1] = end  # the end before the id, as in _fill
+                    table[i * _WORDS] = block
         if k < len(names):
             lo = self._top
             self._top += len(names) - k
