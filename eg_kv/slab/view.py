@@ -348,32 +348,22 @@ class SlabView:
         ids: list[int] = []
         found_at: list[int] = []
         slots: list[int] = []
-        if places:
-            for n, address in enumerate(addresses):
-                place = places.get(address)
-                if place is not None:
-                    i, block = place
-                    if _unpack_state_and_id(mm, base + i * _SLOT_SIZE) == (_SLOT_READY, block):
-                        ids.append(block)
-                        continue
-                raw, fp = key(address, ns)
-                i, s = find(raw, fp, ns)
-                if s is None:
-                    ids.append(0)
-                else:
-                    ids.append(s[F_BLOCK_ID])
-                    found_at.append(n)
-                    slots.append(i)
-        else:  # nothing learned yet in this namespace: probe them all
-            for n, address in enumerate(addresses):
-                raw, fp = key(address, ns)
-                i, s = find(raw, fp, ns)
-                if s is None:
-                    ids.append(0)
-                else:
-                    ids.append(s[F_BLOCK_ID])
-                    found_at.append(n)
-                    slots.append(i)
+        place_of = places.get
+        for n, address in enumerate(addresses):
+            place = place_of(address)
+            if place is not None:
+                i, block = place
+                if _unpack_state_and_id(mm, base + i * _SLOT_SIZE) == (_SLOT_READY, block):
+                    ids.append(block)
+                    continue
+            raw, fp = key(address, ns)
+            i, s = find(raw, fp, ns)
+            if s is None:
+                ids.append(0)
+            else:
+                ids.append(s[F_BLOCK_ID])
+                found_at.append(n)
+                slots.append(i)
         return seq, ids, found_at, slots
 
 
