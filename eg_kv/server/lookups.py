@@ -30,6 +30,7 @@ from aiohttp import web
 
 from .. import wire
 from ..errors import BadRequest, InvalidAddress, TooLarge
+from ..slab.holds import holder_of
 from ..wire import (
     BATCH_EXISTS_MAX,
     BATCH_EXISTS_MAX_BYTES,
@@ -72,7 +73,9 @@ async def batch_exists(request: web.Request, tenant: Tenant) -> web.StreamRespon
         found = slab.exists_many(addresses, tenant.ns)
     else:
         share = request.app[SETTINGS].lease_share
-        found, leased = slab.exists_leased(addresses, tenant.ns, lease_ms, share)
+        found, leased = slab.exists_leased(
+            addresses, tenant.ns, lease_ms, share, holder_of(tenant.name)
+        )
     answer, answer_type = batch_answer_body(found, content_type)
     if LEASE_HEADER not in request.headers:
         return reply(request, 200, answer, answer_type)
@@ -82,7 +85,8 @@ async def batch_exists(request: web.Request, tenant: Tenant) -> web.StreamRespon
         headers[LEASE_HEADER] = "0"
         headers[LEASE_REFUSED_HEADER] = (
             f"leases hold {share:g} of the slab's pages or of this namespace's quota "
-            "(--lease-share): hits answered, none leased"
+            "(--lease-share), or the table of lease holders is full here: hits answered, "
+            "none leased"
         )
     return web.Response(status=200, body=answer, headers=headers)
 
@@ -96,7 +100,7 @@ async def batch_release(request: web.Request, tenant: Tenant) -> web.StreamRespo
     """
     content_type = request.headers.get("Content-Type")
     addresses = batch_addresses(content_type, await _batch_body(request, "release"))
-    released = request.app[SLAB].release_leases(addresses, tenant.ns)
+    released = request.app[SLAB].release_leases(addresses, tenant.ns, holder_of(tenant.name))
     if wire.is_compact(content_type):
         return reply(request, 200, wire.encode_flags(released), wire.FLAGS_TYPE)
     return reply(request, 200, json.dumps({"released": released}).encode(), JSON)
@@ -123,7 +127,8 @@ def release_on_load(request: web.Request, tenant: Tenant) -> None:
     """End one of the caller's leases on the block a ``GET`` with ``X-Eg-Kv-Release`` loaded
     (or missed). An invalid address has no lease: the GET answered 400 for it."""
     with contextlib.suppress(InvalidAddress):
-        request.app[SLAB].release_leases([request.match_info["hash"]], tenant.ns)
+        address = request.match_info["hash"]
+        request.app[SLAB].release_leases([address], tenant.ns, holder_of(tenant.name))
 
 
 async def _batch_body(request: web.Request, what: str) -> bytes:

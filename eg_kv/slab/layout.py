@@ -253,6 +253,10 @@ def ns_fingerprint(fp: int, ns: int) -> int:
 #     │        │                          │                      │ LEASE_READERS × lease_   │
 #     │        │                          │                      │ records × (id q, end q)  │
 #     └────────┴──────────────────────────┴──────────────────────┴──────────────────────────┘
+#     holds_off (after the lease tables)
+#     ┌──────────────────────────────────────────────────────────────┐
+#     │ lease holders: hold_records × (id q, holder q, count q, end q) │
+#     └──────────────────────────────────────────────────────────────┘
 #     header:  READERS_HEAD: magic, slab id, entries, slots
 #     entry:   pid (informational), namespace id, get hits, get misses, lease records in
 #              use (the table's high-water mark), leases taken, leases released, and the
@@ -268,7 +272,13 @@ def ns_fingerprint(fp: int, ns: int) -> int:
 #              (eg_kv.slab.local_leases), one record per block: the block id (0: free) and
 #              when the lease ends (monotonic ms). Eviction passes over a block whose id a
 #              record holds with an end still ahead, as over a slot's own lease.
-READERS_MAGIC = b"EGKVRDR2"  # 2: lease tables, and the entry's lease words
+#     holders: who holds the leases servers took (eg_kv.slab.holds): one record per block
+#              and holder (a token's tenant), its lease count and when its newest lease
+#              ends, so a release ends only a lease its own holder took. Open addressing
+#              by block and holder, written under the slab's lock; id 0: never used (a
+#              probe stops), -1: freed (a probe goes on); a record whose end has passed
+#              holds nothing and may be taken.
+READERS_MAGIC = b"EGKVRDR3"  # 2: lease tables, and the entry's lease words; 3: holders
 READERS_HEAD = struct.Struct("<8s16sQQ")  # magic, slab id, entries, slots
 READERS_HEADER_SIZE = 64
 NREADERS = 1024
@@ -306,9 +316,25 @@ def readers_leases_offset(nslots: int) -> int:
     return _align(READERS_HINTS_OFFSET + nslots, 8)
 
 
+#: Lease holder records: one per block leased over HTTP and token holding it, as many as
+#: the slab has slots (a power of two), at most HOLD_RECORDS_MAX (32 MiB of them).
+HOLD_RECORDS_MAX = 1 << 20
+HOLD_RECORD_WORDS = 4  # block id (0: never used, -1: freed), holder, count, end
+
+
+def hold_records(nslots: int) -> int:
+    """Holder records in the readers segment of a slab with ``nslots`` slots."""
+    return min(HOLD_RECORDS_MAX, 1 << max(6, (nslots - 1).bit_length()))
+
+
+def readers_holds_offset(nslots: int) -> int:
+    """Where the lease holder records of a slab with ``nslots`` slots start."""
+    return readers_leases_offset(nslots) + LEASE_READERS * lease_records(nslots) * 16
+
+
 def readers_size(nslots: int) -> int:
     """Bytes of the readers segment of a slab with ``nslots`` slots."""
-    return readers_leases_offset(nslots) + LEASE_READERS * lease_records(nslots) * 16
+    return readers_holds_offset(nslots) + hold_records(nslots) * HOLD_RECORD_WORDS * 8
 
 
 # Reservation: writer pid (0 = entry free), first page, page count, namespace id (charged

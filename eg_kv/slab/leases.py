@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from ..errors import InsufficientStorage
 from . import layout as L
 from .check import SlabChecks
+from .holds import LeaseHolders
 from .layout import now_ms
 
 #: The most leases one slot counts (its field is a uint32): more are taken but not counted.
@@ -53,6 +54,7 @@ class SlabLeases(SlabChecks):
 
     #: The local readers' leases as last read, with the tables' generations then.
     _local_cache: tuple[list[int], dict[int, int]] | None = None
+    _lease_holders: LeaseHolders | None = None
 
     def exists_many(self, addresses: Iterable[str], ns: int = 0, lease_ms: int = 0) -> list[bool]:
         """Existence of each address in namespace ``ns``, looked up in one pass.
@@ -73,7 +75,12 @@ class SlabLeases(SlabChecks):
         return self.exists_leased(addresses, ns, lease_ms)[0]
 
     def exists_leased(
-        self, addresses: Iterable[str], ns: int = 0, lease_ms: int = 1, share: float = 1.0
+        self,
+        addresses: Iterable[str],
+        ns: int = 0,
+        lease_ms: int = 1,
+        share: float = 1.0,
+        holder: int = 0,
     ) -> tuple[list[bool], bool]:
         """Existence of each address in namespace ``ns``, every hit leased for
         ``lease_ms`` (above 0) unless that would take the leased pages past a cap.
@@ -82,6 +89,10 @@ class SlabLeases(SlabChecks):
         block's pages counted once however many leases it holds) stay within ``share`` of
         the slab's pages, and a namespace's within ``share`` of its quota. A lookup whose
         new leases would pass one takes none: its hits are answered all the same.
+
+        ``holder`` (:func:`eg_kv.slab.holds.holder_of` a tenant; 0: none) is recorded as
+        the leases' holder, and only a release by the same holder ends them. A lookup
+        whose leases find no room among the holder records takes none either.
 
         Returns:
             ``(found, leased)``: one bool per address; whether the hits were leased.
@@ -93,6 +104,7 @@ class SlabLeases(SlabChecks):
         counts, ends, st = self._slot_leases, self._slot_lease_end, self._state
         found: list[bool] = []
         hits: list[int] = []
+        blocks: list[int] = []
         with self._locked(write=False):
             now = now_ms()
             self._forget_if_all_ended(now)
@@ -104,13 +116,17 @@ class SlabLeases(SlabChecks):
                     continue
                 found.append(True)
                 hits.append(i)
+                blocks.append(s[L.F_BLOCK_ID])
                 if not counts[i]:
                     fresh[i] = s[L.F_NPAGES]
             pages = sum(fresh.values())
-            if pages and not self._lease_room(ns, pages, share):
+            end = now + lease_ms
+            holders = self._holders() if holder else None
+            if (pages and not self._lease_room(ns, pages, share)) or (
+                holders is not None and not holders.take(blocks, holder, end, now)
+            ):
                 st[L.ST_LEASES_REFUSED] += len(hits)
                 return found, False
-            end = now + lease_ms
             expired = 0
             for i in hits:
                 held = counts[i]
@@ -167,13 +183,14 @@ class SlabLeases(SlabChecks):
         column = self._nsw[L.NS_LEASED_PAGES :: L.NS_WORDS]
         column[:] = array("q", bytes(8 * len(column)))
 
-    def release_leases(self, addresses: Iterable[str], ns: int = 0) -> list[bool]:
-        """Release one lease on each address's block in namespace ``ns``.
+    def release_leases(self, addresses: Iterable[str], ns: int = 0, holder: int = 0) -> list[bool]:
+        """Release one lease on each address's block in namespace ``ns``: with a
+        ``holder``, one that holder took (:meth:`exists_leased`).
 
         Returns:
             One bool per address: True when a lease that had not ended was released; False
-            for an absent block, one without a lease, or one whose leases had ended (they
-            are forgotten and counted as expired).
+            for an absent block, one without a lease (of ``holder``'s), or one whose
+            leases had ended (they are forgotten and counted as expired).
 
         Raises:
             InvalidAddress: an address is not one (nothing is released).
@@ -184,6 +201,7 @@ class SlabLeases(SlabChecks):
         released = expired = 0
         with self._locked(write=False):
             now = now_ms()
+            holders = self._holders() if holder else None
             for raw, fp in keys:
                 i, s = self._find(raw, fp, ns)
                 held = 0 if s is None else counts[i]
@@ -197,6 +215,9 @@ class SlabLeases(SlabChecks):
                     expired += held
                     out.append(False)
                     continue
+                if holders is not None and not holders.release(s[L.F_BLOCK_ID], holder, now):
+                    out.append(False)  # leased, but not by this holder
+                    continue
                 counts[i] = held - 1
                 if held == 1:
                     self._count_leased(ns, -s[L.F_NPAGES])
@@ -206,6 +227,15 @@ class SlabLeases(SlabChecks):
             st[L.ST_LEASES_RELEASED] += released
             st[L.ST_LEASES_EXPIRED] += expired
         return out
+
+    def _holders(self) -> LeaseHolders | None:
+        """The lease holder records (:mod:`eg_kv.slab.holds`); None without a readers
+        segment (leases are then anyone's to release)."""
+        if self._holds is None:
+            return None
+        if self._lease_holders is None:
+            self._lease_holders = LeaseHolders(self._holds)
+        return self._lease_holders
 
     def stats(self, timeout: float | None = None) -> dict[str, int]:
         """The slab's counters (:meth:`eg_kv.slab.stats.SlabStats.stats`) and

@@ -193,6 +193,8 @@ class SlabSegment(SlabLocking):
         #: The readers' lease tables (int64 words) and each entry's records in use.
         self._lease_tables: memoryview | None = None
         self._lease_tops: memoryview | None = None
+        #: Who holds the leases servers took (:mod:`eg_kv.slab.holds`), int64 words.
+        self._holds: memoryview | None = None
         self._procs = self._mv[L.PROCS_OFFSET : L.HEADER_SIZE].cast("q")
         self._nsw = self._mv[L.NS_OFFSET : L.NS_OFFSET + L.NS_TABLE_SIZE].cast("q")
         # The namespace id of every slot, as one strided column (searched in C).
@@ -394,7 +396,10 @@ class SlabSegment(SlabLocking):
         rmv = memoryview(self._rmm)
         self._readers = rmv[L.READERS_HEADER_SIZE : L.READERS_HINTS_OFFSET].cast("q")
         self._hints = rmv[L.READERS_HINTS_OFFSET : L.READERS_HINTS_OFFSET + self.geometry.nslots]
-        self._lease_tables = rmv[L.readers_leases_offset(self.geometry.nslots) : size].cast("q")
+        nslots = self.geometry.nslots
+        holds_off = L.readers_holds_offset(nslots)
+        self._lease_tables = rmv[L.readers_leases_offset(nslots) : holds_off].cast("q")
+        self._holds = rmv[holds_off:size].cast("q")
         self._lease_tops = self._readers[L.R_LEASE_TOP :: L.READER_WORDS][: L.LEASE_READERS]
         rmv.release()
 
@@ -558,7 +563,8 @@ class SlabSegment(SlabLocking):
             view.release()
         self._release_views()
         if self._rmm is not None:
-            for mapped in (self._lease_tops, self._lease_tables, self._readers, self._hints):
+            maps = (self._lease_tops, self._lease_tables, self._holds, self._readers, self._hints)
+            for mapped in maps:
                 if mapped is not None:
                     mapped.release()
             self._rmm.close()

@@ -292,3 +292,44 @@ def test_a_client_never_releases_hits_it_was_answered_unleased(server_factory):
     asyncio.run(run())
     st = stats(srv.url)
     assert (st["leased_blocks"], st["leases_released"]) == (8, 0)
+
+
+def test_a_release_ends_only_the_leases_its_own_token_took(server_factory, tmp_path):
+    """On main before the lease holders, a readonly token of a namespace ended a readwrite
+    token's leases there (POST /kv/batch/release, or a GET with X-Eg-Kv-Release), and the
+    leased blocks went to the next PUT. Now a server records which tenant holds each
+    lease (eg_kv.slab.holds) in the slab's readers segment, shared by its workers: another
+    token's release ends nothing, the holder's own ends them."""
+    tenants = [
+        {"name": "writer-x", "namespace": "x"},
+        {"name": "reader-x", "role": "readonly", "namespace": "x"},
+    ]
+    path = write_tokens(tmp_path / "tokens.toml", tenants)
+    srv = server_factory(
+        workers=2,
+        capacity="1MiB",  # 16 pages of 64 KiB
+        extra=("--page-size", "64KiB", "--lease-ms", "60000", "--lease-share", "1",
+               "--tokens", str(path)),
+    )  # fmt: skip
+    auth = {t["name"]: {"Authorization": f"Bearer {token_of(t['name'])}"} for t in tenants}
+    keys = [f"x{k}" for k in range(16)]
+    for k in keys:
+        assert request(f"{srv.url}/kv/{k}", "PUT", bytes(BLOCK), auth["writer-x"])[0] == 201
+    body = json.dumps({"addresses": keys}).encode()
+    lease = {**auth["writer-x"], LEASE_HEADER: "60000", "Content-Type": "application/json"}
+    status, got, _ = request(srv.url + "/kv/batch/exists", "POST", body, lease)
+    assert status == 200 and got[LEASE_HEADER] == "60000"
+    # The reader's releases, each on a connection of its own (either worker): none ends.
+    theirs = {**auth["reader-x"], "Content-Type": "application/json"}
+    for _ in range(4):
+        status, _, answer = request(srv.url + BATCH_RELEASE_PATH, "POST", body, theirs)
+        assert status == 200 and json.loads(answer)["released"] == [False] * 16
+    for k in keys:
+        headers = {**auth["reader-x"], RELEASE_HEADER: "1"}
+        assert request(f"{srv.url}/kv/{k}", headers=headers)[0] == 200
+    # Every block still leased: a new block finds nothing to evict.
+    assert request(f"{srv.url}/kv/new", "PUT", bytes(BLOCK), auth["writer-x"])[0] == 507
+    mine = {**auth["writer-x"], "Content-Type": "application/json"}
+    status, _, answer = request(srv.url + BATCH_RELEASE_PATH, "POST", body, mine)
+    assert status == 200 and json.loads(answer)["released"] == [True] * 16
+    assert request(f"{srv.url}/kv/new", "PUT", bytes(BLOCK), auth["writer-x"])[0] == 201
