@@ -232,7 +232,7 @@ def test_a_slab_of_gibs_logs_before_and_while_it_is_made(server_factory):
     # 0.5-2.5 s a GiB to prefault here: a 3 GiB slab that takes over 2 s logs progress.
     if os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize < 4 << 30:
         pytest.skip("/dev/shm has under 4 GiB free")
-    srv = server_factory(workers=1, capacity="3GiB")
+    srv = server_factory(workers=1, capacity="3GiB", ready_s=120)
     log = srv.log()
     first = log.index("creating slab")
     assert "allocating and prefaulting" in log[first : log.index("\n", first)]

@@ -75,9 +75,11 @@ def start_server(
     port: int | None = None,
     slab_name: str | None = None,
     wait: bool = True,
+    ready_s: float = 30,
 ) -> Server:
     """Start ``eg-kv serve`` on 127.0.0.1 (plain HTTP) with its log in ``log_dir``; with
-    ``wait``, return once /healthz reports every worker up."""
+    ``wait``, return once /healthz reports every worker up (within ``ready_s``: a slab of
+    gigabytes is faulted in first, 8-18 s for 4 GiB here, more under a full suite)."""
     port = port or free_port()
     name = slab_name or unique_slab_name("srv")
     log_path = log_dir / f"server-{port}-{next(_LOG_SERIAL)}.log"
@@ -97,7 +99,7 @@ def start_server(
                     proc.poll() is not None
                     or ((h := srv.healthz()) and h.get("workers_up") == workers)
                 ),
-                timeout=30,
+                timeout=ready_s,
                 what=f"server on port {port} to be healthy",
             )
             assert proc.poll() is None, f"server exited early:\n{srv.log()}"

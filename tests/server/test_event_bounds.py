@@ -248,6 +248,7 @@ def million(module_server_factory, tmp_path_factory):
     srv = module_server_factory(
         workers=1, capacity="4GiB",
         extra=("--page-size", "4KiB", "--tokens", str(path), "--lock-timeout", "5"),
+        ready_s=180,
     )  # fmt: skip
     with Slab.attach(srv.slab_name) as slab:
         ns = slab.bind_namespaces({"victim-ns": 0})["victim-ns"]
