@@ -43,6 +43,7 @@ _NO_PLACES: dict[str, tuple[int, int]] = {}
 #: mask of a 64-bit int per lookup were a tenth of a namespace's extra cost.
 _NS_MIXES = [(ns * L.NS_MIX) & 0xFFFFFFFFFFFFFFFF for ns in range(L.NS_COUNT)]
 _T = TypeVar("_T")
+_M = TypeVar("_M")  # what a memo holds per address
 #: Lock-free lookups rely on x86's ordering of loads and of stores (see SlabView._read).
 LOCKFREE_READS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _FENCE = threading.Lock()
@@ -172,27 +173,32 @@ class SlabView:
         """
         raw = validate(address)
         key = (raw, fingerprint(raw) ^ _NS_MIXES[ns])  # layout.ns_fingerprint, inline
-        keys = self._keys[ns]
-        if keys is _NO_KEYS:
-            keys = self._keys[ns] = {}
-        elif len(keys) >= self._key_cap:
-            keys.clear()
-        keys[address] = key
+        self._memo(self._keys, _NO_KEYS, ns, 1)[address] = key
         return key
+
+    def _memo(
+        self, memos: list[dict[str, _M]], empty: dict[str, _M], ns: int, more: int
+    ) -> dict[str, _M]:
+        """Namespace ``ns``'s memo in ``memos`` (addresses, or places) with room for
+        ``more`` entries: made on first use (``empty`` until then), emptied when they would
+        take it past the cap, that namespace's alone: what one tenant looks up never
+        changes how fast another's lookups are."""
+        memo = memos[ns]
+        if memo is empty:
+            memo = memos[ns] = {}
+        elif len(memo) + more > self._key_cap:
+            memo.clear()
+        return memo
 
     def _remember_new(self, addresses: list[str], ns: int) -> None:
         """Remember the addresses of a batch that namespace ``ns``'s memo lacks, checked
         as one batch (:func:`eg_kv.address.all_valid`) instead of a regex each: a third of
         a lookup's first sight of 1,024 addresses. A batch that fails is left to
         :meth:`_key`, which names the bad address."""
-        keys = self._keys[ns]
-        new = [a for a in addresses if a not in keys]
+        new = [a for a in addresses if a not in self._keys[ns]]
         if len(new) < 2 or not all_valid(new):
             return
-        if keys is _NO_KEYS:
-            keys = self._keys[ns] = {}
-        if len(keys) + len(new) > self._key_cap:
-            keys.clear()
+        keys = self._memo(self._keys, _NO_KEYS, ns, len(new))
         mix = _NS_MIXES[ns]
         for address in new[: self._key_cap]:
             raw = address.encode("ascii")
@@ -331,8 +337,7 @@ class SlabView:
         places = self._places[ns]
         seq, ids, found_at, slots = self._read(self._ids_of, addresses, ns, places)
         if slots:  # hits a probe found: where they lie, now that the read held
-            if places is _NO_PLACES or len(places) + len(slots) > self._key_cap:
-                places = self._places[ns] = {}
+            places = self._memo(self._places, _NO_PLACES, ns, len(slots))
             probed, blocks = [addresses[n] for n in found_at], [ids[n] for n in found_at]
             places.update(zip(probed, zip(slots, blocks, strict=True), strict=True))
         return seq, ids
