@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import xxhash
 
 from .errors import InvalidAddress
 
@@ -58,9 +60,10 @@ def all_valid(addresses: Sequence[object]) -> bool:
     )
 
 
-def fingerprint(raw: bytes) -> int:
-    """A 64-bit hash of an address, the same in every process (unlike ``hash()``)."""
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+#: A 64-bit hash of an address's bytes, the same in every process (unlike ``hash()``): a
+#: slot's home and fingerprint (layout 7: XXH3-64, 0.1 µs, where BLAKE2b took 0.6 µs of
+#: each first-seen address of a lookup).
+fingerprint: Callable[[bytes], int] = xxhash.xxh3_64_intdigest
 
 
 def address_for_key(key: str | bytes) -> str:

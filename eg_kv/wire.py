@@ -104,6 +104,10 @@ LEASE_HEADER = "X-Eg-Kv-Lease-Ms"
 LEASE_REFUSED_HEADER = "X-Eg-Kv-Lease-Refused"
 #: On ``GET /kv/<addr>`` (any value): this load ends one of the caller's leases on it.
 RELEASE_HEADER = "X-Eg-Kv-Release"
+#: A block's checksum, XXH3-64 as 16 lowercase hex digits (:mod:`eg_kv.checksum`): on a
+#: ``PUT`` (optional: the server refuses a body that does not match it) and on every
+#: ``GET`` and ``HEAD`` answer of a block (the clients check the bytes against it).
+CHECKSUM_HEADER = "X-Eg-Kv-Checksum"
 
 
 def is_compact(content_type: str | None) -> bool:

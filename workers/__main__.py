@@ -10,6 +10,7 @@ raw integers. A command that talks to a server takes its token from
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -116,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--slab-name", dest="slab_name", help="the slab's name, if not the default")
     c.add_argument("--json", action="store_true", help="print the report as JSON (raw integers)")
+    c.add_argument(
+        "--deep",
+        action="store_true",
+        help="also hash every block and compare it with its checksum (names each that fails)",
+    )
+    c.add_argument(
+        "--repair",
+        action="store_true",
+        help="with --deep: free every block that fails its checksum (it is never served again)",
+    )
     return p
 
 
@@ -360,6 +371,7 @@ def _set_stats(
 
 
 def _check(args: argparse.Namespace) -> int:
+    from eg_kv.slab.contents import verify_contents
     from eg_kv.slab.store import Slab
 
     settings = settings_from_env(addr=args.addr, slab_name=args.slab_name)
@@ -377,12 +389,17 @@ def _check(args: argparse.Namespace) -> int:
             f"--addr (or ${ENV_ADDR}) or --slab-name at the server's; eg-kv check reads "
             "the slab in shared memory, so it runs on the server's host, as its user"
         )
+    if args.repair and not args.deep:
+        raise ConfigError("--repair frees the blocks --deep finds: give both")
     with Slab.attach(name) as slab:
         # In slices: a live server's requests wait a few ms at a time, never the whole walk.
         # A lock stuck for longer than CHECK_LOCK_WAIT_S ends the check with its holder's pid.
         report = slab.check_live(timeout=CHECK_LOCK_WAIT_S)
+        deep = verify_contents(slab, args.repair, CHECK_LOCK_WAIT_S) if args.deep else None
         stats = slab.stats()
         spaces = slab.namespace_stats(timeout=CHECK_LOCK_WAIT_S)
+    bad = [] if deep is None else deep.bad
+    failed = bool(report.problems or bad)  # freed or not, a block failed
     used = sum(1 for one in spaces.values() if one["unique_blocks"])
     if args.json:
         print(json.dumps({
@@ -393,20 +410,32 @@ def _check(args: argparse.Namespace) -> int:
             "capacity_bytes": stats["capacity_bytes"], "slices": report.slices,
             "longest_hold_s": report.longest_hold_s,
             "longest_hold_cpu_s": report.longest_hold_cpu_s,
+            **({} if deep is None else {
+                "blocks_hashed": deep.checked, "bytes_hashed": deep.checked_bytes,
+                "checksum_failures": [dataclasses.asdict(b) for b in bad],
+            }),
         }, indent=2))  # fmt: skip
-        return 1 if report.problems else 0
+        return 1 if failed else 0
     for problem in report.problems:
         print(f"eg-kv check: {problem}")
     for note in report.unchecked:
         print(f"eg-kv check: not checked: {note}")
     for note in report.notes:
         print(f"eg-kv check: note: {note}")
+    for b in bad:
+        where = f" in namespace {b.namespace}" if b.namespace else ""
+        done = "freed" if b.freed else "run eg-kv check --deep --repair to free it"
+        print(f"eg-kv check: block {b.address}{where} ({b.length} bytes) fails its checksum: "
+              f"stored {b.stored:016x}, its bytes {b.found:016x}; {done}")  # fmt: skip
+    if deep is not None:
+        print(f"eg-kv check: hashed {deep.checked} blocks ({human_size(deep.checked_bytes)}): "
+              f"{len(bad)} failed their checksum")  # fmt: skip
     held = (
         f"{report.slices} slices; lock held at most {report.longest_hold_s * 1000:.1f} ms "
         f"at a time, {report.longest_hold_cpu_s * 1000:.1f} ms CPU"
     )
-    if report.problems:
-        print(f"eg-kv check: slab {name}: {len(report.problems)} problem(s) ({held})")
+    if failed:
+        print(f"eg-kv check: slab {name}: {len(report.problems) + len(bad)} problem(s) ({held})")
         return 1
     what = "clean as far as checked" if report.unchecked else "clean"
     print(f"eg-kv check: slab {name} is {what}: {stats['unique_blocks']} blocks in {used} "

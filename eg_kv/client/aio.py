@@ -33,6 +33,7 @@ from ..wire import (
     ADDRESSES_TYPE,
     BATCH_EXISTS_PATH,
     BATCH_RELEASE_PATH,
+    CHECKSUM_HEADER,
     EVENTS_PATH,
     EVENTS_SNAPSHOT_PATH,
     HEALTHZ_PATH,
@@ -62,6 +63,7 @@ from .core import (
     json_answer,
     leading_hits,
     may_resend,
+    parts_checksum,
     resolve_config,
     to_address,
     to_addresses,
@@ -413,6 +415,7 @@ class AsyncServerConnector:
             body = await resp.read()
             if len(body) != length:
                 raise Miss(f"body of {len(body)} bytes, {length} announced")
+            self._core.check_body(resp.headers.get(CHECKSUM_HEADER), body)
             return body
 
         try:
@@ -486,6 +489,7 @@ class AsyncServerConnector:
                 await _read_small(resp)
                 return None
             left = length or 0
+            verifier = core.verifier(resp.headers.get(CHECKSUM_HEADER))
 
             async def read_exact(view: memoryview) -> None:
                 nonlocal left
@@ -500,10 +504,14 @@ class AsyncServerConnector:
                     view[done : done + len(chunk)] = chunk
                     done += len(chunk)
                 left -= done
+                if verifier is not None:
+                    verifier.add(view)
 
             result = await sink(length or 0, read_exact)
             if left:
                 raise Miss("sink left part of the body unread")
+            if verifier is not None:
+                verifier.check()
             return result
 
         try:
@@ -561,10 +569,11 @@ class AsyncServerConnector:
         """
         address = to_address(key)
         try:
-            payload = _Parts([memoryview(p).cast("B") for p in parts])
+            views = [memoryview(p).cast("B") for p in parts]
             status = await self._exchange(
-                "PUT", self._core.block_path(address), _drained, body=payload
-            )
+                "PUT", self._core.block_path(address), _drained, body=_Parts(views),
+                headers={CHECKSUM_HEADER: parts_checksum(views)},
+            )  # fmt: skip
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss("PUT", address, exc)
             return None
@@ -824,6 +833,11 @@ class AsyncServerConnector:
             raise
         except Exception as exc:  # asyncio.TimeoutError included
             raise self._core.unreachable(EVENTS_SNAPSHOT_PATH, exc) from None
+
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks this client read whose bytes failed their checksum (each a miss)."""
+        return self._core.checksum_failures.count
 
     async def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""

@@ -273,6 +273,11 @@ class AsyncSetConnector:
         """The snapshot of a set of one member: see :meth:`events`."""
         return await self._members.get(*self._router.only_member()).snapshot()
 
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks any member's answer failed their checksum (each a miss)."""
+        return self._members.checksum_failures.count
+
     async def member_stats(self) -> list[MemberStats]:
         """Each member's stats (gathered in parallel), sorted by member id."""
         view = self._router.view()

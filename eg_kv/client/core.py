@@ -27,10 +27,15 @@ import os
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import wire
 from ..address import address_for_key, all_valid, validate
+from ..checksum import ChecksumMismatch, Failures, Verifier
+from ..checksum import Running as RunningChecksum
+from ..checksum import decode as decode_checksum
+from ..checksum import encode as encode_checksum
+from ..checksum import of as checksum_of
 from ..config import (
     DEFAULT_HOST,
     DEFAULT_MAX_BLOCK_SIZE,
@@ -55,6 +60,9 @@ from ..wire import BLOCK_TYPE as BLOCK_TYPE
 from ..wire import JSON_TYPE as JSON_TYPE
 from .localreads import LocalReads
 
+T = TypeVar("T")
+_CHECKSUM_NAME = wire.CHECKSUM_HEADER.encode("ascii")
+
 log = logging.getLogger("eg_kv.kvcache")
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -71,10 +79,11 @@ EXPECT_CONTINUE_MIN = 64 * 1024
 #: The keywords every connector takes (and LMCache's ``adapter_params`` / ``extra_config``).
 CONFIG_KEYWORDS = (
     "base_url", "addr", "token", "timeout_s", "num_workers", "max_connections", "verify_tls",
-    "max_block_size", "refresh_s", "dns_server", "local_reads",
+    "max_block_size", "refresh_s", "dns_server", "local_reads", "verify_checksums",
 )  # fmt: skip
 #: ``0``/``false``/``no``/``off``: never read the server's slab directly, even on its host.
 ENV_LOCAL_READS = "EPISTEMIC_GRAPH_KVCACHE_LOCAL_READS"
+ENV_VERIFY_CHECKSUMS = "EPISTEMIC_GRAPH_KVCACHE_VERIFY_CHECKSUMS"
 #: Seconds between re-resolutions of a server set's DNS entries (and the window in which a
 #: miss at an address's new home asks its previous home).
 ENV_REFRESH = "EPISTEMIC_GRAPH_KVCACHE_REFRESH_S"
@@ -127,6 +136,10 @@ class KvCacheConfig:
         local_reads: on the server's host, read blocks and existence straight from its
             slab, read-only (:mod:`eg_kv.client.localreads`); anywhere else, or when that is not
             allowed, HTTP as always.
+        verify_checksums: check every block read against its checksum (the server's
+            ``X-Eg-Kv-Checksum``, the slab's record on a local read): a block whose bytes
+            fail it is a miss, counted and logged once (:mod:`eg_kv.checksum`). Off only
+            to measure what it costs.
     """
 
     base_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
@@ -140,6 +153,7 @@ class KvCacheConfig:
     dns_server: str | None = None
     server_name: str | None = None
     local_reads: bool = True
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -188,6 +202,7 @@ class KvCacheConfig:
         refresh_s: float | str | None = None,
         dns_server: str | None = None,
         local_reads: bool | str | None = None,
+        verify_checksums: bool | str | None = None,
     ) -> KvCacheConfig:
         """Build a config: explicit keywords first, then the environment, then defaults.
 
@@ -195,8 +210,8 @@ class KvCacheConfig:
         ``1``/``true``/``yes``/``on``, a port, ``host:port`` or ``[v6]:port``), else
         ``EPISTEMIC_GRAPH_KVCACHE_URL``, else ``EPISTEMIC_GRAPH_KVCACHE_ADDR``, else
         ``http://127.0.0.1:9130``. ``EPISTEMIC_GRAPH_KVCACHE_TOKEN``, ``_TIMEOUT_S``,
-        ``_TLS_VERIFY``, ``_MAX_BLOCK_SIZE`` and ``_LOCAL_READS`` fill the token, timeout,
-        TLS check, largest block and local reads.
+        ``_TLS_VERIFY``, ``_MAX_BLOCK_SIZE``, ``_LOCAL_READS`` and ``_VERIFY_CHECKSUMS`` fill
+        the token, timeout, TLS check, largest block, local reads and checksum checks.
 
         Args:
             env: the environment to read (default ``os.environ``).
@@ -239,6 +254,7 @@ class KvCacheConfig:
             refresh_s=refresh,
             dns_server=dns_server or env.get(ENV_DNS_SERVER) or None,
             local_reads=_flag(local_reads, env, ENV_LOCAL_READS),
+            verify_checksums=_flag(verify_checksums, env, ENV_VERIFY_CHECKSUMS),
         )
 
     @property
@@ -363,6 +379,21 @@ def to_addresses(keys: Sequence[str | bytes]) -> list[str]:
     if all_valid(keys):
         return list(keys)  # type: ignore[arg-type]
     return [to_address(k) for k in keys]
+
+
+def parts_checksum(views: Sequence[Any]) -> str:
+    """The wire form of the checksum of a PUT body's ``views`` (buffers, in order)."""
+    if len(views) == 1:
+        return encode_checksum(checksum_of(views[0]))
+    running = RunningChecksum()
+    for view in views:
+        running.update(view)
+    return encode_checksum(running.intdigest())
+
+
+def checksum_line(views: Sequence[Any]) -> bytes:
+    """The ``X-Eg-Kv-Checksum`` header line of a PUT body's ``views``."""
+    return b"%s: %s\r\n" % (_CHECKSUM_NAME, parts_checksum(views).encode("ascii"))
 
 
 def batches(addresses: Sequence[str]) -> Iterator[list[str]]:
@@ -551,6 +582,8 @@ class ClientCore:
         self.on_unreachable: Callable[[BaseException], None] | None = None
         #: Reads from the server's slab when this client is on its host.
         self.local = LocalReads(config.local_reads)
+        #: Blocks whose bytes failed their checksum (a miss each), logged once per address.
+        self.checksum_failures = Failures("client")
         #: Hits answered unleased (a lease cap), by address: their releases are not sent.
         self._unleased: dict[str, int] = {}
         self._unleased_lock = threading.Lock()
@@ -570,12 +603,59 @@ class ClientCore:
         return f"{self.prefix}{route}"
 
     def miss(self, what: str, address: str, exc: BaseException) -> None:
-        """Log a miss. A refused token is a warning once; the rest is debug, so a dead
-        server cannot flood the engine's logs."""
+        """Log a miss. A refused token is a warning once, a block that failed its checksum
+        an error once per address (and counted); the rest is debug, so a dead server
+        cannot flood the engine's logs."""
         if isinstance(exc, Unauthorized):
             self.warn_unauthorized()
+        elif isinstance(exc, ChecksumMismatch):
+            self.checksum_failures.record(address, str(exc))
         self._unreachable_hook(exc)
         log.debug("eg-kv %s %s: miss (%s: %s)", what, address, type(exc).__name__, exc)
+
+    def checked(
+        self, checksum: bytes | str | None, sink: Callable[..., T], length: int,
+        read_exact: Callable[[memoryview], None],
+    ) -> T:  # fmt: skip
+        """``sink(length, read_exact)``, its bytes checked against ``checksum`` (a block
+        answer's :data:`~eg_kv.wire.CHECKSUM_HEADER`; None: a server that sends none, whose
+        bytes go unchecked) unless ``verify_checksums`` is off.
+
+        Raises:
+            ChecksumMismatch: the bytes are not the block's (the caller's miss).
+            BadRequest: the header is not a checksum (a miss too).
+            Exception: what ``sink`` raises.
+        """
+        verifier = self.verifier(checksum)
+        if verifier is None:
+            return sink(length, read_exact)
+        verifier = Verifier(verifier.expected, read_exact)
+        result = sink(length, verifier.read_exact)
+        verifier.check()
+        return result
+
+    def verifier(self, checksum: bytes | str | None) -> Verifier | None:
+        """A :class:`~eg_kv.checksum.Verifier` of a block answer's bytes, from its
+        :data:`~eg_kv.wire.CHECKSUM_HEADER`; None: nothing to check (no header: a server
+        that sends none; or ``verify_checksums`` off).
+
+        Raises:
+            BadRequest: the header is not a checksum (the caller's miss).
+        """
+        if checksum is None or not self.config.verify_checksums:
+            return None
+        return Verifier(decode_checksum(checksum))  # type: ignore[arg-type]
+
+    def check_body(self, checksum: bytes | str | None, body: Any) -> None:
+        """Check a whole block answer's ``body`` against its checksum header.
+
+        Raises:
+            ChecksumMismatch: it fails (the caller's miss). BadRequest: a bad header.
+        """
+        verifier = self.verifier(checksum)
+        if verifier is not None:
+            verifier.add(body)
+            verifier.check()
 
     def local_fetch(self, slab: LocalSlab | None, address: str, sink: Callable[..., Any]) -> Any:
         """A GET served from the local slab (:mod:`eg_kv.client.localreads`): ``sink``'s result,
@@ -599,7 +679,7 @@ class ClientCore:
     ) -> Any:
         """``sink``'s result for ``reader`` (from :meth:`local_open`), None on a miss, or
         :data:`OVER_HTTP`. Any thread may run it; never raises."""
-        return self._locally(address, slab.copy_out, reader, sink)
+        return self._locally(address, slab.copy_out, reader, sink, self.config.verify_checksums)
 
     def _locally(self, address: str, step: Callable[..., Any], *args: Any) -> Any:
         try:

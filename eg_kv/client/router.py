@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from ..checksum import Failures
 from ..config import parse_addr
 from ..errors import ConfigError
 from .core import KvCacheConfig, to_address
@@ -294,6 +295,9 @@ class MemberConnectors:
         self._dispose = dispose or (lambda conn: conn.close())
         self._lock = threading.Lock()
         self._conns: dict[MemberKey, Any] = {}
+        #: Blocks any member's answer failed their checksum: one count and one log line
+        #: per address for the whole set, whichever member served it.
+        self.checksum_failures = Failures("server set")
 
     def get(self, view: View, member_id: str) -> Any:
         member = view.members[member_id]
@@ -306,6 +310,7 @@ class MemberConnectors:
             if conn is None:
                 down = functools.partial(_member_unreachable, self._router, member_id)
                 conn = self._build(member_config(self._router.config, member), down)
+                conn._core.checksum_failures = self.checksum_failures
                 self._conns[key] = conn
             return conn
 

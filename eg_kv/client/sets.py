@@ -314,6 +314,11 @@ class SetConnector:
 
     # -- the set
 
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks any member's answer failed their checksum (each a miss)."""
+        return self._members.checksum_failures.count
+
     def member_stats(self) -> list[MemberStats]:
         """Each member's stats (in parallel), sorted by member id."""
         view = self._router.view()

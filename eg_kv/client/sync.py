@@ -34,6 +34,7 @@ from ..wire import (
     ADDRESSES_TYPE,
     BATCH_EXISTS_PATH,
     BATCH_RELEASE_PATH,
+    CHECKSUM_HEADER,
     EVENTS_PATH,
     EVENTS_SNAPSHOT_PATH,
     HEALTHZ_PATH,
@@ -64,6 +65,7 @@ from .core import (
     batches,
     block_to_read,
     check_final,
+    checksum_line,
     compact_answer,
     exists_answer,
     json_answer,
@@ -170,6 +172,7 @@ class _Pool:
 
 #: The header of a leasing lookup answered unleased, as the sync client reads headers.
 _REFUSED = LEASE_REFUSED_HEADER.lower().encode()
+_CHECKSUM = CHECKSUM_HEADER.lower().encode()
 
 
 def _with_refusal(parse: Callable[[Response], T], resp: Response) -> tuple[T, bool]:
@@ -365,7 +368,8 @@ class ServerConnector:
             def read_exact(view: memoryview) -> None:
                 resp.read_exact(memoryview(view).cast("B"))
 
-            result = sink(resp.length or 0, read_exact)
+            checksum = resp.headers.get(_CHECKSUM)
+            result = core.checked(checksum, sink, resp.length or 0, read_exact)
             if not resp.complete:
                 raise Miss("sink left part of the body unread")
             return result
@@ -484,7 +488,7 @@ class ServerConnector:
                 self._core.block_path(address),
                 self._drained,
                 body=views,
-                headers=self._put_head,
+                headers=self._put_head + checksum_line(views),
             )
         except Exception as exc:
             self._core.miss("PUT", address, exc)
@@ -763,6 +767,11 @@ class ServerConnector:
         except Exception as exc:
             raise self._core.unreachable(EVENTS_SNAPSHOT_PATH, exc) from None
         return parse_snapshot(body)
+
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks this client read whose bytes failed their checksum (each a miss)."""
+        return self._core.checksum_failures.count
 
     def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""

@@ -55,9 +55,13 @@ def reply(
     content_type: str = TEXT,
     *,
     length: int | None = None,
+    checksum: int | None = None,
 ) -> Written:
     """:func:`eg_kv.server.replies.reply`, closing the connection while this worker drains."""
-    return write_reply(request, status, body, content_type, length=length, close=closing(request))
+    return write_reply(
+        request, status, body, content_type, length=length, close=closing(request),
+        checksum=checksum,
+    )  # fmt: skip
 
 
 def why(e: BaseException) -> str:

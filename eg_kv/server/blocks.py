@@ -51,21 +51,22 @@ async def get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
 async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     address = request.match_info["hash"]
     try:
-        reader = request.app[SLAB].read_or_open(address, tenant.ns)
-        if reader is None:
+        found = request.app[SLAB].read_or_open(address, tenant.ns)
+        if found is None:
             raise NotFound(f"no block {address}")
+        checksum, reader = found
         if isinstance(reader, bytes):  # one page, copied: the fast path for small blocks
-            return reply(request, 200, reader, BLOCK_TYPE)
+            return reply(request, 200, reader, BLOCK_TYPE, checksum=checksum)
         n = reader.length
         if n <= READ_SLICE:
             # One copy, one write, for blocks of a few pages too.
-            return reply(request, 200, reader.read(), BLOCK_TYPE)
+            return reply(request, 200, reader.read(), BLOCK_TYPE, checksum=checksum)
     except BlockGone:
         raise NotFound(f"no block {address} (evicted while read)") from None
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away before the response")
-    head, keep = replies.head(request, 200, BLOCK_TYPE, n, closing(request))
+    head, keep = replies.head(request, 200, BLOCK_TYPE, n, closing(request), checksum)
     transport.write(head)
     replies.sent(request, len(head))
     try:
@@ -164,12 +165,12 @@ async def _flushed(transport: asyncio.Transport, writer: AbstractStreamWriter) -
 
 
 async def head_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
-    """``HEAD /kv/<hash>``: 200 with the block's Content-Length, 404 if absent."""
+    """``HEAD /kv/<hash>``: 200 with the block's Content-Length and checksum, 404 if absent."""
     address = request.match_info["hash"]
-    n = request.app[SLAB].length(address, tenant.ns)
-    if n is None:
+    found = request.app[SLAB].describe(address, tenant.ns)
+    if found is None:
         raise NotFound(f"no block {address}")
-    return reply(request, 200, b"", BLOCK_TYPE, length=n)
+    return reply(request, 200, b"", BLOCK_TYPE, length=found[0], checksum=found[1])
 
 
 async def delete_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:

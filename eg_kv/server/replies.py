@@ -15,6 +15,7 @@ A head looks like this (``Connection`` only where the version's default does not
     X-EgKv-Worker: 4242\\r\\n                    │
     Connection: close\\r\\n                      ┘
     Content-Length: 4096\\r\\n                   per response (none for 204)
+    X-Eg-Kv-Checksum: 9f86d081884c7d65\\r\\n     a block's answer (GET, HEAD)
     Date: Sun, 29 Nov 2026 15:30:00 GMT\\r\\n    cached per second
     \\r\\n
 
@@ -31,7 +32,7 @@ import time
 
 from aiohttp import web
 
-from ..wire import JSON_TYPE, WORKER_HEADER
+from ..wire import CHECKSUM_HEADER, JSON_TYPE, WORKER_HEADER
 from ._compat import SentResponse, count_sent
 
 #: The ``Server`` header of every answer.
@@ -41,6 +42,7 @@ TEXT = "text/plain; charset=utf-8"
 #: The type of the server's JSON answers.
 JSON = f"{JSON_TYPE}; charset=utf-8"
 
+_CHECKSUM = CHECKSUM_HEADER.encode("ascii")
 _HEADS: dict[tuple[tuple[int, int], int, str, bool], bytes] = {}
 _PID = [str(os.getpid())]
 #: The Date line and the second it was made for, cached per second.
@@ -113,18 +115,28 @@ def _date() -> bytes:
 
 
 def head(
-    request: web.BaseRequest, status: int, content_type: str, length: int | None, close: bool
+    request: web.BaseRequest,
+    status: int,
+    content_type: str,
+    length: int | None,
+    close: bool,
+    checksum: int | None = None,
 ) -> tuple[bytes, bool]:
     """The response head for ``request``, and whether the connection stays open.
 
     Args:
         length: the Content-Length to announce; None sends none (204).
         close: the server wants this connection closed after the response (draining).
+        checksum: a block's checksum, sent as :data:`~eg_kv.wire.CHECKSUM_HEADER`.
     """
     keep = not close and request.keep_alive
     prefix = _head(request.version, status, content_type, keep)
     if length is None:
         return prefix + _date(), keep
+    if checksum is not None:
+        return b"%sContent-Length: %d\r\n%s: %016x\r\n%s" % (
+            prefix, length, _CHECKSUM, checksum, _date()
+        ), keep  # fmt: skip
     return b"%sContent-Length: %d\r\n%s" % (prefix, length, _date()), keep
 
 
@@ -136,6 +148,7 @@ def reply(
     *,
     length: int | None = None,
     close: bool = False,
+    checksum: int | None = None,
 ) -> Written:
     """Write a whole response (head and ``body``) to the connection in one call.
 
@@ -143,6 +156,7 @@ def reply(
         length: the Content-Length when it is not ``len(body)``: a HEAD answer sends the
             block's length and no body. Ignored for 204, which has neither.
         close: close the connection after this response.
+        checksum: the block's checksum, for a block's answer (GET, HEAD).
 
     Returns:
         The finished response, for aiohttp.
@@ -159,7 +173,7 @@ def reply(
         sent(request, len(head_bytes))
         return written(status, keep, 0)
     head_bytes, keep = head(
-        request, status, content_type, len(body) if length is None else length, close
+        request, status, content_type, len(body) if length is None else length, close, checksum
     )
     if body:
         transport.writelines((head_bytes, body))

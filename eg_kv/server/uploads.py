@@ -23,9 +23,10 @@ from collections.abc import Callable
 
 from aiohttp import HttpVersion11, web
 
+from ..checksum import decode as decode_checksum
 from ..errors import BadRequest, EgKvError, TooLarge
 from ..slab.store import SMALL_PUT, Slab
-from ..wire import whole_number
+from ..wire import CHECKSUM_HEADER, whole_number
 from ._compat import forget_interim
 from .answers import error_response, label, reply, unauthorized, why
 from .auth import authorize
@@ -135,6 +136,9 @@ async def _final_answer(request: web.Request, resp: web.Response, start: float) 
 async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``PUT /kv/<hash>``: stream the body into the slab; 201 new block, 200 dedup hit.
 
+    The body's checksum is computed as it arrives and kept with the block; one the PUT
+    carries (``X-Eg-Kv-Checksum``) must match it (400, nothing stored, otherwise).
+
     A streamed PUT whose address is resident with its length is a dedup hit from its
     headers: the reference is taken then, and the body is read and dropped chunk by
     chunk (so the connection stays usable); a body that breaks off gives it back. A small
@@ -146,16 +150,18 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     length = _announced_length(request, slab.max_block_size)
     if length == 0:  # refused before reading: there is nothing to store
         raise BadRequest("empty block (0 bytes): nothing to store")
+    checksum = decode_checksum(request.headers.get(CHECKSUM_HEADER))
     # A Busy (503: upload share or spool full) gets its Retry-After where errors become
     # answers (error_response).
     if length is None:
-        created = await _put_chunked(request, slab, address, ns)
+        created = await _put_chunked(request, slab, address, ns, checksum)
     elif length <= SMALL_PUT:
         # Gather a small body, then store it in one critical section (Slab.put): the
         # second lock round trip of a streamed put cost more than holding these bytes.
-        created = slab.put(address, await _receive_small(request, length), ns)
+        created = slab.put(address, await _receive_small(request, length), ns, checksum)
     else:
-        handle = slab.begin_put(address, length, request.app[SETTINGS].upload_share, ns)
+        share = request.app[SETTINGS].upload_share
+        handle = slab.begin_put(address, length, share, ns, checksum)
         try:
             await _receive(request, handle.write)
             created = handle.commit()
@@ -214,7 +220,9 @@ async def _receive_small(request: web.Request, length: int) -> bytes:
         raise BadRequest(f"body cut short or malformed: {why(e)}") from None
 
 
-async def _put_chunked(request: web.Request, slab: Slab, address: str, ns: int) -> bool:
+async def _put_chunked(
+    request: web.Request, slab: Slab, address: str, ns: int, checksum: int | None
+) -> bool:
     """Spool a chunked body into a memfd, then copy it into the slab.
 
     The body may be at most the maximum block size (413 beyond), and the worker's chunked
@@ -237,7 +245,7 @@ async def _put_chunked(request: web.Request, slab: Slab, address: str, ns: int) 
                 view = view[os.write(fd, view) :]
 
         await _receive(request, spool, chunked=True)
-        handle = slab.begin_put(address, total, request.app[SETTINGS].upload_share, ns)
+        handle = slab.begin_put(address, total, request.app[SETTINGS].upload_share, ns, checksum)
         try:
             pos = 0
             while pos < total:

@@ -68,7 +68,7 @@ class SlabChecks(SlabNamespaces):
         def _free_pages(self, first: int, n: int) -> None: ...
         def _write_slot(
             self, i: int, refbit: int, raw: bytes, refs: int, length: int, first: int,
-            npages: int, block_id: int, fp: int, ns: int,
+            npages: int, block_id: int, fp: int, ns: int, meta: tuple[object, ...] = (),
         ) -> None: ...  # fmt: skip
         def _resv_off(self, r: int) -> int: ...
         def _resv_in_use(self) -> list[int]: ...
@@ -257,7 +257,7 @@ class SlabChecks(SlabNamespaces):
         g, st, nxt, tag, mm = self.geometry, self._state, self._next, self._tag, self._mm
         problems: list[str] = []
         owner = bytearray(g.npages)  # 0 free, 1 slot, 2 reservation
-        live: list[tuple[int, bytes, int, int, int, int, int, int, int]] = []
+        live: list[tuple[int, bytes, int, int, int, int, int, int, int, tuple[object, ...]]] = []
         seen: set[tuple[int, bytes]] = set()
         totals = dict.fromkeys(L.DERIVED_COUNTERS, 0)
         ns_totals: dict[int, list[int]] = {}  # namespace -> its NS_DERIVED values
@@ -292,7 +292,8 @@ class SlabChecks(SlabNamespaces):
                 bad = f"{what}: address stored twice"
             if bad is None and claim(first, npages, 1, what):
                 seen.add((ns, raw))
-                live.append((refbit, raw, refs, length, first, npages, block_id, fp, ns))
+                meta = L.SLOT_META.unpack_from(mm, self._slot_off(i) + L.SLOT_META_OFFSET)
+                live.append((refbit, raw, refs, length, first, npages, block_id, fp, ns, meta))
                 t = ns_totals.setdefault(ns, ns_zero.copy())
                 for k, val in enumerate((1, refs, length, length * refs, npages)):
                     t[k] += val
@@ -356,13 +357,13 @@ class SlabChecks(SlabNamespaces):
         # fix: rebuild the table in probe order, then the free list and the counters.
         mv = self._mv
         mv[g.slots_off : g.slots_off + g.nslots * L.SLOT_SIZE] = bytes(g.nslots * L.SLOT_SIZE)
-        for refbit, raw, refs, length, first, npages, block_id, fp, ns in live:
+        for refbit, raw, refs, length, first, npages, block_id, fp, ns, meta in live:
             i = self._find(raw, fp, ns)[0]
-            self._write_slot(i, refbit, raw, refs, length, first, npages, block_id, fp, ns)
+            self._write_slot(i, refbit, raw, refs, length, first, npages, block_id, fp, ns, meta)
         for p in range(g.npages):
             if owner[p]:
                 tag[p] = 0
-        for _refbit, _raw, _refs, _length, first, _npages, block_id, _fp, _ns in live:
+        for _refbit, _raw, _refs, _length, first, _npages, block_id, _fp, _ns, _meta in live:
             tag[first] = block_id
         nsw = self._nsw
         for ns in range(1, L.NS_COUNT):

@@ -3,10 +3,10 @@
 One POSIX shared-memory segment holds everything; every offset is fixed at creation and
 recorded in the header, so a process that attaches needs nothing but the name::
 
-    0        4096           +1 MiB              resv_off+R*32      slots_off+S*320
+    0        4096           +1 MiB              resv_off+R*32      slots_off+S*384
     ┌────────┬──────────────┬───────────────────┬──────────────────┬────────┬────────┬───────┐
     │ header │ namespaces   │ reservations      │ slot table       │ next   │ tag    │ pages │
-    │        │ 4096 × 256 B │ R × RESV (32 B)   │ S × SLOT (320 B) │ P × q  │ P × Q  │ P × ps│
+    │        │ 4096 × 256 B │ R × RESV (32 B)   │ S × SLOT (384 B) │ P × q  │ P × Q  │ P × ps│
     └────────┴──────────────┴───────────────────┴──────────────────┴────────┴────────┴───────┘
     header:  [0, 128)      GEOMETRY, written once at creation
              [128, 144)    the slab id (16 random bytes): local readers check it
@@ -22,7 +22,10 @@ recorded in the header, so a process that attaches needs nothing but the name::
 * **slot table**: open addressing with linear probing (home = fingerprint & (S - 1)) and
   backward-shift deletion, so there are no tombstones. It is the one source of truth for
   which pages hold published blocks. A slot also carries its leases (:mod:`eg_kv.slab.leases`):
-  how many are held and when the newest ends; eviction passes over a leased block.
+  how many are held and when the newest ends; eviction passes over a leased block. A slot
+  is three parts (SLOT_META below): the fields every probe reads, the address, and what
+  the block is: its checksum, where the disk tier keeps a copy, and the engine's own name
+  for it (hash, LoRA, block size), which removals publish.
 * **reservations**: pages taken by puts still being written, with the writer's pid, so
   the pages of a writer that died can be given back, and the namespace they are charged
   to (its quota counts them while they are written). One entry per page (R = P).
@@ -43,9 +46,11 @@ import time
 from ..address import ADDRESS_MAX
 
 MAGIC = b"EGKVSLB1"
-VERSION = 6  # 4: namespaces (a namespace id per slot, the namespace table); 5: quotas
+VERSION = 7  # 4: namespaces (a namespace id per slot, the namespace table); 5: quotas
 # count pages, uploads in flight included (NS_RESV_PAGES, a namespace per reservation);
-# 6: leases (a lease count and the newest lease's expiry per slot: the slot is 320 bytes)
+# 6: leases (a lease count and the newest lease's expiry per slot: the slot is 320 bytes);
+# 7: a slot's META (checksum, disk record, engine hash: the slot is 384 bytes), XXH3
+# fingerprints, checksum counters; the readers segment's entries are 16 words
 HEADER_SIZE = 4096
 STATE_OFFSET = 256
 ALIGN = 4096
@@ -104,8 +109,13 @@ assert GEOMETRY.size <= SLAB_ID_OFFSET
     ST_LEASE_LATEST_END,
     ST_LEASES_REFUSED,  # hits a lookup answered without leases: a cap was reached
     ST_UNLEASED_HINT,  # 1 + the slot whose last lease a release ended (0: none): a victim
+    # integrity (eg_kv.checksum): reads whose bytes failed their block's checksum, found
+    # by the server (check --deep, a disk record); PUT bodies refused for not matching
+    # the checksum they carried
+    ST_CHECKSUM_FAILURES,
+    ST_CHECKSUM_REFUSED,
     STATE_WORDS,
-) = range(34)
+) = range(36)
 
 #: Byte offset of the owner pid (state word ST_OWNER_PID, a native int64) in EVERY layout
 #: version so far. It must never move: ``--fresh`` reads it from a slab of another
@@ -134,6 +144,8 @@ EVENT_COUNTERS = {
     "leases_released": ST_LEASES_RELEASED,
     "leases_expired": ST_LEASES_EXPIRED,
     "leases_refused": ST_LEASES_REFUSED,
+    "checksum_failures": ST_CHECKSUM_FAILURES,
+    "checksum_refused_puts": ST_CHECKSUM_REFUSED,
 }
 
 # Per-process read counters (see the header picture): one writer each, summed by stats().
@@ -167,7 +179,28 @@ SLOT = struct.Struct("<BBHIQqQQQIIq")
 ) = range(13)
 #: A slot's fields as SLOT unpacks them (index with the F_* constants).
 SlotFields = tuple[int, ...]
-SLOT_SIZE = SLOT.size + ADDRESS_MAX  # 320
+#: The slot's third part, after the address: what the block is, read only by those who
+#: need it (a GET's checksum header, the disk tier, the events), never by a probe.
+#:
+#:     0          8              16             24          28    29    30   32        64
+#:     ┌──────────┬──────────────┬──────────────┬───────────┬─────┬─────┬────┬─────────┐
+#:     │ checksum │ disk record  │ engine LoRA  │ engine    │flags│ hash│ -- │ engine  │
+#:     │ XXH3-64  │ (0: none)    │ id (q)       │ block size│     │ len │    │ hash 32 │
+#:     └──────────┴──────────────┴──────────────┴───────────┴─────┴─────┴────┴─────────┘
+#:
+#: checksum: of the block's bytes (eg_kv.checksum), set when it is published. disk record:
+#: where the disk tier keeps a copy of it (1 + its record's index; 0: none). The engine
+#: fields name the block as its engine does (the KV-events wire): its block hash (up to
+#: 32 bytes; hash len 0: none, removals name the eg-kv address), the LoRA id and the block
+#: size in tokens. flags: META_* bits.
+SLOT_META = struct.Struct("<QQqIBB2x32s")
+(M_CHECKSUM, M_DISK, M_LORA, M_BLOCK_TOKENS, M_FLAGS, M_HASH_LEN, M_HASH) = range(7)
+META_ENGINE_HASH_MAX = 32
+META_SPILLED = 1  # the disk tier holds a copy (its record is M_DISK)
+SLOT_META_OFFSET = SLOT.size + ADDRESS_MAX  # 320
+SLOT_SIZE = SLOT_META_OFFSET + SLOT_META.size  # 384
+#: A slot's checksum alone (the GET path's one extra read).
+SLOT_CHECKSUM = struct.Struct("<Q")
 SLOT_EMPTY = 0
 SLOT_READY = 1
 #: A slot's state and block id alone (a lookup checking a block is still where it was).
@@ -234,6 +267,7 @@ SLOT_NS_OFFSET = 48  # byte offset of the namespace id inside a slot (a uint32)
 SLOT_LEASES_OFFSET = 52  # byte offset of the lease count inside a slot (a uint32)
 SLOT_LEASE_END_OFFSET = 56  # byte offset of the newest lease's expiry (an int64)
 assert SLOT_SIZE % 8 == 0 and SLOT.size - 8 == SLOT_LEASE_END_OFFSET
+assert SLOT_META.size == 64 and SLOT_META_OFFSET % 8 == 0
 assert struct.calcsize("<BBHIQqQ") == SLOT_BLOCK_ID_OFFSET
 NS_MIX = 0x9E3779B97F4A7C15
 
@@ -247,9 +281,9 @@ def ns_fingerprint(fp: int, ns: int) -> int:
 # The readers segment, ``<slab name>.readers``: what clients that read the slab locally
 # (read-only) may write. Mode 0600 like the slab; created with it and removed with it.
 #
-#     0        64                         64 + NREADERS * 64        leases_off (8-aligned)
+#     0        64                         64 + NREADERS * 128       leases_off (8-aligned)
 #     ┌────────┬──────────────────────────┬──────────────────────┬──────────────────────────┐
-#     │ header │ entries: NREADERS × 8 q  │ hit hints: S bytes   │ lease tables:            │
+#     │ header │ entries: NREADERS × 16 q │ hit hints: S bytes   │ lease tables:            │
 #     │        │                          │                      │ LEASE_READERS × lease_   │
 #     │        │                          │                      │ records × (id q, end q)  │
 #     └────────┴──────────────────────────┴──────────────────────┴──────────────────────────┘
@@ -259,9 +293,9 @@ def ns_fingerprint(fp: int, ns: int) -> int:
 #     └──────────────────────────────────────────────────────────────┘
 #     header:  READERS_HEAD: magic, slab id, entries, slots
 #     entry:   pid (informational), namespace id, get hits, get misses, lease records in
-#              use (the table's high-water mark), leases taken, leases released, and the
+#              use (the table's high-water mark), leases taken, leases released, the
 #              table's generation (bumped after every change of it: the server rereads a
-#              table only when it moved).
+#              table only when it moved), checksum failures; 7 spare words.
 #              An entry is owned by whoever holds an OFD write lock on its first byte (the
 #              kernel drops it when the owner dies, in any pid namespace); its counts only
 #              grow and stay when the owner dies, so the slab's stats add every entry.
@@ -278,15 +312,18 @@ def ns_fingerprint(fp: int, ns: int) -> int:
 #              by block and holder, written under the slab's lock; id 0: never used (a
 #              probe stops), -1: freed (a probe goes on); a record whose end has passed
 #              holds nothing and may be taken.
-READERS_MAGIC = b"EGKVRDR3"  # 2: lease tables, and the entry's lease words; 3: holders
+READERS_MAGIC = b"EGKVRDR4"  # 2: lease tables, and the entry's lease words; 3: holders;
+# 4: 16-word entries (checksum failures; the rest spare)
 READERS_HEAD = struct.Struct("<8s16sQQ")  # magic, slab id, entries, slots
 READERS_HEADER_SIZE = 64
 NREADERS = 1024
-READER_WORDS = 8
+READER_WORDS = 16
 READER_ENTRY_SIZE = 8 * READER_WORDS
-(R_PID, R_NS, R_HITS, R_MISSES, R_LEASE_TOP, R_LEASES_TAKEN, R_LEASES_RELEASED, R_LEASE_GEN) = (
-    range(8)
-)
+(
+    R_PID, R_NS, R_HITS, R_MISSES, R_LEASE_TOP, R_LEASES_TAKEN, R_LEASES_RELEASED, R_LEASE_GEN,
+    R_CHECKSUM_FAILURES,  # blocks this reader copied whose bytes failed their checksum
+) = range(9)  # fmt: skip
+# words 9-15: spare (zero)
 READERS_HINTS_OFFSET = READERS_HEADER_SIZE + NREADERS * READER_ENTRY_SIZE
 READERS_SUFFIX = ".readers"
 #: Reader entries that may lease locally (the rest lease over HTTP: a host runs a few

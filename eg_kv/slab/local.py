@@ -17,7 +17,8 @@ another layout, a CPU without the ordering lock-free reads need, a slab a writer
 busy, or one that was retired (:class:`LocalRetired`: the server removed it, or this
 process forked).
 
-Only the standard library: a client needs neither ``posix_ipc`` nor the server's packages.
+The standard library and ``xxhash`` only: a client needs neither ``posix_ipc`` nor the
+server's packages.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..checksum import ChecksumMismatch, Verifier
 from ..errors import SlabError
 from . import layout as L
 from .local_leases import LocalLeases
@@ -335,6 +337,13 @@ class LocalSlab(SlabView):
             entries[me + L.R_HITS] += hit
             entries[me + L.R_MISSES] += miss
 
+    def _count_bad_checksum(self, ns: int = 0) -> None:
+        entries, me = self._entries, self._me
+        with self._lock:
+            entries[me + L.R_HITS] -= 1
+            entries[me + L.R_MISSES] += 1
+            entries[me + L.R_CHECKSUM_FAILURES] += 1
+
     # ------------------------------------------------------------------ reads
 
     def _still_mine(self) -> None:
@@ -378,13 +387,21 @@ class LocalSlab(SlabView):
         return reader
 
     def copy_out(
-        self, reader: BlockReader, sink: Callable[[int, Callable[[memoryview], None]], _T]
+        self,
+        reader: BlockReader,
+        sink: Callable[[int, Callable[[memoryview], None]], _T],
+        verify: bool = True,
     ) -> _T | None:
         """Hand ``reader``'s block to ``sink(length, read_exact)``; None if it went while
         it was copied (a counted miss). Any thread may run it.
 
+        Args:
+            verify: check the bytes copied against the block's checksum.
+
         Raises:
             LocalRetired: the mapping was closed.
+            ChecksumMismatch: the bytes copied are not the block's (a counted miss and
+                checksum failure; what ``sink`` made of them must be dropped).
             Exception: what ``sink`` raises (the caller's miss).
         """
         with self._lock:  # the mapping must outlive the copy, whatever thread closes it
@@ -393,8 +410,18 @@ class LocalSlab(SlabView):
             self._copying += 1
         try:
             copier = _Copier(self, reader)
-            result = sink(reader.length, copier.read_exact)
-            copier.finish()
+            if not verify:
+                result = sink(reader.length, copier.read_exact)
+                copier.finish()
+            else:
+                verifier = Verifier(reader.checksum, copier.read_exact)
+                result = sink(reader.length, verifier.read_exact)
+                copier.finish()  # the block was still there: a mismatch is its bytes'
+                try:
+                    verifier.check()
+                except ChecksumMismatch:
+                    self._count_bad_checksum(reader.ns)
+                    raise
         except BlockGone:
             return None
         finally:

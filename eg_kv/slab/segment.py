@@ -446,6 +446,11 @@ class SlabSegment(SlabLocking):
                 out[ns] = (had[0] + hits, had[1] + misses)
         return out
 
+    def _reader_checksum_failures(self) -> int:
+        """Blocks local readers copied whose bytes failed their checksum, all together."""
+        r = self._readers
+        return 0 if r is None else sum(r[L.R_CHECKSUM_FAILURES :: L.READER_WORDS].tolist())
+
     def fold_local_hits(self) -> int:
         """Give every slot a local reader hit since the last fold its CLOCK reference bit.
 

@@ -31,6 +31,7 @@ class SlabStats(SlabEventLog):
         for hits, misses in self._reader_counts().values():
             out["get_hits"] += hits
             out["get_misses"] += misses
+        out["checksum_failures"] += self._reader_checksum_failures()
         out["dedup_savings_bytes"] = out["logical_bytes"] - out["resident_bytes"]
         out["capacity_bytes"] = self.geometry.npages * ps
         out["free_bytes"] = free * ps

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     #: What a put takes: anything with a length that a memoryview can cast to bytes.
     Bytes: TypeAlias = bytes | bytearray | memoryview
 
+from ..checksum import BodyMismatch
+from ..checksum import Running as RunningChecksum
+from ..checksum import encode as encode_checksum
+from ..checksum import of as checksum_of
 from ..errors import (
     BadRequest,
     Busy,
@@ -94,6 +98,8 @@ _CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once
 #: of a mostly leased table of 524,288 slots held it 2.5 s (issue 31).
 SWEEP_LEASED_MAX = 8192
 _T = TypeVar("_T")
+#: The META of a slot rebuilt without one (check's repair): no checksum, nothing else.
+_NO_META = (0, 0, 0, 0, 0, 0, b"")
 #: Blocks up to this size are stored by :meth:`Slab.put` in one critical section, copy
 #: included: a second lock round trip cost more than the copy (scripts/bench_server.py).
 SMALL_PUT = 64 * 1024
@@ -110,13 +116,16 @@ class Slab(SlabLeases):
 
     def _write_slot(
         self, i: int, refbit: int, raw: bytes, refs: int, length: int, first: int,
-        npages: int, block_id: int, fp: int, ns: int,
+        npages: int, block_id: int, fp: int, ns: int, meta: tuple[object, ...] = (),
     ) -> None:  # fmt: skip
+        """Write slot ``i`` whole: its fields, its address and its META (``meta``: the
+        SLOT_META fields; empty: a checksum of 0 and nothing else, as check's rebuild)."""
         off = self._slot_off(i)
-        # Fields and address first, the READY state byte last: a reader never sees half.
+        # Fields, address and META first, the READY state byte last: a reader never sees half.
         L.SLOT.pack_into(self._mm, off, L.SLOT_EMPTY, refbit, len(raw), refs, length, first,
                          npages, block_id, fp, ns, 0, 0)  # fmt: skip
         self._mm[off + L.SLOT.size : off + L.SLOT.size + len(raw)] = raw
+        L.SLOT_META.pack_into(self._mm, off + L.SLOT_META_OFFSET, *(meta or _NO_META))
         self._mm[off] = L.SLOT_READY
 
     def _remove_slot(self, i: int) -> None:
@@ -477,8 +486,9 @@ class Slab(SlabLeases):
     # ------------------------------------------------------------------ put
 
     def begin_put(
-        self, address: str, length: int, upload_share: float = 1.0, ns: int = 0
-    ) -> PutHandle:
+        self, address: str, length: int, upload_share: float = 1.0, ns: int = 0,
+        checksum: int | None = None,
+    ) -> PutHandle:  # fmt: skip
         """Start a streaming put of ``length`` bytes under ``address``.
 
         Returns a :class:`PutHandle`: ``write`` the bytes, then ``commit`` (or ``abort``).
@@ -490,6 +500,9 @@ class Slab(SlabLeases):
             upload_share: the fraction of the slab's pages that puts in flight may hold
                 together. A put that would take them over it is refused, unless none is in
                 flight (so a block larger than the share can still be stored).
+            checksum: the bytes' XXH3-64 as their sender gave it (:mod:`eg_kv.checksum`);
+                ``commit`` refuses bytes that do not match it. None: the one computed
+                from the bytes is kept.
 
         Raises:
             InvalidAddress, TooLarge (before any byte is stored), Conflict (resident with
@@ -522,7 +535,7 @@ class Slab(SlabLeases):
             if r < 0:  # cannot happen while every put holds a page (one entry per page)
                 self._free_pages(first, n)
                 raise Busy("the reservation table is full; retry")
-        return PutHandle(self, address, raw, fp, length, r, first, n, 0, ns)
+        return PutHandle(self, address, raw, fp, length, r, first, n, 0, ns, checksum)
 
     def add_ref(self, address: str, length: int, ns: int = 0) -> bool:
         """A dedup hit from the headers alone: one more reference if ``address`` is
@@ -541,18 +554,19 @@ class Slab(SlabLeases):
             self._add_ref(i, s, address, length)
             return True
 
-    def put(self, address: str, data: Bytes, ns: int = 0) -> bool:
+    def put(self, address: str, data: Bytes, ns: int = 0, checksum: int | None = None) -> bool:
         """Store ``data`` under ``address`` in one call; True if created, False if dedup.
 
         Up to :data:`SMALL_PUT` bytes are looked up, copied in and published in one
         critical section; larger blocks go through :meth:`begin_put`, copied outside it.
 
         Raises:
-            The same as :meth:`begin_put`.
+            The same as :meth:`begin_put`, and BodyMismatch: ``data`` does not have the
+            ``checksum`` given (nothing is stored).
         """
         length = len(data)
         if length > SMALL_PUT:
-            handle = self.begin_put(address, length, ns=ns)
+            handle = self.begin_put(address, length, ns=ns, checksum=checksum)
             try:
                 handle.write(data)
                 return handle.commit()
@@ -560,6 +574,9 @@ class Slab(SlabLeases):
                 handle.abort()
         raw, fp = self._key(address, ns)
         n = self._pages_for(length)
+        got = checksum_of(data)
+        if checksum is not None and checksum != got:
+            self.refuse_body(checksum, got)
         self._refuse_early(address, n, ns)
         with self._locked():
             i, s = self._find(raw, fp, ns)
@@ -573,8 +590,21 @@ class Slab(SlabLeases):
             for pos, off, size in _runs(self, first, n, length):
                 mv[off : off + size] = src[pos : pos + size]
             # A crash before the slot is written leaves pages no slot owns: repair frees them.
-            self._publish(i, raw, fp, length, first, n, ns)
+            self._publish(i, raw, fp, length, first, n, ns, got)
             return True
+
+    def refuse_body(self, expected: int, got: int) -> NoReturn:
+        """Count a PUT body that does not match the checksum it carried, and refuse it.
+
+        Raises:
+            BodyMismatch: always.
+        """
+        with self._locked():
+            self._state[L.ST_CHECKSUM_REFUSED] += 1
+        raise BodyMismatch(
+            f"the body's checksum is {encode_checksum(got)}, not {encode_checksum(expected)} "
+            "as its header says: the bytes changed on the way; nothing was stored, send it again"
+        )
 
     def _refuse_early(self, address: str, n: int, ns: int) -> None:
         """Refuse a put of ``n`` new pages that only leased blocks stand in the way of,
@@ -638,8 +668,9 @@ class Slab(SlabLeases):
         return False
 
     def _publish(
-        self, i: int, raw: bytes, fp: int, length: int, first: int, npages: int, ns: int
-    ) -> None:
+        self, i: int, raw: bytes, fp: int, length: int, first: int, npages: int, ns: int,
+        checksum: int,
+    ) -> None:  # fmt: skip
         """Make the block on pages ``first``.. visible in empty slot ``i``, and count it."""
         st, ev = self._state, self._events
         block_id = st[L.ST_NEXT_BLOCK_ID]
@@ -647,7 +678,8 @@ class Slab(SlabLeases):
             ev.begin(STORED, R_PUT, ns, raw, block_id, length)
         st[L.ST_NEXT_BLOCK_ID] = block_id + 1
         self._tag[first] = block_id
-        self._write_slot(i, 0, raw, 1, length, first, npages, block_id, fp, ns)
+        meta = (checksum, 0, 0, 0, 0, 0, b"")
+        self._write_slot(i, 0, raw, 1, length, first, npages, block_id, fp, ns, meta)
         st[L.ST_UNIQUE_BLOCKS] += 1
         st[L.ST_TOTAL_REFS] += 1
         st[L.ST_RESIDENT_BYTES] += length
@@ -690,7 +722,7 @@ class Slab(SlabLeases):
                 i = self._find(h.raw, h.fp, h.ns)[0]
             # Publish the slot before giving up the reservation: a crash in between leaves
             # both claiming the pages, and repair lets the published slot win.
-            self._publish(i, h.raw, h.fp, h.length, h.first, h.npages, h.ns)
+            self._publish(i, h.raw, h.fp, h.length, h.first, h.npages, h.ns, h.checksum)
             self._unreserve(h.resv)
             return True
 
@@ -729,6 +761,11 @@ class Slab(SlabLeases):
         # The CLOCK reference bit, set without the lock: at worst a block that moved into
         # this slot meanwhile gets a second chance it did not earn.
         self._mm[self._slot_off(i) + L.SLOT_REF_OFFSET] = 1
+
+    def _count_bad_checksum(self, ns: int = 0) -> None:
+        self._count_aborted_read(ns)
+        with self._locked():
+            self._state[L.ST_CHECKSUM_FAILURES] += 1
 
     def _count_read(self, hit: int, miss: int, ns: int = 0) -> None:
         """Count get hits and misses in this process's own entry (no lock, one writer),
@@ -827,12 +864,13 @@ class PutHandle:
     ``abort`` after ``commit`` does nothing, so ``finally: handle.abort()`` is safe.
     """
 
-    __slots__ = ("_run", "_runs", "_slab", "address", "block_id", "done", "first", "fp",
-                 "length", "npages", "ns", "pos", "raw", "resv")  # fmt: skip
+    __slots__ = ("_hash", "_run", "_runs", "_slab", "address", "block_id", "checksum",
+                 "done", "expected", "first", "fp", "length", "npages", "ns", "pos", "raw",
+                 "resv")  # fmt: skip
 
     def __init__(
         self, slab: Slab, address: str, raw: bytes, fp: int, length: int, resv: int,
-        first: int, npages: int, block_id: int = 0, ns: int = 0,
+        first: int, npages: int, block_id: int = 0, ns: int = 0, expected: int | None = None,
     ) -> None:  # fmt: skip
         self._slab, self.address, self.raw, self.fp = slab, address, raw, fp
         self.length, self.resv, self.first, self.npages = length, resv, first, npages
@@ -841,6 +879,11 @@ class PutHandle:
         self.pos = self._run = 0
         self.done = False
         self._runs = None if resv < 0 else _runs(slab, first, npages, length)
+        # The bytes' checksum, computed as they are written (while they are in cache);
+        # ``expected``: the one their sender gave, checked at commit.
+        self._hash = None if resv < 0 else RunningChecksum()
+        self.expected = expected
+        self.checksum = 0
 
     def write(self, chunk: Bytes) -> None:
         """Copy ``chunk`` into the block's pages at the current position.
@@ -864,6 +907,7 @@ class PutHandle:
                 mv[off + a : off + a + k] = src[cur - self.pos : cur - self.pos + k]
                 cur += k
             self._run = r
+            self._hash.update(src)  # type: ignore[union-attr]
         self.pos += n
 
     @property
@@ -884,6 +928,11 @@ class PutHandle:
         if self.pos != self.length:
             self.abort()
             raise BadRequest(f"body cut short: {self.pos} of {self.length} bytes arrived")
+        if self._hash is not None:
+            self.checksum = self._hash.intdigest()
+            if self.expected is not None and self.expected != self.checksum:
+                self.abort()
+                self._slab.refuse_body(self.expected, self.checksum)
         self.done = True
         return self._slab._commit(self)
 

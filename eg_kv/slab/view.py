@@ -8,7 +8,8 @@ records (the CLOCK reference bit, the hit and miss counters) each handle records
 way, through :meth:`SlabView._touch`, :meth:`SlabView._count_read` and
 :meth:`SlabView._count_aborted_read`.
 
-Nothing here imports ``posix_ipc``: a client needs only the standard library to read.
+Nothing here imports ``posix_ipc``: a client needs only the standard library and
+``xxhash`` to read.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from ..address import all_valid, fingerprint, validate
+from ..checksum import of as checksum_of
 from ..errors import NotFound, SlabError
 from . import layout as L
 
@@ -65,6 +67,8 @@ def full_fence() -> None:
 
 _unpack_slot = L.SLOT.unpack_from
 _unpack_state_and_id = L.SLOT_STATE_AND_ID.unpack_from
+_unpack_checksum = L.SLOT_CHECKSUM.unpack_from
+_META = L.SLOT_META_OFFSET
 _SLOT_READY = L.SLOT_READY
 _SLOT_SIZE, _SLOT_HEAD, _SLOT_EMPTY, _ST_SEQ = L.SLOT_SIZE, L.SLOT.size, L.SLOT_EMPTY, L.ST_SEQ
 
@@ -145,6 +149,11 @@ class SlabView:
     def _count_aborted_read(self, ns: int = 0) -> None:
         """A hit that turned out a miss (the block went while it was read)."""
         self._count_read(-1, 1, ns)
+
+    def _count_bad_checksum(self, ns: int = 0) -> None:
+        """A hit whose bytes failed the block's checksum: a miss, and one more checksum
+        failure where this handle counts them."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ lookups
 
@@ -253,25 +262,35 @@ class SlabView:
         The reader copies the bytes out without the lock, and a block evicted or released
         meanwhile ends the read with :class:`BlockGone`.
         """
-        s = self._look(address, ns)
-        if s is None:
+        found = self._look(address, ns)
+        if found is None:
             return None
-        return BlockReader(self, s[F_LENGTH], s[F_FIRST], s[F_NPAGES], s[F_BLOCK_ID], ns)
+        s, checksum = found
+        return BlockReader(self, s[F_LENGTH], s[F_FIRST], s[F_NPAGES], s[F_BLOCK_ID], ns, checksum)
 
-    def _look(self, address: str, ns: int) -> L.SlotFields | None:
-        """The block's slot fields, its use recorded (a counted hit); None: a counted miss."""
+    def _find_summed(self, raw: bytes, fp: int, ns: int) -> tuple[int, L.SlotFields | None, int]:
+        """:meth:`_find`, and the block's checksum (its slot's META) read in the same
+        lock-free read: (slot, fields, checksum), or (empty slot, None, 0)."""
+        i, s = self._find(raw, fp, ns)
+        if s is None:
+            return i, None, 0
+        return i, s, _unpack_checksum(self._mm, self._slots_off + i * _SLOT_SIZE + _META)[0]
+
+    def _look(self, address: str, ns: int) -> tuple[L.SlotFields, int] | None:
+        """The block's slot fields and checksum, its use recorded (a counted hit); None: a
+        counted miss."""
         raw, fp = self._key(address, ns)
-        i, s = self._read(self._find, raw, fp, ns)
+        i, s, checksum = self._read(self._find_summed, raw, fp, ns)
         if s is None:
             self._count_read(0, 1, ns)
             return None
         self._touch(i)
         self._count_read(1, 0, ns)
-        return s
+        return s, checksum
 
-    def read_or_open(self, address: str, ns: int = 0) -> bytes | BlockReader | None:
-        """A one-page block's bytes, copied; a :class:`BlockReader` for a longer block;
-        None (a counted miss) if absent.
+    def read_or_open(self, address: str, ns: int = 0) -> tuple[int, bytes | BlockReader] | None:
+        """The block's checksum, and a one-page block's bytes, copied, or a
+        :class:`BlockReader` for a longer block; None (a counted miss) if absent.
 
         :meth:`open_block` and :meth:`BlockReader.read` in one call, for the server's GET:
         the reader object and its four calls were a tenth of a small GET's slab time.
@@ -279,34 +298,50 @@ class SlabView:
         Raises:
             BlockGone: the one-page block was evicted or released while it was copied.
         """
-        s = self._look(address, ns)
-        if s is None:
+        found = self._look(address, ns)
+        if found is None:
             return None
+        s, checksum = found
         if s[F_NPAGES] != 1:
-            return BlockReader(self, s[F_LENGTH], s[F_FIRST], s[F_NPAGES], s[F_BLOCK_ID], ns)
+            return checksum, BlockReader(
+                self, s[F_LENGTH], s[F_FIRST], s[F_NPAGES], s[F_BLOCK_ID], ns, checksum
+            )
         first = s[F_FIRST]
         start = self._data_off + first * self.page_size
         data = self._mv[start : start + s[F_LENGTH]].tobytes()
         if self._tag[first] != s[F_BLOCK_ID]:  # BlockReader.verify, inline
             self._count_aborted_read(ns)
             raise BlockGone("block was evicted while it was read")
-        return data
+        return checksum, data
 
     def get(self, address: str, ns: int = 0) -> bytes | None:
-        """The block's bytes, or None if absent (or evicted while it was read)."""
+        """The block's bytes, or None if absent, evicted while it was read, or not the
+        bytes stored (they fail the block's checksum: counted, see
+        :meth:`_count_bad_checksum`)."""
         reader = self.open_block(address, ns)
         if reader is None:
             return None
         try:
-            return reader.read()
+            data = reader.read()
         except BlockGone:
             return None
+        if checksum_of(data) != reader.checksum:
+            self._count_bad_checksum(ns)
+            return None
+        return data
 
     def length(self, address: str, ns: int = 0) -> int | None:
         """The block's length if resident, else None. Counts nothing, reads no data."""
         raw, fp = self._key(address, ns)
         s = self._read(self._find, raw, fp, ns)[1]
         return None if s is None else s[F_LENGTH]
+
+    def describe(self, address: str, ns: int = 0) -> tuple[int, int] | None:
+        """The block's (length, checksum) if resident, else None (a HEAD). Counts nothing,
+        reads no data."""
+        raw, fp = self._key(address, ns)
+        _i, s, checksum = self._read(self._find_summed, raw, fp, ns)
+        return None if s is None else (s[F_LENGTH], checksum)
 
     def exists(self, address: str, ns: int = 0) -> bool:
         """Whether a block is resident under ``address`` (no data touched)."""
@@ -376,13 +411,15 @@ class BlockReader:
     """Reads one block out of the slab outside the lock; the block's tag says whether what
     was read is still the block's (see :mod:`eg_kv.slab.layout`)."""
 
-    __slots__ = ("_slab", "block_id", "first", "length", "npages", "ns")
+    __slots__ = ("_slab", "block_id", "checksum", "first", "length", "npages", "ns")
 
     def __init__(
-        self, slab: SlabView, length: int, first: int, npages: int, block_id: int, ns: int = 0
-    ) -> None:
+        self, slab: SlabView, length: int, first: int, npages: int, block_id: int, ns: int = 0,
+        checksum: int = 0,
+    ) -> None:  # fmt: skip
         self._slab, self.length, self.first = slab, length, first
         self.npages, self.block_id, self.ns = npages, block_id, ns
+        self.checksum = checksum  # of the block's bytes, as its slot says (eg_kv.checksum)
 
     def still_there(self) -> bool:
         """True while the block has not been evicted or released since it was opened."""
