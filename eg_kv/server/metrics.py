@@ -34,7 +34,7 @@ FLUSH_S = 1.0
 _SLAB_COUNTERS = {
     "dedup_hits", "get_hits", "get_misses", "evictions", "evicted_bytes",
     "puts_created", "deletes", "repairs", "leases_taken", "leases_released", "leases_expired",
-    "leases_refused",
+    "leases_refused", "checksum_failures", "bad_checksum_puts",
 }  # fmt: skip
 #: Methods kept as label values; anything else a client invents is counted as "other",
 #: so a fuzzing client cannot blow up the number of time series.

@@ -145,7 +145,7 @@ EVENT_COUNTERS = {
     "leases_expired": ST_LEASES_EXPIRED,
     "leases_refused": ST_LEASES_REFUSED,
     "checksum_failures": ST_CHECKSUM_FAILURES,
-    "checksum_refused_puts": ST_CHECKSUM_REFUSED,
+    "bad_checksum_puts": ST_CHECKSUM_REFUSED,
 }
 
 # Per-process read counters (see the header picture): one writer each, summed by stats().

@@ -101,7 +101,7 @@ def test_a_put_whose_body_fails_its_checksum_is_refused_and_stored_nowhere(serve
     status, _, _ = call(server, "PUT", "bad", chunked, {CHECKSUM_HEADER: wrong})
     assert status == 400 and call(server, "HEAD", "bad")[0] == 404
     after = stats(server)
-    assert after["checksum_refused_puts"] == 2 and after["unique_blocks"] == 0
+    assert after["bad_checksum_puts"] == 2 and after["unique_blocks"] == 0
     assert after["free_bytes"] == after["capacity_bytes"]  # its pages went back
     for bad in ("xyz", "0" * 15, "g" * 16, "1" * 17):
         status, _, body = call(server, "PUT", "bad", data, {CHECKSUM_HEADER: bad})
@@ -122,7 +122,7 @@ def test_the_clients_send_the_checksum_the_server_keeps(server):
 
     asyncio.run(aio())
     assert call(server, "HEAD", "aparts")[1][CHECKSUM_HEADER] == xxh3(b"".join(data))
-    assert stats(server)["checksum_refused_puts"] == 0
+    assert stats(server)["bad_checksum_puts"] == 0
 
 
 def test_a_byte_changed_in_the_slab_is_a_miss_on_every_client_path(server, caplog):
@@ -187,3 +187,25 @@ def test_a_server_set_misses_a_changed_block_whichever_member_holds_it(server_fa
             assert change_one_byte(a, data, 7) or change_one_byte(b, data, 7)
         assert all(members.get(address) is None for address in blocks)
         assert members.checksum_failures == len(blocks)
+
+
+@pytest.mark.parametrize("local_reads", [False, True])
+def test_the_lmcache_l2_adapter_misses_a_changed_block(server, local_reads):
+    from helpers.kvcache import lm_keys, wait_completions
+
+    from eg_kv.kvcache import RemoteKVL2Connector
+
+    conn = RemoteKVL2Connector(base_url=server.url, timeout_s=10, local_reads=local_reads)
+    try:
+        keys = lm_keys(2)
+        blocks = [bytearray(os.urandom(2 * MiB + 5)) for _ in keys]
+        f_set = conn.submit_batch_set(keys, [memoryview(b) for b in blocks])
+        assert wait_completions(conn, {f_set})[f_set][3] == [True, True]
+        assert change_one_byte(server, bytes(blocks[1]), 1000)
+        outs = [bytearray(len(b)) for b in blocks]
+        f_get = conn.submit_batch_get(keys, [memoryview(o) for o in outs])
+        assert wait_completions(conn, {f_get})[f_get][3] == [True, False]
+        assert outs[0] == blocks[0]
+        assert conn._client.checksum_failures == 1
+    finally:
+        conn.close()

@@ -788,11 +788,11 @@ def test_shm_size_holds_the_slab(stack_compose):
     assert shm - slab >= 64 << 20, "leave /dev/shm some headroom beyond the slab"
     # The LMCache and vLLM services share this /dev/shm (local reads): room for theirs.
     assert shm - slab >= (64 << 20) + READERS_SHM_HEADROOM, "no room for the readers"
-    # The README's sizing rule (shm_size >= capacity * 1.02 + 64 MiB) is safe for the
+    # The README's sizing rule (shm_size >= capacity * 1.03 + 64 MiB) is safe for the
     # page sizes it is given for.
     for cap in (1 << 30, 8 << 30, 64 << 30, 300 << 30):
         for ps in (64 << 10, 256 << 10, 1 << 20):
-            assert Geometry.plan(cap, ps, max_block).total_size <= cap * 1.02 + (64 << 20)
+            assert Geometry.plan(cap, ps, max_block).total_size <= cap * 1.03 + (64 << 20)
 
 
 def test_an_lmcache_chunk_fits_a_block(compose):
