@@ -104,13 +104,25 @@ class Verifier:
 
 
 class Failures:
-    """A client's count of blocks whose bytes failed their checksum, logged once per
-    address (a bounded memory of the addresses logged: at most :attr:`LOGGED_MAX`)."""
+    """A client's count of blocks whose bytes failed a check (their checksum, or the block
+    key's tag), logged once per address (a bounded memory of the addresses logged: at
+    most :attr:`LOGGED_MAX`).
+
+    Args:
+        where: who counts (``client``, ``server set``), for the log line.
+        what: what failed, for the log line.
+        hint: what to do, for the log line.
+    """
 
     LOGGED_MAX = 4096
 
-    def __init__(self, where: str) -> None:
-        self.where = where
+    def __init__(
+        self,
+        where: str,
+        what: str = "failed its checksum",
+        hint: str = "run `eg-kv check --deep` on the server's host",
+    ) -> None:
+        self.where, self.what, self.hint = where, what, hint
         self.count = 0
         self._logged: set[str] = set()
         self._lock = threading.Lock()
@@ -126,7 +138,6 @@ class Failures:
                 self._logged.clear()
             self._logged.add(address)
         log.error(
-            "eg-kv %s: block %s failed its checksum (%s): a miss, the bytes were dropped; "
-            "run `eg-kv check --deep` on the server's host",
-            self.where, address, detail,
+            "eg-kv %s: block %s %s (%s): a miss, the bytes were dropped; %s",
+            self.where, address, self.what, detail, self.hint,
         )  # fmt: skip

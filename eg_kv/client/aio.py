@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp.payload import Payload
 
+from ..blockkey import TAG, ForgedBlock
 from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
 from ..slab.view import BlockReader
@@ -416,7 +417,7 @@ class AsyncServerConnector:
             if len(body) != length:
                 raise Miss(f"body of {len(body)} bytes, {length} announced")
             self._core.check_body(resp.headers.get(CHECKSUM_HEADER), body)
-            return body
+            return self._core.opened(address, body)
 
         try:
             return await self._exchange(
@@ -441,11 +442,12 @@ class AsyncServerConnector:
         local = core.local_open(slab, address)
         if slab is None or not isinstance(local, BlockReader):
             return local
+        into = core.keyed(address, _into_bytes)
         if local.length > LOCAL_COPY_IN_LOOP:
             return await asyncio.get_running_loop().run_in_executor(
-                None, core.local_copy, slab, local, address, _into_bytes
+                None, core.local_copy, slab, local, address, into
             )
-        return core.local_copy(slab, local, address, _into_bytes)
+        return core.local_copy(slab, local, address, into)
 
     async def fetch(
         self,
@@ -490,6 +492,10 @@ class AsyncServerConnector:
                 return None
             left = length or 0
             verifier = core.verifier(resp.headers.get(CHECKSUM_HEADER))
+            key = core.config.block_key
+            if key is not None and left < TAG:
+                raise ForgedBlock(f"a block of {left} bytes holds no {TAG}-byte tag")
+            mac = None if key is None else key.mac(address)
 
             async def read_exact(view: memoryview) -> None:
                 nonlocal left
@@ -507,7 +513,17 @@ class AsyncServerConnector:
                 if verifier is not None:
                     verifier.add(view)
 
-            result = await sink(length or 0, read_exact)
+            async def read_data(view: memoryview) -> None:
+                await read_exact(view)
+                mac.update(view)  # type: ignore[union-attr]
+
+            if mac is None:
+                result = await sink(length or 0, read_exact)
+            else:
+                result = await sink((length or 0) - TAG, read_data)
+                tag = bytearray(TAG)
+                await read_exact(memoryview(tag))
+                key.check(mac, tag)  # type: ignore[union-attr]
             if left:
                 raise Miss("sink left part of the body unread")
             if verifier is not None:
@@ -569,7 +585,7 @@ class AsyncServerConnector:
         """
         address = to_address(key)
         try:
-            views = [memoryview(p).cast("B") for p in parts]
+            views = self._core.sealed(address, [memoryview(p).cast("B") for p in parts])
             status = await self._exchange(
                 "PUT", self._core.block_path(address), _drained, body=_Parts(views),
                 headers={CHECKSUM_HEADER: parts_checksum(views)},
@@ -838,6 +854,11 @@ class AsyncServerConnector:
     def checksum_failures(self) -> int:
         """Blocks this client read whose bytes failed their checksum (each a miss)."""
         return self._core.checksum_failures.count
+
+    @property
+    def forged_blocks(self) -> int:
+        """Blocks this client read whose block-key tag failed (each a miss)."""
+        return self._core.forged_blocks.count
 
     async def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""

@@ -31,6 +31,9 @@ from typing import Any, TypeVar
 
 from .. import wire
 from ..address import address_for_key, all_valid, validate
+from ..blockkey import BlockKey, ForgedBlock
+from ..blockkey import from_env as block_key_from_env
+from ..blockkey import from_file as block_key_from_file
 from ..checksum import ChecksumMismatch, Failures, Verifier
 from ..checksum import Running as RunningChecksum
 from ..checksum import decode as decode_checksum
@@ -80,6 +83,7 @@ EXPECT_CONTINUE_MIN = 64 * 1024
 CONFIG_KEYWORDS = (
     "base_url", "addr", "token", "timeout_s", "num_workers", "max_connections", "verify_tls",
     "max_block_size", "refresh_s", "dns_server", "local_reads", "verify_checksums",
+    "block_key_file",
 )  # fmt: skip
 #: ``0``/``false``/``no``/``off``: never read the server's slab directly, even on its host.
 ENV_LOCAL_READS = "EPISTEMIC_GRAPH_KVCACHE_LOCAL_READS"
@@ -140,6 +144,10 @@ class KvCacheConfig:
             ``X-Eg-Kv-Checksum``, the slab's record on a local read): a block whose bytes
             fail it is a miss, counted and logged once (:mod:`eg_kv.checksum`). Off only
             to measure what it costs.
+        block_key: the engines' block key (:mod:`eg_kv.blockkey`): every block stored
+            carries its MAC, every load checks it (a forged block is a miss); None: none.
+            From ``EPISTEMIC_GRAPH_KVCACHE_BLOCK_KEY`` (or ``_BLOCK_KEY_FILE``, or the
+            ``block_key_file`` setting). Never in a repr.
     """
 
     base_url: str = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
@@ -154,6 +162,7 @@ class KvCacheConfig:
     server_name: str | None = None
     local_reads: bool = True
     verify_checksums: bool = True
+    block_key: BlockKey | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -203,6 +212,7 @@ class KvCacheConfig:
         dns_server: str | None = None,
         local_reads: bool | str | None = None,
         verify_checksums: bool | str | None = None,
+        block_key_file: str | None = None,
     ) -> KvCacheConfig:
         """Build a config: explicit keywords first, then the environment, then defaults.
 
@@ -255,6 +265,9 @@ class KvCacheConfig:
             dns_server=dns_server or env.get(ENV_DNS_SERVER) or None,
             local_reads=_flag(local_reads, env, ENV_LOCAL_READS),
             verify_checksums=_flag(verify_checksums, env, ENV_VERIFY_CHECKSUMS),
+            block_key=block_key_from_file(block_key_file)
+            if block_key_file
+            else block_key_from_env(env),
         )
 
     @property
@@ -584,6 +597,12 @@ class ClientCore:
         self.local = LocalReads(config.local_reads)
         #: Blocks whose bytes failed their checksum (a miss each), logged once per address.
         self.checksum_failures = Failures("client")
+        #: Blocks whose block-key tag failed (forged: a miss each), logged once per address.
+        self.forged_blocks = Failures(
+            "client", "failed its block-key tag",
+            "not stored by a holder of this engine's block key (a forger, a lying server, "
+            "or an engine with another key)",
+        )  # fmt: skip
         #: Hits answered unleased (a lease cap), by address: their releases are not sent.
         self._unleased: dict[str, int] = {}
         self._unleased_lock = threading.Lock()
@@ -610,6 +629,8 @@ class ClientCore:
             self.warn_unauthorized()
         elif isinstance(exc, ChecksumMismatch):
             self.checksum_failures.record(address, str(exc))
+        elif isinstance(exc, ForgedBlock):
+            self.forged_blocks.record(address, str(exc))
         self._unreachable_hook(exc)
         log.debug("eg-kv %s %s: miss (%s: %s)", what, address, type(exc).__name__, exc)
 
@@ -633,6 +654,29 @@ class ClientCore:
         result = sink(length, verifier.read_exact)
         verifier.check()
         return result
+
+    def keyed(self, address: str, sink: Callable[..., T]) -> Callable[..., T]:
+        """A load's ``sink``, wrapped to check and cut off the block key's tag when this
+        client has a key (:meth:`eg_kv.blockkey.BlockKey.keyed`); else ``sink``."""
+        key = self.config.block_key
+        return sink if key is None else key.keyed(address, sink)
+
+    def sealed(self, address: str, views: list[memoryview]) -> list[memoryview]:
+        """A PUT body's ``views``, with the block key's tag after them when this client has
+        a key."""
+        key = self.config.block_key
+        if key is None:
+            return views
+        return [*views, memoryview(key.tag(address, views))]
+
+    def opened(self, address: str, block: bytes) -> bytes:
+        """A whole block read, its block-key tag checked and cut off (with a key).
+
+        Raises:
+            ForgedBlock: see :meth:`eg_kv.blockkey.BlockKey.keyed`.
+        """
+        key = self.config.block_key
+        return block if key is None else key.open(address, block)
 
     def verifier(self, checksum: bytes | str | None) -> Verifier | None:
         """A :class:`~eg_kv.checksum.Verifier` of a block answer's bytes, from its

@@ -351,6 +351,7 @@ class ServerConnector:
         address = to_address(key)
         limit = self.config.max_block_size
         core, slab = self._core, self._local()
+        sink = core.keyed(address, sink)
         local = core.local_fetch(slab, address, sink)
         if local is not OVER_HTTP:
             if release_lease:
@@ -482,7 +483,7 @@ class ServerConnector:
         """
         address = to_address(key)
         try:
-            views = [memoryview(p).cast("B") for p in parts]
+            views = self._core.sealed(address, [memoryview(p).cast("B") for p in parts])
             status = self._exchange(
                 "PUT",
                 self._core.block_path(address),
@@ -772,6 +773,11 @@ class ServerConnector:
     def checksum_failures(self) -> int:
         """Blocks this client read whose bytes failed their checksum (each a miss)."""
         return self._core.checksum_failures.count
+
+    @property
+    def forged_blocks(self) -> int:
+        """Blocks this client read whose block-key tag failed (each a miss)."""
+        return self._core.forged_blocks.count
 
     def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""

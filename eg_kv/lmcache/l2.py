@@ -57,6 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..address import address_for_key
+from ..blockkey import say_once
 from ..client.connectors import connect
 from ..client.core import KvCacheConfig, resolve_config
 from ..errors import ConfigError
@@ -161,6 +162,7 @@ class RemoteKVL2Connector:
                 "set EPISTEMIC_GRAPH_KVCACHE_TOKEN in the environment instead"
             )
         self.config = resolve_config(config, adapter_params)
+        say_once(self.config.block_key)  # what this engine's loads can detect, once
         self._client = connect(self.config)  # one server, or a set (eg_kv.client.sets)
         # Non-blocking so drain_completions() can reset it without waiting; the counter
         # semantics let several completions share one wake-up.

@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..address import address_for_key
+from ..blockkey import say_once
 from ..client.connectors import connect
 from ..client.core import CONFIG_KEYWORDS, KvCacheConfig, Miss
 from ..errors import ConfigError
@@ -138,6 +139,7 @@ class EgKvRemoteConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.kv_config = KvCacheConfig.from_env(**plugin_settings(config, plugin_name))
+        say_once(self.kv_config.block_key)  # what this engine's loads can detect, once
         self.client = connect(self.kv_config)  # one server, or a set (eg_kv.client.sets)
         self.layout_tag = self._layout_tag(config)
         self._pool = ThreadPoolExecutor(

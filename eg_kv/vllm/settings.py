@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from ..blockkey import say_once
 from ..client.core import CONFIG_KEYWORDS, KvCacheConfig
 from ..errors import ConfigError
 
@@ -89,6 +90,7 @@ def settings_from(
         extra, CONNECTOR_KEYS, "EgKvConnector (kv_connector_extra_config)"
     )
     client = KvCacheConfig.from_env(env, **client_kw)
+    say_once(client.block_key)  # what this engine's loads can detect, once
     values: dict[str, Any] = {}
     for name, default in CONNECTOR_KEYS.items():
         raw = own.get(name, default)

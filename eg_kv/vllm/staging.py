@@ -6,8 +6,10 @@ What a load can and cannot detect: a stored block is accepted only when its leng
 exactly the staging row's (one vLLM block of one shard, every layer): a missing block, a
 shorter one and a longer one (``get_into`` refuses a body larger than its buffer), a
 transport error or a refusal are all failures, and the block is recomputed. A block of
-the right length whose bytes are wrong is NOT detected: eg-kv stores no checksum, and
-addresses name the tokens and the format, not the content.
+the right length whose bytes changed after they were stored fails its checksum, and with
+the engines' block key a forged one fails its MAC: both are misses the client reports
+(:mod:`eg_kv.checksum`, :mod:`eg_kv.blockkey`). Without a key, bytes stored by another
+writer of the namespace under the right address are loaded (docs/security.md).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from ..blockkey import say_once
 from ..client.core import KvCacheConfig
 from ..errors import ConfigError
 from .settings import split_options
@@ -75,6 +76,7 @@ def tier_settings_from(
     """
     client_kw, own = split_options(options, TIER_KEYS, "EgKvTier")
     client = KvCacheConfig.from_env(env, **client_kw)
+    say_once(client.block_key)  # what this engine's loads can detect, once
     deadline_raw = own.get("lookup_deadline_s")
     if deadline_raw is None:
         deadline = 2 * client.timeout_s + 1.0  # a set's fall-through can take two timeouts
