@@ -30,6 +30,8 @@ log = logging.getLogger("eg_kv.checksum")
 of: Callable[[Any], int] = xxhash.xxh3_64_intdigest
 #: A running checksum: ``update(view)`` piece by piece, then ``intdigest()``.
 Running = xxhash.xxh3_64
+#: The pieces a socket fills and hashes in turn (:class:`Verifier`): hashed while in cache.
+SOCKET_PIECE = 1024 * 1024
 #: Hex digits of the wire form.
 HEX_DIGITS = 16
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -75,19 +77,34 @@ class Verifier:
     Args:
         expected: the checksum the server said the block has.
         read_exact: the transport's ``read_exact`` (fills ``view`` with the next bytes).
+        piece: hand ``read_exact`` at most this many bytes at a time, each hashed right
+            after it is filled (a socket's): a 14 MiB view filled whole and hashed after
+            was read back from memory (0.76-0.84x an unchecked 14 MiB GET over HTTP).
+            0: whole views (a local copy: ``memmove`` in pieces was slower than after).
     """
 
-    __slots__ = ("_hash", "_inner", "expected")
+    __slots__ = ("_hash", "_inner", "_piece", "expected")
 
     def __init__(
-        self, expected: int, read_exact: Callable[[memoryview], None] | None = None
+        self,
+        expected: int,
+        read_exact: Callable[[memoryview], None] | None = None,
+        piece: int = 0,
     ) -> None:
-        self._inner, self.expected = read_exact, expected
+        self._inner, self.expected, self._piece = read_exact, expected, piece
         self._hash = Running()
 
     def read_exact(self, view: memoryview) -> None:
-        self._inner(view)  # type: ignore[misc]
-        self._hash.update(view)
+        inner, update, piece = self._inner, self._hash.update, self._piece
+        if not piece or len(view) <= piece:
+            inner(view)  # type: ignore[misc]
+            update(view)
+            return
+        view = memoryview(view).cast("B")
+        for at in range(0, len(view), piece):
+            part = view[at : at + piece]
+            inner(part)  # type: ignore[misc]
+            update(part)
 
     def add(self, piece: Any) -> None:
         """Hash the next piece of the block (any buffer)."""

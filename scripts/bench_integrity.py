@@ -5,6 +5,7 @@ HTTP and on local reads, and the tier's per-row digest (issue 32).
 Sides, interleaved in rotating order (the box is noisy: read the ratios):
 
 - ``checked``: this checkout, its client checking every block (the default);
+- ``keyed``: the same with the engines' block key set (a BLAKE3 MAC per block as well);
 - ``unchecked``: this checkout, ``verify_checksums=False`` (the server still computes and
   sends the checksum: what the client's check costs is ``checked / unchecked``);
 - ``baseline``: ``--baseline REV``'s server and client (default: the last commit before
@@ -16,8 +17,10 @@ thread does sequential GETs of a few resident blocks, or PUTs of new ones, for
 reads (on: this benchmark runs on the server's host). PUTs send the checksum
 (``checked``), or nothing (``baseline``); the server hashes the body either way.
 
-Then the digests of a tier row (2 MiB, the vLLM tier's ``EgKvTier`` load check): today's
-keyed BLAKE2b trailer, keyed BLAKE3 (the block key's MAC), XXH3-64 alone, in MB/s.
+The ``TIER`` cells load 2 MiB rows through the vLLM tier's copies (``CopyJobs``, 4
+threads, local reads): ``baseline`` checks its BLAKE2b trailer, ``checked`` the checksum
+and the XXH3-128 trailer, ``keyed`` those and the MAC. Then the digests alone, on one
+thread: keyed BLAKE2b, keyed BLAKE3, XXH3-64, in MB/s.
 
 Run it alone (the box is shared)::
 
@@ -45,6 +48,10 @@ BEFORE_CHECKSUMS = "9509bdc"
 SIZES = {"4 KiB": 4 * KiB, "2 MiB": 2 * MiB, "14 MiB": 14 * MiB}
 #: Cells: (operation, how); each is measured at every size.
 CELLS = (("GET", "HTTP"), ("GET", "local"), ("PUT", "HTTP"))
+#: The tier's rows: (rows stored and loaded in turn, bytes each).
+TIER_ROWS, TIER_ROW_BYTES = 16, 2 * MiB
+#: The block key of the ``keyed`` side (a benchmark's own).
+BENCH_KEY = "bench-integrity-" + os.urandom(16).hex()
 #: Blocks a GET cell reads in turn (of its size), and the slab that holds them all.
 RESIDENT_BYTES = 64 * MiB
 SLAB_BYTES = 512 * MiB
@@ -55,14 +62,39 @@ def client_main(url: str, cells: list[list], seconds: float, verify: bool) -> No
     from eg_kv.client.core import KvCacheConfig
     from eg_kv.client.sync import ServerConnector
 
-    token = os.environ.get("EPISTEMIC_GRAPH_KVCACHE_TOKEN")
     out = {}
     for op, how, size in cells:
         extra = {} if verify else {"verify_checksums": False}
-        config = KvCacheConfig(base_url=url, token=token, local_reads=how == "local", **extra)
+        # from_env: the token and, on the keyed side, the block key (the environment's)
+        config = KvCacheConfig.from_env(base_url=url, local_reads=how == "local", **extra)
         with ServerConnector(config) as client:
-            out[f"{op} {how} {size}"] = _cell(client, op, size, seconds)
+            run = _tier if op == "TIER" else _cell
+            out[f"{op} {how} {size}"] = run(client, op, size, seconds)
     print(json.dumps(out))
+
+
+def _tier(client, _op: str, size: int, seconds: float) -> float:
+    """Rows/s the vLLM tier's copies load (``TIER_ROWS`` rows of ``size`` bytes)."""
+    from eg_kv.vllm.tier_copies import CopyJobs
+
+    primary = bytearray(os.urandom(size * TIER_ROWS))
+    target = bytearray(size * TIER_ROWS)
+    addresses = [f"tier-{os.urandom(4).hex()}-{i}" for i in range(TIER_ROWS)]
+    rows = list(range(TIER_ROWS))
+    stores = CopyJobs(client, memoryview(primary), size, threads=4)
+    stores.submit(0, False, addresses, rows)
+    assert stores.drain(60) and all(stores.finished()[0].ok), "the tier could not store"
+    stores.close()
+    loads = CopyJobs(client, memoryview(target), size, threads=4)
+    done, job, start = 0, 1, time.perf_counter()
+    while time.perf_counter() - start < seconds and job < 100_000:
+        loads.submit(job, True, addresses, rows)
+        assert loads.drain(60) and all(loads.finished()[0].ok), "a tier load missed"
+        done, job = done + TIER_ROWS, job + 1
+    rate = done / (time.perf_counter() - start)
+    loads.close()
+    assert target == primary, "the tier loaded other bytes"
+    return rate
 
 
 def _cell(client, op: str, size: int, seconds: float) -> float:
@@ -88,11 +120,16 @@ def _cell(client, op: str, size: int, seconds: float) -> float:
     return done / (time.perf_counter() - start)
 
 
-def measure_side(tree: Path, verify: bool, cells: list, seconds: float, logdir: Path) -> dict:
+def measure_side(
+    tree: Path, verify: bool, keyed: bool, cells: list, seconds: float, logdir: Path
+) -> dict:
     with egkv_server(2, SLAB_BYTES, logdir, root=tree) as url:
         cmd = [sys.executable, __file__, "--client", url, "--seconds", str(seconds),
                "--cells", json.dumps(cells)] + ([] if verify else ["--unchecked"])  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(tree)}
+        env.pop("EPISTEMIC_GRAPH_KVCACHE_BLOCK_KEY", None)
+        if keyed:
+            env["EPISTEMIC_GRAPH_KVCACHE_BLOCK_KEY"] = BENCH_KEY
         done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
                               timeout=600, check=False)  # fmt: skip
         if done.returncode:
@@ -138,28 +175,41 @@ def main() -> int:
     if args.client:
         client_main(args.client, json.loads(args.cells), args.seconds, not args.unchecked)
         return 0
-    cells = [[op, how, size] for op, how in CELLS for size in SIZES.values()]
+    # The tier first, on an empty slab: later cells fill it, and a full slab's CLOCK may
+    # evict a row its own store job wrote a moment before (new blocks have no use yet).
+    cells = [["TIER", "local", TIER_ROW_BYTES]]
+    cells += [[op, how, size] for op, how in CELLS for size in SIZES.values()]
     sha, base_tree = tree_of(args.baseline)
-    sides = [("checked", ROOT, True), ("unchecked", ROOT, False), ("baseline", base_tree, True)]
-    samples: dict[str, dict[str, list[float]]] = {name: {} for name, _, _ in sides}
+    sides = [
+        ("checked", ROOT, True, False), ("keyed", ROOT, True, True),
+        ("unchecked", ROOT, False, False), ("baseline", base_tree, True, False),
+    ]  # fmt: skip
+    samples: dict[str, dict[str, list[float]]] = {side[0]: {} for side in sides}
     with tempfile.TemporaryDirectory(prefix="bench-integrity-") as tmp:
         for r in range(args.repeat):
             for k in range(len(sides)):
-                name, tree, verify = sides[(r + k) % len(sides)]
-                got = measure_side(tree, verify, cells, args.seconds, Path(tmp))
+                name, tree, verify, keyed = sides[(r + k) % len(sides)]
+                got = measure_side(tree, verify, keyed, cells, args.seconds, Path(tmp))
                 for cell, rate in got.items():
                     samples[name].setdefault(cell, []).append(rate)
                 print(f"  run {r + 1} {name}: done", file=sys.stderr)
     med = {n: {c: statistics.median(v) for c, v in cells_.items()} for n, cells_ in samples.items()}
     print(f"\nBlock checksums (ops/s, median of {args.repeat}; baseline {sha[:7]}):\n")
-    print("| cell | checked | unchecked | baseline | checked / unchecked | checked / baseline |")
-    print("|---|---|---|---|---|---|")
+    print("| cell | checked | keyed | unchecked | baseline | checked / unchecked "
+          "| checked / baseline | keyed / baseline |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     names = {v: k for k, v in SIZES.items()}
-    for op, how, size in cells:
+    for op, how, size in cells[1:] + cells[:1]:
         cell = f"{op} {how} {size}"
-        c, u, b = (med[n].get(cell, float("nan")) for n in ("checked", "unchecked", "baseline"))
-        what = f"{op} {names[size]} {'over HTTP' if how == 'HTTP' else 'local read'}"
-        print(f"| {what} | {c:,.0f} | {u:,.0f} | {b:,.0f} | {c / u:.2f} | {c / b:.2f} |")
+        c, k, u, b = (
+            med[n].get(cell, float("nan")) for n in ("checked", "keyed", "unchecked", "baseline")
+        )
+        if op == "TIER":
+            what = "tier load, 2 MiB rows (rows/s; baseline: BLAKE2b trailer)"
+        else:
+            what = f"{op} {names[size]} {'over HTTP' if how == 'HTTP' else 'local read'}"
+        print(f"| {what} | {c:,.0f} | {k:,.0f} | {u:,.0f} | {b:,.0f} | {c / u:.2f} "
+              f"| {c / b:.2f} | {k / b:.2f} |")  # fmt: skip
     print("\nPer-row digest of a 2 MiB tier row (one thread):\n")
     print("| digest | MB/s | vs BLAKE2b |")
     print("|---|---|---|")

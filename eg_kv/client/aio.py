@@ -508,10 +508,10 @@ class AsyncServerConnector:
                     if not chunk:
                         raise Miss(f"body cut short: {left - done} of {length} bytes missing")
                     view[done : done + len(chunk)] = chunk
+                    if verifier is not None:
+                        verifier.add(chunk)  # hashed as it arrives, while in cache
                     done += len(chunk)
                 left -= done
-                if verifier is not None:
-                    verifier.add(view)
 
             async def read_data(view: memoryview) -> None:
                 await read_exact(view)

@@ -34,7 +34,7 @@ from ..address import address_for_key, all_valid, validate
 from ..blockkey import BlockKey, ForgedBlock
 from ..blockkey import from_env as block_key_from_env
 from ..blockkey import from_file as block_key_from_file
-from ..checksum import ChecksumMismatch, Failures, Verifier
+from ..checksum import SOCKET_PIECE, ChecksumMismatch, Failures, Verifier
 from ..checksum import Running as RunningChecksum
 from ..checksum import decode as decode_checksum
 from ..checksum import encode as encode_checksum
@@ -650,7 +650,7 @@ class ClientCore:
         verifier = self.verifier(checksum)
         if verifier is None:
             return sink(length, read_exact)
-        verifier = Verifier(verifier.expected, read_exact)
+        verifier = Verifier(verifier.expected, read_exact, SOCKET_PIECE)
         result = sink(length, verifier.read_exact)
         verifier.check()
         return result
