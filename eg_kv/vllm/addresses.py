@@ -8,8 +8,10 @@ A vLLM block of ``block_size`` tokens is one eg-kv block holding the KV of every
   root that binds what else the request's KV depends on for the same tokens (a cache salt,
   a LoRA adapter): so block ``i``'s digest names the whole prefix up to it;
 * mixed with the **format** (:class:`BlockFormat`): model, KV dtype, block size, KV
-  layout, parallel sizes, the shard's rank, and :data:`FORMAT_VERSION`: two engines whose
-  bytes for the same tokens would differ never share an address.
+  layout, parallel sizes, the shard's rank, the engine's binding (revision, weights,
+  element type as allocated, quantization: :mod:`eg_kv.vllm.binding`) and
+  :data:`FORMAT_VERSION`: two engines whose bytes for the same tokens would differ never
+  share an address.
 
 Everything here is plain ``hashlib`` over explicit byte encodings: the same in every
 process and on every host, whatever ``PYTHONHASHSEED`` (never Python's ``hash()``, which
@@ -27,7 +29,7 @@ from collections.abc import Sequence
 from ..address import validate
 
 #: Bumped whenever the bytes of a stored block change meaning (its layout, its header).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the engine's binding (eg_kv.vllm.binding)
 #: What every token chain starts from (with the request's own extras mixed in).
 _CHAIN_ROOT = b"eg-kv/vllm/token-chain/1"
 #: Addresses read ``egv<version>-<40 hex digits>``: valid eg-kv addresses (eg_kv.address).
@@ -50,6 +52,8 @@ class BlockFormat:
             handshake).
         tp_size: tensor-parallel world size.
         pp_size: pipeline-parallel world size.
+        binding: the engine's :class:`~eg_kv.vllm.binding.EngineBinding`, described
+            (canonical JSON): revision, weights, KV element type, quantization.
     """
 
     model: str
@@ -58,6 +62,7 @@ class BlockFormat:
     layout: str
     tp_size: int = 1
     pp_size: int = 1
+    binding: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

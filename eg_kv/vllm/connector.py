@@ -59,6 +59,7 @@ from ..client.connectors import connect
 from ..client.interface import KvConnector
 from ..client.members import parse_server_set
 from .addresses import BlockFormat, block_addresses, lookup_addresses, token_chain
+from .binding import connector_format
 from .events import EventRelay, LogFollowers, vllm_events
 from .lookups import PendingLookups
 from .settings import ConnectorSettings, settings_from
@@ -164,6 +165,8 @@ class EgKvConnector(KVConnectorBase_V1):
         model = vllm_config.model_config
         revision = getattr(model, "revision", None)
         self._model_id = f"{model.model}@{revision}" if revision else str(model.model)
+        # What else decides the KV's bytes (connector_format binds it, as the tier does).
+        self._vllm_config_seen = vllm_config
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(
                 "EgKvConnector: kv_load_failure_policy is %r: a block that fails to load "
@@ -424,13 +427,8 @@ class EgKvConnector(KVConnectorBase_V1):
 
         tp_rank = get_tp_group().rank_in_group
         pp_rank = get_pp_group().rank_in_group
-        fmt = BlockFormat(
-            model=self._model_id,
-            dtype=str(layers[0].blocks.dtype).removeprefix("torch."),
-            block_size=self._block_size,
-            layout=";".join(described),
-            tp_size=self._tp_size,
-            pp_size=self._pp_size,
+        fmt = connector_format(
+            self._vllm_config_seen, described, str(layers[0].blocks.dtype).removeprefix("torch.")
         )
         shard = fmt.shard_of(tp_rank, pp_rank)
         self._salt = fmt.salt(shard)

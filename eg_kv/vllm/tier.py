@@ -59,6 +59,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ..client.connectors import connect
 from ..client.interface import KvConnector
 from .addresses import BlockFormat, block_address
+from .binding import EngineBinding, current_binding, weights_of
 from .tier_copies import CopyJobs, FinishedJob
 from .tier_events import RemovalRelay
 from .tier_lookups import StepLookups
@@ -70,13 +71,36 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("eg_kv.vllm.tier")
 
-__all__ = ["EgKvTier", "tier_format"]
+__all__ = ["EgKvTier", "tier_binding", "tier_format"]
 
 
-def tier_format(spec: OffloadingSpec, row_bytes: int) -> BlockFormat:
-    """The :class:`BlockFormat` of one primary slot of ``spec``'s engine: what, besides
-    vLLM's key, decides a stored slot's bytes."""
+def tier_binding(spec: OffloadingSpec, settings: TierSettings | None = None) -> EngineBinding:
+    """The engine's binding (:mod:`eg_kv.vllm.binding`), as the connector builds it: from
+    vLLM's current config when one serves this model (a worker; a vLLM that sets it for the
+    scheduler), else from the offloading config (the model, the KV element type as
+    allocated), the model's weights as its name shows them (:func:`weights_of`) and the
+    tier's ``revision``, ``weights`` and ``quantization`` options."""
     config = spec.config
+    current = current_binding(config.model.name)
+    if current is not None:
+        return current
+    revision = settings.revision if settings else ""
+    return EngineBinding(
+        model=config.model.name,
+        revision=revision,
+        weights=(settings.weights if settings else "") or weights_of(config.model.name, revision),
+        kv_dtype=str(config.model.dtype).removeprefix("torch."),
+        quantization=settings.quantization if settings else "",
+    )
+
+
+def tier_format(
+    spec: OffloadingSpec, row_bytes: int, binding: EngineBinding | None = None
+) -> BlockFormat:
+    """The :class:`BlockFormat` of one primary slot of ``spec``'s engine: what, besides
+    vLLM's key, decides a stored slot's bytes (``binding``: :func:`tier_binding`'s)."""
+    config = spec.config
+    binding = binding or tier_binding(spec)
     parallel = config.parallel
     # Bytes that are the same under any topology may be shared across topologies (as
     # vLLM's own fs tier does); otherwise every parallel size is part of the format.
@@ -103,6 +127,7 @@ def tier_format(spec: OffloadingSpec, row_bytes: int) -> BlockFormat:
         layout=json.dumps(layout, sort_keys=True, separators=(",", ":")),
         tp_size=1 if agnostic else parallel.tp_size,
         pp_size=1 if agnostic else parallel.pp_size,
+        binding=binding.describe(),
     )
 
 
@@ -144,7 +169,9 @@ class EgKvTier(SecondaryTierManager):
         self.settings: TierSettings = tier_settings_from(options)
         self.locality = Locality(self.settings.locality) if self.settings.locality else None
         row_bytes = self.block_size_bytes
-        self.format = tier_format(offloading_spec, row_bytes)
+        self.format = tier_format(
+            offloading_spec, row_bytes, tier_binding(offloading_spec, self.settings)
+        )
         self._salt = self.format.salt(0)
         self._client: KvConnector = connect(self.settings.client)
         lease_ms = self.settings.lease_ms

@@ -38,6 +38,12 @@ TIER_KEYS: dict[str, Any] = {
     "enable_kv_events": False,
     # "LOCAL" or "REMOTE": where eg-kv is, relative to this vLLM instance (or None).
     "locality": None,
+    # What vLLM's offloading config does not tell the tier, for its addresses to bind
+    # (eg_kv.vllm.binding): the model's revision, its weights' identity and their
+    # quantization. Taken from vLLM's own config where the tier can see one.
+    "revision": "",
+    "weights": "",
+    "quantization": "",
 }
 
 
@@ -52,6 +58,9 @@ class TierSettings:
     max_lookup_batches: int = 4
     enable_kv_events: bool = False
     locality: str | None = None
+    revision: str = ""
+    weights: str = ""
+    quantization: str = ""
 
 
 def _int(name: str, raw: Any, low: int) -> int:
@@ -106,5 +115,8 @@ def tier_settings_from(
             1,
         ),
         enable_kv_events=events,
+        revision=str(own.get("revision") or ""),
+        weights=str(own.get("weights") or ""),
+        quantization=str(own.get("quantization") or ""),
         locality=locality,
     )

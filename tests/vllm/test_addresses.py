@@ -62,7 +62,7 @@ def test_addresses_are_the_same_in_every_process_whatever_the_hash_seed():
     assert first == [A.block_addresses(here, fmt, s) for s in range(2)]
     # and a known value, so a change of scheme cannot pass unnoticed (bump FORMAT_VERSION)
     assert len(first[0]) == 5
-    assert first[0][0] == "egv1-e94c44fb773740d812920a080b6fca7d9c99a261"
+    assert first[0][0] == "egv2-87196f0cb2d2f380d87bd97d99b42d9706250515"
 
 
 def test_only_whole_blocks_get_addresses_and_a_prefix_keeps_its_addresses():

@@ -26,7 +26,7 @@ ROW = 80 * 1024
 
 
 def _address(i: int) -> str:
-    return f"egv1-{i:040x}"
+    return f"egv2-{i:040x}"
 
 
 @pytest.fixture
