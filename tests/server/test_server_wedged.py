@@ -231,6 +231,11 @@ def test_worker_killed_outside_the_lock_is_cleaned_up_without_a_full_walk(server
     assert (after["get_hits"], after["get_misses"]) == (5, 1), "its counts were folded"
     assert f"released what worker {worker} left: 1 upload(s) in flight" in srv.log()
     assert request(srv, "GET", "/kv/kept").body == b"k" * 5000
+    # The upload the kill cut is seen nowhere: not by GET, HEAD or a batch lookup.
+    assert request(srv, "GET", "/kv/cut").status == 404
+    assert request(srv, "HEAD", "/kv/cut").status == 404
+    found = request(srv, "POST", "/kv/batch/exists", b'{"addresses": ["cut", "kept"]}')
+    assert json.loads(found.body)["exists"] == [False, True]
     check = eg_kv_check(srv.slab_name)
     assert check.returncode == 0, check.stdout + check.stderr
 
