@@ -168,6 +168,13 @@ def main() -> int:
     p.add_argument("--baseline", default=BEFORE_CHECKSUMS, help="commit before checksums")
     p.add_argument("--seconds", type=float, default=1.5, help="per cell (default 1.5)")
     p.add_argument("--repeat", type=int, default=3, help="runs per side, median kept (3)")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="CELL",
+        help="measure only these cells: OP:HOW:SIZE (GET:HTTP:14MiB, GET:local:2MiB, "
+        "PUT:HTTP:4KiB, TIER): more repeats of a few cells in the same time",
+    )
     p.add_argument("--client", help=argparse.SUPPRESS)
     p.add_argument("--cells", help=argparse.SUPPRESS)
     p.add_argument("--unchecked", action="store_true", help=argparse.SUPPRESS)
@@ -179,6 +186,13 @@ def main() -> int:
     # evict a row its own store job wrote a moment before (new blocks have no use yet).
     cells = [["TIER", "local", TIER_ROW_BYTES]]
     cells += [[op, how, size] for op, how in CELLS for size in SIZES.values()]
+    if args.only:
+        names = {f"{op}:{how}:{n.replace(' ', '')}": [op, how, v] for n, v in SIZES.items()
+                 for op, how in CELLS} | {"TIER": cells[0]}  # fmt: skip
+        unknown = [c for c in args.only if c not in names]
+        if unknown:
+            raise SystemExit(f"unknown cell(s) {unknown}; known: {sorted(names)}")
+        cells = [names[c] for c in args.only]
     sha, base_tree = tree_of(args.baseline)
     sides = [
         ("checked", ROOT, True, False), ("keyed", ROOT, True, True),
@@ -199,7 +213,7 @@ def main() -> int:
           "| checked / baseline | keyed / baseline |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     names = {v: k for k, v in SIZES.items()}
-    for op, how, size in cells[1:] + cells[:1]:
+    for op, how, size in sorted(cells, key=lambda c: c[0] == "TIER"):
         cell = f"{op} {how} {size}"
         c, k, u, b = (
             med[n].get(cell, float("nan")) for n in ("checked", "keyed", "unchecked", "baseline")
