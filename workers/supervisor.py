@@ -281,6 +281,7 @@ class Supervisor:
         self._lock_warned = (0, 0)
         self._fold_at = 0.0  # when local readers' hit hints are next folded into the slab
         self._tokens_text: str | None = None  # the tokens file in force (validated)
+        self._reload_due = False  # a SIGHUP reload put off by a busy slab lock
 
     # ------------------------------------------------------------------ top level
 
@@ -428,6 +429,8 @@ class Supervisor:
                 log.info("eg-kv: %s: draining (up to %.0f s)",
                          signal.Signals(sig).name, self.settings.drain_timeout_s)  # fmt: skip
                 self._begin_stop(signal.SIGTERM)
+        if self._reload_due and not self.stopping:  # a reload the busy lock put off
+            self._reload_tokens()
 
     # ------------------------------------------------------------------ tenants
 
@@ -466,9 +469,16 @@ class Supervisor:
         if not self.settings.tokens_file:
             log.info("eg-kv: SIGHUP: no tokens file to reload (--tokens); nothing to do")
             return
+        self._reload_due = False
         try:
             text = self._read_tokens()
             self._install_tokens(text)
+        except LockTimeout as e:
+            # A process holds the slab lock (one SIGSTOPped inside it: the watchdog ends it
+            # soon): the reload is not lost, it runs again on the next tick.
+            log.warning("eg-kv: SIGHUP: the slab lock is busy (%s); reloading again shortly", e)
+            self._reload_due = True
+            return
         except EgKvError as e:
             log.error("eg-kv: SIGHUP: tokens file not reloaded, the old tenants stay: %s", e)
             return

@@ -281,3 +281,42 @@ def test_supervisor_never_waits_on_a_stuck_lock(server_factory):
     assert request(srv, "PUT", "/kv/after", b"a" * 100).status == 201
     check = eg_kv_check(srv.slab_name)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_reload_behind_a_held_lock_runs_once_the_lock_is_free(server_factory, tmp_path):
+    """SIGHUP while another process holds the slab lock (a worker SIGSTOPped inside it,
+    here a foreign holder): the supervisor cannot bind the namespaces in time, says so,
+    and reloads on its own once the lock is free; the reload is not lost (it was: the
+    full suite once SIGSTOPped a booting worker inside the lock and the SIGHUP was
+    dropped with an error)."""
+    from helpers.tenants import token_of, write_tokens
+
+    path = write_tokens(tmp_path / "tokens.toml", [{"name": "keep"}, {"name": "gone"}])
+    srv = server_factory(workers=1, extra=("--tokens", str(path)))
+    installed = srv.log().count(f"tokens file {path}: ")
+    write_tokens(path, [{"name": "keep"}])
+    r, w = os.pipe()
+    holder = os.fork()
+    if holder == 0:  # the child: never returns into pytest
+        try:
+            os.close(r)
+            _hold_the_lock(srv.slab_name, w)
+        finally:
+            os._exit(1)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"x"
+        os.kill(srv.pid, signal.SIGHUP)
+        wait_for(lambda: "SIGHUP: the slab lock is busy" in srv.log(), timeout=20,
+                 what="the put-off reload")  # fmt: skip
+        assert srv.log().count(f"tokens file {path}: ") == installed
+    finally:
+        os.close(r)
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+    wait_for(lambda: srv.log().count(f"tokens file {path}: ") > installed, timeout=30,
+             what="the reload once the lock is free")  # fmt: skip
+    wait_for(lambda: request(srv, "GET", "/kv/stats", token=token_of("gone")).status == 401,
+             timeout=10, what="the removed token refused")  # fmt: skip
+    assert request(srv, "GET", "/kv/stats", token=token_of("keep")).status == 200
