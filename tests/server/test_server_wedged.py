@@ -4,6 +4,7 @@ leftovers are released without a full walk; the supervisor never waits on the lo
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -240,6 +241,28 @@ def test_worker_killed_outside_the_lock_is_cleaned_up_without_a_full_walk(server
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@contextlib.contextmanager
+def _lock_held_elsewhere(name: str):
+    """A forked child holds slab ``name``'s lock for the ``with`` block (yields its pid);
+    it is SIGKILLed and reaped at the end."""
+    r, w = os.pipe()
+    holder = os.fork()
+    if holder == 0:  # the child: never returns into pytest
+        try:
+            os.close(r)
+            _hold_the_lock(name, w)
+        finally:
+            os._exit(1)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"x"
+        yield holder
+    finally:
+        os.close(r)
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+
+
 def _hold_the_lock(name: str, ready_w: int) -> None:
     """In a forked child: take the slab lock and keep it until killed (a foreign holder)."""
     slab = Slab.attach(name)
@@ -256,27 +279,13 @@ def test_supervisor_never_waits_on_a_stuck_lock(server_factory):
     worker at once (its own lock attempts are bounded), names the holder in its log, and
     releases the dead worker's leftovers once the lock is free."""
     srv = server_factory(workers=2)
-    r, w = os.pipe()
-    holder = os.fork()
-    if holder == 0:  # the child: never returns into pytest
-        try:
-            os.close(r)
-            _hold_the_lock(srv.slab_name, w)
-        finally:
-            os._exit(1)
-    try:
-        os.close(w)
-        assert os.read(r, 1) == b"x"
+    with _lock_held_elsewhere(srv.slab_name) as holder:
         victim = min(workers_of(srv))
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: gone(victim) and len(workers_of(srv)) == 2, timeout=10,
                  what="a replacement while the lock is held")  # fmt: skip
         wait_for(lambda: f"pid {holder}, not a worker" in srv.log(), timeout=20,
                  what="the holder to be named")  # fmt: skip
-    finally:
-        os.close(r)
-        os.kill(holder, signal.SIGKILL)
-        os.waitpid(holder, 0)
     wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=20, what="healthz")
     assert request(srv, "PUT", "/kv/after", b"a" * 100).status == 201
     check = eg_kv_check(srv.slab_name)
@@ -296,25 +305,11 @@ def test_a_reload_behind_a_held_lock_runs_once_the_lock_is_free(server_factory, 
     srv = server_factory(workers=1, extra=("--tokens", str(path)))
     installed = srv.log().count(f"tokens file {path}: ")
     write_tokens(path, [{"name": "keep"}])
-    r, w = os.pipe()
-    holder = os.fork()
-    if holder == 0:  # the child: never returns into pytest
-        try:
-            os.close(r)
-            _hold_the_lock(srv.slab_name, w)
-        finally:
-            os._exit(1)
-    try:
-        os.close(w)
-        assert os.read(r, 1) == b"x"
+    with _lock_held_elsewhere(srv.slab_name):
         os.kill(srv.pid, signal.SIGHUP)
         wait_for(lambda: "SIGHUP: the slab lock is busy" in srv.log(), timeout=20,
                  what="the put-off reload")  # fmt: skip
         assert srv.log().count(f"tokens file {path}: ") == installed
-    finally:
-        os.close(r)
-        os.kill(holder, signal.SIGKILL)
-        os.waitpid(holder, 0)
     wait_for(lambda: srv.log().count(f"tokens file {path}: ") > installed, timeout=30,
              what="the reload once the lock is free")  # fmt: skip
     wait_for(lambda: request(srv, "GET", "/kv/stats", token=token_of("gone")).status == 401,
