@@ -53,6 +53,7 @@ from .core import (
     CompactRefused,
     KvCacheConfig,
     KvCacheStats,
+    LoadFailures,
     Miss,
     batch_answer,
     batch_body,
@@ -224,7 +225,7 @@ async def _sink_from_memory(body: bytes, sink: AsyncSink[T]) -> T:
     return result
 
 
-class AsyncServerConnector:
+class AsyncServerConnector(LoadFailures):
     """Asyncio client of one eg-kv server. An async context manager.
 
     Pass ``session=`` to share a caller-owned ``aiohttp.ClientSession`` (the caller keeps
@@ -849,16 +850,6 @@ class AsyncServerConnector:
             raise
         except Exception as exc:  # asyncio.TimeoutError included
             raise self._core.unreachable(EVENTS_SNAPSHOT_PATH, exc) from None
-
-    @property
-    def checksum_failures(self) -> int:
-        """Blocks this client read whose bytes failed their checksum (each a miss)."""
-        return self._core.checksum_failures.count
-
-    @property
-    def forged_blocks(self) -> int:
-        """Blocks this client read whose block-key tag failed (each a miss)."""
-        return self._core.forged_blocks.count
 
     async def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""

@@ -569,6 +569,23 @@ def json_answer(status: int, body: bytes) -> Any:
         raise Miss("the answer is not JSON") from None
 
 
+class LoadFailures:
+    """What both single-server connectors report of the loads that failed a check (a
+    base of each: they hold a :class:`ClientCore` as ``_core``)."""
+
+    _core: ClientCore
+
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks this client read whose bytes failed their checksum (each a miss)."""
+        return self._core.checksum_failures.count
+
+    @property
+    def forged_blocks(self) -> int:
+        """Blocks this client read whose block-key tag failed (each a miss)."""
+        return self._core.forged_blocks.count
+
+
 class ClientCore:
     """The part of a connector that does no I/O: its config, request heads and misses.
 
@@ -647,10 +664,10 @@ class ClientCore:
             BadRequest: the header is not a checksum (a miss too).
             Exception: what ``sink`` raises.
         """
-        verifier = self.verifier(checksum)
-        if verifier is None:
+        expected = self._expected(checksum)
+        if expected is None:
             return sink(length, read_exact)
-        verifier = Verifier(verifier.expected, read_exact, SOCKET_PIECE)
+        verifier = Verifier(expected, read_exact, SOCKET_PIECE)
         result = sink(length, verifier.read_exact)
         verifier.check()
         return result
@@ -686,9 +703,19 @@ class ClientCore:
         Raises:
             BadRequest: the header is not a checksum (the caller's miss).
         """
+        expected = self._expected(checksum)
+        return None if expected is None else Verifier(expected)
+
+    def _expected(self, checksum: bytes | str | None) -> int | None:
+        """The checksum a block answer's header gives, None when there is nothing to
+        check (no header, or ``verify_checksums`` off).
+
+        Raises:
+            BadRequest: the header is not a checksum.
+        """
         if checksum is None or not self.config.verify_checksums:
             return None
-        return Verifier(decode_checksum(checksum))  # type: ignore[arg-type]
+        return decode_checksum(checksum)
 
     def check_body(self, checksum: bytes | str | None, body: Any) -> None:
         """Check a whole block answer's ``body`` against its checksum header.

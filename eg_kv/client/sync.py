@@ -58,6 +58,7 @@ from .core import (
     CompactRefused,
     KvCacheConfig,
     KvCacheStats,
+    LoadFailures,
     Miss,
     PoolWaitTimeout,
     batch_answer,
@@ -181,7 +182,7 @@ def _with_refusal(parse: Callable[[Response], T], resp: Response) -> tuple[T, bo
     return parse(resp), resp.headers.get(_REFUSED) is not None
 
 
-class ServerConnector:
+class ServerConnector(LoadFailures):
     """Synchronous client of one eg-kv server (standard library only). Thread-safe; a
     context manager.
 
@@ -768,16 +769,6 @@ class ServerConnector:
         except Exception as exc:
             raise self._core.unreachable(EVENTS_SNAPSHOT_PATH, exc) from None
         return parse_snapshot(body)
-
-    @property
-    def checksum_failures(self) -> int:
-        """Blocks this client read whose bytes failed their checksum (each a miss)."""
-        return self._core.checksum_failures.count
-
-    @property
-    def forged_blocks(self) -> int:
-        """Blocks this client read whose block-key tag failed (each a miss)."""
-        return self._core.forged_blocks.count
 
     def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""
