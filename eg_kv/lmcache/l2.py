@@ -16,7 +16,9 @@ A batch of stores or loads is spread over the pool key by key (one 14 MiB chunk 
 connection at a time, so a batch moves over several connections at once); a batch of
 existence checks is one ``POST /kv/batch/exists``, since LMCache's scheduler waits on it.
 
-Each key is stored under :func:`eg_kv.address.address_for_key` of the key. LMCache hands
+Each key is stored under its address bound to the engine's binding
+(:mod:`eg_kv.lmcache.key_addresses`: the model, and the ``revision``, ``weights``,
+``kv_dtype`` and ``quantization`` that ``adapter_params`` declare). LMCache hands
 a lookup nothing but the keys, so that address cannot hold the chunk's length; when it is
 already taken by a block of another length (409: another LMCache server with another
 layout stored it first), the chunk is stored under the address of the key and its length
@@ -56,11 +58,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..address import address_for_key
 from ..blockkey import say_once
 from ..client.connectors import connect
 from ..client.core import KvCacheConfig, resolve_config
 from ..errors import ConfigError
+from .key_addresses import KeyAddresses, binding_params
 from .store_warnings import StoreWarnings
 from .write_gate import GateSet, WriteGate, read_through
 
@@ -84,9 +86,6 @@ INLINE_TIMEOUT_S = 0.05
 #: After an inline lookup failed, lookups go to the pool for this long (a slow or dead
 #: server costs the submitting thread one inline deadline per period, not one per batch).
 INLINE_BACKOFF_S = 5.0
-#: Key -> address digests remembered (LMCache asks about the same prefixes again and
-#: again; a BLAKE2b digest is about 0.6 µs a key). Cleared when full: bounded, no LRU cost.
-MAX_DIGESTS = 65536
 #: The lease a lookup takes on its hits, in ms, unless ``adapter_params`` says
 #: ``lease_ms``: LMCache loads what it locked within a scheduler step or a few.
 DEFAULT_LEASE_MS = 5000
@@ -109,11 +108,6 @@ def _lease_param(raw: Any) -> int:
 
 class _OtherLength(Exception):
     """Internal: the block at an address has another length than the caller's buffer."""
-
-
-def sized_address(key: str, length: int) -> str:
-    """The address of ``key`` stored with ``length`` bytes, when the plain one is taken."""
-    return address_for_key(f"{key}\x00len={length}")
 
 
 class _Batch:
@@ -139,8 +133,8 @@ class RemoteKVL2Connector:
     """The eg-kv client in the shape LMCache's ``native_plugin`` L2 adapter requires.
 
     Keys are LMCache key strings (``model@rank@group@hash``, which may hold ``/``); each is
-    stored under :func:`eg_kv.address.address_for_key` of the whole key, the same address
-    in every process and on every host.
+    stored under :meth:`address`: the same address in every process and on every host
+    that declares the same binding.
     """
 
     def __init__(self, config: KvCacheConfig | None = None, **adapter_params: Any) -> None:
@@ -148,13 +142,16 @@ class RemoteKVL2Connector:
             config: a ready :class:`KvCacheConfig`, or leave it out and pass keywords.
             **adapter_params: LMCache's ``adapter_params``: ``base_url``, ``addr``,
                 ``token``, ``timeout_s``, ``num_workers``, ``max_connections``,
-                ``verify_tls``, ``lease_ms`` (see the module docstring), all optional; the
-                rest comes from the environment.
+                ``verify_tls``, ``lease_ms`` (see the module docstring), the binding's
+                ``revision``, ``weights``, ``kv_dtype`` and ``quantization``
+                (:mod:`eg_kv.lmcache.key_addresses`), all optional; the rest comes from
+                the environment.
 
         Raises:
             ConfigError: a parameter cannot be used.
         """
         self._lease_ms = _lease_param(adapter_params.pop("lease_ms", DEFAULT_LEASE_MS))
+        self.addresses = KeyAddresses(binding_params(adapter_params))
         if adapter_params.get("token"):
             # LMCache logs adapter_params verbatim when it builds the adapter.
             log.warning(
@@ -182,7 +179,6 @@ class RemoteKVL2Connector:
         # newest MAX_STORED addresses): only those are released, so a load that no
         # lookup leased sends nothing extra, and one never ends another client's lease.
         self._leased: Counter[str] = Counter()
-        self._digests: dict[str, str] = {}  # key -> address_for_key(key), bounded
         self._inline_after = 0.0  # monotonic time before which lookups use the pool
 
     def __repr__(self) -> str:
@@ -229,12 +225,12 @@ class RemoteKVL2Connector:
 
     def _store(self, key: str, data: Any) -> bool:
         size = memoryview(data).nbytes
-        address = address_for_key(key)
+        address = self.addresses.address(key)
         status = self._client.put_status(address, (data,))
         if status == 409:
             self._warn.conflict(size, "Its chunks go to addresses that also hold their "
                                       "length, so both keep their own copies.")  # fmt: skip
-            address = sized_address(key, size)
+            address = self.addresses.sized(key, size)
             status = self._client.put_status(address, (data,))
         if status == 413:
             self._warn.too_large(size)
@@ -259,10 +255,10 @@ class RemoteKVL2Connector:
             read_through(read_exact, view, gate)
             return True
 
-        if self._fetch(address_for_key(key), sink, gate):
+        if self._fetch(self.addresses.address(key), sink, gate):
             return True
         if other_length and gate.can_start(self.config.timeout_s):
-            return bool(self._fetch(sized_address(key, len(view)), sink, gate))
+            return bool(self._fetch(self.addresses.sized(key, len(view)), sink, gate))
         return False
 
     def _fetch(self, address: str, sink: Callable[..., bool], gate: WriteGate) -> bool | None:
@@ -291,7 +287,7 @@ class RemoteKVL2Connector:
         GET header or per request cost loads 1.5-3x: issue 37)."""
         if self._lease_ms <= 0:
             return
-        addresses = self._addresses(keys)
+        addresses = self.addresses.addresses(keys)
         with self._lock:
             # Each address's count, taken off the record in C; a batch with none above 1
             # (the usual: one lookup, then its load) is done. Else they go back and are
@@ -356,7 +352,7 @@ class RemoteKVL2Connector:
             and len(keys) <= INLINE_MAX_KEYS
             and time.monotonic() >= self._inline_after
         ):
-            addresses = self._addresses(keys)
+            addresses = self.addresses.addresses(keys)
             found = client.try_exists_addresses(
                 addresses,
                 min(INLINE_TIMEOUT_S, self.config.timeout_s),
@@ -368,7 +364,7 @@ class RemoteKVL2Connector:
             self._inline_after = time.monotonic() + INLINE_BACKOFF_S
 
         def run() -> None:
-            addresses = self._addresses(keys)
+            addresses = self.addresses.addresses(keys)
             found = self._client.try_exists_addresses(addresses, lease_ms=self._lease_ms or None)
             if found is None:  # could not ask: a failed lookup, which LMCache counts as misses
                 self._complete(fid, False, "eg-kv batch exists failed", [False] * len(keys))
@@ -377,18 +373,6 @@ class RemoteKVL2Connector:
 
         self._spawn(fid, run)
         return fid
-
-    def _addresses(self, keys: list[str]) -> list[str]:
-        """``address_for_key`` of each key, from the bounded digest cache where it can."""
-        digests = self._digests
-        out = list(map(digests.get, keys))  # in C: a lookup asks about keys seen before
-        if None in out:
-            if len(digests) + len(keys) > MAX_DIGESTS:
-                digests.clear()
-            for n, address in enumerate(out):
-                if address is None:
-                    out[n] = digests[keys[n]] = address_for_key(keys[n])
-        return out  # type: ignore[return-value]
 
     def drain_completions(self) -> list[Completion]:
         """Every completion queued so far, oldest first; resets the eventfd.

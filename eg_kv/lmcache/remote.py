@@ -25,8 +25,11 @@ Each chunk is stored as LMCache's ``RemoteMetadata`` header (shapes, dtypes, for
 partial last chunk loads with its real shape) followed by the KV bytes, under
 :func:`eg_kv.address.address_for_key` of ``CacheEngineKey.to_string()`` and of what
 changes a chunk's bytes (:attr:`EgKvRemoteConnector.layout_tag`: serde, chunk header on or
-off, memory format, dtypes, shapes), so differently configured engines never collide on
-an address and identically configured ones share.
+off, memory format, dtypes, shapes, and the engine's binding: :mod:`eg_kv.binding`, from
+vLLM's current config where it has one, else from the model LMCache names and
+``remote_storage_plugin.<name>.revision``, ``.weights`` and ``.quantization``), so
+differently configured engines never collide on an address and identically configured
+ones share.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..address import address_for_key
+from ..binding import current_binding, declared_binding
 from ..blockkey import say_once
 from ..client.connectors import connect
 from ..client.core import CONFIG_KEYWORDS, KvCacheConfig, Miss
@@ -50,6 +54,8 @@ from .write_gate import GateClosed, GateSet, read_through
 log = logging.getLogger("eg_kv.kvcache")
 
 _SETTINGS = CONFIG_KEYWORDS
+#: What an engine declares of its binding where vLLM's config does not say it.
+_DECLARED = ("revision", "weights", "quantization")
 #: ``class_name`` values that build this connector.
 _OUR_CLASSES = ("EgKvRemoteConnector", "EgKvConnectorAdapter")
 
@@ -78,13 +84,16 @@ def plugin_name_from_config(config: Any) -> str | None:
     return names[0] if len(names) == 1 else None
 
 
-def plugin_settings(config: Any, plugin_name: str | None) -> dict[str, Any]:
-    """``remote_storage_plugin.<name>.<setting>`` values from LMCache's ``extra_config``."""
+def plugin_settings(
+    config: Any, plugin_name: str | None, settings: tuple[str, ...] = _SETTINGS
+) -> dict[str, Any]:
+    """``remote_storage_plugin.<name>.<setting>`` values from LMCache's ``extra_config``,
+    for each of ``settings`` (default: the client's)."""
     extra = (getattr(config, "extra_config", None) or {}) if config is not None else {}
     if plugin_name is None:
         return {}
     out: dict[str, Any] = {}
-    for setting in _SETTINGS:
+    for setting in settings:
         value = extra.get(f"remote_storage_plugin.{plugin_name}.{setting}")
         if value is not None and value != "":
             out[setting] = value
@@ -141,6 +150,11 @@ class EgKvRemoteConnector(RemoteConnector):
         self.kv_config = KvCacheConfig.from_env(**plugin_settings(config, plugin_name))
         say_once(self.kv_config.block_key)  # what this engine's loads can detect, once
         self.client = connect(self.kv_config)  # one server, or a set (eg_kv.client.sets)
+        self.binding = current_binding(str(metadata.model_name)) or declared_binding(
+            str(metadata.model_name),
+            kv_dtype=str(metadata.kv_dtype),
+            **{k: str(v) for k, v in plugin_settings(config, plugin_name, _DECLARED).items()},
+        )
         self.layout_tag = self._layout_tag(config)
         self._pool = ThreadPoolExecutor(
             max_workers=self.kv_config.num_workers, thread_name_prefix="eg-kv-remote"
@@ -156,7 +170,7 @@ class EgKvRemoteConnector(RemoteConnector):
         serde = getattr(config, "remote_serde", None) or "naive"
         return (
             f"serde={serde}|meta={int(bool(self.save_chunk_meta))}|fmt={self.meta_fmt.name}"
-            f"|dtypes={dtypes}|shapes={shapes}"
+            f"|dtypes={dtypes}|shapes={shapes}|binding={self.binding.describe()}"
         )
 
     def __repr__(self) -> str:

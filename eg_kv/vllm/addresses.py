@@ -9,7 +9,7 @@ A vLLM block of ``block_size`` tokens is one eg-kv block holding the KV of every
   a LoRA adapter): so block ``i``'s digest names the whole prefix up to it;
 * mixed with the **format** (:class:`BlockFormat`): model, KV dtype, block size, KV
   layout, parallel sizes, the shard's rank, the engine's binding (revision, weights,
-  element type as allocated, quantization: :mod:`eg_kv.vllm.binding`) and
+  element type as allocated, quantization: :mod:`eg_kv.binding`) and
   :data:`FORMAT_VERSION`: two engines whose bytes for the same tokens would differ never
   share an address.
 
@@ -25,11 +25,13 @@ import hashlib
 import json
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 from ..address import validate
+from ..binding import binding_of
 
 #: Bumped whenever the bytes of a stored block change meaning (its layout, its header).
-FORMAT_VERSION = 2  # 2: the engine's binding (eg_kv.vllm.binding)
+FORMAT_VERSION = 2  # 2: the engine's binding (eg_kv.binding)
 #: What every token chain starts from (with the request's own extras mixed in).
 _CHAIN_ROOT = b"eg-kv/vllm/token-chain/1"
 #: Addresses read ``egv<version>-<40 hex digits>``: valid eg-kv addresses (eg_kv.address).
@@ -52,7 +54,7 @@ class BlockFormat:
             handshake).
         tp_size: tensor-parallel world size.
         pp_size: pipeline-parallel world size.
-        binding: the engine's :class:`~eg_kv.vllm.binding.EngineBinding`, described
+        binding: the engine's :class:`~eg_kv.binding.EngineBinding`, described
             (canonical JSON): revision, weights, KV element type, quantization.
     """
 
@@ -172,3 +174,21 @@ def lookup_addresses(chain: Sequence[bytes], formats: Sequence[BlockFormat]) -> 
     """
     salts = [fmt.salt(shard) for shard, fmt in enumerate(formats)]
     return [block_address(d, salt) for d in chain for salt in salts]
+
+
+def connector_format(vllm_config: Any, layout: Sequence[str], kv_dtype: str) -> BlockFormat:
+    """EgKvConnector's :class:`BlockFormat` for an engine: its model (``name@revision``),
+    the KV tensors' element type and layout as registered (``layout``: one
+    ``name:shape:dtype`` per layer), vLLM's block size, the parallel sizes, and the
+    engine's binding."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    revision = getattr(model, "revision", None)
+    return BlockFormat(
+        model=f"{model.model}@{revision}" if revision else str(model.model),
+        dtype=kv_dtype,
+        block_size=int(vllm_config.cache_config.block_size),
+        layout=";".join(layout),
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+        binding=binding_of(vllm_config).describe(),
+    )

@@ -58,8 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..client.connectors import connect
 from ..client.interface import KvConnector
 from ..client.members import parse_server_set
-from .addresses import BlockFormat, block_addresses, lookup_addresses, token_chain
-from .binding import connector_format
+from .addresses import BlockFormat, block_addresses, connector_format, lookup_addresses, token_chain
 from .events import EventRelay, LogFollowers, vllm_events
 from .lookups import PendingLookups
 from .settings import ConnectorSettings, settings_from

@@ -56,10 +56,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..binding import EngineBinding, current_binding, declared_binding
 from ..client.connectors import connect
 from ..client.interface import KvConnector
 from .addresses import BlockFormat, block_address
-from .binding import EngineBinding, current_binding, weights_of
 from .tier_copies import CopyJobs, FinishedJob
 from .tier_events import RemovalRelay
 from .tier_lookups import StepLookups
@@ -75,7 +75,7 @@ __all__ = ["EgKvTier", "tier_binding", "tier_format"]
 
 
 def tier_binding(spec: OffloadingSpec, settings: TierSettings | None = None) -> EngineBinding:
-    """The engine's binding (:mod:`eg_kv.vllm.binding`), as the connector builds it: from
+    """The engine's binding (:mod:`eg_kv.binding`), as the connector builds it: from
     vLLM's current config when one serves this model (a worker; a vLLM that sets it for the
     scheduler), else from the offloading config (the model, the KV element type as
     allocated), the model's weights as its name shows them (:func:`weights_of`) and the
@@ -84,12 +84,11 @@ def tier_binding(spec: OffloadingSpec, settings: TierSettings | None = None) -> 
     current = current_binding(config.model.name)
     if current is not None:
         return current
-    revision = settings.revision if settings else ""
-    return EngineBinding(
-        model=config.model.name,
-        revision=revision,
-        weights=(settings.weights if settings else "") or weights_of(config.model.name, revision),
-        kv_dtype=str(config.model.dtype).removeprefix("torch."),
+    return declared_binding(
+        config.model.name,
+        revision=settings.revision if settings else "",
+        weights=settings.weights if settings else "",
+        kv_dtype=str(config.model.dtype),
         quantization=settings.quantization if settings else "",
     )
 

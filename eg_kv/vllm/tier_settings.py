@@ -39,7 +39,7 @@ TIER_KEYS: dict[str, Any] = {
     # "LOCAL" or "REMOTE": where eg-kv is, relative to this vLLM instance (or None).
     "locality": None,
     # What vLLM's offloading config does not tell the tier, for its addresses to bind
-    # (eg_kv.vllm.binding): the model's revision, its weights' identity and their
+    # (eg_kv.binding): the model's revision, its weights' identity and their
     # quantization. Taken from vLLM's own config where the tier can see one.
     "revision": "",
     "weights": "",

@@ -13,13 +13,11 @@ from helpers.dns_zone import pod
 from helpers.kvcache import RawServer
 from helpers.server_sets import SRV_NAME, set_url, start_set
 
-from eg_kv.address import address_for_key
 from eg_kv.client.aio_connectors import AsyncRemoteKVConnector
 from eg_kv.client.connectors import RemoteKVConnector
 from eg_kv.client.core import KvCacheConfig
 from eg_kv.client.sets import ClusterConnector
 from eg_kv.kvcache import RemoteKVL2Connector
-from eg_kv.lmcache.l2 import sized_address
 from eg_kv.lmcache.write_gate import WriteGate
 
 #: The refresh period (and previous-home window) of the sets whose membership changes:
@@ -93,12 +91,12 @@ def test_l2_delete_after_a_restart_never_releases_another_servers_chunk(server_f
         assert wait_done(a, a.submit_batch_get([key], [memoryview(buf)]))[3] == [True]
         assert bytes(buf) == b"A" * 100  # A's chunk survived B's restarted delete
         with RemoteKVConnector(base_url=srv.url) as kv:
-            assert kv.exists(address_for_key(key)) and kv.exists(sized_address(key, 200))
+            assert kv.exists(a.addresses.address(key)) and kv.exists(a.addresses.sized(key, 200))
         # A delete of a key this connector stored releases its own reference.
         assert wait_done(a, a.submit_batch_delete([key]))[3] == [True]
         with RemoteKVConnector(base_url=srv.url) as kv:
-            assert not kv.exists(address_for_key(key))
-            assert kv.exists(sized_address(key, 200))  # B's copy is untouched
+            assert not kv.exists(a.addresses.address(key))
+            assert kv.exists(a.addresses.sized(key, 200))  # B's copy is untouched
     finally:
         a.close()
 
@@ -194,10 +192,10 @@ def test_an_l2_load_asks_the_previous_home_only_within_its_deadline(server_facto
         keys = [f"m@0@0@load{i}/x" for i in range(40)]
         with RemoteKVConnector(base_url=old.url) as direct:
             for k in keys:
-                assert direct.put(address_for_key(k), b"L" * 256)
+                assert direct.put(l2.addresses.address(k), b"L" * 256)
         grow(zone, l2._client, [old.port, new.port])
         new_id = member_id(l2._client, new.port)
-        moved = [k for k in keys if l2._client.router.home(address_for_key(k))[1] == new_id]
+        moved = [k for k in keys if l2._client.router.home(l2.addresses.address(k))[1] == new_id]
         assert moved, "some keys moved to the new member"
         buf = bytearray(256)
         # Half a timeout left before the batch's deadline: the previous home (a request

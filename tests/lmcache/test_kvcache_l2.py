@@ -11,8 +11,8 @@ import time
 
 from helpers.kvcache import RawServer, lm_keys, wait_completions
 
-from eg_kv.address import address_for_key
 from eg_kv.kvcache import RemoteKVConnector, RemoteKVL2Connector
+from eg_kv.lmcache.key_addresses import KeyAddresses, binding_params
 
 
 def test_l2_connector_store_lookup_load_delete(server_factory):
@@ -32,9 +32,10 @@ def test_l2_connector_store_lookup_load_delete(server_factory):
     assert f_miss != f_set
     assert got[f_set][1] is True and got[f_set][3] == [True] * 6
 
-    # Every key is stored under the stable digest of the whole key.
+    # Every key is stored under the stable digest of the whole key and the binding.
     plain = RemoteKVConnector(base_url=srv.url)
-    assert plain.get(address_for_key(keys[3])) == bytes(blocks[3])
+    assert conn.addresses.address(keys[3]) == KeyAddresses(binding_params({})).address(keys[3])
+    assert plain.get(conn.addresses.address(keys[3])) == bytes(blocks[3])
 
     # Record every request the connector's transport sends (a spy on our own code; the
     # server is real): a lookup batch must be one batch request, and no per-key probe.
@@ -120,7 +121,7 @@ def test_l2_connector_reads_the_environment(server_factory, monkeypatch):
     fid = conn.submit_batch_set(lm_keys(1), [memoryview(b"from-env")])
     assert wait_completions(conn, {fid})[fid][1] is True
     with RemoteKVConnector(base_url=srv.url) as kv:
-        assert kv.get(address_for_key(lm_keys(1)[0])) == b"from-env"
+        assert kv.get(conn.addresses.address(lm_keys(1)[0])) == b"from-env"
     conn.close()
 
 
@@ -140,8 +141,8 @@ def test_l2_copies_the_key_and_view_lists_at_submit(server_factory):
     assert wait_completions(conn, {f_set})[f_set][3] == [True] * 8
     with RemoteKVConnector(base_url=srv.url) as kv:
         for key, block in zip(keys, blocks, strict=True):
-            assert kv.get(address_for_key(key)) == bytes(block)
-        assert not any(kv.exists_many([address_for_key(k) for k in decoys]))
+            assert kv.get(conn.addresses.address(key)) == bytes(block)
+        assert not any(kv.exists_many(conn.addresses.addresses(decoys)))
 
     outs = [bytearray(size) for _ in keys]
     spare = [bytearray(size) for _ in keys]

@@ -118,7 +118,7 @@ def test_a_load_releases_only_what_this_connectors_lookup_leased(server_factory)
             f = conn.submit_batch_set(keys, [memoryview(bytes(CHUNK)) for _ in keys])
             assert wait_completions(conn, {f})[f][1] is True
             # Another client leases the first chunk.
-            found = other.try_exists_addresses(conn._addresses(keys[:1]), lease_ms=60000)
+            found = other.try_exists_addresses(conn.addresses.addresses(keys[:1]), lease_ms=60000)
             assert found == [True]
             f = conn.submit_batch_get(keys, [memoryview(b) for b in bufs])
             assert wait_completions(conn, {f})[f][3] == [True, True]
@@ -134,7 +134,7 @@ def test_a_load_releases_only_what_this_connectors_lookup_leased(server_factory)
             assert (st["leases_released"], st["leased_blocks"]) == (released, 1)
         finally:
             conn.close()
-        assert other.release(conn._addresses(keys[:1])) == 1  # a request: the marker
+        assert other.release(conn.addresses.addresses(keys[:1])) == 1  # a request: the marker
         released += 1
         # Local: released in the reader's table, no request. HTTP: one for the batch.
         # Requests are counted in order: once the marker shows, the batch's would.

@@ -40,8 +40,8 @@ from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (  # 
     _object_key_to_string,
 )
 
-from eg_kv.address import address_for_key  # noqa: E402
 from eg_kv.kvcache import EgKvRemoteConnector, RemoteKVConnector, RemoteKVL2Connector  # noqa: E402
+from eg_kv.lmcache.key_addresses import KeyAddresses, binding_params  # noqa: E402
 
 pytestmark = pytest.mark.lmcache
 
@@ -85,9 +85,9 @@ def test_a_native_plugin_through_lmcache_registry(server_factory):
         assert adapter.query_load_result(task).popcount() == 1
         assert torch.equal(src.raw_data, dst.raw_data)  # byte-identical
 
-        # Stored once, under the digest of LMCache's whole key string.
+        # Stored once, under the digest of LMCache's whole key string and the binding.
         kv = RemoteKVConnector(base_url=srv.url)
-        addr = address_for_key(_object_key_to_string(keys[0]))
+        addr = KeyAddresses(binding_params({})).address(_object_key_to_string(keys[0]))
         assert "/" in _object_key_to_string(keys[0]) and kv.contains(addr)
         stats = kv.stats()
         assert stats.unique_blocks == 1 and stats.resident_bytes >= CHUNK

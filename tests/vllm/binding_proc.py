@@ -47,8 +47,8 @@ def main() -> None:
     from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from eg_kv.vllm.addresses import block_address, block_addresses, token_chain
-    from eg_kv.vllm.binding import binding_of, connector_format
+    from eg_kv.binding import binding_of
+    from eg_kv.vllm.addresses import block_address, block_addresses, connector_format, token_chain
     from eg_kv.vllm.tier import tier_binding, tier_format
     from eg_kv.vllm.tier_settings import tier_settings_from
 

@@ -1,31 +1,28 @@
-"""What an engine's KV bytes depend on besides the tokens: one binding, built from vLLM's
-own config objects, that every vLLM path (EgKvConnector and EgKvTier) mixes into its
-addresses, so two engines whose KV for the same tokens would differ never share one.
+"""What an engine's KV bytes depend on besides the tokens: one binding that every path
+which loads bytes into an engine mixes into its addresses (EgKvConnector and EgKvTier for
+vLLM, the LMCache in-engine plugin and L2 adapter), so two engines whose KV for the same
+tokens would differ never share one.
 
 The binding holds the model's name and revision, the identity of its weights (the hub
 commit vLLM loaded, or, for a local directory, a digest of its weight files' names, sizes
 and modification times: two checkpoints served from one path at two times differ), the
 KV cache's element type as allocated (``cache_dtype``, or the model's dtype when it is
 ``auto``: never the setting ``auto`` itself), the cache's quantization and the weights'.
-Block size, layout and the parallel ranks and sizes are each path's
-:class:`~eg_kv.vllm.addresses.BlockFormat`; LoRA and the cache salt are per request (the
-connector's chain extras; vLLM's own block hashes for the tier). No vLLM import.
+It is built from vLLM's own config objects where a path runs inside vLLM
+(:func:`binding_of`, :func:`current_binding`), else from what the path is told
+(:func:`declared_binding`: the LMCache multiprocess server's adapter, a tier built outside
+a worker). Block size, layout and the parallel ranks and sizes are each path's own format;
+LoRA and the cache salt are per request. No vLLM import.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import xxhash
-
-from .addresses import BlockFormat
-
-log = logging.getLogger("eg_kv.vllm")
 
 #: Files whose names, sizes and times make a local checkpoint's identity.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
@@ -67,21 +64,19 @@ def binding_of(vllm_config: Any) -> EngineBinding:
     )
 
 
-def connector_format(vllm_config: Any, layout: Sequence[str], kv_dtype: str) -> BlockFormat:
-    """EgKvConnector's :class:`BlockFormat` for an engine: its model (``name@revision``),
-    the KV tensors' element type and layout as registered (``layout``: one
-    ``name:shape:dtype`` per layer), vLLM's block size, the parallel sizes, and the
-    engine's binding."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    revision = getattr(model, "revision", None)
-    return BlockFormat(
-        model=f"{model.model}@{revision}" if revision else str(model.model),
-        dtype=kv_dtype,
-        block_size=int(vllm_config.cache_config.block_size),
-        layout=";".join(layout),
-        tp_size=int(parallel.tensor_parallel_size),
-        pp_size=int(parallel.pipeline_parallel_size),
-        binding=binding_of(vllm_config).describe(),
+def declared_binding(
+    model: str, *, revision: str = "", weights: str = "", kv_dtype: str = "", quantization: str = ""
+) -> EngineBinding:
+    """The binding of an engine known only by what a path is told: ``model``, and the
+    ``revision``, ``weights``, ``kv_dtype`` and ``quantization`` its settings declare.
+    The weights' identity, when not declared, is what the model's name shows on this host
+    (:func:`weights_of`)."""
+    return EngineBinding(
+        model=model,
+        revision=revision,
+        weights=weights or weights_of(model, revision),
+        kv_dtype=kv_dtype.removeprefix("torch."),
+        quantization=quantization,
     )
 
 
