@@ -53,7 +53,7 @@ import math
 import os
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -61,6 +61,7 @@ from typing import Any
 from ..blockkey import say_once
 from ..client.connectors import connect
 from ..client.core import KvCacheConfig, resolve_config
+from ..client.lease_record import LeaseRecord
 from ..errors import ConfigError
 from .key_addresses import KeyAddresses, binding_params
 from .store_warnings import StoreWarnings
@@ -150,7 +151,7 @@ class RemoteKVL2Connector:
         Raises:
             ConfigError: a parameter cannot be used.
         """
-        self._lease_ms = _lease_param(adapter_params.pop("lease_ms", DEFAULT_LEASE_MS))
+        lease_ms = _lease_param(adapter_params.pop("lease_ms", DEFAULT_LEASE_MS))
         self.addresses = KeyAddresses(binding_params(adapter_params))
         if adapter_params.get("token"):
             # LMCache logs adapter_params verbatim when it builds the adapter.
@@ -175,10 +176,8 @@ class RemoteKVL2Connector:
         self._gates = GateSet()
         self._warn = StoreWarnings(self._client, "eg-kv LMCache L2 adapter")
         self._stored: OrderedDict[str, str] = OrderedDict()  # key -> address it went to
-        # Address -> leases this connector's lookups took and no load ended yet (the
-        # newest MAX_STORED addresses): only those are released, so a load that no
-        # lookup leased sends nothing extra, and one never ends another client's lease.
-        self._leased: Counter[str] = Counter()
+        # Only leases this connector's lookups took are released (eg_kv.client.lease_record).
+        self._leases = LeaseRecord(self._client, lease_ms)
         self._inline_after = 0.0  # monotonic time before which lookups use the pool
 
     def __repr__(self) -> str:
@@ -267,45 +266,10 @@ class RemoteKVL2Connector:
         # released with the batch's (_release_leases).
         return self._client.fetch(address, sink, may_start=gate.can_start)
 
-    def _note_leases(self, addresses: list[str], found: list[bool]) -> list[bool]:
-        """Record the leases a lookup's hits took (when it asked for them); returns
-        ``found``. The counting runs in C (``Counter.update``): a Python step per hit was
-        a tenth of a 1,024-key lookup."""
-        if self._lease_ms > 0:
-            with self._lock:
-                leased = self._leased
-                leased.update(itertools.compress(addresses, found))
-                if len(leased) > MAX_STORED:  # the oldest first (a dict keeps its order)
-                    for address in list(itertools.islice(leased, len(leased) - MAX_STORED)):
-                        del leased[address]
-        return found
-
     def _release_leases(self, keys: list[str]) -> None:
-        """End one lease on each of a finished load batch's keys that a lookup of this
-        connector leased (one taken off the record per key), in one ``release``: on the
-        server's host, where the lookup leased locally, without a request (a lease per
-        GET header or per request cost loads 1.5-3x: issue 37)."""
-        if self._lease_ms <= 0:
-            return
-        addresses = self.addresses.addresses(keys)
-        with self._lock:
-            # Each address's count, taken off the record in C; a batch with none above 1
-            # (the usual: one lookup, then its load) is done. Else they go back and are
-            # taken one at a time (an address twice in a batch ends two leases).
-            counts = list(map(self._leased.pop, addresses, itertools.repeat(0)))
-            if max(counts, default=0) <= 1:
-                leased = list(itertools.compress(addresses, counts))
-            else:
-                self._leased.update({a: c for a, c in zip(addresses, counts, strict=True) if c})
-                leased = []
-                for address in addresses:
-                    count = self._leased.pop(address, 0)
-                    if count > 1:
-                        self._leased[address] = count - 1
-                    if count:
-                        leased.append(address)
-        if leased:
-            self._client.release(leased)
+        """End the leases this connector's lookups took on a finished load batch's keys."""
+        if self._leases.lease_ms > 0:
+            self._leases.release(self.addresses.addresses(keys))
 
     def submit_batch_delete(self, keys: Sequence[str]) -> int:
         """Release each key's reference on the server; never blocks.
@@ -356,20 +320,20 @@ class RemoteKVL2Connector:
             found = client.try_exists_addresses(
                 addresses,
                 min(INLINE_TIMEOUT_S, self.config.timeout_s),
-                lease_ms=self._lease_ms or None,
+                lease_ms=self._leases.asked,
             )
             if found is not None:
-                self._complete(fid, True, "", self._note_leases(addresses, found))
+                self._complete(fid, True, "", self._leases.note(addresses, found))
                 return fid
             self._inline_after = time.monotonic() + INLINE_BACKOFF_S
 
         def run() -> None:
             addresses = self.addresses.addresses(keys)
-            found = self._client.try_exists_addresses(addresses, lease_ms=self._lease_ms or None)
+            found = self._client.try_exists_addresses(addresses, lease_ms=self._leases.asked)
             if found is None:  # could not ask: a failed lookup, which LMCache counts as misses
                 self._complete(fid, False, "eg-kv batch exists failed", [False] * len(keys))
             else:
-                self._complete(fid, True, "", self._note_leases(addresses, found))
+                self._complete(fid, True, "", self._leases.note(addresses, found))
 
         self._spawn(fid, run)
         return fid
