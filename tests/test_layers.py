@@ -31,6 +31,7 @@ MAY_IMPORT = {
     "client": {"base", "slab-read"},
     "lmcache": {"base", "client"},
     "vllm": {"base", "client"},
+    "sglang": {"base", "client"},
     "public": {"base", "client", "lmcache"},
 }
 #: The slab's read side: what a client on the slab's host maps (no posix_ipc). The clients

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..blockkey import say_once
-from ..client.core import CONFIG_KEYWORDS, KvCacheConfig
+from ..client.core import KvCacheConfig
+from ..client.options import split_options
 from ..errors import ConfigError
 
 #: The connector's own keys and their defaults.
@@ -32,37 +33,6 @@ CONNECTOR_KEYS: dict[str, Any] = {
 }
 #: Keys that may be 0 (the others must be at least 1).
 ZERO_OK = frozenset({"lease_ms", "events"})
-#: ``url`` is the name vLLM users expect; it means ``base_url``.
-ALIASES = {"url": "base_url"}
-
-
-def split_options(
-    options: Mapping[str, Any] | None, own_keys: Mapping[str, Any], who: str
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a component's options into client keywords and its own keys (``url`` is
-    ``base_url``); the connector and the tier (eg_kv.vllm.tier_settings) share it.
-
-    Returns:
-        ``(client_kw, own)``: :class:`KvCacheConfig` keywords, and the keys of ``own_keys``.
-
-    Raises:
-        ConfigError: an unknown key (naming the known ones) or one given twice (``url``
-            and ``base_url``); the message starts with ``who``.
-    """
-    client_kw: dict[str, Any] = {}
-    own: dict[str, Any] = {}
-    for key, value in (options or {}).items():
-        name = ALIASES.get(key, key)
-        if name in own_keys:
-            own[name] = value
-        elif name in CONFIG_KEYWORDS:
-            if name in client_kw:
-                raise ConfigError(f"{who}: {name!r} is given twice (url is base_url)")
-            client_kw[name] = value
-        else:
-            known = sorted({*CONFIG_KEYWORDS, *own_keys, *ALIASES})
-            raise ConfigError(f"{who}: unknown key {key!r}; known: {', '.join(known)}")
-    return client_kw, own
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any
 
 from ..blockkey import say_once
 from ..client.core import KvCacheConfig
+from ..client.options import split_options
 from ..errors import ConfigError
-from .settings import split_options
 
 __all__ = ["TIER_KEYS", "TierSettings", "tier_settings_from"]
 

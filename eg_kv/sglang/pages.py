@@ -1,0 +1,153 @@
+"""SGLang's host-pool pages as eg-kv blocks: what a page's block holds, and its address.
+
+A page is ``page_size`` tokens of every layer of one rank's KV, in SGLang's host memory
+pool. Its block holds the page in SGLang's *flat page* order, whatever the pool's layout::
+
+    MHA   [ K: layer 0 .. L-1 ][ V: layer 0 .. L-1 ]   a layer: page_size x heads x head_dim
+    MLA   [ layer 0 .. L-1 ]                           a layer: page_size x 1 x kv_cache_dim
+
+``get_page_buffer_meta`` hands the page's pieces where they lie: ``[K, V]`` (page-first
+layouts: each piece already every layer in order) or ``[K_0, V_0, K_1, V_1, ...]``
+(layer-first) for MHA, ``[page]`` or ``[layer_0, layer_1, ...]`` for MLA; :func:`page_views`
+puts the K pieces before the V pieces, which is the flat order in every layout. So the
+bytes of a page do not depend on the host pool's layout (a page-first and a layer-first
+engine load each other's pages), and the legacy copy path (``get_data_page``, flat) stores
+the same bytes as the zero-copy one.
+
+The address of a page is a BLAKE2b digest of SGLang's key (its SHA-256 chain of the page's
+tokens) and the page's format (:class:`PageFormat`): the engine's binding
+(:mod:`eg_kv.binding`: model, revision and weights where known, the KV element type,
+quantization), the page's shape (page size, layers, heads, head dims), MHA or MLA, and the
+rank whose slice of the KV the page is (tensor, pipeline and context parallel; not the
+tensor rank for MLA, whose every tensor rank holds the same KV). No SGLang import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ..address import address_for_key
+from ..binding import EngineBinding
+from ..errors import ConfigError
+
+#: Bumped whenever a page's block changes its byte order or meaning.
+PAGE_FORMAT_VERSION = 1
+#: Distinct piece lengths whose ctypes array type is kept (a pool has one or two).
+_MAX_TYPES = 64
+_types: dict[int, Any] = {}
+
+
+def _array_type(nbytes: int) -> Any:
+    """``c_ubyte * nbytes``, made once per length: ctypes keeps every array type it made,
+    so a type per call would leak (LMCache #3767)."""
+    kind = _types.get(nbytes)
+    if kind is None:
+        if len(_types) >= _MAX_TYPES:
+            _types.clear()
+        kind = _types[nbytes] = ctypes.c_ubyte * nbytes
+    return kind
+
+
+def view_at(pointer: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` at ``pointer`` (host pool memory): no copy."""
+    return memoryview(_array_type(nbytes).from_address(pointer)).cast("B")
+
+
+def page_views(
+    pointers: Sequence[int], sizes: Sequence[int], pages: int, mla: bool
+) -> list[list[memoryview]]:
+    """Each page's pieces, in the block's (flat page) order, from ``get_page_buffer_meta``.
+
+    Raises:
+        ValueError: the pieces do not split evenly into ``pages`` pages.
+    """
+    if pages <= 0 or len(pointers) != len(sizes) or len(pointers) % pages:
+        raise ValueError(f"{len(pointers)} buffer pieces for {pages} pages")
+    per = len(pointers) // pages
+    if not mla and per % 2:
+        raise ValueError(f"an MHA page in {per} pieces: K and V come in pairs")
+    views = list(map(view_at, pointers, sizes))
+    out = []
+    for n in range(pages):
+        piece = views[n * per : (n + 1) * per]
+        out.append(piece if mla else piece[0::2] + piece[1::2])  # every K, then every V
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PageFormat:
+    """What, besides SGLang's key, decides a page's bytes; :meth:`address` mixes it in.
+
+    Attributes:
+        binding: the engine's binding, described (:meth:`EngineBinding.describe`).
+        mla: an MLA pool (one copy of the KV for every tensor rank).
+        shape: the pool's page shape: page size, layers, heads, head dims.
+        ranks: the parallel ranks and sizes whose slice of the KV this rank holds.
+        page_bytes: the bytes of one page's block.
+    """
+
+    binding: str
+    mla: bool
+    shape: tuple[tuple[str, int], ...]
+    ranks: tuple[tuple[str, int], ...]
+    page_bytes: int
+
+    def describe(self) -> str:
+        """The format as canonical JSON."""
+        fields = dataclasses.asdict(self)
+        fields["version"] = PAGE_FORMAT_VERSION
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    @functools.cached_property
+    def _described(self) -> str:
+        return self.describe()
+
+    def address(self, key: str) -> str:
+        """The eg-kv address of the page SGLang names ``key`` (the same on every host)."""
+        return address_for_key(f"{key}\x00{self._described}")
+
+
+#: The host pool's attributes that give a page's shape (those a pool has).
+_SHAPE_ATTRS = ("page_size", "layer_num", "head_num", "head_dim", "v_head_dim",
+                "kv_lora_rank", "qk_rope_head_dim", "kv_cache_dim")  # fmt: skip
+#: The storage config's ranks that name an MLA page's slice (its tensor rank does not).
+_MLA_RANKS = ("pp_rank", "pp_size", "attn_cp_rank", "attn_cp_size", "dcp_rank", "dcp_size")
+#: And an MHA page's: every rank, and how heads are split across tensor ranks.
+_MHA_RANKS = ("tp_rank", "tp_size", *_MLA_RANKS, "tp_lcm_size", "should_split_heads")
+
+
+def page_format(storage_config: Any, pool: Any, binding: EngineBinding) -> PageFormat:
+    """The format of ``pool``'s pages (SGLang's host pool) on the rank ``storage_config``
+    (SGLang's ``HiCacheStorageConfig``) describes.
+
+    Raises:
+        ConfigError: the pool's layout keeps a page's bytes in another order than the
+            ones this format knows.
+    """
+    layout = str(getattr(pool, "layout", "page_first"))
+    if layout not in SUPPORTED_LAYOUTS:
+        raise ConfigError(
+            f"eg-kv's SGLang backend reads host pools laid out as "
+            f"{', '.join(SUPPORTED_LAYOUTS)}, not {layout!r}: set --hicache-mem-layout"
+        )
+    mla = bool(storage_config.is_mla_model)
+    shape = tuple((a, int(getattr(pool, a))) for a in _SHAPE_ATTRS if getattr(pool, a, None))
+    names = _MLA_RANKS if mla else _MHA_RANKS
+    ranks = tuple((n, int(getattr(storage_config, n, 0) or 0)) for n in names)
+    flat = pool.get_dummy_flat_data_page()
+    return PageFormat(
+        binding=binding.describe(),
+        mla=mla,
+        shape=shape,
+        ranks=ranks,
+        page_bytes=int(flat.numel() * flat.element_size()),
+    )
+
+
+#: Host pool layouts whose pages :func:`page_views` reads in the flat order.
+SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "layer_first")

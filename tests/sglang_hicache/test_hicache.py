@@ -1,0 +1,150 @@
+"""eg-kv as SGLang's HiCache storage backend (issue 35), with SGLang's own code: the
+backend built by SGLang's ``StorageBackendFactory`` from the ``dynamic`` config, over
+SGLang's own MHA and MLA host pools in each layout, driven by SGLang's controller functions
+(tests/sglang_hicache/hicache_proc.py, run in .venv-vllm where SGLang 0.5.23 is installed), against
+a real server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from eg_kv.errors import ConfigError
+from eg_kv.sglang.settings import backend_options
+
+ROOT = Path(__file__).resolve().parents[2]
+SIDE_PY = ROOT / ".venv-vllm" / "bin" / "python"
+HAS_SGLANG = SIDE_PY.exists() and any(
+    (ROOT / ".venv-vllm" / "lib").glob("python3*/site-packages/sglang")
+)
+needs_sglang = pytest.mark.skipif(
+    not HAS_SGLANG, reason="needs SGLang 0.5.23 in .venv-vllm (scripts/setup-vllm installs it)"
+)
+pytestmark = pytest.mark.timeout(300)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def found(module_server_factory, tmp_path_factory):
+    """Every scenario's findings, from one run of SGLang's code against one server."""
+    if not HAS_SGLANG:
+        pytest.skip("needs SGLang 0.5.23 in .venv-vllm (scripts/setup-vllm installs it)")
+    srv = module_server_factory(workers=2, capacity="128MiB", extra=("--page-size", "64KiB"))
+    home = tmp_path_factory.mktemp("sglang-home")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "LMCACHE_TRACK_USAGE": "false"}
+    done = subprocess.run(
+        [str(SIDE_PY), str(ROOT / "tests" / "sglang_hicache" / "hicache_proc.py"), srv.url,
+         srv.slab_name, f"http://127.0.0.1:{_closed_port()}", "all"],
+        capture_output=True, text=True, timeout=280, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_sglang
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize(
+    "layout", ["page_first", "layer_first", "page_first_direct", "page_first->layer_first"]
+)
+def test_pages_round_trip_through_sglangs_own_pools_and_controller(found, kind, layout):
+    """Set from one engine, exists and get from a fresh one: the leading run, equal bytes
+    (a page-first engine loads a layer-first engine's pages: one byte order)."""
+    got = found["layouts"][f"{kind}:{layout}"]
+    assert got["stored"] is True
+    assert got["found"] == 6  # the 6 stored, not the 2 absent after them
+    assert got["loaded"] == 6 and got["equal"] is True
+    assert got["page_bytes"] == (32768 if kind == "mha" else 73728)
+
+
+@needs_sglang
+def test_the_legacy_copy_path_stores_the_zero_copy_paths_pages(found):
+    got = found["legacy"]
+    assert got["stored"] == [True, True]
+    assert got["legacy_loaded"] == 4 and got["legacy_equal"] is True
+    assert got["v1_loaded"] == 4 and got["v1_equal"] is True
+
+
+@needs_sglang
+def test_mha_ranks_keep_their_own_pages_and_mla_ranks_share_one_copy(found):
+    mha, mla = found["ranks"]["mha"], found["ranks"]["mla"]
+    assert mha["stored"] and mha["rank1_found"] == 0 and mha["rank1_loaded"] == 0
+    assert mla["stored"] and mla["rank1_found"] == 4 and mla["rank1_loaded"] == 4
+    assert mla["rank1_equal"] is True
+    # An MLA rank that is not SGLang's storage writer stores nothing (and says True).
+    assert mla["nonwriter_set"] is True and mla["nonwriter_stored"] == 0
+
+
+@needs_sglang
+def test_engines_whose_pages_differ_share_none(found):
+    assert found["binding"] == {"fp16": 0, "revision": 0, "same": 4}
+
+
+@needs_sglang
+def test_a_byte_changed_in_the_slab_is_a_miss_never_loaded(found):
+    got = found["corrupt"]
+    assert got["changed"] is True
+    assert got["loaded"] == [False, True] and got["second_equal"] is True
+    assert got["checksum_failures"] == 1
+
+
+@needs_sglang
+def test_with_a_block_key_forged_pages_are_misses(found):
+    got = found["block_key"]
+    assert got["loaded"] == [False, False, True]
+    assert got["forged_blocks"] == 2
+    assert got["keyed_set"] is True and got["keyed_equal"] is True
+
+
+@needs_sglang
+def test_a_dead_server_is_misses_within_the_timeout(found):
+    got = found["dead"]
+    assert got["set"] == [False] * 8 and got["get"] == [False] * 8
+    assert got["exists"] == 0 and got["legacy_get"] == [None]
+    assert got["seconds"] < 2 * 2 + 1  # timeout_s 2: a batch's deadline, then one request
+
+
+@needs_sglang
+def test_sglangs_failure_injector_never_gets_wrong_bytes_loaded(found):
+    got = found["injector"]
+    assert got["wrapped"] == "HiCacheStorageFailureInjector"
+    assert got["wrong"] == 0
+    assert 0 < got["full"] < got["rounds"]  # failures were injected, and some got through
+
+
+@needs_sglang
+def test_a_lookup_leases_its_run_and_the_get_ends_those_leases(found):
+    got = found["leases"]
+    assert got["found"] == 4 and got["loaded"] == 4
+    taken = got["looked"]["leases_taken"] - got["before"]["leases_taken"]
+    released = got["after"]["leases_released"] - got["before"]["leases_released"]
+    assert taken == 5  # the run of 4, and the hit after the gap
+    assert released == 5  # that one at once, the run by the get
+
+
+def test_the_token_comes_from_the_environment_only():
+    with pytest.raises(ConfigError, match="EPISTEMIC_GRAPH_KVCACHE_TOKEN"):
+        backend_options({"url": "http://127.0.0.1:9130", "token": "s3cret"})
+
+
+def test_settings_from_sglangs_extra_config(monkeypatch):
+    monkeypatch.delenv("EPISTEMIC_GRAPH_KVCACHE_URL", raising=False)
+    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", "from-env")
+    extra = {"backend_name": "eg-kv", "module_path": "eg_kv.sglang",
+             "class_name": "EgKvHiCacheStorage", "interface_v1": 1,
+             "url": "http://127.0.0.1:9555", "lease_ms": "0", "revision": "r1"}  # fmt: skip
+    config, settings = backend_options(extra)
+    assert config.base_url == "http://127.0.0.1:9555" and config.token == "from-env"
+    assert settings["lease_ms"] == 0 and settings["revision"] == "r1"
+    with pytest.raises(ConfigError, match="unknown key 'lease'"):
+        backend_options({"lease": 1})
+    with pytest.raises(ConfigError, match="io_threads"):
+        backend_options({"io_threads": 0})
