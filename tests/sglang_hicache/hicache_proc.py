@@ -19,74 +19,25 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import no_torchvision  # noqa: F401  (before SGLang's host pools)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import no_torchvision  # noqa: F401, I001  (before SGLang's host pools and controller)
+
 import torch
+from sglang_pools import EG_KV_BACKEND, mha_pool, mla_pool, storage_config
 from sglang.srt.managers.cache_controller import HiCacheController
-from sglang.srt.mem_cache.device_pool_info import (
-    KVBufferLayout,
-    KVBuffers,
-    MHABufferInfo,
-    MLABufferInfo,
-)
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 URL, SLAB, DEAD, SCENARIO = sys.argv[1:5]
 LAYERS, HEADS, DIM, PAGE = 4, 2, 64, 16  # an MHA page: 2 x 4 x 16 x 2 x 64 x 2 B = 32 KiB
 RANK, ROPE = 512, 64  # an MLA page: 4 x 16 x 576 x 2 B = 72 KiB
-DEVICE_TOKENS = 64 * PAGE
 MODEL = "Qwen/Qwen3-0.6B"
 OP = SimpleNamespace(request_id="r", is_terminated=lambda: False)
 torch.manual_seed(int.from_bytes(os.urandom(8), "little"))  # pages unique across runs
 
 
-def mha_pool(layout: str, dtype=torch.bfloat16) -> MHATokenToKVPoolHost:
-    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, DIM, dtype=dtype) for _ in range(LAYERS))
-    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, DIM, dtype=dtype) for _ in range(LAYERS))
-
-    def ptrs(bufs):
-        return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64)
-
-    info = MHABufferInfo(
-        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
-                          layout=KVBufferLayout.NHD),
-        page_size=PAGE, head_num=HEADS, head_dim=DIM, v_head_dim=DIM, dtype=dtype,
-        device=torch.device("cpu"),
-    )  # fmt: skip
-    pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=DEVICE_TOKENS, start_layer=0,
-                                end_layer=LAYERS)  # fmt: skip
-    pool._keep = (k, v)  # the device buffers the pool's pointers name
-    return pool
-
-
-def mla_pool(layout: str, dtype=torch.bfloat16) -> MLATokenToKVPoolHost:
-    bufs = tuple(torch.zeros(DEVICE_TOKENS, 1, RANK + ROPE, dtype=dtype) for _ in range(LAYERS))
-    info = MLABufferInfo(
-        buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
-        layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS, page_size=PAGE,
-        kv_lora_rank=RANK, qk_rope_head_dim=ROPE, kv_cache_dim=RANK + ROPE, dtype=dtype,
-        device=torch.device("cpu"),
-    )  # fmt: skip
-    pool = MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=DEVICE_TOKENS, start_layer=0,
-                                end_layer=LAYERS, target_layer_num=LAYERS)  # fmt: skip
-    pool._keep = bufs
-    return pool
-
-
 def config(mla: bool, tp_rank: int = 0, tp_size: int = 1, url: str = URL, **extra):
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
-        is_page_first_layout=True, model_name=MODEL,
-        extra_config={"backend_name": "eg-kv", "module_path": "eg_kv.sglang",
-                      "class_name": "EgKvHiCacheStorage", "interface_v1": 1, "url": url,
-                      "timeout_s": 2, **extra},
-    )  # fmt: skip
+    extra = {**EG_KV_BACKEND, "url": url, "timeout_s": 2, **extra}
+    return storage_config(mla, extra, model=MODEL, tp_rank=tp_rank, tp_size=tp_size)
 
 
 class Engine:
@@ -94,7 +45,12 @@ class Engine:
     view of both."""
 
     def __init__(self, mla: bool, layout: str, dtype=torch.bfloat16, **cfg) -> None:
-        self.pool = (mla_pool if mla else mha_pool)(layout, dtype)
+        if mla:
+            self.pool = mla_pool(layout, layers=LAYERS, rank=RANK, rope=ROPE, page=PAGE,
+                                 pages=128, dtype=dtype)  # fmt: skip
+        else:
+            self.pool = mha_pool(layout, layers=LAYERS, heads=HEADS, dim=DIM, page=PAGE,
+                                 pages=128, dtype=dtype)  # fmt: skip
         self.backend = StorageBackendFactory.create_backend("dynamic", config(mla, **cfg),
                                                             self.pool)  # fmt: skip
         self.backend.register_mem_pool_host(self.pool)
