@@ -73,3 +73,37 @@ def address_for_key(key: str | bytes) -> str:
     """
     raw = key.encode("utf-8") if isinstance(key, str) else bytes(key)
     return "k" + hashlib.blake2b(raw, digest_size=20).hexdigest()
+
+
+class AddressCache:
+    """The addresses of keys an engine asks about again and again (a lookup, then its
+    load; the same prefixes in every request), each computed once. Bounded: cleared when
+    full (no LRU cost on the hot path).
+    """
+
+    def __init__(self, address_of: Callable[[str], str], max_entries: int = 65536) -> None:
+        """Args:
+        address_of: the key -> address function (a digest: about 1 µs a key).
+        max_entries: keys remembered before the memory is cleared.
+        """
+        self._address_of = address_of
+        self._max = max_entries
+        self._known: dict[str, str] = {}
+
+    def address(self, key: str) -> str:
+        """``address_of(key)``, remembered."""
+        address = self._known.get(key)
+        if address is None:
+            if len(self._known) >= self._max:
+                self._known.clear()
+            address = self._known[key] = self._address_of(key)
+        return address
+
+    def addresses(self, keys: Sequence[str]) -> list[str]:
+        """:meth:`address` of each key (keys seen before are looked up in C)."""
+        out = list(map(self._known.get, keys))
+        if None in out:
+            for n, address in enumerate(out):
+                if address is None:
+                    out[n] = self.address(keys[n])
+        return out  # type: ignore[return-value]

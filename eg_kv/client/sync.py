@@ -390,6 +390,13 @@ class ServerConnector(LoadFailures):
             if release_lease and not release_header:
                 self.release([address])  # this client's local lease: no request
 
+    @property
+    def reads_locally(self) -> bool:
+        """Whether this client's reads are copies from the server's slab (it is on the
+        server's host and has mapped it): a batch of small reads then runs fastest one
+        after another on one thread (no hand-off, no GIL contention)."""
+        return self._local() is not None
+
     def _local(self, probe: bool = True) -> LocalSlab | None:
         """The server's slab mapped here, when this client is on its host (else None).
 

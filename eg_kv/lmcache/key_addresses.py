@@ -18,7 +18,7 @@ from typing import Any
 
 import xxhash
 
-from ..address import address_for_key
+from ..address import AddressCache, address_for_key
 from ..binding import declared_binding
 from ..errors import ConfigError
 
@@ -46,16 +46,16 @@ def binding_params(adapter_params: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-class KeyAddresses:
-    """The eg-kv address of each LMCache key under one declared binding."""
+class KeyAddresses(AddressCache):
+    """The eg-kv address of each LMCache key under one declared binding (remembered)."""
 
     def __init__(self, declared: dict[str, str]) -> None:
         """Args:
         declared: :func:`binding_params`' answer.
         """
+        super().__init__(self._bound, MAX_DIGESTS)
         self._declared = declared
         self._tags: dict[str, str] = {}  # model -> digest of its binding
-        self._digests: dict[str, str] = {}  # key -> address, bounded
 
     def _tag(self, key: str) -> str:
         model = key.split("@", 1)[0]
@@ -67,23 +67,8 @@ class KeyAddresses:
             tag = self._tags[model] = xxhash.xxh3_128_hexdigest(described.encode())
         return tag
 
-    def address(self, key: str) -> str:
-        """The address ``key``'s chunk is stored under."""
-        address = self._digests.get(key)
-        if address is None:
-            if len(self._digests) >= MAX_DIGESTS:
-                self._digests.clear()
-            address = self._digests[key] = address_for_key(f"{key}\x00{self._tag(key)}")
-        return address
-
-    def addresses(self, keys: list[str]) -> list[str]:
-        """:meth:`address` of each key (a lookup asks about keys seen before: in C)."""
-        out = list(map(self._digests.get, keys))
-        if None in out:
-            for n, address in enumerate(out):
-                if address is None:
-                    out[n] = self.address(keys[n])
-        return out  # type: ignore[return-value]
+    def _bound(self, key: str) -> str:
+        return address_for_key(f"{key}\x00{self._tag(key)}")
 
     def sized(self, key: str, length: int) -> str:
         """The address of ``key`` stored with ``length`` bytes, when the plain one is

@@ -15,7 +15,7 @@ engine load each other's pages), and the legacy copy path (``get_data_page``, fl
 the same bytes as the zero-copy one.
 
 The address of a page is a BLAKE2b digest of SGLang's key (its SHA-256 chain of the page's
-tokens) and the page's format (:class:`PageFormat`): the engine's binding
+tokens), keyed with a digest of the page's format (:class:`PageFormat`): the engine's binding
 (:mod:`eg_kv.binding`: model, revision and weights where known, the KV element type,
 quantization), the page's shape (page size, layers, heads, head dims), MHA or MLA, and the
 rank whose slice of the KV the page is (tensor, pipeline and context parallel; not the
@@ -27,11 +27,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..address import address_for_key
 from ..binding import EngineBinding
 from ..errors import ConfigError
 
@@ -104,12 +104,14 @@ class PageFormat:
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     @functools.cached_property
-    def _described(self) -> str:
-        return self.describe()
+    def _mac_key(self) -> bytes:
+        return hashlib.blake2b(self.describe().encode(), digest_size=32).digest()
 
     def address(self, key: str) -> str:
-        """The eg-kv address of the page SGLang names ``key`` (the same on every host)."""
-        return address_for_key(f"{key}\x00{self._described}")
+        """The eg-kv address of the page SGLang names ``key`` (the same on every host): a
+        BLAKE2b-160 of the key, keyed with the format's digest (one short hash a key)."""
+        digest = hashlib.blake2b(key.encode(), digest_size=20, key=self._mac_key)
+        return "k" + digest.hexdigest()
 
 
 #: The host pool's attributes that give a page's shape (those a pool has).
