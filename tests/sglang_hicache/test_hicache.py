@@ -7,6 +7,7 @@ a real server."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -148,3 +149,13 @@ def test_settings_from_sglangs_extra_config(monkeypatch):
         backend_options({"lease": 1})
     with pytest.raises(ConfigError, match="io_threads"):
         backend_options({"io_threads": 0})
+
+
+@pytest.mark.skipif(bool(shutil.which("nvidia-smi")), reason="a GPU is here: the run is real")
+def test_the_gpu_script_skips_with_77_and_says_why_without_a_gpu():
+    done = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "scripts" / "e2e_sglang")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 77, done.stdout + done.stderr
+    assert "skipped: no GPU here" in done.stdout
