@@ -5,7 +5,8 @@ pools (MHA and MLA, each layout), driven by SGLang's own controller functions
 path), against a real eg-kv server. Prints one JSON line of what each check found.
 
 argv: base_url, slab_name (to change a byte of a stored page in /dev/shm), dead_url,
-scenarios (names from SCENARIOS, comma-separated, or ``all``).
+scenarios (names from SCENARIOS, comma-separated, or ``all``), and a server set's members
+(comma-separated URLs) for the ``server_set`` scenario.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from sglang_pools import EG_KV_BACKEND, mha_pool, mla_pool, storage_config
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-URL, SLAB, DEAD, SCENARIO = sys.argv[1:5]
+URL, SLAB, DEAD, SCENARIO, MEMBERS = sys.argv[1:6]
 LAYERS, HEADS, DIM, PAGE = 4, 2, 64, 16  # an MHA page: 2 x 4 x 16 x 2 x 64 x 2 B = 32 KiB
 RANK, ROPE = 512, 64  # an MLA page: 4 x 16 x 576 x 2 B = 72 KiB
 MODEL = "Qwen/Qwen3-0.6B"
@@ -321,6 +322,31 @@ def scenario_leases() -> dict:
     after = counters()
     engine.close()
     return {"found": found, "before": before, "looked": looked, "after": after, "loaded": got}
+
+
+def scenario_server_set() -> dict:
+    """Through a set of two servers (eg_kv.client.sets): pages spread over both, found
+    and loaded whole."""
+    import urllib.request
+
+    keys = keys_of("set", 16)
+    writer = Engine(False, "page_first", url=MEMBERS)
+    src = writer.slots(16)
+    want = writer.fill(src)
+    stored = writer.set(keys, src)
+    reader = Engine(False, "page_first", url=MEMBERS)
+    dst = reader.slots(16)
+    found = reader.exists(keys)
+    got = reader.get(keys, dst)
+    held = []
+    for member in MEMBERS.split(","):
+        with urllib.request.urlopen(member + "/kv/stats", timeout=10) as r:
+            held.append(json.loads(r.read())["unique_blocks"])
+    out = {"stored": stored, "found": found, "loaded": got, "equal": reader.pages(dst) == want,
+           "held": held}  # fmt: skip
+    writer.close()
+    reader.close()
+    return out
 
 
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items()

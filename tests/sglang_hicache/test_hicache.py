@@ -40,11 +40,13 @@ def found(module_server_factory, tmp_path_factory):
     if not HAS_SGLANG:
         pytest.skip("needs SGLang 0.5.23 in .venv-vllm (scripts/setup-vllm installs it)")
     srv = module_server_factory(workers=2, capacity="128MiB", extra=("--page-size", "64KiB"))
+    members = [module_server_factory(workers=1, capacity="32MiB") for _ in range(2)]
     home = tmp_path_factory.mktemp("sglang-home")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "LMCACHE_TRACK_USAGE": "false"}
     done = subprocess.run(
         [str(SIDE_PY), str(ROOT / "tests" / "sglang_hicache" / "hicache_proc.py"), srv.url,
-         srv.slab_name, f"http://127.0.0.1:{_closed_port()}", "all"],
+         srv.slab_name, f"http://127.0.0.1:{_closed_port()}", "all",
+         ",".join(m.url for m in members)],
         capture_output=True, text=True, timeout=280, cwd=ROOT, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -129,6 +131,14 @@ def test_a_lookup_leases_its_run_and_the_get_ends_those_leases(found):
     released = got["after"]["leases_released"] - got["before"]["leases_released"]
     assert taken == 5  # the run of 4, and the hit after the gap
     assert released == 5  # that one at once, the run by the get
+
+
+@needs_sglang
+def test_a_server_set_spreads_pages_and_loads_them_whole(found):
+    got = found["server_set"]
+    assert got["stored"] is True and got["found"] == 16
+    assert got["loaded"] == 16 and got["equal"] is True
+    assert all(n > 0 for n in got["held"]) and sum(got["held"]) == 16
 
 
 def test_the_token_comes_from_the_environment_only():
