@@ -12,6 +12,7 @@ defaults are the defaults, the declarations only say how to show them.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import sys
 from collections.abc import Mapping
@@ -130,6 +131,17 @@ def _port(text: str, whole: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise ConfigError(f"bad port in address {whole!r}: want 1-65535")
     return int(text)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address) reaches this machine only: ``localhost``, or an
+    IP address in 127.0.0.0/8 or ``::1``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
 
 
 def format_hostport(host: str, port: int) -> str:

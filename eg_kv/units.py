@@ -6,6 +6,7 @@ clients all use it, so none of them has to import another layer for a number.
 
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import ConfigError
@@ -27,17 +28,26 @@ _UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
 def parse_size(text: str | int) -> int:
     """Parse a size such as ``8GiB``, ``64KiB``, ``512M`` or ``4096`` into bytes.
 
-    Units are binary (``K`` = 1024) with or without the ``i`` and the ``B``.
+    Units are binary (``K`` = 1024): ``KiB``, ``MiB``, ``GiB``, ``TiB``, or the letter
+    alone (``64K``, ``8G``). ``KB``, ``MB``, ``GB`` and ``TB`` are refused: they mean
+    powers of 1000 to some and of 1024 to others, and a slab sized a few percent off is
+    found out only when it fills.
 
     Raises:
-        ConfigError: the text is not a size.
+        ConfigError: the text is not a size, or is one of the ambiguous units.
     """
     if isinstance(text, int):
         return text
     m = _SIZE_RE.match(text)
     if not m:
         raise ConfigError(f"not a size: {text!r} (write it like 4096, 64KiB, 512MiB or 8GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    number, unit, binary = m.group(1), m.group(2).upper(), m.group(3)
+    if unit and not binary and text.strip()[-1:] in "bB":
+        raise ConfigError(
+            f"ambiguous size {text.strip()!r}: eg-kv's sizes are binary; write "
+            f"{number}{unit}iB ({int(float(number) * _UNITS[unit]):,} bytes) or the bytes"
+        )
+    return int(float(number) * _UNITS[unit])
 
 
 def format_size(n: int) -> str:
@@ -58,6 +68,8 @@ def human_size(n: int) -> str:
     for unit in ("T", "G", "M", "K"):
         if n >= _UNITS[unit]:
             value = n / _UNITS[unit]
-            text = f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+            # Never rounded up to the next unit: 1 GiB less a page is not "1024 MiB".
+            exact = f"{math.floor(value * 10) / 10:.1f}"
+            text = f"{value:.3g}" if value < 999.5 else exact
             return f"{text} {unit}iB"
     return f"{n} B"

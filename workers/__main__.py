@@ -31,6 +31,7 @@ from eg_kv.config import (
     SERVER_SETTINGS,
     format_hostport,
     help_text,
+    parse_addr,
     parse_bool,
     settings_from_env,
 )
@@ -197,13 +198,23 @@ def _read_token(args: argparse.Namespace) -> tuple[str | None, str]:
 def _target(args: argparse.Namespace) -> tuple[str, str]:
     """The URL (or server set) ``stats`` asks, and where it came from."""
     if args.url:
-        return args.url, "--url"
+        return _as_url(args.url), "--url"
     if os.environ.get(ENV_URL):
         return os.environ[ENV_URL], f"${ENV_URL}"
     s = settings_from_env(addr=args.addr)
     where = "--addr" if args.addr else f"${ENV_ADDR}" if os.environ.get(ENV_ADDR) else (
         "the default address")  # fmt: skip
     return f"{s.scheme}://{s.bind}", where
+
+
+def _as_url(text: str) -> str:
+    """``--url`` as a URL: a port (``9130``) or ``host:port`` (``localhost:9130``, what
+    ``--addr`` takes) means ``http://`` on it; a URL or a server set is kept as given."""
+    plain = text.strip()
+    if "://" in plain or "," in plain or not plain:
+        return text
+    host, port = parse_addr(plain)
+    return f"http://{format_hostport(host, port)}"
 
 
 def _is_size(key: str) -> bool:
@@ -444,9 +455,20 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands' parsers, by name."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``eg-kv`` command. Returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's, names what it takes
+        _commands(parser)[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.command == "serve":
             return _serve(args)
@@ -454,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
             return _stats(args)
         return _check(args)
     except EgKvError as e:
+        if getattr(args, "json", False):  # a script reading --json gets JSON, errors too
+            print(json.dumps({"error": str(e), "command": args.command}))
         print(f"eg-kv {args.command}: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:

@@ -36,7 +36,7 @@ import sys
 import time
 import traceback
 
-from eg_kv.config import Settings, format_size
+from eg_kv.config import ENV_TOKEN, Settings, format_size, is_loopback
 from eg_kv.errors import ConfigError, EgKvError, SlabError
 from eg_kv.procs import pid_alive
 from eg_kv.server import runstate, tenants
@@ -123,13 +123,20 @@ def check_port_free(host: str, port: int) -> None:
 
 class ProgressLog:
     """A slab step's progress callback: logs ``what: step 42% (done of total)`` at most
-    every ``every`` seconds (the first after ``every``: a quick step logs nothing)."""
+    every ``every`` seconds (the first after ``every``: a quick step logs nothing), and
+    ``first`` once when the step begins (not before: a slab refused before its first
+    byte is allocated logs only the refusal)."""
 
-    def __init__(self, what: str, sizes: bool = True, every: float = PROGRESS_EVERY_S):
-        self.what, self.sizes, self.every = what, sizes, every
+    def __init__(
+        self, what: str, sizes: bool = True, every: float = PROGRESS_EVERY_S, first: str = ""
+    ) -> None:
+        self.what, self.sizes, self.every, self.first = what, sizes, every, first
         self.started = self._last = time.monotonic()
 
     def __call__(self, step: str, done: int, total: int) -> None:
+        if self.first:
+            log.info("%s", self.first)
+            self.first = ""
         now = time.monotonic()
         if now - self._last < self.every:
             return
@@ -141,6 +148,13 @@ class ProgressLog:
             of = f"{done:,} of {total:,}"
         log.info("%s: %s %.0f%% (%s, %.0f s so far)", self.what, step, pct, of,
                  now - self.started)  # fmt: skip
+
+
+def shown_size(n: int) -> str:
+    """A configured size for a log line: its exact binary unit (``8GiB``), else a person's
+    reading of it with the bytes (``23.9 GiB (25,662,429,593 bytes)``), never ``25662429593B``."""
+    exact = format_size(n)
+    return exact if exact.endswith("iB") else f"{human_size(n)} ({n:,} bytes)"
 
 
 def _segment_size(name: str) -> int | None:
@@ -243,15 +257,28 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                 if problems:
                     note += f"; repaired {len(problems)} problem(s): {problems[0]}"
                 return slab, note
-    what = (f"slab {name}: {format_size(settings.capacity)} in "
-            f"{format_size(settings.page_size)} pages, blocks up to "
-            f"{format_size(settings.max_block_size)}")  # fmt: skip
-    # The first line before the long part: allocating and prefaulting take ~1.5 s a GiB.
-    log.info("creating %s (allocating and prefaulting it)", what)
+    what = (f"slab {name}: {shown_size(settings.capacity)} in "
+            f"{shown_size(settings.page_size)} pages, blocks up to "
+            f"{shown_size(settings.max_block_size)}")  # fmt: skip
     started = time.monotonic()
+    # The first line as the long part begins: allocating and prefaulting take ~1.5 s a GiB.
+    progress = ProgressLog(f"creating slab {name}",
+                           first=f"creating {what} (allocating and prefaulting it)")  # fmt: skip
     slab = Slab.create(name, settings.capacity, settings.page_size, settings.max_block_size,
-                       progress=ProgressLog(f"creating slab {name}"))  # fmt: skip
+                       progress=progress)  # fmt: skip
     return slab, f"created {what} in {time.monotonic() - started:.1f} s"
+
+
+def open_door_warning(s: Settings) -> str | None:
+    """What to warn of a server bound beyond loopback with no token (it still starts: a
+    private network may be enough), or None."""
+    if s.token or s.tokens_file or is_loopback(s.host):
+        return None
+    return (
+        f"eg-kv: serving {s.bind} with no token: anyone who can reach it may read, write "
+        f"and delete every block; set {ENV_TOKEN} (or --tokens) before binding beyond "
+        "loopback (docs/security.md)"
+    )
 
 
 class Supervisor:
@@ -324,6 +351,9 @@ class Supervisor:
                 os.getpid(), s.scheme, s.bind, s.workers,
                 "tokens file" if s.tokens_file else "on" if s.token else "off",
             )  # fmt: skip
+            warning = open_door_warning(s)
+            if warning:
+                log.warning("%s", warning)
             self._loop()
         finally:
             self._cleanup()

@@ -59,6 +59,7 @@ from .core import (
     batch_body,
     batches,
     block_to_read,
+    byte_views,
     check_final,
     compact_answer,
     exists_answer,
@@ -585,8 +586,8 @@ class AsyncServerConnector(LoadFailures):
             :meth:`eg_kv.client.sync.ServerConnector.put_status`.
         """
         address = to_address(key)
+        views = self._core.sealed(address, byte_views(parts))  # TypeError: not a miss
         try:
-            views = self._core.sealed(address, [memoryview(p).cast("B") for p in parts])
             status = await self._exchange(
                 "PUT", self._core.block_path(address), _drained, body=_Parts(views),
                 headers={CHECKSUM_HEADER: parts_checksum(views)},

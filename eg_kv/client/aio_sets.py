@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from .aio import AsyncServerConnector
-from .core import KvCacheConfig, KvCacheStats, to_address, to_addresses
+from .core import KvCacheConfig, KvCacheStats, byte_views, to_address, to_addresses
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
 from .interface import AsyncSink, Unreachable
@@ -133,7 +133,7 @@ class AsyncSetConnector:
     put_parts = AsyncServerConnector.put_parts
 
     async def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
-        parts = list(parts)
+        parts = byte_views(parts)  # TypeError: not a miss
         return await self._one(key, lambda c, a: c.put_status(a, parts), lambda _r: False, False)
 
     async def contains(self, key: str | bytes) -> bool:

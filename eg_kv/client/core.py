@@ -24,9 +24,10 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import threading
 import urllib.parse
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .. import wire
@@ -569,6 +570,25 @@ def json_answer(status: int, body: bytes) -> Any:
         raise Miss("the answer is not JSON") from None
 
 
+def byte_views(parts: Iterable[Any]) -> list[memoryview]:
+    """A PUT's parts as byte views (no copy).
+
+    Raises:
+        TypeError: a part is not a contiguous bytes-like object (``str``, ``int``, ...): a
+            programming error, never a miss.
+    """
+    views = []
+    for part in parts:
+        try:
+            views.append(memoryview(part).cast("B"))
+        except TypeError:
+            raise TypeError(
+                "a block's value must be bytes-like (bytes, bytearray, memoryview, a "
+                f"contiguous array), not {type(part).__name__}"
+            ) from None
+    return views
+
+
 class LoadFailures:
     """What both single-server connectors report of the loads that failed a check (a
     base of each: they hold a :class:`ClientCore` as ``_core``)."""
@@ -607,6 +627,7 @@ class ClientCore:
             # The one place the token lives besides the config: a header value.
             self.headers[AUTHORIZATION] = f"Bearer {config.token}"
         self._warned_401 = False
+        self._warned_unreachable = False
         #: Called with each transport error (refused, reset, timed out) of this
         #: connector: a server set marks the member down (:mod:`eg_kv.client.sets`).
         self.on_unreachable: Callable[[BaseException], None] | None = None
@@ -639,11 +660,14 @@ class ClientCore:
         return f"{self.prefix}{route}"
 
     def miss(self, what: str, address: str, exc: BaseException) -> None:
-        """Log a miss. A refused token is a warning once, a block that failed its checksum
-        an error once per address (and counted); the rest is debug, so a dead server
-        cannot flood the engine's logs."""
+        """Log a miss. A refused token and a server that refuses connections (or whose
+        name does not resolve) are a warning once, a block that failed its checksum an
+        error once per address (and counted); the rest is debug, so a dead server cannot
+        flood the engine's logs."""
         if isinstance(exc, Unauthorized):
             self.warn_unauthorized()
+        elif isinstance(exc, (ConnectionRefusedError, socket.gaierror)):
+            self.warn_unreachable(exc)
         elif isinstance(exc, ChecksumMismatch):
             self.checksum_failures.record(address, str(exc))
         elif isinstance(exc, ForgedBlock):
@@ -866,6 +890,17 @@ class ClientCore:
             self.miss(what, address, exc)
             return False
         return None if found is None else found[0]
+
+    def warn_unreachable(self, exc: BaseException) -> None:
+        """Warn, once per connector (so once per server), that nothing answers at its
+        address: every call is a miss until it does (the misses themselves are debug)."""
+        if not self._warned_unreachable:
+            self._warned_unreachable = True
+            log.warning(
+                "eg-kv at %s is unreachable (%s: %s): every call is a miss until it answers; "
+                "is the server running, and is the URL right?",
+                self.config.base_url, type(exc).__name__, exc,
+            )  # fmt: skip
 
     def warn_unauthorized(self) -> None:
         """Warn, once per connector, that the server refused the token."""

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .core import KvCacheConfig, KvCacheStats, batches, to_address, to_addresses
+from .core import KvCacheConfig, KvCacheStats, batches, byte_views, to_address, to_addresses
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
 from .placement import prefix_hits
@@ -141,7 +141,7 @@ class SetConnector:
 
     def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
         """``PUT`` at the address's home (its next-ranked member while it is down)."""
-        parts = list(parts)
+        parts = byte_views(parts)  # TypeError: not a miss
         return self._one(key, lambda c, a: c.put_status(a, parts), lambda _r: False, False)
 
     def contains(self, key: str | bytes) -> bool:

@@ -65,6 +65,7 @@ from .core import (
     batch_body,
     batches,
     block_to_read,
+    byte_views,
     check_final,
     checksum_line,
     compact_answer,
@@ -490,8 +491,8 @@ class ServerConnector(LoadFailures):
             ...), or None when no usable answer came (transport or protocol failure).
         """
         address = to_address(key)
+        views = self._core.sealed(address, byte_views(parts))  # TypeError: not a miss
         try:
-            views = self._core.sealed(address, [memoryview(p).cast("B") for p in parts])
             status = self._exchange(
                 "PUT",
                 self._core.block_path(address),

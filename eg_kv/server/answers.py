@@ -9,6 +9,8 @@ the rest are aiohttp's, labelled here with the headers every answer carries.
 
 from __future__ import annotations
 
+import json
+
 from aiohttp import web
 
 from ..wire import WORKER_HEADER
@@ -29,6 +31,16 @@ def error_response(status: int, reason: str, headers: dict[str, str] | None = No
     if status == 503 and not (headers and "Retry-After" in headers):
         headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
     return web.Response(status=status, text=one_line(reason), headers=headers)
+
+
+def json_answer(value: object) -> web.Response:
+    """A ``200`` JSON answer, ending with a newline (as every JSON answer does: a terminal
+    shows the prompt on its own line after ``curl``)."""
+    return web.json_response(value, dumps=_json_line)
+
+
+def _json_line(value: object) -> str:
+    return json.dumps(value) + "\n"
 
 
 def unauthorized(message: str) -> web.Response:

@@ -142,7 +142,10 @@ async def _batch_body(request: web.Request, what: str) -> bytes:
     if length is None:
         raise BadRequest(f"batch {what} needs a body with a Content-Length")
     if length > BATCH_EXISTS_MAX_BYTES:
-        raise TooLarge(f"batch body of {raw} bytes is over {BATCH_EXISTS_MAX_BYTES}")
+        raise TooLarge(
+            f"batch body of {raw} bytes is over {BATCH_EXISTS_MAX_BYTES // 1024} KiB: send at "
+            f"most {BATCH_EXISTS_MAX} addresses a batch"
+        )
     try:
         return await request.read()
     except Exception as e:

@@ -172,6 +172,8 @@ def reply(
         transport.write(head_bytes)
         sent(request, len(head_bytes))
         return written(status, keep, 0)
+    if content_type is JSON and body[-1:] != b"\n":
+        body += b"\n"  # every JSON answer ends its line
     head_bytes, keep = head(
         request, status, content_type, len(body) if length is None else length, close, checksum
     )

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from ..slab.local import LocalInfo
 from . import runstate
+from .answers import json_answer
 from .keys import AUTH, HEALTH, METRICS, SETTINGS, SLAB
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .tenants import Tenant
@@ -33,7 +34,7 @@ async def local_slab(request: web.Request, tenant: Tenant) -> web.Response:
     info = LocalInfo.of(
         slab.name, slab.slab_id, slab.geometry.total_size, tenant.ns, request.app[SETTINGS].lease_ms
     )
-    return web.json_response(info)
+    return json_answer(info)
 
 
 async def stats(request: web.Request, tenant: Tenant) -> web.Response:
@@ -44,15 +45,15 @@ async def stats(request: web.Request, tenant: Tenant) -> web.Response:
     """
     slab = request.app[SLAB]
     if not request.app[AUTH].tenants_mode:
-        return web.json_response(ordered_stats(slab.stats()))
+        return json_answer(ordered_stats(slab.stats()))
     if not tenant.is_admin:
         (own,) = slab.namespace_stats(tenant.ns).values()
-        return web.json_response(ordered_stats(own))
+        return json_answer(ordered_stats(own))
     out: dict[str, object] = dict(ordered_stats(slab.stats()))
     out["namespaces"] = {
         name or "default": ordered_stats(one) for name, one in slab.namespace_stats().items()
     }
-    return web.json_response(out)
+    return json_answer(out)
 
 
 CONTRACT_FIELDS = (
@@ -71,7 +72,7 @@ def ordered_stats(raw: Mapping[str, _V]) -> dict[str, _V]:
 async def healthz(request: web.Request, tenant: Tenant) -> web.Response:
     """``GET /healthz``: liveness, and how many workers the supervisor has up."""
     up, configured = request.app[HEALTH]()
-    return web.json_response({"status": "ok", "workers_up": up, "workers": configured})
+    return json_answer({"status": "ok", "workers_up": up, "workers": configured})
 
 
 async def metrics(request: web.Request, tenant: Tenant) -> web.Response:

@@ -26,6 +26,7 @@ from aiohttp import HttpVersion11, web
 from ..checksum import decode as decode_checksum
 from ..errors import BadRequest, EgKvError, TooLarge
 from ..slab.store import SMALL_PUT, Slab
+from ..units import human_size
 from ..wire import CHECKSUM_HEADER, whole_number
 from ._compat import forget_interim
 from .answers import error_response, label, reply, unauthorized, why
@@ -53,7 +54,10 @@ def _announced_length(request: web.BaseRequest, max_block: int) -> int | None:
     if n is None:
         raise BadRequest(f"invalid Content-Length {raw[:40]!r}")
     if n > max_block:
-        raise TooLarge(f"body of {n} bytes is over the maximum block size of {max_block}")
+        raise TooLarge(
+            f"body of {n:,} bytes is over the maximum block size of {human_size(max_block)} "
+            f"({max_block:,} bytes; the server's --max-block-size)"
+        )
     return n
 
 
@@ -237,7 +241,10 @@ async def _put_chunked(
         def spool(chunk: bytes) -> None:
             nonlocal total
             if total + len(chunk) > limit:
-                raise TooLarge(f"chunked body is over the maximum block size of {limit} bytes")
+                raise TooLarge(
+                    f"chunked body is over the maximum block size of {human_size(limit)} "
+                    "(the server's --max-block-size)"
+                )
             budget.take(len(chunk), total)
             total += len(chunk)
             view = memoryview(chunk)

@@ -18,7 +18,6 @@ import pytest
 from helpers.common import ROOT, wait_for
 from helpers.kvcache import RawServer, bad_server, lm_keys, open_client, wait_completions
 
-from eg_kv.address import address_for_key
 from eg_kv.errors import RemoteError
 from eg_kv.kvcache import RemoteKVL2Connector
 
@@ -173,7 +172,7 @@ def test_the_lmcache_l2_adapter_loads_the_right_bytes_or_misses(mode):
     keys = lm_keys(3)
     with RawServer(mode) as srv:
         conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=TIMEOUT, num_workers=1)
-        want = [address_for_key(k).encode() for k in keys]  # what /kv/<addr> holds there
+        want = [conn.addresses.address(k).encode() for k in keys]  # what /kv/<addr> holds there
         outs = [bytearray(len(w)) for w in want]
         fid = conn.submit_batch_get(keys, [memoryview(o) for o in outs])
         done = wait_completions(conn, {fid}, timeout=10)[fid]

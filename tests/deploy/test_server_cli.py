@@ -135,3 +135,21 @@ def test_check_by_address_names_the_default_slab(server_factory):
     request(srv, "PUT", "/kv/d", b"d")
     out = eg_kv("check", "--addr", f"127.0.0.1:{port}")
     assert out.returncode == 0 and "clean" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "warned"),
+    [("0.0.0.0", None, True), ("10.1.2.3", None, True), ("eg-kv.internal", None, True),
+     ("127.0.0.1", None, False), ("::1", None, False), ("localhost", None, False),
+     ("0.0.0.0", "s3cret-token-value", False)],
+)  # fmt: skip
+def test_a_server_bound_beyond_loopback_without_a_token_warns_naming_the_variable(
+    host, token, warned
+):
+    from eg_kv.config import Settings
+    from workers.supervisor import open_door_warning
+
+    warning = open_door_warning(Settings(host=host, token=token))
+    assert (warning is not None) == warned
+    if warned:
+        assert "EPISTEMIC_GRAPH_KVCACHE_TOKEN" in warning and "s3cret" not in warning

@@ -26,6 +26,8 @@ from eg_kv.config import (
     settings_markdown,
     show_value,
 )
+from eg_kv.errors import ConfigError
+from eg_kv.units import parse_size
 from workers.__main__ import SERVE_FLAGS, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,3 +229,17 @@ def test_the_limits_table_names_only_declared_flags():
     named = set(re.findall(r"`(--[a-z-]+)`", table))
     declared = {setting.flag for setting in SERVER_SETTINGS if setting.flag}
     assert named and named <= declared, named - declared
+
+
+@pytest.mark.parametrize("text", ["1GB", "8gb", "64KB", "512 MB", "1.5TB"])
+def test_sizes_in_units_that_may_be_decimal_are_refused_naming_the_binary_one(text):
+    with pytest.raises(ConfigError, match=r"ambiguous size .*iB \("):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("8GiB", 8 << 30), ("8G", 8 << 30), ("64kib", 64 << 10), ("4096", 4096), ("4096B", 4096)],
+)
+def test_binary_sizes_and_bytes_are_read(text, size):
+    assert parse_size(text) == size

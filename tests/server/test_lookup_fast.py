@@ -13,7 +13,6 @@ import pytest
 from helpers.kvcache import RawServer
 
 from eg_kv import wire
-from eg_kv.address import address_for_key
 from eg_kv.client.connectors import RemoteKVConnector
 from eg_kv.lmcache import l2 as lmcache_l2
 from eg_kv.lmcache.l2 import RemoteKVL2Connector
@@ -82,7 +81,7 @@ def test_a_small_lmcache_lookup_is_answered_before_submit_returns(srv):
     try:
         keys = [f"m@0@0@{i:064x}" for i in range(16)]
         with RemoteKVConnector(base_url=srv.url) as kv:
-            assert kv.put(address_for_key(keys[3]), b"z")
+            assert kv.put(conn.addresses.address(keys[3]), b"z")
         fid = conn.submit_batch_exists(keys)
         # Inline: the completion is already queued (no pool thread, no wait).
         assert conn.drain_completions() == [(fid, True, "", [i == 3 for i in range(16)])]

@@ -234,7 +234,7 @@ def test_oversize_put_is_413(server_factory):
     srv = server_factory(workers=1, extra=("--max-block-size", "1MiB"))
     r = request(srv, "PUT", "/kv/big", os.urandom(1024 * 1024 + 1))
     assert r.status == 413
-    assert "1048576" in _one_line(r)
+    assert "1,048,577 bytes" in _one_line(r) and "1 MiB (1,048,576 bytes" in _one_line(r)
     assert request(srv, "PUT", "/kv/big", os.urandom(1024 * 1024)).status == 201
 
 

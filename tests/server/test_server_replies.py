@@ -115,7 +115,7 @@ def test_pipelined_block_requests_are_framed_in_order(srv):
         _common_headers(h)
         line, h, body = conn.response()
         assert h["content-type"].startswith("application/json")
-        assert body == b'{"hash": "pipe-a", "exists": true}'
+        assert body == b'{"hash": "pipe-a", "exists": true}\n'
         line, h, body = conn.response()
         assert line == "HTTP/1.1 204 No Content"
         assert "content-length" not in h and "content-type" not in h

@@ -382,7 +382,7 @@ def test_expect_100_continue_on_batch_exists_gets_the_interim_answer(server_fact
         assert _response(s).startswith(b"HTTP/1.1 100 Continue")
         s.sendall(body)
         reply = _response(s)
-        assert status_of(reply) == 200 and reply.endswith(b'"prefix_hits": 0}'), reply
+        assert status_of(reply) == 200 and reply.endswith(b'"prefix_hits": 0}\n'), reply
 
 
 @pytest.mark.timeout(60)
