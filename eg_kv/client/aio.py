@@ -44,6 +44,7 @@ from ..wire import (
     STATS_PATH,
     encode_addresses,
 )
+from .bodies import byte_views
 from .core import (
     BLOCK_TYPE,
     JSON_TYPE,
@@ -59,7 +60,6 @@ from .core import (
     batch_body,
     batches,
     block_to_read,
-    byte_views,
     check_final,
     compact_answer,
     exists_answer,

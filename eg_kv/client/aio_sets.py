@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from .aio import AsyncServerConnector
-from .core import KvCacheConfig, KvCacheStats, byte_views, to_address, to_addresses
+from .bodies import byte_views
+from .core import KvCacheConfig, KvCacheStats, to_address, to_addresses
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
 from .interface import AsyncSink, Unreachable

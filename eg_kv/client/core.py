@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .. import wire
@@ -568,25 +568,6 @@ def json_answer(status: int, body: bytes) -> Any:
         return json.loads(body)
     except ValueError:
         raise Miss("the answer is not JSON") from None
-
-
-def byte_views(parts: Iterable[Any]) -> list[memoryview]:
-    """A PUT's parts as byte views (no copy).
-
-    Raises:
-        TypeError: a part is not a contiguous bytes-like object (``str``, ``int``, ...): a
-            programming error, never a miss.
-    """
-    views = []
-    for part in parts:
-        try:
-            views.append(memoryview(part).cast("B"))
-        except TypeError:
-            raise TypeError(
-                "a block's value must be bytes-like (bytes, bytearray, memoryview, a "
-                f"contiguous array), not {type(part).__name__}"
-            ) from None
-    return views
 
 
 class LoadFailures:

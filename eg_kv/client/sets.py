@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .core import KvCacheConfig, KvCacheStats, batches, byte_views, to_address, to_addresses
+from .bodies import byte_views
+from .core import KvCacheConfig, KvCacheStats, batches, to_address, to_addresses
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
 from .placement import prefix_hits

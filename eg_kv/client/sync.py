@@ -44,6 +44,7 @@ from ..wire import (
     STATS_PATH,
     encode_addresses,
 )
+from .bodies import byte_views
 from .core import (
     BATCH_EXISTS_MAX,
     BLOCK_TYPE,
@@ -65,7 +66,6 @@ from .core import (
     batch_body,
     batches,
     block_to_read,
-    byte_views,
     check_final,
     checksum_line,
     compact_answer,
