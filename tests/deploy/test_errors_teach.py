@@ -133,3 +133,19 @@ def test_free_space_is_never_rounded_up_to_the_capacity():
 
     assert human_size(GiB - 64 * KiB) == "1023.9 MiB"  # one page used: not "1024 MiB"
     assert human_size(GiB) == "1 GiB" and human_size(999 * MiB) == "999 MiB"
+
+
+def test_the_e2e_script_reads_stats_with_the_token_from_the_environment(
+    server_factory, monkeypatch
+):
+    import importlib.machinery
+    import importlib.util
+
+    token = "e2e-token-" + "x" * 24
+    srv = server_factory(workers=1, capacity="8MiB", env={"EPISTEMIC_GRAPH_KVCACHE_TOKEN": token})
+    loader = importlib.machinery.SourceFileLoader("e2e_vllm", str(ROOT / "scripts" / "e2e_vllm"))
+    spec = importlib.util.spec_from_loader("e2e_vllm", loader)
+    script = importlib.util.module_from_spec(spec)
+    loader.exec_module(script)
+    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", token)
+    assert "unique_blocks" in script.kv_stats(srv.url)
