@@ -457,10 +457,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """The subcommands' parsers, by name."""
-    for action in parser._subparsers._group_actions if parser._subparsers else ():
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(commands.choices)
 
 
 def main(argv: list[str] | None = None) -> int:

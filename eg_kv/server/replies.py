@@ -172,17 +172,18 @@ def reply(
         transport.write(head_bytes)
         sent(request, len(head_bytes))
         return written(status, keep, 0)
-    if content_type is JSON and body[-1:] != b"\n":
-        body += b"\n"  # every JSON answer ends its line
+    # Every JSON answer ends its line: the newline goes out after the body, not copied on.
+    tail = b"\n" if content_type is JSON and body[-1:] != b"\n" else b""
+    size = len(body) + len(tail)
     head_bytes, keep = head(
-        request, status, content_type, len(body) if length is None else length, close, checksum
+        request, status, content_type, size if length is None else length, close, checksum
     )
     if body:
-        transport.writelines((head_bytes, body))
+        transport.writelines((head_bytes, body, tail) if tail else (head_bytes, body))
     else:
         transport.write(head_bytes)
-    sent(request, len(head_bytes) + len(body))
-    return written(status, keep, len(body))
+    sent(request, len(head_bytes) + size)
+    return written(status, keep, size)
 
 
 #: Count bytes written past aiohttp's writer, so that aiohttp knows the response began.

@@ -37,20 +37,13 @@ from ..errors import ConfigError
 
 #: Bumped whenever a page's block changes its byte order or meaning.
 PAGE_FORMAT_VERSION = 1
-#: Distinct piece lengths whose ctypes array type is kept (a pool has one or two).
-_MAX_TYPES = 64
-_types: dict[int, Any] = {}
 
 
+@functools.lru_cache(maxsize=64)  # a pool has one or two piece lengths
 def _array_type(nbytes: int) -> Any:
     """``c_ubyte * nbytes``, made once per length: ctypes keeps every array type it made,
     so a type per call would leak (LMCache #3767)."""
-    kind = _types.get(nbytes)
-    if kind is None:
-        if len(_types) >= _MAX_TYPES:
-            _types.clear()
-        kind = _types[nbytes] = ctypes.c_ubyte * nbytes
-    return kind
+    return ctypes.c_ubyte * nbytes
 
 
 def view_at(pointer: int, nbytes: int) -> memoryview:
