@@ -7,9 +7,11 @@ to zero references, dropped by a repair, evicted for a quota: ``GET /kv/events``
 and turns each removal of a block the tier stored or loaded (the addresses it was told
 to :meth:`~RemovalRelay.watch`, at most ``max_watched``, oldest forgotten first) into its
 vLLM key, for :meth:`~RemovalRelay.take`. After a gap (the log lapped the reader) or a
-reconnection it starts again from a snapshot of the blocks held: a watched block absent
-from it was removed meanwhile. So a router that scores instances by what they offloaded
-hears of the removals too, not only of the stores.
+reconnection it starts again from a snapshot of the blocks held: a block watched before
+the snapshot was asked for and absent from it was removed meanwhile (one watched later may
+have been stored after the snapshot was taken; its removal, if any, comes as an event).
+So a router that scores instances by what they offloaded hears of the removals too, not
+only of the stores.
 
 Bounds: one long-poll at a time (``wait_s``, plus the client's timeout); after an error
 it waits ``retry_s`` before asking again; :meth:`~RemovalRelay.close` returns within
@@ -59,7 +61,10 @@ class RemovalRelay:
         self.wait_s = wait_s
         self.retry_s = retry_s
         self.max_watched = max_watched
-        self._watched: OrderedDict[str, Hashable] = OrderedDict()
+        # address -> (key, the watch's tick): a snapshot judges only what was watched
+        # before it was asked for.
+        self._watched: OrderedDict[str, tuple[Hashable, int]] = OrderedDict()
+        self._ticks = 0
         self._removed: list[Hashable] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -71,7 +76,8 @@ class RemovalRelay:
     def watch(self, address: str, key: Hashable) -> None:
         """Report ``key`` when the block at ``address`` is removed."""
         with self._lock:
-            self._watched[address] = key
+            self._ticks += 1
+            self._watched[address] = (key, self._ticks)
             self._watched.move_to_end(address)
             while len(self._watched) > self.max_watched:
                 self._watched.popitem(last=False)
@@ -85,9 +91,9 @@ class RemovalRelay:
     def _gone(self, addresses: list[str]) -> None:
         with self._lock:
             for address in addresses:
-                key = self._watched.pop(address, None)
-                if key is not None:
-                    self._removed.append(key)
+                entry = self._watched.pop(address, None)
+                if entry is not None:
+                    self._removed.append(entry[0])
 
     def _run(self) -> None:
         from ..client.events import Pacer, Snapshot, follow
@@ -97,13 +103,19 @@ class RemovalRelay:
             client = None
             try:
                 client = self._source()
-                for item in follow(client, wait=self.wait_s, pacer=pacer, sleep=self._pause):
+                log_source = _TickedSnapshots(client, self)
+                for item in follow(log_source, wait=self.wait_s, pacer=pacer, sleep=self._pause):
                     if self._stop.is_set():
                         break
                     if isinstance(item, Snapshot):
                         held = {b.hash for b in item.blocks}
+                        asked = log_source.asked_at
                         with self._lock:
-                            missing = [a for a in self._watched if a not in held]
+                            missing = [
+                                a
+                                for a, (_, tick) in self._watched.items()
+                                if tick <= asked and a not in held
+                            ]
                         self._gone(missing)
                         self.following.set()
                     elif item.kind == "removed":
@@ -119,6 +131,10 @@ class RemovalRelay:
                 if client is not None:
                     client.close()
 
+    def _tick(self) -> int:
+        with self._lock:
+            return self._ticks
+
     def _pause(self, seconds: float) -> None:
         """The follower's wait for its turn; raises :class:`_Stopped` once closed (a
         follower that gets no events never yields, so it is stopped here)."""
@@ -129,3 +145,21 @@ class RemovalRelay:
         """Stop following (waits up to ``timeout_s`` for the thread; a daemon otherwise)."""
         self._stop.set()
         self._thread.join(timeout_s)
+
+
+class _TickedSnapshots:
+    """The follower's client, noting the watch tick each snapshot was asked at: a block
+    watched after that may have been stored after the server took the snapshot, so its
+    absence from the snapshot says nothing (a removal after it comes as an event)."""
+
+    def __init__(self, client: Any, relay: RemovalRelay) -> None:
+        self._client = client
+        self._relay = relay
+        self.asked_at = 0
+
+    def snapshot(self) -> Any:
+        self.asked_at = self._relay._tick()
+        return self._client.snapshot()
+
+    def events(self, *args: Any) -> Any:
+        return self._client.events(*args)
