@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -90,13 +91,20 @@ DEFAULT_LEASE_MS = 5000
 #: The largest --lease-ms accepted: ten minutes (past it, a dead holder pins too long).
 MAX_LEASE_MS = 600_000
 ENV_EVENTS = "EPISTEMIC_GRAPH_KVCACHE_EVENTS"
-#: Entries of the event log (eg_kv.slab.events: 304 bytes each, 19 MiB of /dev/shm): at
+#: Entries of the event log (eg_kv.slab.events: 384 bytes each, 24 MiB of /dev/shm): at
 #: the rate a 2-core server creates and evicts 4 KiB blocks (~10 k/s each), about three
 #: seconds of churn for a reader to fall behind before it must resync from a snapshot;
 #: far more at the rates 14 MiB blocks change.
 DEFAULT_EVENTS = 65536
 #: The bounds of a non-zero event log (eg_kv.slab.events.MIN_EVENTS / MAX_EVENTS).
 EVENTS_RANGE = (16, 1 << 24)
+ENV_KV_EVENTS_ENDPOINT = "EPISTEMIC_GRAPH_KVCACHE_KV_EVENTS_ENDPOINT"
+#: A ZMQ endpoint the publisher binds: a TCP host and port, or an IPC path.
+_ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://\S+")
+#: A medium as vLLM and llm-d spell them (GPU, CPU, STORAGE, SHARED_STORAGE...).
+_MEDIUM = re.compile(r"[A-Z][A-Z0-9_]{0,31}")
+#: A topic's pool or model: llm-d splits the topic at '@'.
+_TOPIC_PART = re.compile(r"[!-?A-~]{1,128}")
 
 
 def parse_addr(value: str) -> tuple[str, int]:
@@ -200,6 +208,16 @@ class Settings:
     lease_share: float = DEFAULT_LEASE_SHARE
     #: Entries of the event log (GET /kv/events); 0: no log.
     events: int = DEFAULT_EVENTS
+    #: The KV-events publisher (eg_kv.kvevents): its PUB endpoint ("": none), its replay
+    #: endpoint, the medium and locality its events carry, its topics' pool and model,
+    #: and vLLM's older positional form instead of tagged maps.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_medium: str = "SHARED_STORAGE"
+    kv_events_locality: str = ""
+    kv_events_pool: str = "eg-kv"
+    kv_events_model: str = "default"
+    kv_events_arrays: bool = False
 
     def __post_init__(self) -> None:
         if not self.slab_name:
@@ -251,6 +269,43 @@ class Settings:
             )
         if self.max_connections < 0:
             raise ConfigError("--max-connections must be 0 (derive it from the fd limit) or more")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        endpoints = {"--kv-events-endpoint": self.kv_events_endpoint,
+                     "--kv-events-replay-endpoint": self.kv_events_replay_endpoint}  # fmt: skip
+        for flag, value in endpoints.items():
+            if value and not _ZMQ_ENDPOINT.fullmatch(value):
+                raise ConfigError(
+                    f"{flag} {value}: want tcp://HOST:PORT (e.g. tcp://127.0.0.1:5557) or "
+                    "ipc://PATH"
+                )
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.kv_events_endpoint and not self.events:
+            raise ConfigError("--kv-events-endpoint publishes the event log: --events must "
+                              "not be 0")  # fmt: skip
+        if not _MEDIUM.fullmatch(self.kv_events_medium):
+            raise ConfigError(f"--kv-events-medium {self.kv_events_medium}: want capitals and "
+                              "_, e.g. SHARED_STORAGE or STORAGE")  # fmt: skip
+        if self.kv_events_locality not in ("", "LOCAL", "REMOTE"):
+            raise ConfigError(f"--kv-events-locality {self.kv_events_locality}: want LOCAL, "
+                              "REMOTE or nothing")  # fmt: skip
+        for flag, value in (("--kv-events-pool", self.kv_events_pool),
+                            ("--kv-events-model", self.kv_events_model)):  # fmt: skip
+            if not _TOPIC_PART.fullmatch(value):
+                raise ConfigError(f"{flag} {value!r}: want 1-128 printable characters "
+                                  "without '@' or spaces (it is part of the topic)")  # fmt: skip
+
+    @property
+    def kv_events_open(self) -> bool:
+        """Whether the publisher listens beyond loopback (ZMQ has no authentication)."""
+        for endpoint in (self.kv_events_endpoint, self.kv_events_replay_endpoint):
+            if endpoint.startswith("tcp://"):
+                host = endpoint[6:].rsplit(":", 1)[0].strip("[]")
+                if not is_loopback(host):
+                    return True
+        return False
 
     @property
     def bind(self) -> str:
@@ -366,10 +421,33 @@ SERVER_SETTINGS: tuple[ServerSetting, ...] = (
        # eg_kv.server.connections.DEFAULT_MAX_CONNECTIONS (test_settings checks the number)
        default_text="from the fd limit, at most 10000"),
     _S("events", "--events", ENV_EVENTS, "int", metavar="N",
-       help="entries of the event log of stores and removals (`GET /kv/events`), 304 bytes "
+       help="entries of the event log of stores and removals (`GET /kv/events`), 384 bytes "
        "each in `/dev/shm`; `0`: no log",
        more="A reader that falls more than this many events behind resyncs from "
        "`GET /kv/events/snapshot` (docs/events.md)."),
+    _S("kv_events_endpoint", "--kv-events-endpoint", ENV_KV_EVENTS_ENDPOINT, "text",
+       metavar="URL", default_text="none",
+       help="publish the event log as vLLM's KV events on this ZMQ PUB endpoint "
+       "(`tcp://127.0.0.1:5557`); empty: no publisher",
+       more="One publisher per server, for KV-aware routers (llm-d, Dynamo): docs/events.md. "
+       "ZMQ has no authentication: keep it on loopback or behind a NetworkPolicy."),
+    _S("kv_events_replay_endpoint", "--kv-events-replay-endpoint", None, "text",
+       metavar="URL", default_text="none",
+       help="a ZMQ ROUTER endpoint that replays missed KV events from a given seq (vLLM's "
+       "replay protocol); empty: none"),
+    _S("kv_events_medium", "--kv-events-medium", None, "text", metavar="NAME",
+       help="the `medium` of the published events: `SHARED_STORAGE` (llm-d scores it) or "
+       "`STORAGE` (vLLM's, with `--kv-events-locality`)"),
+    _S("kv_events_locality", "--kv-events-locality", None, "text", metavar="WHERE",
+       default_text="none",
+       help="the `locality` of the published events: `LOCAL`, `REMOTE`, or empty (not sent)"),
+    _S("kv_events_pool", "--kv-events-pool", None, "text", metavar="NAME",
+       help="the pool in the events' topic `kv@pool:<pool>@<model>` (a tenant's namespace "
+       "publishes on `kv@pool:<pool>/<namespace>@<model>`)"),
+    _S("kv_events_model", "--kv-events-model", None, "text", metavar="NAME",
+       help="the model in the events' topic (the name your router knows the model by)"),
+    _S("kv_events_arrays", "--kv-events-arrays", None, "switch",
+       help="publish events in vLLM's older positional form instead of tagged maps"),
     _S("lease_ms", "--lease-ms", ENV_LEASE_MS, "int", metavar="MS", unit="ms",
        help="the longest lease a batch lookup may take on its hits (`X-Eg-Kv-Lease-Ms`: "
        "eviction passes over them until loaded, released or expired); `0`: no leases",

@@ -32,6 +32,7 @@ MAY_IMPORT = {
     "lmcache": {"base", "client"},
     "vllm": {"base", "client"},
     "sglang": {"base", "client"},
+    "kvevents": {"base", "slab"},
     "public": {"base", "client", "lmcache"},
 }
 #: The slab's read side: what a client on the slab's host maps (no posix_ipc). The clients

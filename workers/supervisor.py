@@ -35,6 +35,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 from eg_kv.config import ENV_TOKEN, Settings, format_size, is_loopback
 from eg_kv.errors import ConfigError, EgKvError, SlabError
@@ -309,6 +310,9 @@ class Supervisor:
         self._fold_at = 0.0  # when local readers' hit hints are next folded into the slab
         self._tokens_text: str | None = None  # the tokens file in force (validated)
         self._reload_due = False  # a SIGHUP reload put off by a busy slab lock
+        self.publisher: int | None = None  # the KV-events publisher's pid (eg_kv.kvevents)
+        self._publisher_due = 0.0  # when a publisher that died may be started again
+        self._parent = os.getpid()  # the supervisor's pid, for its children to watch
 
     # ------------------------------------------------------------------ top level
 
@@ -354,6 +358,11 @@ class Supervisor:
             warning = open_door_warning(s)
             if warning:
                 log.warning("%s", warning)
+            if s.kv_events_open:
+                log.warning("the KV-events publisher listens beyond loopback (%s): ZMQ has no "
+                            "authentication, so anyone who reaches it reads every namespace's "
+                            "events; keep it on 127.0.0.1 or behind a NetworkPolicy "
+                            "(docs/events.md)", s.kv_events_endpoint)  # fmt: skip
             self._loop()
         finally:
             self._cleanup()
@@ -416,12 +425,14 @@ class Supervisor:
             if not self.stopping:
                 self._watch()
             if self.stopping:
-                if not self.workers:
+                if not self.workers and not self.publisher:
                     return
                 if time.monotonic() > self.stop_deadline:
                     for pid in list(self.workers):
                         log.warning("worker %d did not drain in time; killing it", pid)
                         self._kill(pid, signal.SIGKILL)
+                    if self.publisher:
+                        self._kill(self.publisher, signal.SIGKILL)
                     self.stop_deadline = float("inf")
             else:
                 self._refill()
@@ -522,6 +533,8 @@ class Supervisor:
         self.stop_deadline = time.monotonic() + grace
         for pid in list(self.workers):
             self._kill(pid, sig)
+        if self.publisher:
+            self._kill(self.publisher, sig)
 
     def _kill(self, pid: int, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -558,13 +571,16 @@ class Supervisor:
 
     def _reap(self) -> None:
         died = False
-        while self.workers:
+        while self.workers or self.publisher:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
+            if pid == self.publisher:
+                self._publisher_died(status)
+                continue
             w = self.workers.pop(pid, None)
             if w is None:
                 continue
@@ -688,13 +704,48 @@ class Supervisor:
         self._kill(w.pid, signal.SIGKILL)
 
     def _refill(self) -> None:
+        if (self.settings.kv_events_endpoint and not self.publisher and not self.fatal
+                and time.monotonic() >= self._publisher_due):  # fmt: skip
+            self.publisher = self._fork(self._run_publisher)
         while len(self.workers) < self.settings.workers and not self.fatal:
             self._spawn()
 
+    def _run_publisher(self) -> int:
+        from . import publisher
+
+        return publisher.run(self.settings, self._parent)
+
+    def _publisher_died(self, status: int) -> None:
+        self.publisher = None
+        if self.stopping:
+            return
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == BOOT_ERROR:
+            self.fatal = "the KV-events publisher could not start (its log says why)"
+            return
+        if os.WIFSIGNALED(status):
+            how = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        else:
+            how = f"exited with status {os.WEXITSTATUS(status)}"
+        log.warning("the KV-events publisher %s; starting it again (its subscribers replay "
+                    "what they missed)", how)  # fmt: skip
+        self._publisher_due = time.monotonic() + 1.0  # at most one restart a second
+
     def _spawn(self) -> None:
-        parent = os.getpid()
         taken = {w.slot for w in self.workers.values()}
         slot = next(k for k in range(self._heartbeats.nslots) if k not in taken)
+
+        def child() -> int:
+            beat = functools.partial(self._heartbeats.beat, slot, os.getpid())
+            return worker_mod.run(self.settings, self._run_dir, self._notify_w, self._parent,
+                                  heartbeat=beat)  # fmt: skip
+
+        pid = self._fork(child)
+        self._heartbeats.beat(slot, pid)
+        self.workers[pid] = _Worker(pid, time.monotonic(), slot)
+
+    def _fork(self, child: Callable[[], int]) -> int:
+        """Fork a child that runs ``child()`` and exits with its status; returns its pid."""
+        self._parent = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()
         # SIGHUP (a reload) is blocked across the fork, and the worker keeps it blocked
@@ -716,10 +767,8 @@ class Supervisor:
                     signal.signal(sig, signal.SIG_DFL)
                 for fd in (self._wake_r, self._wake_w, self._notify_r):
                     os.close(fd)
-                self._slab.close()  # the supervisor's handle: a worker attaches its own
-                beat = functools.partial(self._heartbeats.beat, slot, os.getpid())
-                code = worker_mod.run(self.settings, self._run_dir, self._notify_w, parent,
-                                      heartbeat=beat)  # fmt: skip
+                self._slab.close()  # the supervisor's handle: a child attaches its own
+                code = child()
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -728,14 +777,13 @@ class Supervisor:
                     sys.stderr.flush()
                 os._exit(code)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # the supervisor's reloads again
-        self._heartbeats.beat(slot, pid)
-        self.workers[pid] = _Worker(pid, time.monotonic(), slot)
+        return pid
 
     # ------------------------------------------------------------------ the end
 
     def _cleanup(self) -> None:
-        for pid in list(self.workers):  # only after an error in the loop itself
-            self._kill(pid, signal.SIGKILL)
+        for pid in [*self.workers, *([self.publisher] if self.publisher else [])]:
+            self._kill(pid, signal.SIGKILL)  # only after an error in the loop itself
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
         self.workers.clear()

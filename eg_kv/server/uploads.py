@@ -24,6 +24,7 @@ from collections.abc import Callable
 from aiohttp import HttpVersion11, web
 
 from ..checksum import decode as decode_checksum
+from ..engine import EngineName, engine_from_headers
 from ..errors import BadRequest, EgKvError, TooLarge
 from ..slab.store import SMALL_PUT, Slab
 from ..units import human_size
@@ -141,7 +142,9 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``PUT /kv/<hash>``: stream the body into the slab; 201 new block, 200 dedup hit.
 
     The body's checksum is computed as it arrives and kept with the block; one the PUT
-    carries (``X-Eg-Kv-Checksum``) must match it (400, nothing stored, otherwise).
+    carries (``X-Eg-Kv-Checksum``) must match it (400, nothing stored, otherwise). The
+    engine's name for the block (:mod:`eg_kv.engine`'s headers), if it carries one, is
+    kept with it for the KV events.
 
     A streamed PUT whose address is resident with its length is a dedup hit from its
     headers: the reference is taken then, and the body is read and dropped chunk by
@@ -155,17 +158,19 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     if length == 0:  # refused before reading: there is nothing to store
         raise BadRequest("empty block (0 bytes): nothing to store")
     checksum = decode_checksum(request.headers.get(CHECKSUM_HEADER))
+    engine = engine_from_headers(request.headers.get)
     # A Busy (503: upload share or spool full) gets its Retry-After where errors become
     # answers (error_response).
     if length is None:
-        created = await _put_chunked(request, slab, address, ns, checksum)
+        created = await _put_chunked(request, slab, address, ns, checksum, engine)
     elif length <= SMALL_PUT:
         # Gather a small body, then store it in one critical section (Slab.put): the
         # second lock round trip of a streamed put cost more than holding these bytes.
-        created = slab.put(address, await _receive_small(request, length), ns, checksum)
+        body = await _receive_small(request, length)
+        created = slab.put(address, body, ns, checksum, engine)
     else:
         share = request.app[SETTINGS].upload_share
-        handle = slab.begin_put(address, length, share, ns, checksum)
+        handle = slab.begin_put(address, length, share, ns, checksum, engine)
         try:
             await _receive(request, handle.write)
             created = handle.commit()
@@ -225,8 +230,9 @@ async def _receive_small(request: web.Request, length: int) -> bytes:
 
 
 async def _put_chunked(
-    request: web.Request, slab: Slab, address: str, ns: int, checksum: int | None
-) -> bool:
+    request: web.Request, slab: Slab, address: str, ns: int, checksum: int | None,
+    engine: EngineName,
+) -> bool:  # fmt: skip
     """Spool a chunked body into a memfd, then copy it into the slab.
 
     The body may be at most the maximum block size (413 beyond), and the worker's chunked
@@ -252,7 +258,8 @@ async def _put_chunked(
                 view = view[os.write(fd, view) :]
 
         await _receive(request, spool, chunked=True)
-        handle = slab.begin_put(address, total, request.app[SETTINGS].upload_share, ns, checksum)
+        share = request.app[SETTINGS].upload_share
+        handle = slab.begin_put(address, total, share, ns, checksum, engine)
         try:
             pos = 0
             while pos < total:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from ..address import ADDRESS_MAX, fingerprint
+from ..engine import NO_ENGINE, EngineName
 from ..errors import SlabError
 from ..procs import pid_alive
 from . import layout as L
@@ -383,6 +384,15 @@ class SlabChecks(SlabNamespaces):
     def _slot_address(self, i: int, alen: int) -> bytes:
         off = self._slot_off(i) + L.SLOT.size
         return self._mm[off : off + alen]
+
+    def _slot_engine(self, i: int) -> EngineName:
+        """Slot ``i``'s engine name (its META), for the removal its event names."""
+        _, _, lora, size, _, hlen, h = L.SLOT_META.unpack_from(
+            self._mm, self._slot_off(i) + L.SLOT_META_OFFSET
+        )
+        if not hlen:
+            return NO_ENGINE
+        return EngineName(h[: min(hlen, L.META_ENGINE_HASH_MAX)], b"", size, lora)
 
 
 class _SlicedCheck:

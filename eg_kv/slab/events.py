@@ -9,17 +9,20 @@ with no gap. Dedup hits and deletes that leave references change no block: no en
 The log lives in its own segment, ``<slab name>.events`` (mode 0600, owned and checked
 like the readers segment, created by the server's supervisor, removed with the slab)::
 
-    0        64       128                                 128 + N × 304     + 4096 × 16
+    0        64       128                                 128 + N × 384     + 4096 × 16
     ┌────────┬────────┬─────────────────────────────────────┬────────────────┐
-    │ header │ words  │ entries: N × ENTRY (304 B), a ring  │ namespaces     │
+    │ header │ words  │ entries: N × ENTRY (384 B), a ring  │ namespaces     │
     └────────┴────────┴─────────────────────────────────────┴────────────────┘
     header:  EVENTS_HEAD: magic, slab id, N (entries), epoch (8 random bytes as an int:
              a new log of the same slab has another, so a reader knows its seq is void)
     words:   W_HEAD: seq of the newest published entry (0: none yet);
              W_PENDING: seq of the entry being written inside the lock (0: none)
     entry:   ENTRY: seq, block id, block length, namespace id, kind, reason, address
-             length, nseq, prev; then the address (ASCII, padded to 256). Entry ``seq``
-             lies at index ``(seq - 1) % N``.
+             length, nseq, prev; then the address (ASCII, padded to 256); then ENGINE:
+             the block's engine name (:mod:`eg_kv.engine`: LoRA id, block size, hash and
+             parent lengths, hash, parent; zeros: none), so a removal names the block
+             as its store did, for the KV-events publisher (:mod:`eg_kv.kvevents`).
+             Entry ``seq`` lies at index ``(seq - 1) % N``.
     namespaces: per namespace id, two int64: NS_LAST, the seq of its newest entry (0:
              none), and NS_COUNT_WORD, its nseq.
 
@@ -65,11 +68,12 @@ import os
 import struct
 import time
 from collections.abc import Generator
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import posix_ipc
 
 from ..address import ADDRESS_MAX
+from ..engine import NO_ENGINE, EngineName
 from ..errors import SlabError
 from ..units import human_size
 from . import layout as L
@@ -77,7 +81,8 @@ from .segment import ForeignSegment, Inode, Progress, SlabSegment, _check_owned,
 from .segment import _unlink_ours as unlink_ours
 
 EVENTS_SUFFIX = ".events"
-EVENTS_MAGIC = b"EGKVEVT2"  # 2: per-namespace positions (nseq, prev, the namespace table)
+EVENTS_MAGIC = b"EGKVEVT3"  # 2: per-namespace positions (nseq, prev, the namespace table);
+# 3: each entry carries the block's engine name (ENGINE)
 EVENTS_HEAD = struct.Struct("<8s16sQQ")  # magic, slab id, entries, epoch
 EVENTS_WORDS_OFFSET = 64
 EVENTS_ENTRIES_OFFSET = 128
@@ -86,7 +91,11 @@ W_HEAD, W_PENDING = 0, 1
 #: namespace's position (nseq: that namespace's events counted from 1), and the seq of
 #: that namespace's entry before it (prev; 0: none).
 ENTRY = struct.Struct("<QQQIBBHQQ")
-ENTRY_SIZE = ENTRY.size + ADDRESS_MAX  # 304
+#: After the address: the engine's LoRA id, block size, hash length, parent length, then
+#: the hash and the parent's hash (eg_kv.engine.EngineName).
+ENGINE = struct.Struct("<qIBB2x32s32s")
+ENGINE_OFFSET = ENTRY.size + ADDRESS_MAX
+ENTRY_SIZE = ENGINE_OFFSET + ENGINE.size  # 384
 #: Namespaces the table after the entries has room for (the slab's namespace ids).
 EVENTS_NAMESPACES = L.NS_COUNT
 #: A namespace's words in that table: the seq of its newest entry, and its nseq.
@@ -104,6 +113,9 @@ assert ENTRY.unpack(bytes(24) + (7).to_bytes(4, "little") + bytes(20))[3] == 7  
 assert ENTRY.unpack(bytes(32) + (5).to_bytes(8, "little") + (9).to_bytes(8, "little"))[7:] == (
     5, 9,
 )  # fmt: skip
+
+#: An entry's ENGINE head when it carries no engine name (checked before unpacking).
+_NO_ENGINE_HEAD = bytes(14)
 
 STORED, REMOVED = 1, 2
 R_PUT, R_EVICT, R_DELETE, R_REPAIR, R_QUOTA = 1, 2, 3, 4, 5
@@ -141,6 +153,8 @@ class Event(NamedTuple):
     address: bytes  #: ASCII
     length: int  #: the block's bytes
     block_id: int  #: the slab's id of the block (ids only grow)
+    engine: EngineName = NO_ENGINE  #: the block's engine name (eg_kv.engine)
+    nseq: int = 0  #: its namespace's position (0: an entry of no namespace's count)
 
 
 class EventRing:
@@ -169,8 +183,9 @@ class EventRing:
         return self._w[W_PENDING]
 
     def begin(
-        self, kind: int, reason: int, ns: int, raw: bytes, block_id: int, length: int
-    ) -> None:
+        self, kind: int, reason: int, ns: int, raw: bytes, block_id: int, length: int,
+        engine: EngineName = NO_ENGINE,
+    ) -> None:  # fmt: skip
         """Write the next entry as pending (under the slab lock, before the change)."""
         w, nsw = self._w, self._nsw
         seq = w[W_HEAD] + 1
@@ -182,6 +197,9 @@ class EventRing:
             self._mm, off, seq, block_id, length, ns, kind, reason, len(raw), nseq, prev
         )
         self._mm[off + ENTRY.size : off + ENTRY.size + len(raw)] = raw
+        h, parent = engine.hash, engine.parent
+        ENGINE.pack_into(self._mm, off + ENGINE_OFFSET, engine.lora_id, engine.block_size,
+                         len(h), len(parent), h, parent)  # fmt: skip
         self._staged = (seq, ns, nseq)
         w[W_PENDING] = seq  # after the entry: a pending seq always names a whole entry
 
@@ -234,7 +252,11 @@ class EventRing:
         if got != seq or alen > ADDRESS_MAX or kind not in KINDS or (nseq and pos != nseq):
             return None
         address = raw[ENTRY.size : ENTRY.size + alen]
-        return Event(nseq or seq, kind, reason, ns, address, length, block_id)
+        engine = NO_ENGINE
+        if raw[ENGINE_OFFSET : ENGINE_OFFSET + 14] != _NO_ENGINE_HEAD:
+            lora, size, hlen, plen, h, parent = ENGINE.unpack_from(raw, ENGINE_OFFSET)
+            engine = EngineName(h[: min(hlen, 32)], parent[: min(plen, 32)], size, lora)
+        return Event(nseq or seq, kind, reason, ns, address, length, block_id, engine, pos)
 
     def ns_position(self, ns: int) -> tuple[int, int]:
         """Namespace ``ns``'s published position and the seq of its newest published entry
@@ -380,6 +402,7 @@ class SlabEventLog(SlabSegment):
     if TYPE_CHECKING:
         # Defined by SlabChecks (eg_kv.slab.check).
         def _slot_address(self, i: int, alen: int) -> bytes: ...
+        def _slot_engine(self, i: int) -> EngineName: ...
 
     def __init__(self, name: str, shm: posix_ipc.SharedMemory, geometry: L.Geometry) -> None:
         super().__init__(name, shm, geometry)
@@ -580,7 +603,7 @@ class SlabEventLog(SlabSegment):
             ring.commit()
 
     def snapshot_stream(
-        self, ns: int | None, timeout: float | None = None
+        self, ns: int | None, timeout: float | None = None, engines: bool = False
     ) -> Generator[SnapshotPart, None, None]:
         """The blocks held, as a stream: what a reader applies in order to get the blocks
         held at the position the stream ends with (see :class:`SnapshotPart`).
@@ -598,6 +621,8 @@ class SlabEventLog(SlabSegment):
 
         Args:
             ns: only this namespace's blocks (None: every namespace's).
+            engines: each block also carries its engine name (a fourth item, from its
+                slot's META: the KV-events publisher's resync).
 
         Yields:
             :class:`SnapshotPart` s: ``blocks`` parts, then ``events`` parts, then one
@@ -638,9 +663,9 @@ class SlabEventLog(SlabSegment):
                     hi += 1
                 lo_slot = (start + 1 + done) % nslots
                 first_part = min(hi - done, nslots - lo_slot)
-                blocks = self._held_in(lo_slot, lo_slot + first_part, ns)
+                blocks = self._held_in(lo_slot, lo_slot + first_part, ns, engines)
                 if first_part < hi - done:  # the slice wraps round the table's end
-                    blocks += self._held_in(0, hi - done - first_part, ns)
+                    blocks += self._held_in(0, hi - done - first_part, ns, engines)
             yield SnapshotPart("blocks", blocks)
             done = hi
             if done < nslots:
@@ -694,7 +719,9 @@ class SlabEventLog(SlabSegment):
             return column[ns] if 0 < ns < L.NS_COUNT else 0
         return self._state[L.ST_UNIQUE_BLOCKS] - sum(column.tolist()[1:])
 
-    def _held_in(self, lo: int, hi: int, ns: int | None) -> list[tuple[int, bytes, int]]:
+    def _held_in(
+        self, lo: int, hi: int, ns: int | None, engines: bool = False
+    ) -> list[tuple[Any, ...]]:
         """``(namespace id, address, length)`` of the ready slots in ``[lo, hi)`` (of
         namespace ``ns`` if given), under the lock: the state and namespace columns are
         matched in C, so a slot of another namespace costs no Python step."""
@@ -710,6 +737,12 @@ class SlabEventLog(SlabSegment):
             return []
         heads, i64, col = self._slots_u32, self._slots_i64, self._slot_ns
         mm, at = self._mm, g.slots_off + L.SLOT.size
+        if engines:
+            return [
+                (col[k], mm[at + k * ss : at + k * ss + (heads[k * w4] >> 16)],
+                 i64[k * w8 + _LENGTH_WORD], self._slot_engine(k))
+                for k in slots
+            ]  # fmt: skip
         return [
             (
                 col[k],
@@ -726,7 +759,7 @@ class SnapshotPart(NamedTuple):
     (the log's ``epoch`` and the ``position`` the whole is consistent with)."""
 
     kind: str
-    blocks: list[tuple[int, bytes, int]] = []  # defaults never mutated
+    blocks: list[tuple[Any, ...]] = []  # defaults never mutated
     epoch: int = 0
     position: int = 0
     events: list[Event] = []

@@ -22,6 +22,12 @@ _NS_QUOTA = L.NS_QUOTA
 class SlabNamespaces(SlabStats):
     """The namespace table's part of :class:`eg_kv.slab.store.Slab`."""
 
+    def namespace_name(self, ns: int) -> str | None:
+        """The name bound to namespace id ``ns`` (None: no namespace of that id in use)."""
+        if not 0 <= ns < L.NS_COUNT or (ns and not self._nsw[ns * _NS_WORDS + L.NS_USED]):
+            return None
+        return self._ns_name(ns) if ns else ""
+
     def _ns_name(self, ns: int) -> str:
         e = self._nsw
         off = L.NS_OFFSET + 8 * (ns * _NS_WORDS + L.NS_NAME_WORD)

@@ -40,6 +40,7 @@ from ..checksum import BodyMismatch
 from ..checksum import Running as RunningChecksum
 from ..checksum import encode as encode_checksum
 from ..checksum import of as checksum_of
+from ..engine import NO_ENGINE, EngineName
 from ..errors import (
     BadRequest,
     Busy,
@@ -183,7 +184,8 @@ class Slab(SlabLeases):
         st, ev = self._state, self._events
         if ev is not None:  # pending before the change, published after (crash safety)
             ev.begin(REMOVED, reason or (R_EVICT if evicted else R_DELETE), s[F_NS],
-                     self._slot_address(i, s[L.F_ALEN]), s[F_BLOCK_ID], s[F_LENGTH])  # fmt: skip
+                     self._slot_address(i, s[L.F_ALEN]), s[F_BLOCK_ID], s[F_LENGTH],
+                     self._slot_engine(i))  # fmt: skip
         if self._slot_leases[i]:  # a DELETE of a leased block: its pages are no longer leased
             self._count_leased(s[F_NS], -s[F_NPAGES])
         self._free_pages(s[F_FIRST], s[F_NPAGES])
@@ -487,7 +489,7 @@ class Slab(SlabLeases):
 
     def begin_put(
         self, address: str, length: int, upload_share: float = 1.0, ns: int = 0,
-        checksum: int | None = None,
+        checksum: int | None = None, engine: EngineName = NO_ENGINE,
     ) -> PutHandle:  # fmt: skip
         """Start a streaming put of ``length`` bytes under ``address``.
 
@@ -503,6 +505,8 @@ class Slab(SlabLeases):
             checksum: the bytes' XXH3-64 as their sender gave it (:mod:`eg_kv.checksum`);
                 ``commit`` refuses bytes that do not match it. None: the one computed
                 from the bytes is kept.
+            engine: the block's engine name (:mod:`eg_kv.engine`), kept with it for the
+                KV events; a dedup hit keeps the resident block's.
 
         Raises:
             InvalidAddress, TooLarge (before any byte is stored), Conflict (resident with
@@ -535,7 +539,7 @@ class Slab(SlabLeases):
             if r < 0:  # cannot happen while every put holds a page (one entry per page)
                 self._free_pages(first, n)
                 raise Busy("the reservation table is full; retry")
-        return PutHandle(self, address, raw, fp, length, r, first, n, 0, ns, checksum)
+        return PutHandle(self, address, raw, fp, length, r, first, n, 0, ns, checksum, engine)
 
     def add_ref(self, address: str, length: int, ns: int = 0) -> bool:
         """A dedup hit from the headers alone: one more reference if ``address`` is
@@ -554,7 +558,10 @@ class Slab(SlabLeases):
             self._add_ref(i, s, address, length)
             return True
 
-    def put(self, address: str, data: Bytes, ns: int = 0, checksum: int | None = None) -> bool:
+    def put(
+        self, address: str, data: Bytes, ns: int = 0, checksum: int | None = None,
+        engine: EngineName = NO_ENGINE,
+    ) -> bool:  # fmt: skip
         """Store ``data`` under ``address`` in one call; True if created, False if dedup.
 
         Up to :data:`SMALL_PUT` bytes are looked up, copied in and published in one
@@ -566,7 +573,7 @@ class Slab(SlabLeases):
         """
         length = len(data)
         if length > SMALL_PUT:
-            handle = self.begin_put(address, length, ns=ns, checksum=checksum)
+            handle = self.begin_put(address, length, ns=ns, checksum=checksum, engine=engine)
             try:
                 handle.write(data)
                 return handle.commit()
@@ -590,7 +597,7 @@ class Slab(SlabLeases):
             for pos, off, size in _runs(self, first, n, length):
                 mv[off : off + size] = src[pos : pos + size]
             # A crash before the slot is written leaves pages no slot owns: repair frees them.
-            self._publish(i, raw, fp, length, first, n, ns, got)
+            self._publish(i, raw, fp, length, first, n, ns, got, engine)
             return True
 
     def refuse_body(self, expected: int, got: int) -> NoReturn:
@@ -669,16 +676,16 @@ class Slab(SlabLeases):
 
     def _publish(
         self, i: int, raw: bytes, fp: int, length: int, first: int, npages: int, ns: int,
-        checksum: int,
+        checksum: int, engine: EngineName = NO_ENGINE,
     ) -> None:  # fmt: skip
         """Make the block on pages ``first``.. visible in empty slot ``i``, and count it."""
         st, ev = self._state, self._events
         block_id = st[L.ST_NEXT_BLOCK_ID]
         if ev is not None:  # pending before the change, published after (crash safety)
-            ev.begin(STORED, R_PUT, ns, raw, block_id, length)
+            ev.begin(STORED, R_PUT, ns, raw, block_id, length, engine)
         st[L.ST_NEXT_BLOCK_ID] = block_id + 1
         self._tag[first] = block_id
-        meta = (checksum, 0, 0, 0, 0, 0, b"")
+        meta = (checksum, 0, engine.lora_id, engine.block_size, 0, len(engine.hash), engine.hash)
         self._write_slot(i, 0, raw, 1, length, first, npages, block_id, fp, ns, meta)
         st[L.ST_UNIQUE_BLOCKS] += 1
         st[L.ST_TOTAL_REFS] += 1
@@ -722,7 +729,7 @@ class Slab(SlabLeases):
                 i = self._find(h.raw, h.fp, h.ns)[0]
             # Publish the slot before giving up the reservation: a crash in between leaves
             # both claiming the pages, and repair lets the published slot win.
-            self._publish(i, h.raw, h.fp, h.length, h.first, h.npages, h.ns, h.checksum)
+            self._publish(i, h.raw, h.fp, h.length, h.first, h.npages, h.ns, h.checksum, h.engine)
             self._unreserve(h.resv)
             return True
 
@@ -865,12 +872,13 @@ class PutHandle:
     """
 
     __slots__ = ("_hash", "_run", "_runs", "_slab", "address", "block_id", "checksum",
-                 "done", "expected", "first", "fp", "length", "npages", "ns", "pos", "raw",
-                 "resv")  # fmt: skip
+                 "done", "engine", "expected", "first", "fp", "length", "npages", "ns", "pos",
+                 "raw", "resv")  # fmt: skip
 
     def __init__(
         self, slab: Slab, address: str, raw: bytes, fp: int, length: int, resv: int,
         first: int, npages: int, block_id: int = 0, ns: int = 0, expected: int | None = None,
+        engine: EngineName = NO_ENGINE,
     ) -> None:  # fmt: skip
         self._slab, self.address, self.raw, self.fp = slab, address, raw, fp
         self.length, self.resv, self.first, self.npages = length, resv, first, npages
@@ -884,6 +892,7 @@ class PutHandle:
         self._hash = None if resv < 0 else RunningChecksum()
         self.expected = expected
         self.checksum = 0
+        self.engine = engine
 
     def write(self, chunk: Bytes) -> None:
         """Copy ``chunk`` into the block's pages at the current position.

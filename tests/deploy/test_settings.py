@@ -65,9 +65,17 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "events": ("4096", 4096),
     "heartbeat_timeout_s": ("7", 7.0),
     "lock_timeout_s": ("0.5", 0.5),
+    "kv_events_endpoint": ("tcp://127.0.0.1:5599", "tcp://127.0.0.1:5599"),
+    "kv_events_replay_endpoint": ("tcp://127.0.0.1:5598", "tcp://127.0.0.1:5598"),
+    "kv_events_medium": ("STORAGE", "STORAGE"),
+    "kv_events_locality": ("REMOTE", "REMOTE"),
+    "kv_events_pool": ("node:a", "node:a"),
+    "kv_events_model": ("Qwen/Qwen3-8B", "Qwen/Qwen3-8B"),
+    "kv_events_arrays": ("", True),
 }
 #: A setting that cannot stand alone (TLS needs both halves) -> the one given with it.
-COMPANION = {"tls_cert": "tls_key", "tls_key": "tls_cert"}
+COMPANION = {"tls_cert": "tls_key", "tls_key": "tls_cert",
+             "kv_events_replay_endpoint": "kv_events_endpoint"}  # fmt: skip
 
 
 def held(settings: Settings, setting: ServerSetting) -> object:

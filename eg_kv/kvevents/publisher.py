@@ -1,0 +1,261 @@
+"""The KV-events publisher: eg-kv's event log, as vLLM's ZMQ KV-events stream.
+
+One publisher per server, a process of its own (``eg-kv serve --kv-events-endpoint``;
+the supervisor starts it and starts it again if it dies). It follows the slab's event
+log (:mod:`eg_kv.slab.events`) as any slow reader does, without the slab lock, so it never
+slows a PUT or a GET: when it falls more than the log's length behind, it skips to the
+newest entry and its subscribers see a hole in ``seq`` (and ask the replay socket).
+
+Topics and ``seq``. Each namespace publishes on its own topic (:meth:`Topics.of`): a
+tenant's subscriber sees its namespace's blocks and nothing of another's. A message
+carries ONE event, and its ``seq`` is that event's position in its namespace's log
+(``nseq``): continuous across workers (one log), across restarts of the publisher (the
+log is the buffer) and over a warm restart (``--keep``). Before position 1 of a log, the
+publisher sends ``AllBlocksCleared`` at ``seq`` 0: a fresh slab tells its consumers to
+forget what they held.
+
+Replay (``--kv-events-replay-endpoint``, a ROUTER socket, vLLM's protocol): a request is
+``[start seq as 8 bytes big-endian]`` (the default namespace's topic) or ``[topic, start
+seq]``; the answer is each message from ``start`` on, as ``[topic, seq, payload]``, then
+``[b"", -1, b""]``. Positions the log no longer holds (more than
+:data:`~eg_kv.slab.events.HOPS_MAX` back, or lapped) are answered by a resync:
+``AllBlocksCleared``, then a ``BlockStored`` for every block the namespace holds (all at
+the ``seq`` the walk began at), then the log's entries after it, then the end: applied in
+order, they give the blocks held at the last ``seq`` sent. A requester that stops reading
+is dropped after :data:`REPLAY_SEND_TIMEOUT_MS`.
+
+Bounds: the PUB socket's high-water mark (a slow subscriber loses messages, never slows
+the publisher); one replay at a time, its messages bounded by the log and the slot table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..slab.events import HOPS_MAX, Event, SnapshotVoid
+from ..slab.store import Slab
+from .wire import END_SEQ, Wire, seq_bytes
+
+__all__ = ["Publisher", "PublisherOptions", "Topics"]
+
+log = logging.getLogger("eg_kv.kvevents")
+
+#: Entries read from the log per step (one step's work between looks at the replay socket).
+STEP = 4096
+#: Idle wait between looks at the log, in ms: a store reaches subscribers within it.
+IDLE_MS = 5
+#: How long a replay answer may wait for its requester to read, in ms.
+REPLAY_SEND_TIMEOUT_MS = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class PublisherOptions:
+    """What a publisher needs (from :class:`eg_kv.config.Settings`' ``kv_events_*``)."""
+
+    endpoint: str  #: the PUB socket's ``tcp://HOST:PORT`` or ``ipc://PATH``
+    replay_endpoint: str = ""  #: the ROUTER socket's; "": no replay
+    medium: str = "SHARED_STORAGE"
+    locality: str = ""
+    pool: str = "eg-kv"
+    model: str = "default"
+    form: str = "maps"  #: eg_kv.kvevents.wire.MAPS or ARRAYS
+    hwm: int = 100_000  #: messages the PUB socket queues per subscriber
+
+
+class Topics:
+    """Namespace ids to topics and back: ``kv@pool:<pool>@<model>`` for the default
+    namespace, ``kv@pool:<pool>/<namespace>@<model>`` for a tenant's (llm-d's form)."""
+
+    def __init__(self, pool: str, model: str, name_of: Callable[[int], str | None]) -> None:
+        self.pool, self.model, self._name_of = pool, model, name_of
+        self._topic: dict[int, bytes] = {}
+        self._ns: dict[bytes, int] = {}
+
+    def of(self, ns: int) -> bytes | None:
+        """Namespace ``ns``'s topic (None: no such namespace)."""
+        topic = self._topic.get(ns)
+        if topic is None:
+            name = self._name_of(ns)
+            if name is None:
+                return None
+            pool = f"{self.pool}/{name}" if name else self.pool
+            topic = f"kv@pool:{pool}@{self.model}".encode()
+            self._topic[ns], self._ns[topic] = topic, ns
+        return topic
+
+    def ns_of(self, topic: bytes) -> int | None:
+        """The namespace of a topic this publisher has published on (None: none)."""
+        return self._ns.get(topic)
+
+
+class Publisher:
+    """Follows ``slab``'s event log and publishes it (see the module docstring).
+
+    Args:
+        slab: an attached slab with an event log.
+        options: the sockets, medium and names.
+        context: the ZMQ context (None: the process's).
+
+    Raises:
+        ValueError: the slab has no event log. zmq.ZMQError: an endpoint cannot be bound.
+    """
+
+    def __init__(self, slab: Slab, options: PublisherOptions, context: Any = None) -> None:
+        ring = slab.events
+        if ring is None:
+            raise ValueError("the KV-events publisher needs the event log (--events > 0)")
+        self.slab, self.ring, self.options = slab, ring, options
+        self.wire = Wire(options.medium, options.locality or None, options.form)
+        self.topics = Topics(options.pool, options.model, slab.namespace_name)
+        ctx = context or zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, options.hwm)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(options.endpoint)
+        self.replay = None
+        if options.replay_endpoint:
+            self.replay = ctx.socket(zmq.ROUTER)
+            self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.replay.setsockopt(zmq.SNDTIMEO, REPLAY_SEND_TIMEOUT_MS)
+            self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay.bind(options.replay_endpoint)
+        self.since = ring.head  # what came before is in the log, for replay
+        self.counters = {"published": 0, "skipped": 0, "replays": 0, "resyncs": 0,
+                         "replays_dropped": 0}  # fmt: skip
+        if ring.ns_position(0)[0] == 0:  # a fresh log: consumers forget the last one's
+            self._send_cleared(0)
+
+    # ------------------------------------------------------------------ live
+
+    def step(self) -> int:
+        """Publish what the log gained since the last step (at most :data:`STEP`
+        entries). Returns how many entries were looked at."""
+        events, nxt, gap = self.ring.read(self.since, STEP)
+        if gap:  # lapped: skip to the newest; subscribers see the hole and replay
+            head = self.ring.head
+            self.counters["skipped"] += max(0, head - self.since)
+            log.warning("KV events: the publisher fell %d entries behind the log; "
+                        "subscribers resync by replay", head - self.since)  # fmt: skip
+            self.since = head
+            return 0
+        for ev in events:
+            self._publish(ev)
+        looked = nxt - self.since
+        self.since = nxt
+        return looked
+
+    def _publish(self, ev: Event) -> None:
+        if not ev.nseq:
+            return  # an entry of no namespace's count (a damaged id): no topic
+        topic = self.topics.of(ev.ns)
+        if topic is None:
+            return
+        if ev.nseq == 1:
+            self._send_cleared(ev.ns)
+        payload = self.wire.batch([self.wire.event(ev)])
+        self.pub.send_multipart((topic, seq_bytes(ev.nseq), payload), copy=False)
+        self.counters["published"] += 1
+
+    def _send_cleared(self, ns: int) -> None:
+        topic = self.topics.of(ns)
+        if topic is not None:
+            self.pub.send_multipart((topic, seq_bytes(0), self.wire.batch([self.wire.cleared()])))
+
+    def run(self, stopped: Callable[[], bool]) -> None:
+        """Publish until ``stopped()``; answers replay requests between steps."""
+        poller = zmq.Poller()
+        if self.replay is not None:
+            poller.register(self.replay, zmq.POLLIN)
+        while not stopped():
+            busy = self.step() >= STEP
+            if self.replay is not None:
+                if poller.poll(0 if busy else IDLE_MS):
+                    self.serve_replay()
+            elif not busy:
+                time.sleep(IDLE_MS / 1000)
+
+    def close(self) -> None:
+        """Close the sockets (at once: nothing lingers)."""
+        self.pub.close(linger=0)
+        if self.replay is not None:
+            self.replay.close(linger=0)
+
+    # ------------------------------------------------------------------ replay
+
+    def serve_replay(self) -> None:
+        """Answer one waiting replay request (none waiting: nothing)."""
+        assert self.replay is not None
+        try:
+            frames = self.replay.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(frames) < 3 or frames[1] != b"":
+            return  # not a REQ/DEALER request: nothing to answer to
+        client = frames[0]
+        body = frames[2:]
+        topic = self.topics.of(0) if len(body) == 1 else body[0]
+        ns = None if topic is None else self.topics.ns_of(topic)
+        if ns is None and len(body) == 2:
+            ns = self._ns_by_topic(body[0])
+        self.counters["replays"] += 1
+        try:
+            if ns is not None and topic is not None and len(body[-1]) == 8 and len(body) <= 2:
+                self._replay(client, ns, topic, int.from_bytes(body[-1], "big"))
+            self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        except zmq.ZMQError as e:  # gone, or not reading: dropped, the publisher goes on
+            self.counters["replays_dropped"] += 1
+            log.info("KV events: a replay requester was dropped: %s", e)
+
+    def _ns_by_topic(self, topic: bytes) -> int | None:
+        """A topic not yet seen: a namespace with no event since the publisher started."""
+        for ns in range(4096):
+            if self.slab.namespace_name(ns) is not None and self.topics.of(ns) == topic:
+                return ns
+        return None
+
+    def _send(self, client: bytes, topic: bytes, seq: int, events: list[Any]) -> None:
+        assert self.replay is not None
+        self.replay.send_multipart((client, b"", topic, seq_bytes(seq), self.wire.batch(events)))
+
+    def _replay(self, client: bytes, ns: int, topic: bytes, start: int) -> None:
+        count, _ = self.ring.ns_position(ns)
+        if start > count:
+            return  # nothing yet at or after start
+        if count - start < HOPS_MAX:
+            since = max(start - 1, 0)
+            events, _, gap = self.ring.read_ns(since, HOPS_MAX, ns)
+            if not gap:
+                if start == 0:
+                    self._send(client, topic, 0, [self.wire.cleared()])
+                for ev in events:
+                    if ev.seq >= start:
+                        self._send(client, topic, ev.seq, [self.wire.event(ev)])
+                return
+        self._resync(client, ns, topic)
+
+    def _resync(self, client: bytes, ns: int, topic: bytes) -> None:
+        """The namespace's blocks from a walk of the slot table, then the log after it."""
+        self.counters["resyncs"] += 1
+        for _ in range(3):  # a walk met by a repair or lapped by the log: again
+            at = self.ring.ns_position(ns)[0]
+            try:
+                self._send(client, topic, at, [self.wire.cleared()])
+                for part in self.slab.snapshot_stream(ns, timeout=5.0, engines=True):
+                    if part.kind == "blocks":
+                        stored = [self.wire.stored(e.hash or bytes(raw), e)
+                                  for _, raw, _, e in part.blocks]  # fmt: skip
+                        for k in range(0, len(stored), 1024):
+                            self._send(client, topic, at, stored[k : k + 1024])
+                    elif part.kind == "events":
+                        for ev in part.events:
+                            if ev.ns == ns and ev.nseq:
+                                self._send(client, topic, ev.nseq, [self.wire.event(ev)])
+                return
+            except SnapshotVoid:
+                continue

@@ -1,0 +1,95 @@
+"""vLLM's KV-events wire format, written from eg-kv's event log (no vLLM import).
+
+What a subscriber of vLLM's ``ZmqEventPublisher`` reads (``vllm/distributed/kv_events.py``,
+0.32 to 0.34), and what llm-d's indexer and Dynamo's router consume:
+
+* a message is three ZMQ frames: ``[topic, seq as 8 bytes big-endian, payload]``;
+* the payload is msgpack ``[ts, [event, ...], data_parallel_rank]`` (vLLM's
+  ``KVEventBatch``, an array);
+* an event is a msgpack map tagged by ``type`` (vLLM since #42892; :data:`MAPS`):
+  ``{"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ..., "token_ids":
+  [...], "block_size": n, "lora_id": ..., "medium": ..., "lora_name": ..., "locality":
+  ...}``, ``{"type": "BlockRemoved", "block_hashes": [...], "medium": ..., "locality":
+  ...}``, ``{"type": "AllBlocksCleared"}``; or, for older consumers (:data:`ARRAYS`), the
+  positional form ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
+  ``["AllBlocksCleared"]``.
+
+A block's hash is the engine's (:mod:`eg_kv.engine`) as bytes; a block stored without one
+is named by its eg-kv address (ASCII bytes). eg-kv keeps no token ids: ``token_ids`` is
+empty. Encoded with msgspec's msgpack encoder (the one vLLM uses).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from ..engine import EngineName
+from ..slab.events import STORED, Event
+
+__all__ = ["ARRAYS", "MAPS", "Wire"]
+
+MAPS, ARRAYS = "maps", "arrays"
+#: The replay socket's end-of-answer marker's seq (vLLM's ``END_SEQ``).
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def seq_bytes(seq: int) -> bytes:
+    """A message's seq frame."""
+    return seq.to_bytes(8, "big")
+
+
+class Wire:
+    """Encodes eg-kv's log entries as vLLM's event batches, one medium and form.
+
+    Args:
+        medium: the ``medium`` every event carries (``SHARED_STORAGE``, ``STORAGE``...).
+        locality: ``LOCAL``/``REMOTE`` or None (not sent).
+        form: :data:`MAPS` (tagged maps, vLLM 0.32+) or :data:`ARRAYS` (positional).
+    """
+
+    def __init__(self, medium: str, locality: str | None = None, form: str = MAPS) -> None:
+        if form not in (MAPS, ARRAYS):
+            raise ValueError(f"form: {MAPS!r} or {ARRAYS!r}")
+        self.medium, self.locality, self.form = medium, locality, form
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def event(self, ev: Event) -> Any:
+        """One log entry as a vLLM event (``BlockStored`` or ``BlockRemoved``)."""
+        e: EngineName = ev.engine
+        block = e.hash or bytes(ev.address)
+        if ev.kind == STORED:
+            return self.stored(block, e)
+        if self.form == ARRAYS:
+            return ["BlockRemoved", [block], self.medium]
+        out: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": [block],
+                               "medium": self.medium}  # fmt: skip
+        if self.locality:
+            out["locality"] = self.locality
+        return out
+
+    def stored(self, block: bytes, e: EngineName) -> Any:
+        """A ``BlockStored`` of one block named ``block``, with ``e``'s other fields."""
+        parent = e.parent or None
+        lora = e.lora_id or None
+        if self.form == ARRAYS:
+            return ["BlockStored", [block], parent, [], e.block_size, lora, self.medium, None]
+        out: dict[str, Any] = {
+            "type": "BlockStored", "block_hashes": [block], "parent_block_hash": parent,
+            "token_ids": [], "block_size": e.block_size, "lora_id": lora,
+            "medium": self.medium, "lora_name": None,
+        }  # fmt: skip
+        if self.locality:
+            out["locality"] = self.locality
+        return out
+
+    def cleared(self) -> Any:
+        """``AllBlocksCleared``: the consumer forgets what this topic said before."""
+        return ["AllBlocksCleared"] if self.form == ARRAYS else {"type": "AllBlocksCleared"}
+
+    def batch(self, events: list[Any], ts: float | None = None) -> bytes:
+        """The payload of one message: ``[ts, events, data_parallel_rank]``."""
+        return self._encode([time.time() if ts is None else ts, events, 0])

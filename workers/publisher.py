@@ -1,0 +1,56 @@
+"""The KV-events publisher's process (``eg-kv serve --kv-events-endpoint``).
+
+Forked by the supervisor before the workers, and again if it dies: it attaches the slab,
+follows its event log and publishes it (:mod:`eg_kv.kvevents.publisher`) until SIGTERM,
+or until its parent dies (``PR_SET_PDEATHSIG``, as a worker). It never takes the slab
+lock on its live path, so a SIGKILL or a SIGSTOP of it costs only its subscribers.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+from eg_kv.config import Settings
+from eg_kv.kvevents.publisher import Publisher, PublisherOptions
+from eg_kv.slab.store import Slab
+
+from .worker import BOOT_ERROR, _die_with_parent
+
+log = logging.getLogger("eg_kv.kvevents")
+
+
+def options_of(s: Settings) -> PublisherOptions:
+    """The publisher's options from the server's settings."""
+    return PublisherOptions(
+        endpoint=s.kv_events_endpoint, replay_endpoint=s.kv_events_replay_endpoint,
+        medium=s.kv_events_medium, locality=s.kv_events_locality, pool=s.kv_events_pool,
+        model=s.kv_events_model, form="arrays" if s.kv_events_arrays else "maps",
+    )  # fmt: skip
+
+
+def run(settings: Settings, parent: int) -> int:
+    """Publish until SIGTERM. Returns the exit status (0, or BOOT_ERROR: a socket that
+    cannot be bound, which a new process would not bind either)."""
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    slab = Slab.attach(settings.slab_name)
+    try:
+        try:
+            publisher = Publisher(slab, options_of(settings))
+        except Exception as e:  # zmq.ZMQError: the address is taken or not ours
+            log.error("eg-kv: the KV-events publisher cannot start: %s", e)
+            return BOOT_ERROR
+        log.info("KV events published on %s%s (topic %s)", settings.kv_events_endpoint,
+                 f", replay on {settings.kv_events_replay_endpoint}"
+                 if settings.kv_events_replay_endpoint else "",
+                 (publisher.topics.of(0) or b"").decode())  # fmt: skip
+        try:
+            publisher.run(lambda: bool(stop))
+        finally:
+            publisher.close()
+        return 0
+    finally:
+        slab.close()
