@@ -8,11 +8,13 @@ newest entry and its subscribers see a hole in ``seq`` (and ask the replay socke
 
 Topics and ``seq``. Each namespace publishes on its own topic (:meth:`Topics.of`): a
 tenant's subscriber sees its namespace's blocks and nothing of another's. A message
-carries ONE event, and its ``seq`` is that event's position in its namespace's log
+carries ONE event, and its ``seq`` is the log's base (:func:`seq_base`: when the log was
+created, in ms, times 2**22) plus that event's position in its namespace's log
 (``nseq``): continuous across workers (one log), across restarts of the publisher (the
-log is the buffer) and over a warm restart (``--keep``). Before position 1 of a log, the
-publisher sends ``AllBlocksCleared`` at ``seq`` 0: a fresh slab tells its consumers to
-forget what they held.
+log is the buffer) and over a warm restart (``--keep``). A new log (``--fresh``, a new
+slab) starts above every seq of the one before: its ``AllBlocksCleared`` (at position 0,
+sent at start and before position 1) or, for a consumer that missed it, the jump in
+``seq`` and the replay it asks for, tells consumers to forget what they held.
 
 Replay (``--kv-events-replay-endpoint``, a ROUTER socket, vLLM's protocol): a request is
 ``[start seq as 8 bytes big-endian]`` (the default namespace's topic) or ``[topic, start
@@ -66,6 +68,16 @@ class PublisherOptions:
     model: str = "default"
     form: str = "maps"  #: eg_kv.kvevents.wire.MAPS or ARRAYS
     hwm: int = 100_000  #: messages the PUB socket queues per subscriber
+
+
+#: A log's seqs start at its creation time in ms shifted by this: 4 million events a
+#: millisecond between two logs before their seqs could meet, and room until 2527.
+SEQ_SHIFT = 22
+
+
+def seq_base(created_ms: int) -> int:
+    """The seq of position 0 of a log created at ``created_ms`` (Unix ms)."""
+    return created_ms << SEQ_SHIFT
 
 
 class Topics:
@@ -126,6 +138,7 @@ class Publisher:
             self.replay.setsockopt(zmq.LINGER, 0)
             self.replay.bind(options.replay_endpoint)
         self.since = ring.head  # what came before is in the log, for replay
+        self.base = seq_base(ring.created_ms)
         self.counters = {"published": 0, "skipped": 0, "replays": 0, "resyncs": 0,
                          "replays_dropped": 0}  # fmt: skip
         if ring.ns_position(0)[0] == 0:  # a fresh log: consumers forget the last one's
@@ -159,13 +172,14 @@ class Publisher:
         if ev.nseq == 1:
             self._send_cleared(ev.ns)
         payload = self.wire.batch([self.wire.event(ev)])
-        self.pub.send_multipart((topic, seq_bytes(ev.nseq), payload), copy=False)
+        self.pub.send_multipart((topic, seq_bytes(self.base + ev.nseq), payload), copy=False)
         self.counters["published"] += 1
 
     def _send_cleared(self, ns: int) -> None:
         topic = self.topics.of(ns)
         if topic is not None:
-            self.pub.send_multipart((topic, seq_bytes(0), self.wire.batch([self.wire.cleared()])))
+            payload = self.wire.batch([self.wire.cleared()])
+            self.pub.send_multipart((topic, seq_bytes(self.base), payload))
 
     def run(self, stopped: Callable[[], bool]) -> None:
         """Publish until ``stopped()``; answers replay requests between steps."""
@@ -206,7 +220,9 @@ class Publisher:
         self.counters["replays"] += 1
         try:
             if ns is not None and topic is not None and len(body[-1]) == 8 and len(body) <= 2:
-                self._replay(client, ns, topic, int.from_bytes(body[-1], "big"))
+                # A seq from before this log (another log's): this one from its start.
+                start = int.from_bytes(body[-1], "big") - self.base
+                self._replay(client, ns, topic, max(start, 0))
             self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
         except zmq.ZMQError as e:  # gone, or not reading: dropped, the publisher goes on
             self.counters["replays_dropped"] += 1
@@ -221,7 +237,8 @@ class Publisher:
 
     def _send(self, client: bytes, topic: bytes, seq: int, events: list[Any]) -> None:
         assert self.replay is not None
-        self.replay.send_multipart((client, b"", topic, seq_bytes(seq), self.wire.batch(events)))
+        payload = self.wire.batch(events)
+        self.replay.send_multipart((client, b"", topic, seq_bytes(self.base + seq), payload))
 
     def _replay(self, client: bytes, ns: int, topic: bytes, start: int) -> None:
         count, _ = self.ring.ns_position(ns)

@@ -14,7 +14,8 @@ like the readers segment, created by the server's supervisor, removed with the s
     │ header │ words  │ entries: N × ENTRY (384 B), a ring  │ namespaces     │
     └────────┴────────┴─────────────────────────────────────┴────────────────┘
     header:  EVENTS_HEAD: magic, slab id, N (entries), epoch (8 random bytes as an int:
-             a new log of the same slab has another, so a reader knows its seq is void)
+             a new log of the same slab has another, so a reader knows its seq is void),
+             and when the log was created (Unix ms: the KV-events publisher's seq base)
     words:   W_HEAD: seq of the newest published entry (0: none yet);
              W_PENDING: seq of the entry being written inside the lock (0: none)
     entry:   ENTRY: seq, block id, block length, namespace id, kind, reason, address
@@ -83,7 +84,7 @@ from .segment import _unlink_ours as unlink_ours
 EVENTS_SUFFIX = ".events"
 EVENTS_MAGIC = b"EGKVEVT3"  # 2: per-namespace positions (nseq, prev, the namespace table);
 # 3: each entry carries the block's engine name (ENGINE)
-EVENTS_HEAD = struct.Struct("<8s16sQQ")  # magic, slab id, entries, epoch
+EVENTS_HEAD = struct.Struct("<8s16sQQQ")  # magic, slab id, entries, epoch, created (ms)
 EVENTS_WORDS_OFFSET = 64
 EVENTS_ENTRIES_OFFSET = 128
 W_HEAD, W_PENDING = 0, 1
@@ -160,10 +161,11 @@ class Event(NamedTuple):
 class EventRing:
     """One process's mapping of an events segment (see the module docstring)."""
 
-    __slots__ = ("_eq", "_mm", "_mv", "_nsw", "_staged", "_w", "capacity", "epoch")
+    __slots__ = ("_eq", "_mm", "_mv", "_nsw", "_staged", "_w", "capacity", "created_ms", "epoch")
 
-    def __init__(self, mm: mmap.mmap, capacity: int, epoch: int) -> None:
+    def __init__(self, mm: mmap.mmap, capacity: int, epoch: int, created_ms: int = 0) -> None:
         self._mm, self.capacity, self.epoch = mm, capacity, epoch
+        self.created_ms = created_ms  #: when the log was created (Unix ms)
         self._mv = memoryview(mm)
         self._w = self._mv[EVENTS_WORDS_OFFSET:EVENTS_ENTRIES_OFFSET].cast("q")
         end = EVENTS_ENTRIES_OFFSET + capacity * ENTRY_SIZE
@@ -445,10 +447,10 @@ class SlabEventLog(SlabSegment):
             if size < EVENTS_ENTRIES_OFFSET:
                 return
             head = os.pread(shm.fd, EVENTS_HEAD.size, 0)
-            magic, slab_id, entries, epoch = EVENTS_HEAD.unpack(head)
+            magic, slab_id, entries, epoch, created_ms = EVENTS_HEAD.unpack(head)
             if magic != EVENTS_MAGIC or slab_id != self.slab_id or size != events_size(entries):
                 return  # another slab's: setup_events replaces it
-            self._events = EventRing(mmap.mmap(shm.fd, size), entries, epoch)
+            self._events = EventRing(mmap.mmap(shm.fd, size), entries, epoch, created_ms)
             self.events_inode = inode
         finally:
             shm.close_fd()
@@ -502,8 +504,10 @@ class SlabEventLog(SlabSegment):
             raise
         shm.close_fd()
         epoch = int.from_bytes(os.urandom(8), "little") >> 1
-        mm[: EVENTS_HEAD.size] = EVENTS_HEAD.pack(EVENTS_MAGIC, self.slab_id, entries, epoch)
-        self._events = EventRing(mm, entries, epoch)
+        created_ms = int(time.time() * 1000)
+        head = EVENTS_HEAD.pack(EVENTS_MAGIC, self.slab_id, entries, epoch, created_ms)
+        mm[: EVENTS_HEAD.size] = head
+        self._events = EventRing(mm, entries, epoch, created_ms)
         self.events_inode = inode
 
     def _unlink_stale_events(self) -> None:

@@ -1,0 +1,212 @@
+"""Issue 34: eg-kv's event log as vLLM's KV events, consumed as routers consume it.
+
+Real servers with a publisher (``--kv-events-endpoint``), real PUTs carrying engine
+hashes, and a real subscriber process (tests/kvevents/subscriber.py): decoding with vLLM's
+own ``KVEventBatch`` (.venv-vllm) or the positional form as llm-d's indexer does. After
+churn (stores, evictions, DELETEs, a worker SIGKILLed, the publisher SIGKILLed while the
+log moves on: replay, then a resync once the log lapped it, a ``--fresh`` restart:
+``AllBlocksCleared``), the subscriber's set of hashes is the server's, exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+from helpers.common import ROOT, free_port, wait_for
+from helpers.server_http import request
+from helpers.server_procs import workers_of
+from helpers.tenants import token_of, write_tokens
+
+from eg_kv.client.sync import ServerConnector
+from eg_kv.engine import EngineName, engine_headers
+
+pytestmark = pytest.mark.timeout(240)
+
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+SUBSCRIBER = ROOT / "tests" / "kvevents" / "subscriber.py"
+BLOCK = b"k" * 4096
+
+
+def engine_hash(address: str) -> bytes:
+    """The engine hash the test's "engine" gives each block: SHA-256, as vLLM's."""
+    return hashlib.sha256(address.encode()).digest()
+
+
+def put(srv, address: str, token: str | None = None, parent: bytes = b"") -> int:
+    name = EngineName(engine_hash(address), parent, 16, 0)
+    return request(srv, "PUT", f"/kv/{address}", BLOCK, engine_headers(name), token=token).status
+
+
+class Subscriber:
+    """tests/kvevents/subscriber.py in a process of its own."""
+
+    def __init__(self, python, ports: tuple[int, int], topic: str, decode: str) -> None:
+        self.proc = subprocess.Popen(
+            [str(python), str(SUBSCRIBER), f"tcp://127.0.0.1:{ports[0]}",
+             f"tcp://127.0.0.1:{ports[1]}", topic, "--decode", decode],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={"LMCACHE_TRACK_USAGE": "false", "PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+
+    def dump(self) -> dict:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write("dump\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the subscriber ended (status {self.proc.poll()})"
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def held_by(srv, token: str | None = None) -> set[str]:
+    """The addresses the server holds now."""
+    c = ServerConnector(base_url=srv.url, local_reads=False, token=token, timeout_s=10)
+    try:
+        snap = c.snapshot()
+    finally:
+        c.close()
+    return {b.hash for b in snap.blocks}
+
+
+def publisher_of(srv, port: int) -> int | None:
+    """The child of the server that listens on the publisher's port."""
+    for pid in workers_of(srv):
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns):
+            return pid
+    return None
+
+
+def kv_events_flags(ports: tuple[int, int], *more: str) -> tuple[str, ...]:
+    return ("--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}",
+            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{ports[1]}",
+            "--kv-events-pool", "node:test", "--kv-events-model", "tiny", *more)  # fmt: skip
+
+
+@pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (scripts/setup-vllm)")
+def test_a_vllm_subscriber_rebuilds_what_the_server_holds_through_churn(server_factory):
+    ports = (free_port(), free_port())
+    extra = kv_events_flags(ports, "--events", "256")  # a short log: a resync is reachable
+    srv = server_factory(workers=2, capacity="4MiB", extra=extra)
+    sub = Subscriber(VLLM_PY, ports, "kv@pool:node:test@tiny", "vllm")
+    n = [0]
+
+    def store(count: int) -> None:
+        for _ in range(count):
+            assert put(srv, f"blk{n[0]}") in (200, 201)
+            n[0] += 1
+
+    def store_through_a_kill(count: int) -> None:  # a PUT the kill cuts may or may not land
+        for _ in range(count):
+            with contextlib.suppress(OSError):
+                put(srv, f"blk{n[0]}")
+            n[0] += 1
+
+    def agrees(what: str) -> dict:
+        addresses = held_by(srv)
+        got = sub.dump()
+        want = sorted(engine_hash(a).hex() for a in addresses)
+        assert got["held"] == want, f"{what}: {len(got['held'])} held, server {len(want)}"
+        assert got["media"] == ["SHARED_STORAGE"]
+        return got
+
+    try:
+        # Stores past the slab's 64 pages: evictions; then DELETEs.
+        store(150)
+        for k in range(140, 150, 2):
+            assert request(srv, "DELETE", f"/kv/blk{k}").status == 204
+        first = agrees("stores, evictions and deletes")
+        assert first["cleared"] >= 1 and len(first["held"]) > 50
+        # A worker SIGKILLed while PUTs run.
+        worker = min(workers_of(srv) - {publisher_of(srv, ports[0])})
+        churn = threading.Thread(target=store_through_a_kill, args=(100,))
+        churn.start()
+        psutil.Process(worker).send_signal(signal.SIGKILL)
+        churn.join(60)
+        wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, what="a new worker")
+        agrees("a worker killed")
+        # The publisher stopped while the log moves on, then killed: 40 entries (within the
+        # log's 256) come back by replay; 600 (lapped) by a resync.
+        for moved, resync in ((40, False), (600, True)):
+            before = sub.dump()
+            old = publisher_of(srv, ports[0])
+            psutil.Process(old).send_signal(signal.SIGSTOP)  # stopped: it publishes nothing
+            store(moved)
+            psutil.Process(old).send_signal(signal.SIGKILL)  # and dies; a new one starts
+            wait_for(lambda old=old: publisher_of(srv, ports[0]) not in (None, old),
+                     timeout=20, what="the publisher started again")  # fmt: skip
+            store(1)
+            got = agrees(f"the publisher killed, {moved} entries missed")
+            assert got["replays"] > before["replays"]
+            assert (got["resyncs"] > before["resyncs"]) == resync
+    finally:
+        sub.close()
+    # A --fresh restart: a new log, AllBlocksCleared, then only the new blocks.
+    sub = Subscriber(VLLM_PY, ports, "kv@pool:node:test@tiny", "vllm")
+    try:
+        before = sub.dump()
+        srv.stop()
+        srv = server_factory(workers=2, capacity="4MiB", extra=(*extra, "--fresh"),
+                             port=srv.port, slab_name=srv.slab_name)  # fmt: skip
+        n[0] = 10_000
+        store(20)
+        got = agrees("a --fresh restart")
+        assert got["cleared"] > before["cleared"] and len(got["held"]) == 20
+    finally:
+        sub.close()
+
+
+def test_the_positional_form_read_as_llm_d_does_and_namespaces_apart(server_factory, tmp_path):
+    """``--kv-events-arrays``, decoded by hand as llm-d's indexer does (the last 8 bytes of
+    each hash); two tenants publish on two topics, and neither sees the other's blocks."""
+    path = write_tokens(tmp_path / "tokens.toml", [
+        {"name": "alice", "role": "readwrite", "namespace": "team-a"},
+        {"name": "bob", "role": "readwrite", "namespace": "team-b"},
+    ])  # fmt: skip
+    ports = (free_port(), free_port())
+    extra = kv_events_flags(ports, "--kv-events-arrays", "--tokens", str(path))
+    srv = server_factory(workers=2, capacity="4MiB", extra=extra)
+    subs = {
+        who: Subscriber(sys.executable, ports, f"kv@pool:node:test/{ns}@tiny", "llm-d")
+        for who, ns in (("alice", "team-a"), ("bob", "team-b"))
+    }
+    try:
+        for k in range(120):
+            who = "alice" if k % 3 else "bob"
+            assert put(srv, f"{who}{k}", token_of(who)) in (200, 201)
+        assert request(srv, "DELETE", "/kv/alice119", token=token_of("alice")).status == 204
+        for who, sub in subs.items():
+            addresses = held_by(srv, token_of(who))
+            got = sub.dump()
+            want = sorted(str(int.from_bytes(engine_hash(a)[-8:], "big")) for a in addresses)
+            assert addresses and all(a.startswith(who) for a in addresses)
+            assert got["held"] == want, who
+    finally:
+        for sub in subs.values():
+            sub.close()
+
+
+def test_bad_engine_headers_get_400_and_store_nothing(server_factory):
+    srv = server_factory(workers=1, capacity="4MiB")
+    for headers in ({"X-Eg-Kv-Engine-Hash": "xyz"}, {"X-Eg-Kv-Engine-Hash": "ab" * 33},
+                    {"X-Eg-Kv-Engine-Block-Size": "16"},
+                    {"X-Eg-Kv-Engine-Hash": "ab", "X-Eg-Kv-Engine-Block-Size": "-1"},
+                    {"X-Eg-Kv-Engine-Hash": "ab", "X-Eg-Kv-Engine-Lora": "9" * 30}):  # fmt: skip
+        got = request(srv, "PUT", "/kv/bad", BLOCK, headers)
+        assert got.status == 400 and b"X-Eg-Kv-Engine" in got.body, headers
+    assert request(srv, "HEAD", "/kv/bad").status == 404
