@@ -34,6 +34,7 @@ __all__ = [
     "NO_ENGINE",
     "EngineName",
     "engine_from_headers",
+    "engine_header_lines",
     "engine_headers",
 ]
 
@@ -71,6 +72,11 @@ def engine_headers(name: EngineName) -> dict[str, str]:
     if name.lora_id:
         out[LORA_HEADER] = str(name.lora_id)
     return out
+
+
+def engine_header_lines(name: EngineName) -> bytes:
+    """:func:`engine_headers` as HTTP/1.1 header lines (the sync client's form)."""
+    return "".join(f"{k}: {v}\r\n" for k, v in engine_headers(name).items()).encode("ascii")
 
 
 def _hash(header: str, text: str | None) -> bytes:

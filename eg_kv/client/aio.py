@@ -27,6 +27,7 @@ import aiohttp
 from aiohttp.payload import Payload
 
 from ..blockkey import TAG, ForgedBlock
+from ..engine import NO_ENGINE, EngineName, engine_headers
 from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
 from ..slab.view import BlockReader
@@ -578,7 +579,9 @@ class AsyncServerConnector(LoadFailures):
         """
         return await self.put_status(key, parts) in (200, 201)
 
-    async def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
+    async def put_status(
+        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE
+    ) -> int | None:
         """``PUT /kv/<addr>`` of the concatenation of ``parts`` (bytes-like, no copy).
 
         Returns:
@@ -590,7 +593,7 @@ class AsyncServerConnector(LoadFailures):
         try:
             status = await self._exchange(
                 "PUT", self._core.block_path(address), _drained, body=_Parts(views),
-                headers={CHECKSUM_HEADER: parts_checksum(views)},
+                headers={CHECKSUM_HEADER: parts_checksum(views), **engine_headers(engine)},
             )  # fmt: skip
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss("PUT", address, exc)

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+from ..engine import NO_ENGINE, EngineName
 from .aio import AsyncServerConnector
 from .bodies import byte_views
 from .core import KvCacheConfig, KvCacheStats, to_address, to_addresses
@@ -133,9 +134,13 @@ class AsyncSetConnector:
     put = AsyncServerConnector.put
     put_parts = AsyncServerConnector.put_parts
 
-    async def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
+    async def put_status(
+        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE
+    ) -> int | None:
         parts = byte_views(parts)  # TypeError: not a miss
-        return await self._one(key, lambda c, a: c.put_status(a, parts), lambda _r: False, False)
+        return await self._one(
+            key, lambda c, a: c.put_status(a, parts, engine), lambda _r: False, False
+        )
 
     async def contains(self, key: str | bytes) -> bool:
         return bool(await self._one(key, lambda c, a: c.contains(a), lambda r: not r))

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ..engine import NO_ENGINE, EngineName
 from .bodies import byte_views
 from .core import KvCacheConfig, KvCacheStats, batches, to_address, to_addresses
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
@@ -140,10 +141,12 @@ class SetConnector:
     put = ServerConnector.put
     put_parts = ServerConnector.put_parts
 
-    def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
+    def put_status(
+        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE
+    ) -> int | None:
         """``PUT`` at the address's home (its next-ranked member while it is down)."""
         parts = byte_views(parts)  # TypeError: not a miss
-        return self._one(key, lambda c, a: c.put_status(a, parts), lambda _r: False, False)
+        return self._one(key, lambda c, a: c.put_status(a, parts, engine), lambda _r: False, False)
 
     def contains(self, key: str | bytes) -> bool:
         """``HEAD`` at the home (and the previous home once, right after a change)."""

@@ -28,6 +28,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from ..config import DEFAULT_HOST
+from ..engine import NO_ENGINE, EngineName, engine_header_lines
 from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
 from ..wire import (
@@ -479,12 +480,15 @@ class ServerConnector(LoadFailures):
         """
         return self.put_status(key, parts) in (200, 201)
 
-    def put_status(self, key: str | bytes, parts: Iterable[Any]) -> int | None:
+    def put_status(
+        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE
+    ) -> int | None:
         """``PUT /kv/<addr>`` of the concatenation of ``parts`` (bytes-like, no copy).
 
         A body over 64 KiB asks ``Expect: 100-continue`` first: a server that answers from
         the head alone (a dedup hit, a refusal) is never sent it. A PUT is never sent
-        twice.
+        twice. ``engine``: the block's name as its engine knows it (:mod:`eg_kv.engine`),
+        which the server's KV events publish.
 
         Returns:
             The final HTTP status (201 stored, 200 deduplicated, 409, 413, 503, 507, 401,
@@ -498,7 +502,7 @@ class ServerConnector(LoadFailures):
                 self._core.block_path(address),
                 self._drained,
                 body=views,
-                headers=self._put_head + checksum_line(views),
+                headers=self._put_head + checksum_line(views) + engine_header_lines(engine),
             )
         except Exception as exc:
             self._core.miss("PUT", address, exc)

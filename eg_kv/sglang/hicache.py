@@ -43,7 +43,8 @@ from ..binding import declared_binding
 from ..blockkey import say_once
 from ..client.connectors import connect
 from ..client.lease_record import LeaseRecord
-from .pages import PageFormat, page_format, page_views, view_at
+from ..engine import EngineName
+from .pages import PageFormat, engine_names, page_format, page_views, view_at
 from .settings import backend_options
 
 log = logging.getLogger("eg_kv.sglang")
@@ -263,11 +264,13 @@ class EgKvHiCacheStorage(HiCacheStorage):
         t0 = time.perf_counter()
         held = self.client.try_exists_addresses(addresses) or [False] * len(keys)
         todo = [n for n, hit in enumerate(held) if not hit]
+        names = engine_names(keys, self.format.page_tokens if self.format else 0)
 
-        def put(address: str, page: list[memoryview]) -> bool:
-            return self.client.put_status(address, page) in (200, 201)
+        def put(address: str, item: tuple[list[memoryview], EngineName]) -> bool:
+            return self.client.put_status(address, item[0], item[1]) in (200, 201)
 
-        stored = self._each(put, [addresses[n] for n in todo], [pages[n] for n in todo])
+        items = [(pages[n], names[n]) for n in todo]
+        stored = self._each(put, [addresses[n] for n in todo], items)
         out = list(held)
         for n, ok in zip(todo, stored, strict=True):
             out[n] = ok

@@ -24,6 +24,7 @@ tensor rank for MLA, whose every tensor rank holds the same KV). No SGLang impor
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -33,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..binding import EngineBinding
+from ..engine import ENGINE_HASH_MAX, NO_ENGINE, EngineName
 from ..errors import ConfigError
 
 #: Bumped whenever a page's block changes its byte order or meaning.
@@ -100,11 +102,35 @@ class PageFormat:
     def _mac_key(self) -> bytes:
         return hashlib.blake2b(self.describe().encode(), digest_size=32).digest()
 
+    @property
+    def page_tokens(self) -> int:
+        """Tokens in a page (0: the pool did not say)."""
+        return dict(self.shape).get("page_size", 0)
+
     def address(self, key: str) -> str:
         """The eg-kv address of the page SGLang names ``key`` (the same on every host): a
         BLAKE2b-160 of the key, keyed with the format's digest (one short hash a key)."""
         digest = hashlib.blake2b(key.encode(), digest_size=20, key=self._mac_key)
         return "k" + digest.hexdigest()
+
+
+def _engine_hash(key: str) -> bytes:
+    """SGLang's key as bytes when it is the page's hash in hex (SHA-256: 64 digits)."""
+    if 2 <= len(key) <= 2 * ENGINE_HASH_MAX and len(key) % 2 == 0:
+        with contextlib.suppress(ValueError):
+            return bytes.fromhex(key)
+    return b""
+
+
+def engine_names(keys: list[str], page_tokens: int) -> list[EngineName]:
+    """Each page's name as SGLang knows it, for the server's KV events: its key (the hash
+    chained over its tokens), the key before it in the batch as its parent (SGLang's keys
+    come in prefix order), and the page size in tokens. A key that is not hex: none."""
+    hashes = [_engine_hash(k) for k in keys]
+    return [
+        EngineName(h, hashes[n - 1] if n else b"", page_tokens) if h else NO_ENGINE
+        for n, h in enumerate(hashes)
+    ]
 
 
 #: The host pool's attributes that give a page's shape (those a pool has).

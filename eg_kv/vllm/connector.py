@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..client.connectors import connect
 from ..client.interface import KvConnector
 from ..client.members import parse_server_set
+from ..engine import ENGINE_HASH_MAX, NO_ENGINE, EngineName
 from .addresses import BlockFormat, block_addresses, connector_format, lookup_addresses, token_chain
 from .events import EventRelay, LogFollowers, vllm_events
 from .lookups import PendingLookups
@@ -86,6 +87,22 @@ class EgKvHandshake(KVConnectorHandshakeMetadata):
     shard: int
 
 
+def engine_names(hashes: Sequence[Any], first: int, end: int, block_size: int) -> list[EngineName]:
+    """Blocks ``first``..``end`` of a request as vLLM names them: each one's block hash
+    (bytes; an int hash, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, as 8 big-endian bytes),
+    the one before it as its parent, and the block size in tokens."""
+
+    def raw(h: Any) -> bytes:
+        b = h if isinstance(h, bytes) else (int(h) & (1 << 64) - 1).to_bytes(8, "big")
+        return b[-ENGINE_HASH_MAX:]
+
+    out, parent = [], raw(hashes[first - 1]) if 0 < first <= len(hashes) else b""
+    for h in hashes[first:end]:
+        out.append(EngineName(raw(h), parent, block_size))
+        parent = out[-1].hash
+    return out
+
+
 @dataclasses.dataclass
 class BlockTransfer:
     """Blocks of one request to load or save: vLLM block ids and their chain digests."""
@@ -93,6 +110,9 @@ class BlockTransfer:
     req_id: str
     block_ids: list[int]
     digests: list[bytes]
+    #: A save's blocks as vLLM names them (its block hashes, parents, block size): the
+    #: server's KV events publish them (eg_kv.engine); empty for loads.
+    names: list[EngineName] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -147,7 +167,7 @@ class EgKvConnector(KVConnectorBase_V1):
     ``EPISTEMIC_GRAPH_KVCACHE_*`` environment), ``io_threads``, ``max_pending_bytes``,
     ``lease_ms`` (the lease a lookup takes on its hits, released by the load; 0: none),
     ``events`` (1: relay eg-kv's stores and removals on vLLM's KV-events stream, medium
-    ``EG_KV``: :mod:`eg_kv.vllm.events`).
+    ``SHARED_STORAGE``: :mod:`eg_kv.vllm.events`).
     """
 
     def __init__(
@@ -375,6 +395,7 @@ class EgKvConnector(KVConnectorBase_V1):
                     request.request_id,
                     tracked.block_ids[start:complete],
                     tracked.chain[start:complete],
+                    engine_names(request.block_hashes, start, complete, bs),
                 )
             )
             tracked.saved_blocks += complete - start
@@ -513,6 +534,7 @@ class EgKvConnector(KVConnectorBase_V1):
             return
         block_ids = [b for t in meta.saves for b in t.block_ids]
         addresses = [a for t in meta.saves for a in self._addresses(t.digests)]
+        names = [n for t in meta.saves for n in t.names or [NO_ENGINE] * len(t.digests)]
         if not block_ids:
             return
         n = len(block_ids)
@@ -526,13 +548,13 @@ class EgKvConnector(KVConnectorBase_V1):
         assert self._pool is not None
         for i in range(n):
             self._wait_for_room(self._block_bytes)
-            future = self._pool.submit(self._put, addresses[i], rows[i])
+            future = self._pool.submit(self._put, addresses[i], rows[i], names[i])
             with self._lock:
                 self._pending.append((future, self._block_bytes))
                 self._pending_bytes += self._block_bytes
 
-    def _put(self, address: str, row: Any) -> int | None:
-        status = self._client.put_status(address, (row,))
+    def _put(self, address: str, row: Any, name: EngineName) -> int | None:
+        status = self._client.put_status(address, (row,), name)
         with self._lock:
             if status == 201:
                 self.counters["saved_blocks"] += 1

@@ -34,8 +34,9 @@ from ..errors import EgKvError
 
 log = logging.getLogger("eg_kv.vllm.events")
 
-#: The ``medium`` of the relayed events: eg-kv, a tier shared by every engine.
-MEDIUM = "EG_KV"
+#: The ``medium`` of the relayed events: eg-kv, a tier shared by every engine (what llm-d
+#: scores as shared storage; it scored the old "EG_KV" 0).
+MEDIUM = "SHARED_STORAGE"
 #: Addresses remembered with their vLLM block hash (LRU).
 MAX_MAPPED = 1 << 20
 #: Changes waiting for the scheduler's next step.

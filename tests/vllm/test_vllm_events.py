@@ -163,8 +163,8 @@ def test_vllm_gets_its_own_event_objects():
                           text=True, timeout=80)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
-        ["BlockStored", ["a", "b"], "EG_KV"],
-        ["BlockRemoved", [7], "EG_KV"],
+        ["BlockStored", ["a", "b"], "SHARED_STORAGE"],
+        ["BlockRemoved", [7], "SHARED_STORAGE"],
     ]
 
 
@@ -216,7 +216,7 @@ def test_the_connector_relays_with_vllms_own_block_hashes(tmp_path):
     got = json.loads(lines[-1][7:])
     h = got["hashes"]  # vLLM's hashes of the request's 4 blocks, as its events carry them
     assert got["events"] == [
-        ["BlockStored", [h[1], h[2]], "EG_KV", 16],  # the blocks this engine saved
-        ["BlockRemoved", [h[2]], "EG_KV", None],
+        ["BlockStored", [h[1], h[2]], "SHARED_STORAGE", 16],  # the blocks this engine saved
+        ["BlockRemoved", [h[2]], "SHARED_STORAGE", None],
     ]
     assert got["unmapped"] == 2  # blocks 0 and 3: never computed by this engine
