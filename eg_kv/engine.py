@@ -23,7 +23,7 @@ Standard library only (the sync client imports it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from .errors import BadRequest
@@ -33,6 +33,7 @@ __all__ = [
     "ENGINE_HASH_MAX",
     "NO_ENGINE",
     "EngineName",
+    "chained_names",
     "engine_from_headers",
     "engine_header_lines",
     "engine_headers",
@@ -71,6 +72,30 @@ def engine_headers(name: EngineName) -> dict[str, str]:
         out[BLOCK_SIZE_HEADER] = str(name.block_size)
     if name.lora_id:
         out[LORA_HEADER] = str(name.lora_id)
+    return out
+
+
+def hash_bytes(h: bytes | int) -> bytes:
+    """An engine's block hash as bytes: bytes as they are (their last
+    :data:`ENGINE_HASH_MAX`), an int (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) as
+    8 big-endian bytes of its two's complement."""
+    if isinstance(h, bytes):
+        return h[-ENGINE_HASH_MAX:]
+    return (int(h) & (1 << 64) - 1).to_bytes(8, "big")
+
+
+def chained_names(
+    hashes: Sequence[bytes | int], block_size: int, parent: bytes | int | None = None
+) -> list[EngineName]:
+    """Consecutive blocks of one sequence as their engine names them: each hash, the one
+    before it as its parent (``parent`` for the first; None: none), the block size.
+    An empty hash gives :data:`NO_ENGINE` and the next block no parent."""
+    out: list[EngineName] = []
+    last = b"" if parent is None else hash_bytes(parent)
+    for h in hashes:
+        raw = hash_bytes(h)
+        out.append(EngineName(raw, last, block_size) if raw else NO_ENGINE)
+        last = raw
     return out
 
 

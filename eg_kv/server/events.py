@@ -6,10 +6,11 @@
     {"epoch": "<hex>", "events": [{"seq": 7, "kind": "stored", "reason": "put",
      "hash": "<address>", "length": 4096}, ...], "next": 7, "gap": false}
 
-Ask again with ``since=next``. With none yet, the answer waits up to ``wait`` seconds
-(at most :data:`MAX_WAIT_S`: a larger one is clamped, and the answer's ``"wait"`` says
-what it was) for one. A reader whose ``since`` fell out of the
-bounded log, or is beyond it, or whose ``epoch`` (when it sends one) is not the log's
+An event of a block whose PUT named it as its engine does (:mod:`eg_kv.engine`) also
+carries ``"engine_hash": "<hex>"``. Ask again with ``since=next``. With none yet, the
+answer waits up to ``wait`` seconds (at most :data:`MAX_WAIT_S`: a larger one is clamped,
+and the answer's ``"wait"`` says what it was) for one. A reader whose ``since`` fell out
+of the bounded log, or is beyond it, or whose ``epoch`` (when it sends one) is not the log's
 (the server started a new log), gets ``"gap": true`` and ``next`` the newest position: it
 fetches ``GET /kv/events/snapshot`` and follows the log from the snapshot's ``seq``.
 
@@ -160,6 +161,8 @@ def _event_text(ev: Event, names: dict[int, str] | None, seq: bool = True) -> st
         + f'"kind": "{KINDS.get(ev.kind, "?")}", "reason": "{REASONS.get(ev.reason, "?")}", '
         f'"hash": {json.dumps(ev.address.decode("ascii", "replace"))}, "length": {ev.length}'
     )
+    if ev.engine.hash:  # the engine's name for it (eg_kv.engine), as the PUT gave it
+        text += f', "engine_hash": "{ev.engine.hash.hex()}"'
     if names is None:
         return text + "}"
     return f'{text}, "namespace": {_name_text(names, ev.ns)}}}'

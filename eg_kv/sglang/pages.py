@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..binding import EngineBinding
-from ..engine import ENGINE_HASH_MAX, NO_ENGINE, EngineName
+from ..engine import ENGINE_HASH_MAX, EngineName, chained_names
 from ..errors import ConfigError
 
 #: Bumped whenever a page's block changes its byte order or meaning.
@@ -126,11 +126,7 @@ def engine_names(keys: list[str], page_tokens: int) -> list[EngineName]:
     """Each page's name as SGLang knows it, for the server's KV events: its key (the hash
     chained over its tokens), the key before it in the batch as its parent (SGLang's keys
     come in prefix order), and the page size in tokens. A key that is not hex: none."""
-    hashes = [_engine_hash(k) for k in keys]
-    return [
-        EngineName(h, hashes[n - 1] if n else b"", page_tokens) if h else NO_ENGINE
-        for n, h in enumerate(hashes)
-    ]
+    return chained_names([_engine_hash(k) for k in keys], page_tokens)
 
 
 #: The host pool's attributes that give a page's shape (those a pool has).

@@ -58,7 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..client.connectors import connect
 from ..client.interface import KvConnector
 from ..client.members import parse_server_set
-from ..engine import ENGINE_HASH_MAX, NO_ENGINE, EngineName
+from ..engine import NO_ENGINE, EngineName, chained_names
 from .addresses import BlockFormat, block_addresses, connector_format, lookup_addresses, token_chain
 from .events import EventRelay, LogFollowers, vllm_events
 from .lookups import PendingLookups
@@ -85,22 +85,6 @@ class EgKvHandshake(KVConnectorHandshakeMetadata):
 
     block_format: dict[str, Any]
     shard: int
-
-
-def engine_names(hashes: Sequence[Any], first: int, end: int, block_size: int) -> list[EngineName]:
-    """Blocks ``first``..``end`` of a request as vLLM names them: each one's block hash
-    (bytes; an int hash, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, as 8 big-endian bytes),
-    the one before it as its parent, and the block size in tokens."""
-
-    def raw(h: Any) -> bytes:
-        b = h if isinstance(h, bytes) else (int(h) & (1 << 64) - 1).to_bytes(8, "big")
-        return b[-ENGINE_HASH_MAX:]
-
-    out, parent = [], raw(hashes[first - 1]) if 0 < first <= len(hashes) else b""
-    for h in hashes[first:end]:
-        out.append(EngineName(raw(h), parent, block_size))
-        parent = out[-1].hash
-    return out
 
 
 @dataclasses.dataclass
@@ -390,12 +374,14 @@ class EgKvConnector(KVConnectorBase_V1):
         if complete > tracked.saved_upto:
             tracked.chain = self._chain(request, tracked.extras, complete)
             start = tracked.saved_upto
+            hashes = request.block_hashes  # vLLM's names for the blocks, chained
+            names = chained_names(hashes[start:complete], bs, hashes[start - 1] if start else None)
             meta.saves.append(
                 BlockTransfer(
                     request.request_id,
                     tracked.block_ids[start:complete],
                     tracked.chain[start:complete],
-                    engine_names(request.block_hashes, start, complete, bs),
+                    names,
                 )
             )
             tracked.saved_blocks += complete - start

@@ -349,6 +349,30 @@ def scenario_server_set() -> dict:
     return out
 
 
+def scenario_engine_names() -> dict:
+    """Each page's PUT names it as SGLang does (its key, the key before it as parent): the
+    server's event log shows the key as the block's engine hash."""
+    import urllib.request
+
+    keys = keys_of("engine-names", 5)
+    writer = Engine(False, "page_first")
+    writer.fill(src := writer.slots(len(keys)))
+    stored = writer.set(keys, src)
+    want = {writer.backend.format.address(k): k for k in keys}
+    seen, since = {}, 0
+    for _ in range(100):  # the log holds every scenario's events: read it to its end
+        with urllib.request.urlopen(f"{URL}/kv/events?since={since}&limit=1000") as r:
+            got = json.loads(r.read())
+        for ev in got["events"]:
+            if ev["hash"] in want and ev["kind"] == "stored":
+                seen[ev["hash"]] = ev.get("engine_hash")
+        if got["next"] == since:
+            break
+        since = got["next"]
+    writer.close()
+    return {"stored": stored, "named": sum(seen.get(a) == k for a, k in want.items())}
+
+
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items()
              if name.startswith("scenario_")}  # fmt: skip
 

@@ -141,6 +141,12 @@ def test_a_server_set_spreads_pages_and_loads_them_whole(found):
     assert all(n > 0 for n in got["held"]) and sum(got["held"]) == 16
 
 
+@needs_sglang
+def test_each_page_is_named_by_its_sglang_key_for_the_kv_events(found):
+    got = found["engine_names"]
+    assert got == {"stored": True, "named": 5}
+
+
 def test_the_token_comes_from_the_environment_only():
     with pytest.raises(ConfigError, match="EPISTEMIC_GRAPH_KVCACHE_TOKEN"):
         backend_options({"url": "http://127.0.0.1:9130", "token": "s3cret"})
