@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""What the KV-events publisher costs a PUT churn, and whether a subscriber loses any.
+
+Side by side in one run, interleaved: a 2-worker server under a churn of unique 4 KiB
+PUTs (a 16 MiB slab of 4 KiB pages: after the first 4,096 blocks every store evicts one,
+so the log gets a store and a removal per PUT), once without a publisher and once with
+``--kv-events-endpoint`` and a subscriber (a process of its own, decoding every message
+and checking ``seq`` has no hole)::
+
+    flock /tmp/eg-kv-bench.lock .venv/bin/python scripts/bench_kv_events.py
+
+Prints, per round and as medians: the PUT rate without and with the publisher (and
+their ratio), the events the publisher sent a second, the events the log holds for the
+run, what the subscriber received, and the holes it saw. The loaders are processes that
+PUT on keep-alive connections for ``--seconds`` each; every server is stopped by pid and
+its slab unlinked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BODY = b"e" * 4096
+
+#: The subscriber: counts messages and holes in seq until its stdin closes and the
+#: stream has been quiet for 1 s, then prints them as JSON.
+SUBSCRIBE = r"""
+import json, sys, threading, zmq, msgspec
+ctx = zmq.Context(); sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.RCVHWM, 0)
+sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(sys.argv[1])
+dec = msgspec.msgpack.Decoder()
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+got = holes = events = 0; last = None
+print("ready", flush=True)
+while True:
+    if not sub.poll(1000):
+        if done.is_set():
+            break
+        continue
+    _, seq, payload = sub.recv_multipart()
+    seq = int.from_bytes(seq, "big")
+    events += sum(e.get("type") != "AllBlocksCleared" for e in dec.decode(payload)[1])
+    if last is not None and seq > last + 1:
+        holes += 1
+    last = seq if last is None else max(last, seq); got += 1
+print(json.dumps({"messages": got, "events": events, "holes": holes}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def load(port: int, tag: str, seconds: float, out: multiprocessing.Queue) -> None:
+    """PUT unique 4 KiB blocks on one keep-alive connection for ``seconds``."""
+    s = socket.create_connection(("127.0.0.1", port))
+    head = "PUT /kv/{} HTTP/1.1\r\nHost: b\r\nContent-Length: 4096\r\n\r\n"
+    n, end, buf = 0, time.monotonic() + seconds, b""
+    while time.monotonic() < end:
+        s.sendall(head.format(f"{tag}-{n}").encode() + BODY)
+        while b"\r\n\r\n" not in buf:
+            buf += s.recv(65536)
+        answer, buf = buf.split(b"\r\n\r\n", 1)
+        length = int(answer.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(buf) < length:
+            buf += s.recv(65536)
+        buf = buf[length:]
+        if not answer.startswith(b"HTTP/1.1 201"):
+            raise SystemExit(f"PUT answered {answer[:40]!r}")
+        n += 1
+    s.close()
+    out.put(n)
+
+
+def log_head(url: str) -> int:
+    """The log's newest seq (a reader beyond it is told where it stands)."""
+    with urllib.request.urlopen(url + "/kv/events?since=999999999999", timeout=10) as r:
+        return int(json.loads(r.read())["next"])
+
+
+def one_run(args, publish: bool, tag: str) -> dict:
+    port, pub_port = free_port(), free_port()
+    name = f"/eg-kv-bench-events-{os.getpid()}"
+    cmd = [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{port}",
+           "--workers", str(args.workers), "--capacity", "16MiB", "--page-size", "4KiB",
+           "--slab-name", name, "--fresh"]  # fmt: skip
+    if publish:
+        cmd += ["--kv-events-endpoint", f"tcp://127.0.0.1:{pub_port}"]
+    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sub = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
+                    if json.loads(r.read()).get("workers_up") == args.workers:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        if publish:
+            endpoint = f"tcp://127.0.0.1:{pub_port}"
+            sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBE, endpoint],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+            assert sub.stdout is not None and sub.stdout.readline().strip() == "ready"
+            time.sleep(0.5)  # the subscription reaches the publisher
+        before = log_head(url)
+        out: multiprocessing.Queue = multiprocessing.Queue()
+        procs = [multiprocessing.Process(target=load, args=(port, f"{tag}-{k}", args.seconds, out))
+                 for k in range(args.loaders)]  # fmt: skip
+        t0 = time.monotonic()
+        for p in procs:
+            p.start()
+        puts = sum(out.get(timeout=args.seconds + 60) for _ in procs)
+        for p in procs:
+            p.join(30)
+        elapsed = time.monotonic() - t0
+        logged = log_head(url) - before
+        row = {"puts_s": puts / args.seconds, "logged": logged}
+        if sub is not None:
+            got, _ = sub.communicate("", timeout=60)
+            seen = json.loads(got.strip().splitlines()[-1])
+            row.update(seen, events_s=seen["events"] / elapsed)
+        return row
+    finally:
+        if sub is not None and sub.poll() is None:
+            sub.kill()
+            sub.wait(10)
+        server.terminate()
+        server.wait(30)
+        from eg_kv.slab.store import Slab
+
+        Slab.unlink_named(name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--loaders", type=int, default=2)
+    args = ap.parse_args()
+    rows = []
+    for r in range(args.rounds):
+        off = one_run(args, False, f"r{r}-off")
+        on = one_run(args, True, f"r{r}-on")
+        rows.append((off, on))
+        print(f"round {r + 1}: PUT/s {off['puts_s']:,.0f} without, {on['puts_s']:,.0f} with "
+              f"({on['puts_s'] / off['puts_s']:.3f}); events {on['logged']:,} logged, "
+              f"{on['events']:,} received ({on['events_s']:,.0f}/s), holes {on['holes']}",
+              flush=True)  # fmt: skip
+    ratio = statistics.median(on["puts_s"] / off["puts_s"] for off, on in rows)
+    print("\n| PUT/s, no publisher | PUT/s, publisher + subscriber | ratio | events/s sent | "
+          "events logged / received | holes |\n|---|---|---|---|---|---|")  # fmt: skip
+    med = statistics.median
+    print(f"| {med(o['puts_s'] for o, _ in rows):,.0f} | {med(n['puts_s'] for _, n in rows):,.0f}"
+          f" | {ratio:.3f} | {med(n['events_s'] for _, n in rows):,.0f} | "
+          f"{sum(n['logged'] for _, n in rows):,} / {sum(n['events'] for _, n in rows):,} | "
+          f"{sum(n['holes'] for _, n in rows)} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
