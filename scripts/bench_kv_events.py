@@ -116,8 +116,10 @@ def one_run(args, publish: bool, tag: str) -> dict:
             time.sleep(0.05)
         if publish:
             endpoint = f"tcp://127.0.0.1:{pub_port}"
-            sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBE, endpoint],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+            sub = subprocess.Popen(
+                [sys.executable, "-c", SUBSCRIBE, endpoint],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
             assert sub.stdout is not None and sub.stdout.readline().strip() == "ready"
             time.sleep(0.5)  # the subscription reaches the publisher
         before = log_head(url)
