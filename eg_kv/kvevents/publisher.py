@@ -39,8 +39,9 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+import zmq.backend
 
-from ..slab.events import HOPS_MAX, Event, SnapshotVoid
+from ..slab.events import HOPS_MAX, STORED, SnapshotVoid
 from ..slab.store import Slab
 from .wire import END_SEQ, Wire, seq_bytes
 
@@ -54,6 +55,10 @@ STEP = 4096
 IDLE_MS = 5
 #: How long a replay answer may wait for its requester to read, in ms.
 REPLAY_SEND_TIMEOUT_MS = 1000
+#: The socket's send without pyzmq's Python layer: 1.3 µs a frame against 6.8 for a
+#: ``send_multipart`` of three (measured here), most of a published event's cost.
+_send_frame = zmq.backend.Socket.send
+_MORE = zmq.SNDMORE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +154,7 @@ class Publisher:
     def step(self) -> int:
         """Publish what the log gained since the last step (at most :data:`STEP`
         entries). Returns how many entries were looked at."""
-        events, nxt, gap = self.ring.read(self.since, STEP)
+        entries, nxt, gap = self.ring.read_whole(self.since, STEP)
         if gap:  # lapped: skip to the newest; subscribers see the hole and replay
             head = self.ring.head
             self.counters["skipped"] += max(0, head - self.since)
@@ -157,23 +162,47 @@ class Publisher:
                         "subscribers resync by replay", head - self.since)  # fmt: skip
             self.since = head
             return 0
-        for ev in events:
-            self._publish(ev)
+        # The hot loop (one event a message): fields by position (WHOLE_ENTRY's), the
+        # frames sent without pyzmq's Python layer.
+        pub, base, wire, topics = self.pub, self.base, self.wire, self.topics
+        batch, stored, removed = wire.batch, wire.stored, wire.removed
+        expect, sent = self.since, 0
+        for (
+            seq,
+            _,
+            _,
+            ns,
+            kind,
+            _,
+            alen,
+            nseq,
+            _,
+            addr,
+            lora,
+            size,
+            hlen,
+            plen,
+            h,
+            parent,
+        ) in entries:
+            expect += 1
+            if seq != expect:  # lapped while copied (cannot be, the copy was checked)
+                break
+            topic = topics.of(ns) if nseq else None  # no count: a damaged id, no topic
+            if topic is None:
+                continue
+            if nseq == 1:
+                self._send_cleared(ns)
+            block = h[:hlen] if hlen else addr[:alen]
+            event = stored(block, parent[:plen], size, lora) if kind == STORED else removed(block)
+            _send_frame(pub, topic, _MORE)
+            _send_frame(pub, (base + nseq).to_bytes(8, "big"), _MORE)
+            _send_frame(pub, batch([event]), 0)
+            sent += 1
+        self.counters["published"] += sent
         looked = nxt - self.since
         self.since = nxt
         return looked
-
-    def _publish(self, ev: Event) -> None:
-        if not ev.nseq:
-            return  # an entry of no namespace's count (a damaged id): no topic
-        topic = self.topics.of(ev.ns)
-        if topic is None:
-            return
-        if ev.nseq == 1:
-            self._send_cleared(ev.ns)
-        payload = self.wire.batch([self.wire.event(ev)])
-        self.pub.send_multipart((topic, seq_bytes(self.base + ev.nseq), payload), copy=False)
-        self.counters["published"] += 1
 
     def _send_cleared(self, ns: int) -> None:
         topic = self.topics.of(ns)
@@ -265,7 +294,8 @@ class Publisher:
                 self._send(client, topic, at, [self.wire.cleared()])
                 for part in self.slab.snapshot_stream(ns, timeout=5.0, engines=True):
                     if part.kind == "blocks":
-                        stored = [self.wire.stored(e.hash or bytes(raw), e)
+                        stored = [self.wire.stored(e.hash or bytes(raw), e.parent,
+                                                   e.block_size, e.lora_id)
                                   for _, raw, _, e in part.blocks]  # fmt: skip
                         for k in range(0, len(stored), 1024):
                             self._send(client, topic, at, stored[k : k + 1024])

@@ -62,7 +62,11 @@ class Wire:
         e: EngineName = ev.engine
         block = e.hash or bytes(ev.address)
         if ev.kind == STORED:
-            return self.stored(block, e)
+            return self.stored(block, e.parent, e.block_size, e.lora_id)
+        return self.removed(block)
+
+    def removed(self, block: bytes) -> Any:
+        """A ``BlockRemoved`` of one block named ``block``."""
         if self.form == ARRAYS:
             return ["BlockRemoved", [block], self.medium]
         out: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": [block],
@@ -71,15 +75,15 @@ class Wire:
             out["locality"] = self.locality
         return out
 
-    def stored(self, block: bytes, e: EngineName) -> Any:
-        """A ``BlockStored`` of one block named ``block``, with ``e``'s other fields."""
-        parent = e.parent or None
-        lora = e.lora_id or None
+    def stored(self, block: bytes, parent: bytes, block_size: int, lora_id: int) -> Any:
+        """A ``BlockStored`` of one block named ``block`` (``parent`` b"", ``lora_id`` 0:
+        none)."""
         if self.form == ARRAYS:
-            return ["BlockStored", [block], parent, [], e.block_size, lora, self.medium, None]
+            return ["BlockStored", [block], parent or None, [], block_size, lora_id or None,
+                    self.medium, None]  # fmt: skip
         out: dict[str, Any] = {
-            "type": "BlockStored", "block_hashes": [block], "parent_block_hash": parent,
-            "token_ids": [], "block_size": e.block_size, "lora_id": lora,
+            "type": "BlockStored", "block_hashes": [block], "parent_block_hash": parent or None,
+            "token_ids": [], "block_size": block_size, "lora_id": lora_id or None,
             "medium": self.medium, "lora_name": None,
         }  # fmt: skip
         if self.locality:
