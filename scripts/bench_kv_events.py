@@ -3,9 +3,10 @@
 
 Side by side in one run, interleaved: a 2-worker server under a churn of unique 4 KiB
 PUTs (a 16 MiB slab of 4 KiB pages: after the first 4,096 blocks every store evicts one,
-so the log gets a store and a removal per PUT), once without a publisher and once with
-``--kv-events-endpoint`` and a subscriber (a process of its own, decoding every message
-and checking ``seq`` has no hole)::
+so the log gets a store and a removal per PUT), once without a publisher,
+``--kv-events-endpoint`` and no subscriber, and once with a subscriber (a process of its
+own at nice 10, standing in for a router on another host: it checks ``seq`` has no hole
+and counts the events)::
 
     flock /tmp/eg-kv-bench.lock .venv/bin/python scripts/bench_kv_events.py
 
@@ -38,7 +39,9 @@ BODY = b"e" * 4096
 #: The subscriber: counts messages and holes in seq until its stdin closes and the
 #: stream has been quiet for 1 s, then prints them as JSON.
 SUBSCRIBE = r"""
-import json, sys, threading, zmq
+import json, os, sys, threading, zmq, zmq.backend
+os.nice(10)  # a stand-in for a router on another host: the CPU the server leaves
+recv = zmq.backend.Socket.recv
 ctx = zmq.Context(); sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.RCVHWM, 0)
 sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(sys.argv[1])
 done = threading.Event()
@@ -50,8 +53,7 @@ while True:
         if done.is_set():
             break
         continue
-    _, seq, payload = sub.recv_multipart()
-    seq = int.from_bytes(seq, "big")
+    recv(sub); seq = int.from_bytes(recv(sub), "big"); payload = recv(sub)
     events += b"AllBlocksCleared" not in payload  # one event a message
     if last is not None and seq > last + 1:
         holes += 1
