@@ -14,6 +14,19 @@ request where the score is highest.
 follows the log for 2 seconds (a snapshot first, then every event: ``--verbose`` prints
 them), then prints ``score prefix`` lines, best first. ``--watch`` rescores after each
 batch of events until interrupted. The token comes from EPISTEMIC_GRAPH_KVCACHE_TOKEN.
+
+With ``--zmq NAME=ENDPOINT[,REPLAY]`` (repeatable) it is a router over vLLM's KV-events
+streams instead: each source (a vLLM instance's ``--kv-events-config`` publisher, or an
+eg-kv server's ``--kv-events-endpoint``) is followed with replay on a ``seq`` hole, and a
+prompt (its engine block hashes in hex, comma-separated) scores on each source by its
+leading blocks held there, weighted by the medium they were stored in (GPU 1, CPU 0.8,
+SHARED_STORAGE and STORAGE 0.5: a shared tier's hit still costs a load)::
+
+    python scripts/events_router.py --seconds 2 --zmq gpu-a=tcp://10.0.0.5:5557 \
+        --zmq gpu-b=tcp://10.0.0.6:5557 --zmq eg-kv=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558 \
+        <hash>,<hash>,<hash>
+
+prints ``score hits/blocks source medium`` lines per prompt, best first.
 """
 
 from __future__ import annotations
@@ -57,6 +70,122 @@ class Router:
         return n
 
 
+#: What a hit is worth by the medium it is in (a load from a shared tier costs more than
+#: the instance's own memory; an unknown medium scores 0, as llm-d does).
+MEDIUM_WEIGHT = {"GPU": 1.0, "CPU": 0.8, "SHARED_STORAGE": 0.5, "STORAGE": 0.5}
+
+
+class Source:
+    """One KV-events stream: the blocks it holds (hex hash -> medium), kept from its
+    messages, with replay when ``seq`` skips."""
+
+    def __init__(self, ctx, name: str, endpoint: str, replay: str | None) -> None:
+        import zmq
+
+        self.name, self.replay_endpoint, self.ctx = name, replay, ctx
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.held: dict[str, str] = {}
+        self.last: dict[bytes, int] = {}  # topic -> last seq applied
+        self.replays = 0
+
+    def apply(self, payload: bytes) -> None:
+        import msgspec
+
+        _ts, events, *_ = msgspec.msgpack.decode(payload)
+        for ev in events:
+            if isinstance(ev, dict):  # tagged maps (vLLM 0.32+)
+                kind, hashes, medium = ev.get("type"), ev.get("block_hashes", []), ev.get("medium")
+            else:  # positional arrays: [tag, hashes, (parent, tokens, size, lora,) medium]
+                kind, hashes = ev[0], ev[1] if len(ev) > 1 else []
+                medium = ev[6] if kind == "BlockStored" else ev[2] if len(ev) > 2 else None
+            keys = [h.hex() if isinstance(h, bytes) else str(h) for h in hashes]
+            if kind == "BlockStored":
+                self.held.update(dict.fromkeys(keys, medium or "GPU"))
+            elif kind == "BlockRemoved":
+                for k in keys:
+                    self.held.pop(k, None)
+            elif kind == "AllBlocksCleared":
+                self.held.clear()
+
+    def take(self, topic: bytes, seq: int, payload: bytes) -> None:
+        last = self.last.get(topic)
+        if last is not None and seq > last + 1 and self.replay_endpoint:
+            self.replay(topic if len(self.last) > 1 else None, last + 1)
+        elif last is None or seq > last:
+            self.apply(payload)
+            self.last[topic] = seq
+
+    def replay(self, topic: bytes | None, start: int) -> None:
+        """Ask the replay socket for ``topic``'s messages from ``start`` (None: the
+        publisher's default topic, vLLM's one-frame request, which eg-kv takes too)."""
+        import zmq
+
+        self.replays += 1
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        body = [start.to_bytes(8, "big")] if topic is None else [topic, start.to_bytes(8, "big")]
+        dealer.send_multipart([b"", *body])
+        try:
+            while dealer.poll(5000):
+                _, got_topic, seq_b, payload = dealer.recv_multipart()
+                seq = int.from_bytes(seq_b, "big", signed=True)
+                if seq < 0:
+                    return
+                self.apply(payload)
+                self.last[got_topic] = max(self.last.get(got_topic, 0), seq)
+        finally:
+            dealer.close()
+
+    def score(self, prompt: list[str]) -> tuple[float, int]:
+        """(score, leading blocks held): each leading hit weighted by its medium."""
+        n, total = 0, 0.0
+        for h in prompt:
+            medium = self.held.get(h)
+            if medium is None:
+                break
+            n += 1
+            total += MEDIUM_WEIGHT.get(medium, 0.0)
+        return total, n
+
+
+def route(specs: list[str], prompts: list[list[str]], seconds: float) -> None:
+    """Follow each ``NAME=ENDPOINT[,REPLAY]`` source for ``seconds``, then score."""
+    import zmq
+
+    ctx = zmq.Context()
+    sources = []
+    for spec in specs:
+        name, _, where = spec.partition("=")
+        endpoint, _, replay = where.partition(",")
+        sources.append(Source(ctx, name, endpoint, replay or None))
+    poller = zmq.Poller()
+    for src in sources:
+        poller.register(src.sub, zmq.POLLIN)
+    time.sleep(0.3)  # the subscriptions reach the publishers
+    for src in sources:  # what they published before this router joined
+        if src.replay_endpoint:
+            src.replay(None, 0)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for sock, _ in poller.poll(100):
+            src = next(s for s in sources if s.sub is sock)
+            topic, seq, payload = sock.recv_multipart()
+            src.take(topic, int.from_bytes(seq, "big"), payload)
+    for prompt in prompts:
+        print(f"prompt {','.join(h[:8] for h in prompt)} ({len(prompt)} blocks):")
+        rows = sorted(((*s.score(prompt), s) for s in sources), key=lambda r: -r[0])
+        for score, n, s in rows:
+            media = sorted({s.held[h] for h in prompt[:n]}) or ["-"]
+            print(f"  {score:.1f} {n}/{len(prompt)} {s.name} {'+'.join(media)}")
+    sys.stdout.flush()
+    for src in sources:
+        src.sub.close(linger=0)
+    ctx.term()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("prefixes", nargs="*", metavar="PREFIX", help="addresses, comma-separated")
@@ -65,8 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=2.0, help="follow this long, then score")
     p.add_argument("--watch", action="store_true", help="rescore after each batch, for ever")
     p.add_argument("--verbose", action="store_true", help="print each event")
+    p.add_argument("--zmq", action="append", metavar="NAME=ENDPOINT[,REPLAY]",
+                   help="route over these KV-events streams instead (repeatable)")  # fmt: skip
     args = p.parse_args(argv)
     prefixes = [[a for a in text.split(",") if a] for text in args.prefixes]
+    if args.zmq:
+        route(args.zmq, prefixes, args.seconds)
+        return 0
     router = Router()
     with ServerConnector(base_url=args.url, timeout_s=10) as client:
         snap = client.snapshot()

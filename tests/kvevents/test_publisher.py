@@ -210,3 +210,36 @@ def test_bad_engine_headers_get_400_and_store_nothing(server_factory):
         got = request(srv, "PUT", "/kv/bad", BLOCK, headers)
         assert got.status == 400 and b"X-Eg-Kv-Engine" in got.body, headers
     assert request(srv, "HEAD", "/kv/bad").status == 404
+
+
+def test_the_router_demo_scores_sources_by_leading_blocks_and_medium(server_factory):
+    """scripts/events_router.py --zmq over two streams: eg-kv (SHARED_STORAGE) holding a
+    prompt's 4 blocks and an instance's stand-in (an eg-kv server publishing as GPU)
+    holding its first; both stored before the router joined (it replays them)."""
+    shared, instance = (free_port(), free_port()), (free_port(), free_port())
+    a = server_factory(workers=1, capacity="4MiB", extra=kv_events_flags(shared))
+    b = server_factory(workers=1, capacity="4MiB",
+                       extra=kv_events_flags(instance, "--kv-events-medium", "GPU"))  # fmt: skip
+    prompt = [f"p{k}" for k in range(4)]
+    for k, address in enumerate(prompt):
+        parent = engine_hash(prompt[k - 1]) if k else b""
+        assert put(a, address, parent=parent) == 201
+    assert put(b, prompt[0]) == 201
+    hexes = ",".join(engine_hash(x).hex() for x in prompt)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "events_router.py"), "--seconds", "1",
+         "--zmq", f"eg-kv=tcp://127.0.0.1:{shared[0]},tcp://127.0.0.1:{shared[1]}",
+         "--zmq", f"gpu-a=tcp://127.0.0.1:{instance[0]},tcp://127.0.0.1:{instance[1]}", hexes],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = [line.split() for line in out.stdout.splitlines()[1:]]
+    assert lines == [["2.0", "4/4", "eg-kv", "SHARED_STORAGE"], ["1.0", "1/4", "gpu-a", "GPU"]]
+
+
+def test_a_publisher_beyond_loopback_is_warned_about(server_factory):
+    port = free_port()
+    srv = server_factory(workers=1, capacity="4MiB",
+                         extra=("--kv-events-endpoint", f"tcp://0.0.0.0:{port}"))  # fmt: skip
+    wait_for(lambda: "ZMQ has no authentication" in srv.log(), what="the warning")
+    wait_for(lambda: "KV events published on" in srv.log(), what="the publisher up all the same")
