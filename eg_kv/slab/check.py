@@ -387,11 +387,10 @@ class SlabChecks(SlabNamespaces):
 
     def _slot_engine(self, i: int) -> EngineName:
         """Slot ``i``'s engine name (its META), for the removal its event names."""
-        _, _, lora, size, _, hlen, h = L.SLOT_META.unpack_from(
-            self._mm, self._slot_off(i) + L.SLOT_META_OFFSET
-        )
-        if not hlen:
+        off = self._slot_off(i) + L.SLOT_META_OFFSET
+        if not self._mm[off + L.META_HASH_LEN_OFFSET]:  # none: one byte read, no unpack
             return NO_ENGINE
+        _, _, lora, size, _, hlen, h = L.SLOT_META.unpack_from(self._mm, off)
         return EngineName(h[: min(hlen, L.META_ENGINE_HASH_MAX)], b"", size, lora)
 
 

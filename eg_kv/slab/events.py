@@ -203,9 +203,12 @@ class EventRing:
             self._mm, off, seq, block_id, length, ns, kind, reason, len(raw), nseq, prev
         )
         self._mm[off + ENTRY.size : off + ENTRY.size + len(raw)] = raw
-        h, parent = engine.hash, engine.parent
-        ENGINE.pack_into(self._mm, off + ENGINE_OFFSET, engine.lora_id, engine.block_size,
-                         len(h), len(parent), h, parent)  # fmt: skip
+        if engine is NO_ENGINE:  # the usual case: zero the head (what _entry checks)
+            self._mm[off + ENGINE_OFFSET : off + ENGINE_OFFSET + 14] = _NO_ENGINE_HEAD
+        else:
+            h, parent = engine.hash, engine.parent
+            ENGINE.pack_into(self._mm, off + ENGINE_OFFSET, engine.lora_id, engine.block_size,
+                             len(h), len(parent), h, parent)  # fmt: skip
         self._staged = (seq, ns, nseq)
         w[W_PENDING] = seq  # after the entry: a pending seq always names a whole entry
 

@@ -196,6 +196,8 @@ SlotFields = tuple[int, ...]
 SLOT_META = struct.Struct("<QQqIBB2x32s")
 (M_CHECKSUM, M_DISK, M_LORA, M_BLOCK_TOKENS, M_FLAGS, M_HASH_LEN, M_HASH) = range(7)
 META_ENGINE_HASH_MAX = 32
+#: The byte of a slot's META that holds the engine hash's length (0: none).
+META_HASH_LEN_OFFSET = struct.calcsize(SLOT_META.format[:6])  # after "<QQqIB"
 META_SPILLED = 1  # the disk tier holds a copy (its record is M_DISK)
 SLOT_META_OFFSET = SLOT.size + ADDRESS_MAX  # 320
 SLOT_SIZE = SLOT_META_OFFSET + SLOT_META.size  # 384

@@ -685,7 +685,11 @@ class Slab(SlabLeases):
             ev.begin(STORED, R_PUT, ns, raw, block_id, length, engine)
         st[L.ST_NEXT_BLOCK_ID] = block_id + 1
         self._tag[first] = block_id
-        meta = (checksum, 0, engine.lora_id, engine.block_size, 0, len(engine.hash), engine.hash)
+        if engine is NO_ENGINE:
+            meta: tuple[object, ...] = (checksum, 0, 0, 0, 0, 0, b"")
+        else:
+            meta = (checksum, 0, engine.lora_id, engine.block_size, 0, len(engine.hash),
+                    engine.hash)  # fmt: skip
         self._write_slot(i, 0, raw, 1, length, first, npages, block_id, fp, ns, meta)
         st[L.ST_UNIQUE_BLOCKS] += 1
         st[L.ST_TOTAL_REFS] += 1
