@@ -37,6 +37,7 @@ __all__ = [
     "engine_from_headers",
     "engine_header_lines",
     "engine_headers",
+    "hash_bytes",
 ]
 
 #: The longest engine hash kept (SHA-256, vLLM's and SGLang's, is 32 bytes).

@@ -46,6 +46,7 @@ from ..binding import current_binding, declared_binding
 from ..blockkey import say_once
 from ..client.connectors import connect
 from ..client.core import CONFIG_KEYWORDS, KvCacheConfig, Miss
+from ..engine import NO_ENGINE, EngineName, hash_bytes
 from ..errors import ConfigError
 from .compat import CacheEngineKey, MemoryObj, RemoteConnector, RemoteMetadata
 from .store_warnings import StoreWarnings
@@ -156,6 +157,7 @@ class EgKvRemoteConnector(RemoteConnector):
             **{k: str(v) for k, v in plugin_settings(config, plugin_name, _DECLARED).items()},
         )
         self.layout_tag = self._layout_tag(config)
+        self._chunk_tokens = int(getattr(config, "chunk_size", 0) or 0)  # its KV events'
         self._pool = ThreadPoolExecutor(
             max_workers=self.kv_config.num_workers, thread_name_prefix="eg-kv-remote"
         )
@@ -175,6 +177,14 @@ class EgKvRemoteConnector(RemoteConnector):
 
     def __repr__(self) -> str:
         return f"<EgKvRemoteConnector {self.plugin_name} {self.kv_config.base_url}>"
+
+    def _engine_name(self, key: CacheEngineKey) -> EngineName:
+        """The chunk as LMCache names it, for the server's KV events: its chunk hash (an int
+        as 8 big-endian bytes) and the chunk size in tokens."""
+        chunk_hash = getattr(key, "chunk_hash", None)
+        if not isinstance(chunk_hash, (int, bytes)) or isinstance(chunk_hash, bool):
+            return NO_ENGINE
+        return EngineName(hash_bytes(chunk_hash), b"", self._chunk_tokens)
 
     def _address(self, key: CacheEngineKey) -> str:
         return address_for_key(f"{key.to_string()}\x00{self.layout_tag}")
@@ -266,7 +276,7 @@ class EgKvRemoteConnector(RemoteConnector):
             )
             parts.append(meta.serialize())
         parts.append(data)
-        status = self.client.put_status(self._address(key), parts)
+        status = self.client.put_status(self._address(key), parts, self._engine_name(key))
         if status == 413:
             self._warn.too_large(sum(memoryview(p).nbytes for p in parts))
         elif status == 409:

@@ -4,8 +4,10 @@ identically configured engine shares every one. Real servers, the real ``lmcache
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.request
 
 import pytest
 
@@ -128,6 +130,10 @@ def test_the_in_engine_plugin_binds_revision_dtype_and_weights(
         key = engine_key(0xB1D)
         obj = filled(cpu, metadata, 7)
         writer.submit_put_task(key, obj).result(30)
+        # The PUT named the chunk by LMCache's chunk hash, for the server's KV events.
+        with urllib.request.urlopen(srv.url + "/kv/events?since=0&limit=100") as answer:
+            named = [e.get("engine_hash") for e in json.loads(answer.read())["events"]]
+        assert named == [(0xB1D).to_bytes(8, "big").hex()]
         strangers = [engine(revision="r2")[0], engine(dtype=torch.float16, revision="r1")[0]]
         twin = engine(revision="r1")[0]
         _touch_weights(model_dir, b"weights v2")
