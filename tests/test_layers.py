@@ -237,3 +237,15 @@ def test_sync_client_runs_without_the_servers_packages(server_factory):
         timeout=60,
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_wheel_lists_every_package():
+    """A folder of eg_kv missing from pyproject's packages is missing from the wheel (and
+    its imports fail only where eg-kv was installed from one)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    folders = {module_name(p.parent / "__init__.py") for p in PACKAGE.rglob("__init__.py")}
+    assert folders <= listed, f"add to pyproject.toml's packages: {sorted(folders - listed)}"
