@@ -50,6 +50,9 @@ def decoder(kind: str):
     def events(payload: bytes):
         _ts, evs, _rank = raw.decode(payload)
         for ev in evs:
+            if isinstance(ev, dict):  # tagged maps, which llm-d reads too (v0.9.0+)
+                ev = [ev["type"], ev.get("block_hashes", []), *[None] * 4, ev.get("medium")]
+                ev = ev if ev[0] == "BlockStored" else [ev[0], ev[1], ev[6]]
             tag = ev[0]
             if tag == "BlockStored":
                 yield "stored", [key(h) for h in ev[1]], ev[6]
@@ -74,7 +77,7 @@ def main() -> None:
     sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
     sub.connect(args.endpoint)
     held: set[str] = set()
-    state = {"last": -1, "cleared": 0, "replays": 0, "resyncs": 0, "media": set()}
+    state = {"last": -1, "cleared": 0, "replays": 0, "resyncs": 0, "holes": 0, "media": set()}
 
     def apply(payload: bytes) -> None:
         for kind, hashes, medium in events(payload):
@@ -115,6 +118,7 @@ def main() -> None:
         seq = int.from_bytes(seq_b, "big")
         last = state["last"]
         if last >= 0 and seq > last + 1:  # missed some (or a new log began): replay
+            state["holes"] += 1
             replay(last + 1)
         elif last < 0 or seq == last + 1:
             apply(payload)

@@ -243,3 +243,30 @@ def test_a_publisher_beyond_loopback_is_warned_about(server_factory):
                          extra=("--kv-events-endpoint", f"tcp://0.0.0.0:{port}"))  # fmt: skip
     wait_for(lambda: "ZMQ has no authentication" in srv.log(), what="the warning")
     wait_for(lambda: "KV events published on" in srv.log(), what="the publisher up all the same")
+
+
+def test_a_subscriber_that_never_reads_costs_the_others_nothing(server_factory):
+    """A SUB that connects and never reads while 1,500 PUTs churn: every PUT succeeds, the
+    publisher stays the same process, and a reading subscriber gets every event in order."""
+    ports = (free_port(), free_port())
+    srv = server_factory(workers=2, capacity="4MiB", extra=kv_events_flags(ports))
+    import zmq
+
+    ctx = zmq.Context()
+    stuck = ctx.socket(zmq.SUB)
+    stuck.setsockopt(zmq.RCVHWM, 10)
+    stuck.setsockopt(zmq.SUBSCRIBE, b"")
+    stuck.connect(f"tcp://127.0.0.1:{ports[0]}")
+    sub = Subscriber(sys.executable, ports, "kv@pool:node:test@tiny", "llm-d")
+    try:
+        publisher = publisher_of(srv, ports[0])
+        for k in range(1500):
+            assert put(srv, f"s{k}") == 201
+        got = sub.dump()
+        want = sorted(str(int.from_bytes(engine_hash(a)[-8:], "big")) for a in held_by(srv))
+        assert got["held"] == want and got["holes"] == 0 and got["resyncs"] == 1  # on joining
+        assert publisher_of(srv, ports[0]) == publisher
+    finally:
+        sub.close()
+        stuck.close(linger=0)
+        ctx.term()
