@@ -162,7 +162,7 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from workers.supervisor import serve
+    from .supervisor import serve
 
     overrides = {k: getattr(args, k) for k in SERVE_FLAGS}
     settings = settings_from_env(**overrides)

@@ -711,8 +711,12 @@ class Supervisor:
             self._spawn()
 
     def _run_publisher(self) -> int:
-        from . import publisher
-
+        try:
+            from . import publisher
+        except ImportError as e:  # a new process would fail the same way: stop instead
+            log.error("eg-kv: the KV-events publisher cannot start: %s (pip install pyzmq "
+                      "msgspec)", e)  # fmt: skip
+            return BOOT_ERROR
         return publisher.run(self.settings, self._parent)
 
     def _publisher_died(self, status: int) -> None:

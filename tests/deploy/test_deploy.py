@@ -944,7 +944,7 @@ def test_dockerfile_server_stage_installs_the_tested_package():
     placed = {dest[len(where) + 1 :].rstrip("/"): src for dest, src in tree.items()}
     needed = {"pyproject.toml", PYPROJECT["project"]["readme"]}
     # The image copies each top-level package's folder; subpackages come inside it.
-    needed |= {p.split(".")[0] for p in PYPROJECT["tool"]["setuptools"]["packages"]}
+    needed |= {source_folder(p).split("/")[0] for p in PYPROJECT["tool"]["setuptools"]["packages"]}
     assert set(placed) == needed, f"install dir gets {set(placed)}, needs {needed}"
     assert all(placed[k].rstrip("/") == k for k in placed)
     # The extras: the server's ("fast"), which scripts/setup installs for the tests too.
@@ -967,7 +967,7 @@ def test_dockerfile_server_stage_runs_eg_kv_serve_as_non_root():
     (cmd,) = instructions(server, "CMD")
     entry, cmd = exec_form(entry), exec_form(cmd)
     assert entry == ["eg-kv"] and PYPROJECT["project"]["scripts"]["eg-kv"] == (
-        "workers.__main__:main"
+        "eg_kv_workers.__main__:main"
     )
     from eg_kv.config import parse_addr
     from workers.__main__ import build_parser
@@ -996,20 +996,28 @@ def test_dockerfile_lmcache_stage_installs_and_checks_our_plugin(compose):
     assert "get_l2_adapter_config_class" in run and "'native_plugin'" in run
 
 
+def source_folder(package: str) -> str:
+    """The checkout's folder of an installed package (pyproject's ``package-dir`` maps
+    eg_kv_workers to workers/)."""
+    top, _, rest = package.partition(".")
+    top = PYPROJECT["tool"]["setuptools"].get("package-dir", {}).get(top, top)
+    return "/".join([top, *rest.split(".")]) if rest else top
+
+
 @pytest.mark.slow
 def test_dockerignore_keeps_the_context_to_the_package():
     files = context_files()
     needed = {"pyproject.toml", PYPROJECT["project"]["readme"]}
     for pkg in PYPROJECT["tool"]["setuptools"]["packages"]:
-        needed |= {str(p.relative_to(ROOT)) for p in (ROOT / pkg.replace(".", "/")).glob("*.py")}
+        needed |= {str(p.relative_to(ROOT)) for p in (ROOT / source_folder(pkg)).glob("*.py")}
     # The tiny model's builder, for the vllm-cpu stage.
     builder = {str(E2E_VLLM.relative_to(ROOT)), str(TINY_MODEL.relative_to(ROOT))}
     needed |= builder
     missing = needed - set(files)
     assert not missing, f"the build context lacks {missing}"
     tops = {f.split("/")[0] for f in files}
-    packages = PYPROJECT["tool"]["setuptools"]["packages"]
-    assert tops <= {"pyproject.toml", "README.md", "scripts", *packages}
+    folders = {source_folder(p).split("/")[0] for p in PYPROJECT["tool"]["setuptools"]["packages"]}
+    assert tops <= {"pyproject.toml", "README.md", "scripts", *folders}
     assert {f for f in files if f.startswith("scripts/")} == builder
     assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")]
     size = sum((ROOT / f).stat().st_size for f in files)
@@ -1048,10 +1056,10 @@ def test_the_image_context_builds_the_package_with_its_console_script(tmp_path):
         entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
         entry, meta = z.read(entry).decode(), z.read(meta).decode()
-    assert {"eg_kv/kvcache.py", "eg_kv/server/app.py", "workers/__main__.py"} <= names
+    assert {"eg_kv/kvcache.py", "eg_kv/server/app.py", "eg_kv_workers/__main__.py"} <= names
     # The vLLM connector (compose.cpu.yml's kv_connector_module_path) ships too.
     assert "eg_kv/vllm/connector.py" in names
-    assert re.search(r"^eg-kv = workers\.__main__:main$", entry, re.M)
+    assert re.search(r"^eg-kv = eg_kv_workers\.__main__:main$", entry, re.M)
     assert "Provides-Extra: fast" in meta and re.search(r"uvloop.*extra == \"fast\"", meta)
 
 

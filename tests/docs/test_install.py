@@ -111,13 +111,18 @@ def test_a_built_wheel_installs_and_serves(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("eg_kv-*.whl")
     assert wheel.name.startswith(f"eg_kv-{__version__}-py3-none-any")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("workers/__main__.py", "eg_kv/kvcache.py", "eg_kv/vllm/connector.py"):
+    for module in ("eg_kv_workers/__main__.py", "eg_kv/kvcache.py", "eg_kv/vllm/connector.py",
+                   "eg_kv/kvevents/publisher.py"):  # fmt: skip
         assert module in names, f"{module} is not in {wheel.name}"
+    # No generic top-level package: the checkout's workers/ installs as eg_kv_workers.
+    assert not any(n.startswith("workers/") for n in names), sorted(names)[:20]
     py = fresh_venv(tmp_path / "venv")
     pip(py, "install", wheel)
     eg_kv = tmp_path / "venv" / "bin" / "eg-kv"
     where = sh(py, "-c", "import eg_kv; print(eg_kv.__file__)", cwd=tmp_path)
     assert str(tmp_path / "venv") in where, where  # the wheel's copy, not the checkout
+    gone = subprocess.run([py, "-c", "import workers"], cwd=tmp_path, capture_output=True)
+    assert gone.returncode != 0 and b"No module named 'workers'" in gone.stderr
 
     port, slab = free_port(), unique_slab_name("wheel")
     url = f"http://127.0.0.1:{port}"
@@ -125,7 +130,8 @@ def test_a_built_wheel_installs_and_serves(tmp_path):
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [eg_kv, "serve", "--addr", f"127.0.0.1:{port}", "--workers", "1",
-             "--capacity", "16MiB", "--slab-name", slab],
+             "--capacity", "16MiB", "--slab-name", slab,
+             "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}"],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
             env={k: v for k, v in os.environ.items()
                  if not k.startswith(("EPISTEMIC_GRAPH_KVCACHE_", "PYTHON"))},
@@ -141,6 +147,9 @@ def test_a_built_wheel_installs_and_serves(tmp_path):
                 return False
 
         wait_for(healthy, timeout=60, what="the wheel's eg-kv serve")
+        # Every package made it into the wheel: the publisher's process imports its own.
+        wait_for(lambda: b"KV events published on" in log.read_bytes(), timeout=30,
+                 what="the wheel's KV-events publisher")  # fmt: skip
         page = os.urandom(70_000)
         put = urllib.request.Request(url + "/kv/wheel-test", data=page, method="PUT")
         with urllib.request.urlopen(put, timeout=10) as r:
