@@ -24,7 +24,8 @@ seq]``; the answer is each message from ``start`` on, as ``[topic, seq, payload]
 ``AllBlocksCleared``, then a ``BlockStored`` for every block the namespace holds (all at
 the ``seq`` the walk began at), then the log's entries after it, then the end: applied in
 order, they give the blocks held at the last ``seq`` sent. A requester that stops reading
-is dropped after :data:`REPLAY_SEND_TIMEOUT_MS`.
+is dropped after :data:`REPLAY_SEND_TIMEOUT_MS`; resyncs come at most once a
+:data:`RESYNC_INTERVAL_S` (a request in between gets the end marker alone).
 
 Bounds: the PUB socket's high-water mark (a slow subscriber loses messages, never slows
 the publisher); one replay at a time, its messages bounded by the log and the slot table.
@@ -55,6 +56,10 @@ STEP = 4096
 IDLE_MS = 5
 #: How long a replay answer may wait for its requester to read, in ms.
 REPLAY_SEND_TIMEOUT_MS = 1000
+#: The least time between two resyncs (each walks the slot table): a requester asking
+#: for more gets the end marker alone and asks again (ZMQ has no authentication: anyone
+#: who reaches the socket may ask).
+RESYNC_INTERVAL_S = 1.0
 #: The socket's send without pyzmq's Python layer: 1.3 µs a frame against 6.8 for a
 #: ``send_multipart`` of three (measured here), most of a published event's cost.
 _send_frame = zmq.backend.Socket.send
@@ -145,7 +150,8 @@ class Publisher:
         self.since = ring.head  # what came before is in the log, for replay
         self.base = seq_base(ring.created_ms)
         self.counters = {"published": 0, "skipped": 0, "replays": 0, "resyncs": 0,
-                         "replays_dropped": 0}  # fmt: skip
+                         "resyncs_put_off": 0, "replays_dropped": 0}  # fmt: skip
+        self._resynced_at = -RESYNC_INTERVAL_S
         if ring.ns_position(0)[0] == 0:  # a fresh log: consumers forget the last one's
             self._send_cleared(0)
 
@@ -287,6 +293,11 @@ class Publisher:
 
     def _resync(self, client: bytes, ns: int, topic: bytes) -> None:
         """The namespace's blocks from a walk of the slot table, then the log after it."""
+        now = time.monotonic()
+        if now - self._resynced_at < RESYNC_INTERVAL_S:
+            self.counters["resyncs_put_off"] += 1
+            return
+        self._resynced_at = now
         self.counters["resyncs"] += 1
         for _ in range(3):  # a walk met by a repair or lapped by the log: again
             at = self.ring.ns_position(ns)[0]
