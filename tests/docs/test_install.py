@@ -121,7 +121,9 @@ def test_a_built_wheel_installs_and_serves(tmp_path):
     eg_kv = tmp_path / "venv" / "bin" / "eg-kv"
     where = sh(py, "-c", "import eg_kv; print(eg_kv.__file__)", cwd=tmp_path)
     assert str(tmp_path / "venv") in where, where  # the wheel's copy, not the checkout
-    gone = subprocess.run([py, "-c", "import workers"], cwd=tmp_path, capture_output=True)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    gone = subprocess.run([py, "-c", "import workers"], cwd=tmp_path, capture_output=True,
+                          env=clean)  # fmt: skip
     assert gone.returncode != 0 and b"No module named 'workers'" in gone.stderr
 
     port, slab = free_port(), unique_slab_name("wheel")
