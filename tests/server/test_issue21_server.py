@@ -188,7 +188,10 @@ def test_a_reload_reaches_workers_that_are_booting(server_factory, tmp_path):
     fork, ``booted`` sends the reload once it serves."""
     victims = [f"victim-{i}" for i in range(6)]
     path = write_tokens(tmp_path / "tokens.toml", [{"name": n} for n in ("keep", *victims)])
-    srv = server_factory(workers=2, capacity="8MiB", extra=("--tokens", str(path)))
+    # A worker held (SIGSTOP) may hold the slab lock (attaching): the watchdog killed it
+    # after the default --lock-timeout of 2 s once in a full run. 30 s: it waits.
+    srv = server_factory(workers=2, capacity="8MiB",
+                         extra=("--tokens", str(path), "--lock-timeout", "30"))  # fmt: skip
     opens = _Opens(_run_dir_of(srv))
     try:
         kinds = ("at_read", "at_fork", "at_read", "booted", "at_read", "at_read")
