@@ -4,8 +4,8 @@
 GET, PUT and HEAD at 4 KiB, 1 MiB and 14 MiB, with 1 and N workers. Small requests are
 driven by ``wrk`` (and ``redis-benchmark`` for redis); large ones by a raw-socket
 keep-alive client in threads (the same client for every server). Also measured: a worker's
-private memory (anonymous pages) while 4 clients move 14 MiB blocks, and batch existence against the
-same number of HEADs over one connection.
+private memory (anonymous pages) while 4 clients move 14 MiB blocks, and batch existence
+against the same number of HEADs over one connection.
 
 Run it alone on the machine (other load skews it), e.g.::
 
@@ -581,21 +581,13 @@ def redis_bench_rate(port: int, op: str, size_name: str, seconds: float, conns: 
 def uss_under_load(workers: int, seconds: float) -> dict:
     """A fresh server's worker USS: idle, at the peak while 4 clients move 14 MiB blocks
     (PUTs, then GETs), and after."""
-    import psutil
+    from eg_kv.procs import private_memory
 
     with EgKv(workers) as srv:
-        procs = [psutil.Process(p) for p in srv.worker_pids()]
+        pids = srv.worker_pids()
 
-        def uss() -> list[int]:
-            # The worker's own memory, its anonymous pages (RssAnon): a slab page only this
-            # worker has touched counts in its USS though it is shared memory (the
-            # supervisor no longer prefaults the slab).
-            out = []
-            for p in procs:
-                with open(f"/proc/{p.pid}/status") as f:
-                    anon = next(line for line in f if line.startswith("RssAnon:"))
-                out.append(int(anon.split()[1]) * 1024)
-            return out
+        def uss() -> list[int]:  # the workers' own memory: their anonymous pages
+            return [private_memory(pid) for pid in pids]
 
         idle = uss()
         peak = list(idle)

@@ -182,7 +182,7 @@ class EgKvRemoteConnector(RemoteConnector):
         """The chunk as LMCache names it, for the server's KV events: its chunk hash (an int
         as 8 big-endian bytes) and the chunk size in tokens."""
         chunk_hash = getattr(key, "chunk_hash", None)
-        if not isinstance(chunk_hash, (int, bytes)) or isinstance(chunk_hash, bool):
+        if not isinstance(chunk_hash, (int, bytes)):
             return NO_ENGINE
         return EngineName(hash_bytes(chunk_hash), b"", self._chunk_tokens)
 

@@ -27,20 +27,6 @@ def workers_of(srv) -> set[int]:
     return out
 
 
-def private_memory(pid: int) -> int:
-    """Bytes of ``pid``'s own memory (heap, buffers): its resident anonymous pages.
-
-    Not USS: a slab page that only this process has touched counts in its USS though it
-    is shared memory (the supervisor no longer prefaults the slab, so a worker is often
-    the first and only one to map a page).
-    """
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no RssAnon in /proc/{pid}/status")
-
-
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -21,8 +21,9 @@ import psutil
 import pytest
 from helpers.common import ROOT, free_port, unique_slab_name, wait_for
 from helpers.server_http import request, stats
-from helpers.server_procs import eg_kv_check, gone, private_memory, upload_in_flight, workers_of
+from helpers.server_procs import eg_kv_check, gone, upload_in_flight, workers_of
 
+from eg_kv.procs import private_memory
 from eg_kv.slab.store import Slab
 
 MiB = 1024 * 1024
