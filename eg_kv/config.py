@@ -99,6 +99,10 @@ DEFAULT_EVENTS = 65536
 #: The bounds of a non-zero event log (eg_kv.slab.events.MIN_EVENTS / MAX_EVENTS).
 EVENTS_RANGE = (16, 1 << 24)
 ENV_KV_EVENTS_ENDPOINT = "EPISTEMIC_GRAPH_KVCACHE_KV_EVENTS_ENDPOINT"
+ENV_DISK = "EPISTEMIC_GRAPH_KVCACHE_DISK"
+ENV_DISK_CAPACITY = "EPISTEMIC_GRAPH_KVCACHE_DISK_CAPACITY"
+#: The disk tier's file when ``--disk`` is given without a capacity (preallocated at start).
+DEFAULT_DISK_CAPACITY = 16 * GiB
 #: A ZMQ endpoint the publisher binds: a TCP host and port, or an IPC path.
 _ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc://\S+")
 #: A medium as vLLM and llm-d spell them (GPU, CPU, STORAGE, SHARED_STORAGE...).
@@ -218,6 +222,9 @@ class Settings:
     kv_events_pool: str = "eg-kv"
     kv_events_model: str = "default"
     kv_events_arrays: bool = False
+    #: The disk tier (eg_kv.disk): its directory ("": none) and its file's size.
+    disk: str = ""
+    disk_capacity: int = DEFAULT_DISK_CAPACITY
 
     def __post_init__(self) -> None:
         if not self.slab_name:
@@ -270,6 +277,22 @@ class Settings:
         if self.max_connections < 0:
             raise ConfigError("--max-connections must be 0 (derive it from the fd limit) or more")
         self._check_kv_events()
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        if not self.disk:
+            return
+        if not self.events:
+            raise ConfigError("--disk follows the event log to spill blocks: --events must "
+                              "not be 0")  # fmt: skip
+        # The superblock, and one record of the largest block (eg_kv.disk.layout).
+        least = 4096 + 4096 + -(-self.max_block_size // 4096) * 4096
+        if self.disk_capacity < least:
+            raise ConfigError(
+                f"--disk-capacity {format_size(self.disk_capacity)} cannot hold one block of "
+                f"--max-block-size {format_size(self.max_block_size)}: give it at least "
+                f"{format_size(least)}"
+            )
 
     def _check_kv_events(self) -> None:
         endpoints = {"--kv-events-endpoint": self.kv_events_endpoint,
@@ -448,6 +471,13 @@ SERVER_SETTINGS: tuple[ServerSetting, ...] = (
        help="the model in the events' topic (the name your router knows the model by)"),
     _S("kv_events_arrays", "--kv-events-arrays", None, "switch",
        help="publish events in vLLM's older positional form instead of tagged maps"),
+    _S("disk", "--disk", ENV_DISK, "text", metavar="DIR", default_text="none",
+       help="a directory for the disk tier under the slab: evicted blocks stay there and "
+       "come back on a hit, and a restart keeps them; empty: no disk tier",
+       more="One preallocated file of `--disk-capacity` (docs/disk.md); the directory must "
+       "be the server's own and not writable by others."),
+    _S("disk_capacity", "--disk-capacity", ENV_DISK_CAPACITY, "size", metavar="SIZE",
+       help="the size of the disk tier's file, reserved at start (`fallocate`)"),
     _S("lease_ms", "--lease-ms", ENV_LEASE_MS, "int", metavar="MS", unit="ms",
        help="the longest lease a batch lookup may take on its hits (`X-Eg-Kv-Lease-Ms`: "
        "eviction passes over them until loaded, released or expired); `0`: no leases",

@@ -86,6 +86,18 @@ class CannotServe(EgKvError):
 
 
 @dataclasses.dataclass
+class _Helper:
+    """A process of its own beside the workers (the KV-events publisher, the disk keeper):
+    started before them, restarted at most once a second when it dies, and stopped with
+    them; one that could not start stops the server (a new one would fail the same way)."""
+
+    name: str  # for the log: "the KV-events publisher"
+    run: Callable[[], int]  # the child's body; returns its exit status
+    pid: int = 0
+    due: float = 0.0  # when one that died may be started again
+
+
+@dataclasses.dataclass
 class _Worker:
     pid: int
     started: float
@@ -164,6 +176,31 @@ def _segment_size(name: str) -> int | None:
         return os.stat(f"/dev/shm{name}").st_size
     except OSError:
         return None
+
+
+def open_disk(settings: Settings) -> int:
+    """Check the disk tier's directory, take its lock and make its data file (so a full
+    disk, a foreign directory or a second server shows now, as one line). Returns the
+    lock's fd, held until the server exits.
+
+    Raises:
+        CannotServe: the directory or its file cannot be used (the reason says why).
+    """
+    from eg_kv.disk import files
+
+    try:
+        path = files.check_dir(settings.disk)
+        fd = files.lock_dir(path)
+        try:
+            sb = files.make_data(path, settings.disk_capacity)
+        except BaseException:
+            os.close(fd)
+            raise
+    except ConfigError as e:
+        raise CannotServe(str(e)) from None
+    log.info("disk tier: %s, %s (high water %s)", path, human_size(sb.capacity),
+             human_size(sb.high_water))  # fmt: skip
+    return fd
 
 
 def open_slab(settings: Settings) -> tuple[Slab, str]:
@@ -313,8 +350,12 @@ class Supervisor:
         self._fold_at = 0.0  # when local readers' hit hints are next folded into the slab
         self._tokens_text: str | None = None  # the tokens file in force (validated)
         self._reload_due = False  # a SIGHUP reload put off by a busy slab lock
-        self.publisher: int | None = None  # the KV-events publisher's pid (eg_kv.kvevents)
-        self._publisher_due = 0.0  # when a publisher that died may be started again
+        self.helpers: list[_Helper] = []  # the publisher, the disk keeper: as settings say
+        if settings.kv_events_endpoint:
+            self.helpers.append(_Helper("the KV-events publisher", self._run_publisher))
+        if settings.disk:
+            self.helpers.append(_Helper("the disk keeper", self._run_keeper))
+        self._disk_lock = -1  # the disk tier's lock file, held while the server runs
         self._parent = os.getpid()  # the supervisor's pid, for its children to watch
 
     # ------------------------------------------------------------------ top level
@@ -329,6 +370,8 @@ class Supervisor:
             try:
                 self._tokens_text = self._read_tokens() if s.tokens_file else None
                 check_port_free(s.host, s.port)
+                if s.disk:  # refused here, with its reason, before anything is made
+                    self._disk_lock = open_disk(s)
                 try:
                     make_ssl_context(s)
                 except (OSError, ValueError) as e:
@@ -428,14 +471,14 @@ class Supervisor:
             if not self.stopping:
                 self._watch()
             if self.stopping:
-                if not self.workers and not self.publisher:
+                if not self.workers and not self._helper_pids:
                     return
                 if time.monotonic() > self.stop_deadline:
                     for pid in list(self.workers):
                         log.warning("worker %d did not drain in time; killing it", pid)
                         self._kill(pid, signal.SIGKILL)
-                    if self.publisher:
-                        self._kill(self.publisher, signal.SIGKILL)
+                    for pid in self._helper_pids:
+                        self._kill(pid, signal.SIGKILL)
                     self.stop_deadline = float("inf")
             else:
                 self._refill()
@@ -536,8 +579,8 @@ class Supervisor:
         self.stop_deadline = time.monotonic() + grace
         for pid in list(self.workers):
             self._kill(pid, sig)
-        if self.publisher:
-            self._kill(self.publisher, sig)
+        for pid in self._helper_pids:
+            self._kill(pid, sig)
 
     def _kill(self, pid: int, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -574,15 +617,16 @@ class Supervisor:
 
     def _reap(self) -> None:
         died = False
-        while self.workers or self.publisher:
+        while self.workers or self._helper_pids:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            if pid == self.publisher:
-                self._publisher_died(status)
+            helper = next((h for h in self.helpers if h.pid == pid), None)
+            if helper is not None:
+                self._helper_died(helper, status)
                 continue
             w = self.workers.pop(pid, None)
             if w is None:
@@ -707,9 +751,9 @@ class Supervisor:
         self._kill(w.pid, signal.SIGKILL)
 
     def _refill(self) -> None:
-        if (self.settings.kv_events_endpoint and not self.publisher and not self.fatal
-                and time.monotonic() >= self._publisher_due):  # fmt: skip
-            self.publisher = self._fork(self._run_publisher)
+        for h in self.helpers:
+            if not h.pid and not self.fatal and time.monotonic() >= h.due:
+                h.pid = self._fork(h.run)
         while len(self.workers) < self.settings.workers and not self.fatal:
             self._spawn()
 
@@ -722,20 +766,28 @@ class Supervisor:
             return BOOT_ERROR
         return publisher.run(self.settings, self._parent)
 
-    def _publisher_died(self, status: int) -> None:
-        self.publisher = None
+    def _run_keeper(self) -> int:
+        from . import disk
+
+        return disk.run(self.settings, self._parent)
+
+    @property
+    def _helper_pids(self) -> list[int]:
+        return [h.pid for h in self.helpers if h.pid]
+
+    def _helper_died(self, h: _Helper, status: int) -> None:
+        h.pid = 0
         if self.stopping:
             return
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) == BOOT_ERROR:
-            self.fatal = "the KV-events publisher could not start (its log says why)"
+            self.fatal = f"{h.name} could not start (its log says why)"
             return
         if os.WIFSIGNALED(status):
             how = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
         else:
             how = f"exited with status {os.WEXITSTATUS(status)}"
-        log.warning("the KV-events publisher %s; starting it again (its subscribers replay "
-                    "what they missed)", how)  # fmt: skip
-        self._publisher_due = time.monotonic() + 1.0  # at most one restart a second
+        log.warning("%s %s; starting it again", h.name, how)
+        h.due = time.monotonic() + 1.0  # at most one restart a second
 
     def _spawn(self) -> None:
         taken = {w.slot for w in self.workers.values()}
@@ -789,7 +841,7 @@ class Supervisor:
     # ------------------------------------------------------------------ the end
 
     def _cleanup(self) -> None:
-        for pid in [*self.workers, *([self.publisher] if self.publisher else [])]:
+        for pid in [*self.workers, *self._helper_pids]:
             self._kill(pid, signal.SIGKILL)  # only after an error in the loop itself
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
@@ -42,6 +43,7 @@ from functools import partial
 from aiohttp import web
 
 from ..config import Settings
+from ..disk.tier import DiskTier
 from ..errors import BadRequest, EgKvError, NotFound
 from ..slab.store import Slab
 from ..wire import (
@@ -67,6 +69,7 @@ from .inflight import Drain, SpoolBudget
 from .keys import (
     AUTH,
     CONNECTIONS,
+    DISK,
     DRAIN,
     EVENT_READS,
     EVENT_WAITERS,
@@ -240,6 +243,8 @@ def make_app(
     connections = app[CONNECTIONS] = Connections(limits_from(settings))
     app[METRICS].watch_connections(lambda: (len(connections), connections.closed_by))
     app.cleanup_ctx.append(_slab_ctx)
+    if settings.disk:
+        app.cleanup_ctx.append(_disk_ctx)
     app.on_startup.append(_start_background)
     app.on_cleanup.append(_stop_background)
 
@@ -320,6 +325,15 @@ async def _stop_background(app: web.Application) -> None:
     app[FLUSH_TASK].cancel()
     app[SWEEP_TASK].cancel()
     app[METRICS].flush()
+
+
+async def _disk_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The disk tier's client (``--disk``): its keeper is another process, reached lazily."""
+    tier = app[DISK] = DiskTier(os.path.abspath(app[SETTINGS].disk))
+    try:
+        yield
+    finally:
+        await tier.close()
 
 
 async def _slab_ctx(app: web.Application) -> AsyncIterator[None]:

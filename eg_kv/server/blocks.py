@@ -19,7 +19,7 @@ from ..errors import NotFound
 from ..slab.store import BlockGone
 from ..slab.view import BlockReader
 from ..wire import BLOCK_TYPE, RELEASE_HEADER
-from . import replies
+from . import replies, tiers
 from .answers import closing, reply
 from .keys import SLAB
 from .lookups import release_on_load
@@ -53,7 +53,10 @@ async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
     try:
         found = request.app[SLAB].read_or_open(address, tenant.ns)
         if found is None:
-            raise NotFound(f"no block {address}")
+            loaded = await tiers.load(request, tenant, address)
+            if loaded is None:
+                raise NotFound(f"no block {address}")
+            return reply(request, 200, loaded.data, BLOCK_TYPE, checksum=loaded.checksum)
         checksum, reader = found
         if isinstance(reader, bytes):  # one page, copied: the fast path for small blocks
             return reply(request, 200, reader, BLOCK_TYPE, checksum=checksum)
@@ -169,13 +172,18 @@ async def head_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
     address = request.match_info["hash"]
     found = request.app[SLAB].describe(address, tenant.ns)
     if found is None:
-        raise NotFound(f"no block {address}")
+        (on_disk,) = await tiers.find(request, tenant, [address])
+        if on_disk is None:
+            raise NotFound(f"no block {address}")
+        found = (on_disk.length, on_disk.checksum)
     return reply(request, 200, b"", BLOCK_TYPE, length=found[0], checksum=found[1])
 
 
 async def delete_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``DELETE /kv/<hash>``: release one reference; 204, or 404 if absent."""
     address = request.match_info["hash"]
-    if not request.app[SLAB].delete(address, tenant.ns):
+    if not request.app[SLAB].delete(address, tenant.ns) and not await tiers.delete(
+        request, tenant, address
+    ):
         raise NotFound(f"no block {address}")
     return reply(request, 204)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from ..config import Settings
+from ..disk.tier import DiskTier
 from ..slab.store import Slab
 from .auth import Auth
 from .connections import Connections
@@ -36,3 +37,5 @@ SWEEP_TASK = web.AppKey("connection_sweep", asyncio.Task)
 EVENT_READS = web.AppKey("event_reads", Gate)
 EVENT_WAITERS = web.AppKey("event_waiters", Gate)
 SNAPSHOTS = web.AppKey("snapshots", Gate)
+#: The disk tier's client (:mod:`eg_kv.disk.tier`), with ``--disk`` only.
+DISK = web.AppKey("disk", DiskTier)

@@ -38,6 +38,7 @@ from ..wire import (
     LEASE_REFUSED_HEADER,
     whole_number,
 )
+from . import tiers
 from .answers import reply, why
 from .keys import SETTINGS, SLAB
 from .replies import JSON
@@ -50,6 +51,8 @@ async def block_exists(request: web.Request, tenant: Tenant) -> web.StreamRespon
     if address == "batch":  # /kv/batch/exists exists, for POST only
         raise web.HTTPMethodNotAllowed(request.method, ("POST",))
     found = request.app[SLAB].exists(address, tenant.ns)
+    if not found:
+        found = (await tiers.find(request, tenant, [address]))[0] is not None
     body = json.dumps({"hash": address, "exists": found})
     return reply(request, 200, body.encode(), JSON)
 
@@ -76,7 +79,14 @@ async def batch_exists(request: web.Request, tenant: Tenant) -> web.StreamRespon
         found, leased = slab.exists_leased(
             addresses, tenant.ns, lease_ms, share, holder_of(tenant.name)
         )
-    answer, answer_type = batch_answer_body(found, content_type)
+    on_disk: list[int] = []
+    missed = [i for i, hit in enumerate(found) if not hit]
+    if missed:  # the disk tier answers the slab's misses (found there: hits, not leased)
+        places = await tiers.find(request, tenant, [addresses[i] for i in missed])
+        on_disk = [i for i, place in zip(missed, places, strict=True) if place is not None]
+        for i in on_disk:
+            found[i] = True
+    answer, answer_type = batch_answer_body(found, content_type, on_disk)
     if LEASE_HEADER not in request.headers:
         return reply(request, 200, answer, answer_type)
     # A leasing lookup takes the lock anyway: aiohttp's response, with the header.
@@ -174,9 +184,15 @@ def batch_addresses(content_type: str | None, body: bytes) -> list[str]:
     return addresses
 
 
-def batch_answer_body(found: list[bool], content_type: str | None) -> tuple[bytes, str]:
-    """The answer body and its type for ``found``, in the request's format."""
+def batch_answer_body(
+    found: list[bool], content_type: str | None, on_disk: list[int] | None = None
+) -> tuple[bytes, str]:
+    """The answer body and its type for ``found``, in the request's format; the JSON one
+    lists the hits the disk tier answered (``on_disk``, indexes), when there are any."""
     if wire.is_compact(content_type):
         return wire.encode_flags(found), wire.FLAGS_TYPE
     prefix = next((i for i, hit in enumerate(found) if not hit), len(found))
-    return json.dumps({"exists": found, "prefix_hits": prefix}).encode(), JSON
+    body: dict[str, object] = {"exists": found, "prefix_hits": prefix}
+    if on_disk:
+        body["on_disk"] = on_disk
+    return json.dumps(body).encode(), JSON

@@ -8,14 +8,14 @@ worker, and where the slab is for a client on this host that reads it itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from ..slab.local import LocalInfo
 from . import runstate
 from .answers import json_answer
-from .keys import AUTH, HEALTH, METRICS, SETTINGS, SLAB
+from .keys import AUTH, DISK, HEALTH, METRICS, SETTINGS, SLAB
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .tenants import Tenant
 
@@ -45,7 +45,7 @@ async def stats(request: web.Request, tenant: Tenant) -> web.Response:
     """
     slab = request.app[SLAB]
     if not request.app[AUTH].tenants_mode:
-        return json_answer(ordered_stats(slab.stats()))
+        return json_answer(await _with_disk(request, ordered_stats(slab.stats())))
     if not tenant.is_admin:
         (own,) = slab.namespace_stats(tenant.ns).values()
         return json_answer(ordered_stats(own))
@@ -53,7 +53,16 @@ async def stats(request: web.Request, tenant: Tenant) -> web.Response:
     out["namespaces"] = {
         name or "default": ordered_stats(one) for name, one in slab.namespace_stats().items()
     }
-    return json_answer(out)
+    return json_answer(await _with_disk(request, out))
+
+
+async def _with_disk(request: web.Request, out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` with the disk tier's counters as ``disk`` (with ``--disk``; ``{"ready":
+    false, ...}`` while its keeper does not answer)."""
+    tier = request.app.get(DISK)
+    if tier is not None:
+        out["disk"] = await tier.stats() or {"ready": False, "unreachable": tier.unreachable}
+    return out
 
 
 CONTRACT_FIELDS = (

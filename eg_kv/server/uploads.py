@@ -29,6 +29,7 @@ from ..errors import BadRequest, EgKvError, TooLarge
 from ..slab.store import SMALL_PUT, Slab
 from ..units import human_size
 from ..wire import CHECKSUM_HEADER, whole_number
+from . import tiers
 from ._compat import forget_interim
 from .answers import error_response, label, reply, unauthorized, why
 from .auth import authorize
@@ -176,7 +177,7 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
             created = handle.commit()
         finally:
             handle.abort()  # no-op after commit; frees the pages (or the dedup reference)
-    if created:
+    if created and not await tiers.adopt(request, tenant, address):
         return reply(request, 201, b"created\n")
     return reply(request, 200, b"dedup\n")
 

@@ -28,6 +28,12 @@ class SlabNamespaces(SlabStats):
             return None
         return self._ns_name(ns) if ns else ""
 
+    def namespace_quota(self, ns: int) -> int:
+        """Namespace id ``ns``'s quota in bytes (0: none, or no such namespace)."""
+        if not 0 < ns < L.NS_COUNT:
+            return 0
+        return int(self._nsw[ns * _NS_WORDS + L.NS_QUOTA])
+
     def _ns_name(self, ns: int) -> str:
         e = self._nsw
         off = L.NS_OFFSET + 8 * (ns * _NS_WORDS + L.NS_NAME_WORD)

@@ -72,6 +72,8 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "kv_events_pool": ("node:a", "node:a"),
     "kv_events_model": ("Qwen/Qwen3-8B", "Qwen/Qwen3-8B"),
     "kv_events_arrays": ("", True),
+    "disk": ("/var/lib/eg-kv", "/var/lib/eg-kv"),
+    "disk_capacity": ("2GiB", 2 << 30),
 }
 #: A setting that cannot stand alone (TLS needs both halves) -> the one given with it.
 COMPANION = {"tls_cert": "tls_key", "tls_key": "tls_cert",

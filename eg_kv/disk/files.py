@@ -1,0 +1,159 @@
+"""The disk tier's directory: who may use it, its lock, its data file, aligned I/O.
+
+``DIR`` must be a directory of the server's own uid that no one else may write (a block
+store any local user could plant records in would serve their bytes). One server holds it
+at a time: ``DIR/lock`` carries an ``flock`` and the holder's pid, so a second server is
+refused with the first one's pid, and a holder that died (SIGKILL) leaves a lock the
+kernel already released.
+
+The data file is preallocated (``fallocate``) to its whole capacity when it is made, so a
+full disk shows at start, not mid-write. It is opened ``O_DIRECT`` where the file system
+allows it (not tmpfs: said once in the log), so spills and cold reads bypass the page
+cache the host's other work lives in; buffers are anonymous ``mmap`` s (page aligned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import stat
+import time
+
+from ..errors import ConfigError
+from ..units import human_size
+from . import layout as D
+
+log = logging.getLogger("eg_kv.disk")
+
+
+def check_dir(path: str) -> str:
+    """``path`` made absolute, after checking it may hold the disk tier (made if absent).
+
+    Raises:
+        ConfigError: not a directory, owned by another uid, writable by others, or not
+            writable by us (each with a one-line reason that names the fix).
+    """
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError as e:
+        raise ConfigError(f"--disk {path}: cannot make or read it: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"--disk {path}: not a directory")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"--disk {path}: owned by uid {st.st_uid}, not this server's ({os.geteuid()}); "
+            "give it a directory of its own"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"--disk {path}: writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"chmod go-w {path}"
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--disk {path}: not writable by this server; chmod u+wx {path}")
+    return path
+
+
+def lock_dir(path: str) -> int:
+    """Take ``path``'s lock for this process; returns the lock file's fd (keep it open:
+    closing it, or dying, releases the lock).
+
+    Raises:
+        ConfigError: another live server holds it (its pid named).
+    """
+    fd = os.open(os.path.join(path, D.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(
+            f"--disk {path}: in use by another eg-kv server (pid {holder}); stop it or give "
+            "this one another directory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def buffer(size: int) -> mmap.mmap:
+    """A page-aligned buffer of ``size`` bytes (rounded up to :data:`layout.ALIGN`)."""
+    return mmap.mmap(-1, D.align(max(size, 1)))
+
+
+def open_data(path: str, write: bool = False) -> tuple[int, bool]:
+    """Open the data file; returns (fd, whether it is O_DIRECT)."""
+    flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC
+    name = os.path.join(path, D.DATA_FILE)
+    try:
+        return os.open(name, flags | os.O_DIRECT), True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    return os.open(name, flags), False
+
+
+def make_data(path: str, capacity: int) -> D.Super:
+    """Make or open the data file for ``capacity`` bytes; returns its superblock.
+
+    A file of another capacity, or one whose superblock is not ours, is made anew (its
+    records are dropped, said in the log).
+
+    Raises:
+        ConfigError: the disk has no room for ``capacity`` bytes (fallocate failed).
+    """
+    name = os.path.join(path, D.DATA_FILE)
+    with contextlib.suppress(FileNotFoundError):
+        with open(name, "rb") as f:
+            sb = D.unpack_super(f.read(D.HEADER))
+        if sb is not None and sb.capacity == capacity and os.path.getsize(name) >= capacity:
+            return sb
+        log.warning("disk tier: %s is not a data file of %s; making it anew (its records "
+                    "are dropped)", name, human_size(capacity))  # fmt: skip
+    sb = D.Super(capacity, int(time.time() * 1000), D.FIRST, secrets.token_bytes(D.KEY_SIZE))
+    tmp = name + ".new"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, capacity)
+        except OSError as e:
+            raise ConfigError(
+                f"--disk {path}: cannot reserve {human_size(capacity)} ({e.strerror}); "
+                "free space or lower --disk-capacity"
+            ) from None
+        os.pwrite(fd, D.pack_super(sb), 0)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, name)
+    return sb
+
+
+def read_super(fd: int) -> D.Super | None:
+    """The superblock of an open data file (None: not one)."""
+    buf = buffer(D.HEADER)
+    try:
+        n = os.preadv(fd, [buf], 0)
+        return D.unpack_super(buf[:n])
+    finally:
+        buf.close()
+
+
+def write_super(fd: int, sb: D.Super) -> None:
+    """Write the superblock (one aligned block)."""
+    buf = buffer(D.HEADER)
+    try:
+        buf[:] = D.pack_super(sb)
+        os.pwritev(fd, [buf], 0)
+    finally:
+        buf.close()

@@ -1,0 +1,267 @@
+"""The disk tier's keeper: one process per server that spills blocks and keeps the index.
+
+It follows the slab's event log, as the KV-events publisher does (it never takes the slab
+lock): a block *stored* is queued for its spill, and a writer thread copies it out of
+the slab (lock-free, checked by its tag, as a GET) into a record at the ring's head. So
+the spill is write-behind: a block is written once, shortly after its PUT, and the slab's
+eviction of it later costs nothing and moves it to the disk tier, where it stays. A
+block removed by a ``DELETE`` of its last reference leaves the disk too; an eviction does
+not (that is the move). When the disk is slower than the PUTs, the queue (bounded)
+fills and later blocks are not spilled (``spill_drops``); a block evicted before its turn
+is a drop too. No PUT ever waits for the disk.
+
+Workers ask the keeper where a block's record lies (:mod:`eg_kv.disk.wire`) and read it
+themselves. The socket answers from the moment the keeper starts; the index fills as the
+scan of the file (:mod:`eg_kv.disk.scan`) proceeds, and the writer starts once it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..engine import NO_ENGINE, EngineName
+from ..slab.events import R_DELETE, STORED
+from ..slab.store import BlockGone, Slab
+from . import layout as D
+from . import wire
+from .index import Key
+from .scan import rebuild
+from .store import DiskStore
+
+log = logging.getLogger("eg_kv.disk")
+
+#: Stored blocks waiting for their spill; past it, a block is not spilled (a drop).
+SPILL_QUEUE = 4096
+#: Entries of the event log read per step, and how long an idle follower sleeps (s).
+STEP = 4096
+IDLE_S = 0.002
+#: Connections (workers) the keeper serves, and requests each may have in flight.
+MAX_CONNECTIONS = 256
+MAX_INFLIGHT = 64
+
+
+class Keeper:
+    """Spills ``slab``'s blocks into ``store`` and answers workers (module docstring).
+
+    Raises:
+        ValueError: the slab has no event log (the disk tier follows it).
+    """
+
+    def __init__(self, slab: Slab, store: DiskStore) -> None:
+        ring = slab.events
+        if ring is None:
+            raise ValueError("the disk tier follows the event log: --events must not be 0")
+        self.slab, self.ring, self.store = slab, ring, store
+        self.since = ring.head
+        self.spills: queue.Queue[tuple[int, Key, int, EngineName] | None] = queue.Queue(SPILL_QUEUE)
+        self._names: dict[int, str | None] = {}
+        self._connections = 0
+
+    # ------------------------------------------------------------------ spills
+
+    def follow(self) -> int:
+        """Queue the spills and deletes the log gained since the last call; returns the
+        entries looked at."""
+        entries, nxt, gap = self.ring.read_whole(self.since, STEP)
+        counters = self.store.counters
+        if gap:
+            head = self.ring.head
+            counters["spill_drops"] += max(0, head - self.since)
+            log.warning("disk tier: fell %d events behind the slab; those blocks are not "
+                        "spilled", head - self.since)  # fmt: skip
+            self.since = head
+            return 0
+        deletes: list[Key] = []
+        for e in entries:
+            ns, kind, reason, alen, addr = e[3], e[4], e[5], e[6], e[9]
+            name = self._name(ns)
+            if name is None:
+                continue
+            key = (name, addr[:alen].decode("ascii", "replace"))
+            if kind == STORED:
+                engine = EngineName(e[14][: e[12]], e[15][: e[13]], e[11], e[10]) if e[12] else (
+                    NO_ENGINE
+                )  # fmt: skip
+                try:
+                    self.spills.put_nowait((ns, key, e[2], engine))
+                except queue.Full:
+                    counters["spill_drops"] += 1
+            elif reason == R_DELETE:
+                deletes.append(key)
+        for key in deletes:
+            self.discard(key)
+        looked = nxt - self.since
+        self.since = nxt
+        return looked
+
+    def _name(self, ns: int) -> str | None:
+        name = self._names.get(ns)
+        if name is None:
+            name = self._names[ns] = self.slab.namespace_name(ns)
+        return name
+
+    def discard(self, key: Key) -> None:
+        """The slab's last reference of ``key`` went: its disk copy goes too."""
+        self.store.discard(key)
+
+    def write_spills(self) -> None:
+        """The writer thread: spill queued blocks until a None is queued."""
+        self.store.ready.wait()
+        store, slab, counters = self.store, self.slab, self.store.counters
+        while True:
+            item = self.spills.get()
+            if item is None:
+                return
+            ns, key, length, engine = item
+            try:
+                found = slab.read_or_open(key[1], ns)
+            except Exception:  # a damaged address cannot be one the log names: skip it
+                found = None
+            if found is None or (found[1].length if not isinstance(found[1], bytes)
+                                 else len(found[1])) != length:  # fmt: skip
+                counters["spill_drops"] += 1  # evicted (or replaced) before its turn
+                continue
+            checksum, reader = found
+            with store.lock:
+                have = store.index.find(key)
+            if have is not None and have.checksum == checksum:
+                counters["spill_skips"] += 1  # a promoted block: its record is there
+                continue
+            try:
+                store.append(key, length, checksum, _filler(reader), 1, engine,
+                             self._quota(ns))  # fmt: skip
+            except BlockGone:
+                counters["spill_drops"] += 1
+
+    def _quota(self, ns: int) -> int:
+        return self.slab.namespace_quota(ns) if ns else 0
+
+    # ------------------------------------------------------------------ answers
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer one worker's connection until it closes."""
+        if self._connections >= MAX_CONNECTIONS:
+            writer.close()
+            return
+        self._connections += 1
+        inflight = asyncio.Semaphore(MAX_INFLIGHT)
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                try:
+                    msg = await wire.read_frame(reader)
+                except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+                    return
+                await inflight.acquire()
+                task = asyncio.ensure_future(self._answer(msg, writer, inflight))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        finally:
+            self._connections -= 1
+            for task in tasks:
+                task.cancel()
+            writer.close()
+
+    async def _answer(self, msg: Any, writer: asyncio.StreamWriter,
+                      inflight: asyncio.Semaphore) -> None:  # fmt: skip
+        try:
+            op, rid, *args = msg
+            result = await self._do(op, args)
+            if rid and not writer.is_closing():
+                writer.write(wire.frame([rid, result]))
+        except Exception as e:  # a malformed request: the worker's bug, not the keeper's end
+            log.warning("disk tier: a request failed: %s", e)
+        finally:
+            inflight.release()
+
+    async def _do(self, op: str, args: list[Any]) -> Any:
+        store, counters = self.store, self.store.counters
+        if op == wire.FIND:
+            ns, addresses, load = args
+            out: list[Any] = []
+            with store.lock:
+                for address in addresses:
+                    e = store.index.find((ns, address))
+                    out.append(None if e is None else
+                               [e.offset, e.length, e.seq, e.checksum, e.refs])  # fmt: skip
+            if load:
+                counters["disk_hits"] += sum(1 for x in out if x is not None)
+            return [store.sb.created_ms, out]
+        if op == wire.DELETE:
+            return await asyncio.to_thread(store.delete, (args[0], args[1]))
+        if op == wire.ADOPT:
+            return await asyncio.to_thread(self._adopt, (args[0], args[1]), args[2])
+        if op == wire.STATS:
+            stats = store.stats()
+            stats["spill_queue"] = self.spills.qsize()
+            stats["direct_io"] = store.direct
+            return stats
+        if op == wire.BAD:
+            await asyncio.to_thread(store.forget, (args[0], args[1]), args[2])
+            return None
+        if op == wire.LOADED:
+            counters["promotions"] += 1
+            counters["read_bytes"] += args[0]
+            counters["read_seconds"] += args[1]
+            return None
+        raise ValueError(f"unknown op {op!r}")
+
+    def _adopt(self, key: Key, checksum: int) -> int:
+        """A PUT created ``key`` in the slab: if the disk holds it with the same bytes,
+        it was a dedup hit (returns the copy's refs); a copy with other bytes is stale."""
+        with self.store.lock:
+            e = self.store.index.find(key)
+        if e is None:
+            return 0
+        if e.checksum == checksum:
+            return e.refs
+        self.discard(key)
+        return 0
+
+    # ------------------------------------------------------------------ process
+
+    async def run(self, stopped: Callable[[], bool]) -> None:
+        """Serve the socket, follow the log and spill until ``stopped()``."""
+        path = os.path.join(self.store.path, D.SOCKET_FILE)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        server = await asyncio.start_unix_server(self.serve, path)
+        os.chmod(path, 0o600)
+        threading.Thread(target=rebuild, args=(self.store,), name="disk-scan", daemon=True).start()
+        writer = threading.Thread(target=self.write_spills, name="disk-writer", daemon=True)
+        writer.start()
+        try:
+            while not stopped():
+                if self.follow() < STEP:
+                    await asyncio.sleep(IDLE_S)
+        finally:
+            server.close()
+            with self.spills.mutex:
+                self.spills.queue.clear()
+            self.spills.put(None)
+            self.store.ready.set()  # a writer still waiting for the scan ends too
+            await asyncio.to_thread(writer.join, 5.0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _filler(reader: Any) -> Callable[[memoryview], None]:
+    """What copies a block (bytes, or a slab reader that checks its tag) into a view."""
+    if isinstance(reader, bytes):
+
+        def fill(view: memoryview) -> None:
+            view[:] = reader
+
+        return fill
+
+    def fill_from_slab(view: memoryview) -> None:
+        reader.read_into(view)
+
+    return fill_from_slab

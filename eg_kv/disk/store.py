@@ -1,0 +1,197 @@
+"""The keeper's side of the disk tier: the data file, its index, appends and deletes.
+
+Only the keeper process writes the file (one writer thread appends, deletes zero a
+header); workers read it themselves (:mod:`eg_kv.disk.reader`) at offsets the keeper
+gives them, and verify what they read. Two locks: ``lock`` guards the index (held for
+microseconds, also by the keeper's event loop), ``io`` orders the writes to the file, so
+a header is zeroed only while its record is still where the index says (a claim that
+passes a record happens under ``io`` too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from ..engine import NO_ENGINE, EngineName
+from ..units import human_size
+from . import files
+from . import layout as D
+from .index import DiskIndex, Entry, Key
+
+log = logging.getLogger("eg_kv.disk")
+
+#: How far past the head the superblock's high water is moved when the head reaches it
+#: (one 4 KiB write per step): a scan after a crash reads at most this far past the last
+#: record for nothing.
+HIGH_WATER_STEP = 256 * 1024 * 1024
+
+COUNTERS = ("spills", "spill_drops", "spill_skips", "spilled_bytes", "write_seconds",
+            "write_errors", "disk_evictions", "quota_drops", "deletes", "disk_hits",
+            "promotions", "read_bytes", "read_seconds", "checksum_failures")  # fmt: skip
+
+
+class DiskStore:
+    """One data file under ``path`` of ``capacity`` bytes, for blocks up to ``max_block``.
+
+    Raises:
+        ConfigError: the file cannot be made (no room for its capacity).
+    """
+
+    def __init__(self, path: str, capacity: int, max_block: int) -> None:
+        self.path, self.capacity = path, capacity
+        self.sb = files.make_data(path, capacity)
+        self.fd, self.direct = files.open_data(path, write=True)
+        if not self.direct:
+            log.warning("disk tier: %s does not take O_DIRECT (tmpfs?): spills and reads go "
+                        "through the page cache", path)  # fmt: skip
+        self.index = DiskIndex(capacity)
+        self.lock = threading.Lock()
+        self.io = threading.Lock()
+        self.buf = files.buffer(D.HEADER + D.align(max_block))
+        self.zero = files.buffer(D.HEADER)
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self.ready = threading.Event()  # the scan has rebuilt the index
+        self.deleted_in_scan: set[Key] = set()
+        # Zeroes the headers of records that left the index, off the caller's thread (it
+        # waits for a spill's write): one task per record removed, so bounded by the index.
+        self._zeroer = ThreadPoolExecutor(1, "disk-zero")
+
+    def close(self) -> None:
+        self._zeroer.shutdown(wait=True)
+        os.close(self.fd)
+        self.buf.close()
+        self.zero.close()
+
+    # ------------------------------------------------------------------ writes
+
+    def append(
+        self, key: Key, length: int, checksum: int, fill: Callable[[memoryview], None],
+        refs: int = 1, engine: EngineName = NO_ENGINE, quota: int = 0,
+    ) -> Entry | None:  # fmt: skip
+        """Write a block's record at the head and index it; None if it could not be.
+
+        Args:
+            fill: copies the block's ``length`` bytes into the view it is given; raises
+                (e.g. BlockGone) when it cannot, and nothing is written.
+            quota: its namespace's quota in bytes (0: none): older records of the
+                namespace leave the index until this one fits.
+        """
+        buf = self.buf
+        mv = memoryview(buf)
+        try:
+            with self.io:
+                fill(mv[D.HEADER : D.HEADER + length])
+                with self.lock:
+                    seq = self.index.next_seq
+                    self.index.next_seq += 1
+                    claimed = self.index.claim(length)
+                    if claimed is None:
+                        return None
+                    offset, lost = claimed
+                    dropped = self.index.trim_namespace(key[0], quota, length)
+                self.counters["disk_evictions"] += len(lost)
+                self.counters["quota_drops"] += len(dropped)
+                self._zero_headers(dropped)
+                end = offset + D.record_size(length)
+                if end > self.sb.high_water:
+                    self._raise_high_water(end)
+                D.pack_header(mv[: D.HEADER], self.sb.key, seq, length, checksum, key[0], key[1],
+                              refs, engine)  # fmt: skip
+                t0 = time.perf_counter()
+                try:
+                    os.pwritev(self.fd, [mv[: end - offset]], offset)
+                except OSError as e:
+                    self.counters["write_errors"] += 1
+                    log.warning("disk tier: a write of %s at %d failed: %s",
+                                human_size(length), offset, e)  # fmt: skip
+                    return None
+                self.counters["write_seconds"] += time.perf_counter() - t0
+                entry = Entry(key, offset, length, seq, checksum, refs, engine)
+                with self.lock:
+                    self.index.ring.append(entry)
+                    self.index.add(entry)
+                self.counters["spills"] += 1
+                self.counters["spilled_bytes"] += length
+                return entry
+        finally:
+            mv.release()
+
+    def _raise_high_water(self, end: int) -> None:
+        hw = min(self.capacity, end + HIGH_WATER_STEP)
+        self.sb = self.sb._replace(high_water=hw)
+        files.write_super(self.fd, self.sb)
+
+    def _zero_headers(self, entries: list[Entry]) -> None:
+        """Zero the headers of records that left the index (under ``io``), so a scan
+        after a restart does not bring them back; one whose space the head reused is
+        left alone."""
+        for e in entries:
+            if e.in_ring:
+                os.pwritev(self.fd, [self.zero], e.offset)
+
+    def _zero_later(self, e: Entry) -> None:
+        def zero() -> None:
+            with self.io:
+                self._zero_headers([e])
+
+        self._zeroer.submit(zero)
+
+    def delete(self, key: Key) -> bool:
+        """Release one reference of ``key``'s record (a ``DELETE`` of a block only the disk
+        holds); the last drops it. Returns whether it was there."""
+        with self.lock:
+            e = self.index.find(key)
+            if e is None:
+                if not self.ready.is_set():
+                    self.deleted_in_scan.add(key)
+                return False
+            if e.refs > 1:
+                e.refs -= 1
+                return True
+            self.index.remove(key)
+        self.counters["deletes"] += 1
+        self._zero_later(e)
+        return True
+
+    def discard(self, key: Key) -> bool:
+        """Drop ``key``'s record whatever its refs (the slab's last reference went, or
+        the copy is stale); returns whether there was one."""
+        with self.lock:
+            e = self.index.remove(key)
+            if e is None and not self.ready.is_set():
+                self.deleted_in_scan.add(key)
+        if e is None:
+            return False
+        self.counters["deletes"] += 1
+        self._zero_later(e)
+        return True
+
+    def forget(self, key: Key, seq: int) -> bool:
+        """Drop ``key``'s record ``seq`` (a reader found it damaged); True if it was the
+        indexed one."""
+        with self.lock:
+            e = self.index.find(key)
+            if e is None or e.seq != seq:
+                return False
+            self.index.remove(key)
+        self.counters["checksum_failures"] += 1
+        self._zero_later(e)
+        return True
+
+    # ------------------------------------------------------------------ reads
+
+    def stats(self) -> dict[str, float]:
+        """The tier's counters and sizes (``/kv/stats``'s ``disk``)."""
+        with self.lock:
+            idx = self.index
+            out: dict[str, float] = {
+                "blocks": len(idx.entries), "bytes": idx.blocks_bytes,
+                "capacity_bytes": self.capacity, "ready": self.ready.is_set(),
+            }  # fmt: skip
+        out.update(self.counters)
+        return out

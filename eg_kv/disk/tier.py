@@ -1,0 +1,200 @@
+"""A worker's way to the disk tier: the keeper's index over its socket, the file read here.
+
+Every call is bounded: an answer that takes over :data:`CALL_TIMEOUT_S` (a keeper that is
+stopped, or busy), more than :data:`MAX_PENDING` calls in flight, or a keeper that cannot
+be reached (it is restarting) are all a miss, never a wait; a keeper that is down is
+tried again at most every :data:`RETRY_S`, and a warning is logged once per outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from typing import Any, NamedTuple
+
+from ..engine import EngineName
+from . import files, wire
+from . import layout as D
+from .reader import read_block
+
+log = logging.getLogger("eg_kv.disk")
+
+CALL_TIMEOUT_S = 1.0
+MAX_PENDING = 256
+RETRY_S = 0.5
+
+
+class Found(NamedTuple):
+    """Where the keeper says a block's record lies."""
+
+    offset: int
+    length: int
+    seq: int
+    checksum: int
+    refs: int
+
+
+class Loaded(NamedTuple):
+    """A block read back from the disk and verified."""
+
+    data: bytes
+    checksum: int
+    refs: int
+    engine: EngineName
+
+
+class DiskTier:
+    """One worker's client of the disk tier under ``path`` (the ``--disk`` directory)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock = os.path.join(path, D.SOCKET_FILE)
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count(1)
+        self._connecting: asyncio.Lock | None = None
+        self._retry_at = 0.0
+        self._warned = False
+        self._fd = -1
+        self._file = (0, b"")  # (file id: its creation ms, its MAC key)
+        self._answers: asyncio.Future[None] | None = None
+        self.unreachable = 0  #: calls answered as misses because the keeper was not there
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    # ------------------------------------------------------------------ calls
+
+    async def find(
+        self, namespace: str, addresses: list[str], load: bool = False
+    ) -> list[Found | None]:
+        """Where each of ``addresses`` lies on disk (None: not there, or no answer)."""
+        got = await self._call(wire.FIND, namespace, addresses, load)
+        if got is None:
+            return [None] * len(addresses)
+        file_id, places = got
+        self._check_file(file_id)
+        return [None if p is None else Found(*p) for p in places]
+
+    async def load(self, namespace: str, address: str) -> Loaded | None:
+        """The block, read from its record and verified; None: a miss."""
+        found = (await self.find(namespace, [address], load=True))[0]
+        if found is None or self._fd < 0:
+            return None
+        t0 = time.perf_counter()
+        got = await asyncio.to_thread(read_block, self._fd, self._file[1], found.offset,
+                                      found.length, found.seq, namespace, address)  # fmt: skip
+        if got is None:
+            log.warning("disk tier: the record of %s failed its checks; dropped", address)
+            self._report(wire.BAD, namespace, address, found.seq)
+            return None
+        self._report(wire.LOADED, found.length, time.perf_counter() - t0)
+        data, rec = got
+        return Loaded(data, rec.checksum, found.refs, rec.engine)
+
+    async def delete(self, namespace: str, address: str) -> bool:
+        """Release one reference of a block only the disk holds."""
+        return bool(await self._call(wire.DELETE, namespace, address))
+
+    async def adopt(self, namespace: str, address: str, checksum: int) -> int:
+        """A PUT created ``address``: the refs of the disk's copy of the same bytes (0:
+        none; a PUT of a disk-resident block is a dedup hit)."""
+        return int(await self._call(wire.ADOPT, namespace, address, checksum) or 0)
+
+    async def stats(self) -> dict[str, Any] | None:
+        """The keeper's counters (None: it did not answer)."""
+        got = await self._call(wire.STATS)
+        if got is not None:
+            got["unreachable"] = self.unreachable
+        return got
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _check_file(self, file_id: int) -> None:
+        """(Re)open the data file when the keeper names another one than ours."""
+        if file_id == self._file[0] and self._fd >= 0:
+            return
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        try:
+            fd, _ = files.open_data(self.path)
+        except OSError:
+            return
+        sb = files.read_super(fd)
+        if sb is None or sb.created_ms != file_id:
+            os.close(fd)
+            return
+        self._fd, self._file = fd, (sb.created_ms, sb.key)
+
+    def _report(self, *msg: Any) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(wire.frame([msg[0], 0, *msg[1:]]))
+
+    async def _call(self, op: str, *args: Any) -> Any:
+        if len(self._pending) >= MAX_PENDING or not await self._connected():
+            self.unreachable += 1
+            return None
+        assert self._writer is not None
+        rid = next(self._ids)
+        fut = self._pending[rid] = asyncio.get_running_loop().create_future()
+        try:
+            self._writer.write(wire.frame([op, rid, *args]))
+            return await asyncio.wait_for(fut, CALL_TIMEOUT_S)
+        except (TimeoutError, ConnectionError, asyncio.CancelledError) as e:
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            self.unreachable += 1
+            return None
+        finally:
+            self._pending.pop(rid, None)
+
+    async def _connected(self) -> bool:
+        if self._writer is not None and not self._writer.is_closing():
+            return True
+        if time.monotonic() < self._retry_at:
+            return False
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._writer is not None and not self._writer.is_closing():
+                return True
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(self._sock), CALL_TIMEOUT_S
+                )
+            except (OSError, TimeoutError) as e:
+                self._retry_at = time.monotonic() + RETRY_S
+                if not self._warned:
+                    self._warned = True
+                    log.warning("disk tier: the keeper is not reachable (%s); disk hits are "
+                                "misses until it is", e)  # fmt: skip
+                return False
+            self._warned = False
+            self._writer = writer
+            self._answers = asyncio.ensure_future(self._read_answers(reader, writer))
+            return True
+
+    async def _read_answers(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            while True:
+                rid, result = await wire.read_frame(reader)
+                fut = self._pending.get(rid)
+                if fut is not None and not fut.done():
+                    fut.set_result(result)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError):
+            pass
+        finally:
+            writer.close()
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionResetError("the keeper went away"))
