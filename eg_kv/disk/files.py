@@ -39,6 +39,8 @@ def check_dir(path: str) -> str:
             writable by us (each with a one-line reason that names the fix).
     """
     path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--disk {path}: not a directory")
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         st = os.stat(path)

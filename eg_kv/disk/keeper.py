@@ -196,12 +196,15 @@ class Keeper:
             return [store.sb.created_ms, out]
         if op == wire.DELETE:
             return await asyncio.to_thread(store.delete, (args[0], args[1]))
+        if op == wire.DISCARD:
+            return await asyncio.to_thread(store.discard, (args[0], args[1]))
         if op == wire.ADOPT:
             return await asyncio.to_thread(self._adopt, (args[0], args[1]), args[2])
         if op == wire.STATS:
             stats = store.stats()
             stats["spill_queue"] = self.spills.qsize()
             stats["direct_io"] = store.direct
+            stats["pid"] = os.getpid()
             return stats
         if op == wire.BAD:
             await asyncio.to_thread(store.forget, (args[0], args[1]), args[2])

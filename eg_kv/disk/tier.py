@@ -103,6 +103,10 @@ class DiskTier:
         """Release one reference of a block only the disk holds."""
         return bool(await self._call(wire.DELETE, namespace, address))
 
+    async def discard(self, namespace: str, address: str) -> bool:
+        """The slab's last reference of ``address`` went: drop the disk's copy too."""
+        return bool(await self._call(wire.DISCARD, namespace, address))
+
     async def adopt(self, namespace: str, address: str, checksum: int) -> int:
         """A PUT created ``address``: the refs of the disk's copy of the same bytes (0:
         none; a PUT of a disk-resident block is a dedup hit)."""

@@ -11,6 +11,7 @@ op         args                                       result
 find       namespace, [address, ...], load (bool)     [file id, [[offset, length, seq, checksum,
                                                       refs] or None, ...]]
 delete     namespace, address                         whether it was there (one reference goes)
+discard    namespace, address                         whether it was there (the copy goes)
 adopt      namespace, address, checksum               the refs of a copy with that checksum, or 0
                                                       (a copy with another checksum is dropped)
 stats      (none)                                     the tier's counters (a map)
@@ -27,7 +28,8 @@ from typing import Any
 
 import msgspec
 
-FIND, DELETE, ADOPT, STATS, BAD, LOADED = "find", "delete", "adopt", "stats", "bad", "loaded"
+FIND, DELETE, DISCARD, ADOPT = "find", "delete", "discard", "adopt"
+STATS, BAD, LOADED = "stats", "bad", "loaded"
 FRAME = struct.Struct("<I")
 #: The largest frame either side accepts (a find of 1,024 addresses is ~300 KiB).
 MAX_FRAME = 4 * 1024 * 1024

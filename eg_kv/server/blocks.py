@@ -182,8 +182,6 @@ async def head_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
 async def delete_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     """``DELETE /kv/<hash>``: release one reference; 204, or 404 if absent."""
     address = request.match_info["hash"]
-    if not request.app[SLAB].delete(address, tenant.ns) and not await tiers.delete(
-        request, tenant, address
-    ):
+    if not await tiers.delete(request, tenant, address):
         raise NotFound(f"no block {address}")
     return reply(request, 204)

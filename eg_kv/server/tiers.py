@@ -55,8 +55,15 @@ async def find(request: web.Request, tenant: Tenant, addresses: list[str]) -> li
 
 
 async def delete(request: web.Request, tenant: Tenant, address: str) -> bool:
-    """Release one reference of a block only the disk holds; False: not there."""
-    tier = request.app.get(DISK)
+    """``DELETE``: release one reference, in the slab if it holds the block, else on disk.
+    The slab's last reference takes the disk's copy with it before the answer (the event
+    the keeper follows would too, but later: a GET meanwhile would find the copy).
+    Returns False when neither tier holds it."""
+    slab, tier = request.app[SLAB], request.app.get(DISK)
+    if slab.delete(address, tenant.ns):
+        if tier is not None and not slab.exists(address, tenant.ns):
+            await tier.discard(tenant.namespace, address)
+        return True
     return tier is not None and await tier.delete(tenant.namespace, address)
 
 

@@ -1,0 +1,194 @@
+"""The disk tier's file on its own (eg_kv.disk): records written, scanned back after a
+restart, and never believed when they do not prove themselves. A real file in a real
+directory (O_DIRECT where the file system takes it); no server."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from eg_kv.checksum import of as checksum_of
+from eg_kv.disk import files
+from eg_kv.disk import layout as D
+from eg_kv.disk.index import DiskIndex, Entry
+from eg_kv.disk.reader import read_block
+from eg_kv.disk.scan import rebuild
+from eg_kv.disk.store import DiskStore
+from eg_kv.engine import EngineName
+from eg_kv.errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+def _store(path, capacity=4 * MiB, max_block=256 * KiB) -> DiskStore:
+    store = DiskStore(str(path), capacity, max_block)
+    rebuild(store)
+    return store
+
+
+def _put(store: DiskStore, ns: str, address: str, data: bytes, quota: int = 0) -> Entry | None:
+    def fill(view: memoryview) -> None:
+        view[:] = data
+
+    return store.append((ns, address), len(data), checksum_of(data), fill, quota=quota)
+
+
+def _read(store: DiskStore, ns: str, address: str) -> bytes | None:
+    e = store.index.find((ns, address))
+    if e is None:
+        return None
+    fd, _ = files.open_data(store.path)
+    try:
+        got = read_block(fd, store.sb.key, e.offset, e.length, e.seq, ns, address)
+    finally:
+        os.close(fd)
+    return None if got is None else got[0]
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    d = tmp_path / "disk"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def test_records_come_back_after_a_restart_and_the_head_goes_on(disk_dir):
+    blocks = {f"a{i}": os.urandom(1000 + 977 * i) for i in range(20)}
+    store = _store(disk_dir)
+    for address, data in blocks.items():
+        assert _put(store, "", address, data) is not None
+    engine = EngineName(b"h" * 32, b"p" * 32, 16, 3)
+    store.append(("team", "e"), 5, checksum_of(b"hello"), lambda v: v.__setitem__(slice(None), b"hello"),
+                 engine=engine)  # fmt: skip
+    head, next_seq = store.index.head, store.index.next_seq
+    store.close()
+
+    again = _store(disk_dir)
+    assert {a: _read(again, "", a) for a in blocks} == blocks
+    assert _read(again, "team", "e") == b"hello" and again.index.find(("team", "e")).engine == engine
+    assert (again.index.head, again.index.next_seq) == (head, next_seq)
+    again.close()
+
+
+def test_the_ring_overwrites_the_oldest_first_and_a_scan_agrees(disk_dir):
+    store = _store(disk_dir, capacity=1 * MiB)  # room for ~7 records of 128 KiB
+    blocks = {f"b{i}": os.urandom(128 * KiB) for i in range(20)}
+    for address, data in blocks.items():
+        assert _put(store, "", address, data) is not None
+    kept = [a for a in blocks if store.index.find(("", a))]
+    assert kept == list(blocks)[-len(kept) :] and 5 <= len(kept) < 8  # the newest, in order
+    assert store.counters["disk_evictions"] == 20 - len(kept)
+    assert {a: _read(store, "", a) for a in kept} == {a: blocks[a] for a in kept}
+    store.close()
+    again = _store(disk_dir, capacity=1 * MiB)
+    assert sorted(again.index.entries) == sorted(("", a) for a in kept)
+    _put(again, "", "after", b"x" * 100)  # the head goes on where it was
+    assert again.index.find(("", kept[0])) is None and _read(again, "", kept[-1]) == blocks[kept[-1]]
+    again.close()
+
+
+def test_a_changed_byte_a_cut_file_and_a_stale_place_are_misses(disk_dir):
+    store = _store(disk_dir)
+    data = os.urandom(100 * KiB)
+    e = _put(store, "", "victim", data)
+    _put(store, "", "other", os.urandom(10 * KiB))
+    name = os.path.join(store.path, D.DATA_FILE)
+    with open(name, "r+b") as f:  # one byte of the block's bytes
+        f.seek(e.offset + D.HEADER + 4321)
+        byte = f.read(1)
+        f.seek(e.offset + D.HEADER + 4321)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert _read(store, "", "victim") is None
+    fd, _ = files.open_data(store.path)
+    try:  # asked for under another name, or at another seq: no
+        assert read_block(fd, store.sb.key, e.offset, e.length, e.seq, "", "other") is None
+        assert read_block(fd, store.sb.key, e.offset, e.length, e.seq + 1, "", "victim") is None
+    finally:
+        os.close(fd)
+    os.truncate(name, e.offset + D.HEADER + 10)
+    assert _read(store, "", "other") is None  # beyond the end now
+    store.close()
+
+
+def test_a_header_inside_a_block_is_never_taken_for_a_record(disk_dir):
+    """A client's bytes can hold a perfectly formed header (magic, fields): without the
+    file's key its MAC fails, so a scan that steps through them finds nothing there."""
+    store = _store(disk_dir)
+    forged = bytearray(D.HEADER)
+    D.pack_header(memoryview(forged), b"k" * D.KEY_SIZE, 999, 4, checksum_of(b"evil"), "", "x")
+    payload = bytes(forged) + b"evil" + bytes(8192)
+    e = _put(store, "", "carrier", payload)
+    # Zero the carrier's own header, so a scan walks into its bytes.
+    with open(os.path.join(store.path, D.DATA_FILE), "r+b") as f:
+        f.seek(e.offset)
+        f.write(bytes(D.HEADER))
+    store.close()
+    again = _store(disk_dir)
+    assert again.index.entries == {}
+    again.close()
+
+
+def test_deleted_records_stay_deleted_after_a_restart(disk_dir):
+    store = _store(disk_dir)
+    _put(store, "", "gone", b"a" * 5000)
+    _put(store, "", "kept", b"b" * 5000)
+    assert store.delete(("", "gone")) and not store.delete(("", "gone"))
+    store.close()  # waits for the header's zeroing
+    again = _store(disk_dir)
+    assert again.index.find(("", "gone")) is None and _read(again, "", "kept") == b"b" * 5000
+    again.close()
+
+
+def test_a_namespace_quota_bounds_its_bytes_on_disk(disk_dir):
+    store = _store(disk_dir)
+    for i in range(10):
+        _put(store, "small", f"q{i}", os.urandom(10 * KiB), quota=35 * KiB)
+        _put(store, "", f"free{i}", os.urandom(10 * KiB))
+    assert store.index.ns_bytes["small"] <= 35 * KiB
+    assert [a for (ns, a) in store.index.entries if ns == "small"] == ["q7", "q8", "q9"]
+    assert store.index.ns_bytes[""] == 100 * KiB and store.counters["quota_drops"] == 7
+    store.close()
+
+
+def test_the_index_claims_in_order_and_wraps():
+    idx = DiskIndex(D.FIRST + 10 * D.ALIGN)
+    got = []
+    for i in range(6):  # records of 2 aligned blocks (header + up to 4 KiB)
+        offset, lost = idx.claim(100)
+        e = Entry(("", f"r{i}"), offset, 100, i + 1, 0)
+        idx.ring.append(e)
+        idx.add(e)
+        got.append((offset, [x.key[1] for x in lost]))
+    assert got == [(4096, []), (12288, []), (20480, []), (28672, []), (36864, []),
+                   (4096, ["r0"])]  # fmt: skip
+    assert idx.claim(20 * D.ALIGN) is None  # never fits: refused, nothing lost
+    assert len(idx.entries) == 5
+
+
+def test_a_directory_that_is_not_ours_is_refused(tmp_path):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(ConfigError, match="writable by others.*chmod go-w"):
+        files.check_dir(str(open_dir))
+    a_file = tmp_path / "file"
+    a_file.write_bytes(b"")
+    with pytest.raises(ConfigError, match="not a directory"):
+        files.check_dir(str(a_file))
+    if os.geteuid() == 0:
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 65534, 65534)
+        with pytest.raises(ConfigError, match="owned by uid 65534"):
+            files.check_dir(str(foreign))
+    made = files.check_dir(str(tmp_path / "new" / "dir"))
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+
+
+def test_a_disk_without_room_is_refused_at_start(disk_dir):
+    with pytest.raises(ConfigError, match="cannot reserve .*lower --disk-capacity"):
+        files.make_data(str(disk_dir), 1 << 60)
+    assert not os.path.exists(os.path.join(disk_dir, D.DATA_FILE))

@@ -1,0 +1,235 @@
+"""The disk tier under a real server (``eg-kv serve --disk DIR``): real processes, a real
+directory, blocks four times the slab; crashes by SIGKILL, damage by changing the file."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+from helpers.common import free_port, wait_for
+from helpers.server_http import request, stats
+from helpers.servers import serve_cmd
+
+from eg_kv.disk import layout as D
+
+KiB = 1024
+BLOCK = 512 * KiB  # a 4 MiB slab holds 8
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    d = tmp_path / "disk"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def _serve(server_factory, disk_dir, capacity="4MiB", workers=2, **kw):
+    srv = server_factory(workers=workers, capacity=capacity, extra=(
+        "--page-size", "64KiB", "--max-block-size", "1MiB", "--disk", str(disk_dir),
+        "--disk-capacity", "64MiB"), **kw)  # fmt: skip
+    wait_for(lambda: _disk(srv).get("ready"), what="the disk tier's scan")
+    return srv
+
+
+def _disk(srv) -> dict:
+    return stats(srv)["disk"]
+
+
+def _spills(srv) -> int:
+    """The spills so far; 0 when the worker that was asked died under the question."""
+    try:
+        return _disk(srv)["spills"]
+    except OSError:
+        return 0
+
+
+def _blocks(tag: str, n: int) -> dict[str, bytes]:
+    return {f"{tag}{i:03d}": os.urandom(BLOCK) for i in range(n)}
+
+
+def _put_spilled(srv, blocks: dict[str, bytes]) -> None:
+    """PUT each block and wait for its spill (so none is evicted before it is written)."""
+    for address, data in blocks.items():
+        spilled = _disk(srv)["spills"]
+        assert request(srv, "PUT", f"/kv/{address}", data).status == 201
+        wait_for(lambda s=spilled: _disk(srv)["spills"] > s, what=f"the spill of {address}")
+
+
+def _all_back(srv, blocks: dict[str, bytes]) -> dict[str, int]:
+    """GET every block: counts of equal bytes and misses; wrong bytes fail here."""
+    out = {"equal": 0, "miss": 0}
+    for address, data in blocks.items():
+        r = request(srv, "GET", f"/kv/{address}")
+        if r.status == 404:
+            out["miss"] += 1
+            continue
+        assert r.status == 200 and r.body == data, f"{address}: wrong bytes"
+        out["equal"] += 1
+    return out
+
+
+def test_evictions_spill_and_hits_come_back(server_factory, disk_dir):
+    srv = _serve(server_factory, disk_dir)
+    blocks = _blocks("s", 32)  # 16 MiB through a 4 MiB slab
+    _put_spilled(srv, blocks)
+    st = stats(srv)
+    assert st["unique_blocks"] <= 8 and st["evictions"] >= 24
+    first = list(blocks)[:4]  # evicted long ago: on disk only
+    r = request(srv, "HEAD", f"/kv/{first[0]}")
+    assert r.status == 200 and int(r.headers["Content-Length"]) == BLOCK
+    assert request(srv, "GET", f"/kv/{first[1]}/exists").json()["exists"] is True
+    batch = request(srv, "POST", "/kv/batch/exists",
+                    json.dumps({"addresses": [*first[:3], "s999"]}).encode()).json()  # fmt: skip
+    assert batch == {"exists": [True, True, True, False], "prefix_hits": 3, "on_disk": [0, 1, 2]}
+
+    assert _all_back(srv, blocks) == {"equal": 32, "miss": 0}
+    disk = _disk(srv)
+    assert disk["disk_hits"] >= 24 and disk["promotions"] >= 24 and disk["checksum_failures"] == 0
+    assert disk["spills"] == 32 and disk["blocks"] == 32 and disk["direct_io"] is True
+
+
+def test_dedup_and_delete_hold_across_tiers(server_factory, disk_dir):
+    srv = _serve(server_factory, disk_dir)
+    blocks = _blocks("d", 12)
+    _put_spilled(srv, blocks)
+    old = list(blocks)[0]  # on disk only now
+    assert stats(srv)["unique_blocks"] < 12
+    assert request(srv, "PUT", f"/kv/{old}", blocks[old]).status == 200  # a dedup hit
+    # Two references now: the first DELETE leaves it, the second removes it everywhere.
+    assert request(srv, "DELETE", f"/kv/{old}").status == 204
+    assert request(srv, "GET", f"/kv/{old}").body == blocks[old]
+    assert request(srv, "DELETE", f"/kv/{old}").status == 204
+    assert request(srv, "GET", f"/kv/{old}").status == 404
+    wait_for(lambda: _disk(srv)["blocks"] == 11, what="the disk copy to go")
+    other = list(blocks)[1]  # a DELETE of a block only the disk holds
+    assert request(srv, "DELETE", f"/kv/{other}").status == 204
+    assert request(srv, "GET", f"/kv/{other}").status == 404
+    assert request(srv, "DELETE", f"/kv/{other}").status == 404
+
+
+def test_a_restart_keeps_the_cache(server_factory, disk_dir):
+    """After SIGTERM (the slab is removed with the server, as after a reboot) every
+    spilled block is served again, verified, from the same directory; deletes stay."""
+    srv = _serve(server_factory, disk_dir)
+    blocks = _blocks("r", 24)
+    _put_spilled(srv, blocks)
+    gone = list(blocks)[5]
+    assert request(srv, "DELETE", f"/kv/{gone}").status == 204
+    wait_for(lambda: _disk(srv)["blocks"] == 23, what="the delete to reach the disk")
+    assert srv.stop(signal.SIGTERM) == 0
+    again = _serve(server_factory, disk_dir)
+    assert _disk(again)["blocks"] == 23
+    assert request(again, "GET", f"/kv/{gone}").status == 404
+    del blocks[gone]
+    assert _all_back(again, blocks) == {"equal": 23, "miss": 0}
+
+
+def test_sigkill_while_spilling_serves_no_wrong_bytes_and_keeps_what_was_spilled(
+    server_factory, disk_dir
+):
+    srv = _serve(server_factory, disk_dir)
+    spilled = _blocks("k", 12)
+    _put_spilled(srv, spilled)
+    more = _blocks("m", 40)
+    stop = threading.Event()
+
+    def put_more() -> None:
+        for address, data in more.items():
+            if stop.is_set():
+                return
+            with contextlib.suppress(OSError):
+                request(srv, "PUT", f"/kv/{address}", data, timeout=5)
+
+    writer = threading.Thread(target=put_more)
+    writer.start()
+    try:
+        wait_for(lambda: _disk(srv)["spills"] >= 16, what="spills under way")
+        worker = next(p for p in psutil.Process(srv.pid).children() if p.pid != _disk(srv)["pid"])
+        worker.send_signal(signal.SIGKILL)  # a worker, mid-stream
+        wait_for(lambda: _spills(srv) >= 20, what="spills to go on")
+        everyone = [srv.pid, *(p.pid for p in psutil.Process(srv.pid).children())]
+        for pid in everyone:  # the whole server, at once
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        stop.set()
+        writer.join(30)
+    wait_for(lambda: srv.proc.poll() is not None, what="the supervisor's death")
+    wait_for(lambda: all(not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie"
+                         for p in everyone), what="every child's death")  # fmt: skip
+    again = _serve(server_factory, disk_dir)
+    assert _all_back(again, spilled) == {"equal": 12, "miss": 0}
+    _all_back(again, more)  # whatever comes back is byte-equal
+
+
+def test_damaged_records_are_misses_and_the_server_stays_up(server_factory, disk_dir):
+    srv = _serve(server_factory, disk_dir)
+    blocks = _blocks("x", 20)
+    _put_spilled(srv, blocks)
+    names = list(blocks)
+    answer = request(srv, "POST", "/kv/batch/exists", json.dumps({"addresses": names}).encode())
+    only_on_disk = [names[i] for i in answer.json()["on_disk"]]  # evicted from the slab
+    assert len(only_on_disk) >= 12
+    data_file = disk_dir / D.DATA_FILE
+    raw = data_file.read_bytes()
+    at = {a: raw.index(blocks[a][:64]) for a in only_on_disk}  # where each block lies
+    del raw
+    victim, cut = only_on_disk[0], only_on_disk[6]
+    with open(data_file, "r+b") as f:  # one byte of the victim's block
+        f.seek(at[victim] + 1000)
+        byte = f.read(1)
+        f.seek(at[victim] + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert request(srv, "GET", f"/kv/{victim}").status == 404
+    assert _disk(srv)["checksum_failures"] == 1
+    assert request(srv, "GET", f"/kv/{victim}").status == 404  # dropped: not read again
+    os.truncate(data_file, at[cut] + 100)  # the file cut inside a block
+    before = {a: blocks[a] for a in only_on_disk[1:] if at[a] < at[cut]}
+    after = {a: blocks[a] for a in only_on_disk if at[a] >= at[cut]}
+    assert _all_back(srv, after) == {"equal": 0, "miss": len(after)}
+    assert _all_back(srv, before) == {"equal": len(before), "miss": 0}
+    assert srv.healthz()["workers_up"] == 2 and srv.proc.poll() is None
+
+
+def test_a_stopped_keeper_costs_disk_hits_only(server_factory, disk_dir):
+    srv = _serve(server_factory, disk_dir)
+    blocks = _blocks("p", 12)
+    _put_spilled(srv, blocks)
+    keeper = _disk(srv)["pid"]
+    resident, on_disk = list(blocks)[-1], list(blocks)[0]
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert request(srv, "GET", f"/kv/{resident}").body == blocks[resident]
+        assert time.monotonic() - t0 < 0.5
+        t0 = time.monotonic()
+        assert request(srv, "GET", f"/kv/{on_disk}").status == 404  # a miss, not a wait
+        assert time.monotonic() - t0 < 3
+        assert stats(srv)["disk"]["ready"] is False
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    wait_for(lambda: request(srv, "GET", f"/kv/{on_disk}").status == 200, what="disk hits again")
+
+
+def test_a_second_server_on_the_directory_is_refused(server_factory, disk_dir, tmp_path):
+    srv = _serve(server_factory, disk_dir)
+    for where, reason in (
+        (disk_dir, f"in use by another eg-kv server (pid {srv.pid})"),
+        (tmp_path, "writable by others"),
+    ):
+        if where == tmp_path:
+            os.chmod(tmp_path, 0o777)
+        out = subprocess.run(serve_cmd("--addr", f"127.0.0.1:{free_port()}", "--capacity", "4MiB",
+                                       "--disk", str(where), "--disk-capacity", "64MiB"),
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+        assert out.returncode != 0 and len(errors) == 1 and reason in errors[0], out.stderr
+    os.chmod(tmp_path, 0o700)
+    assert srv.healthz()["workers_up"] == 2
