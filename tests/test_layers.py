@@ -2,11 +2,12 @@
 
 A module's layer is its folder: ``eg_kv/*.py`` is the base (``kvcache.py`` and
 ``__init__.py`` are the public face, above everything), ``eg_kv/slab/`` the slab,
-``eg_kv/disk/`` the disk tier under it, ``eg_kv/server/`` the server, ``eg_kv/client/`` the clients, ``eg_kv/lmcache/`` the LMCache
-plugins. Every import is read from the source (at any depth: inside functions and
-``TYPE_CHECKING`` blocks too), so an upward edge or a cycle fails here even when it is
-written to dodge Python's import order. And the clients need none of the server's
-packages: the sync client runs with aiohttp, posix_ipc and prometheus_client unimportable.
+``eg_kv/disk/`` the disk tier beside it, ``eg_kv/server/`` the server, ``eg_kv/client/``
+the clients, ``eg_kv/lmcache/`` the LMCache plugins. Every import is read from the source
+(at any depth: inside functions and ``TYPE_CHECKING`` blocks too), so an upward edge or a
+cycle fails here even when it is written to dodge Python's import order. And the clients
+need none of the server's packages: the sync client runs with aiohttp, posix_ipc and
+prometheus_client unimportable.
 """
 
 from __future__ import annotations

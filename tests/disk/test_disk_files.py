@@ -61,14 +61,16 @@ def test_records_come_back_after_a_restart_and_the_head_goes_on(disk_dir):
     for address, data in blocks.items():
         assert _put(store, "", address, data) is not None
     engine = EngineName(b"h" * 32, b"p" * 32, 16, 3)
-    store.append(("team", "e"), 5, checksum_of(b"hello"), lambda v: v.__setitem__(slice(None), b"hello"),
+    hello = b"hello"
+    store.append(("team", "e"), 5, checksum_of(hello), lambda v: v.__setitem__(slice(None), hello),
                  engine=engine)  # fmt: skip
     head, next_seq = store.index.head, store.index.next_seq
     store.close()
 
     again = _store(disk_dir)
     assert {a: _read(again, "", a) for a in blocks} == blocks
-    assert _read(again, "team", "e") == b"hello" and again.index.find(("team", "e")).engine == engine
+    assert _read(again, "team", "e") == b"hello"
+    assert again.index.find(("team", "e")).engine == engine
     assert (again.index.head, again.index.next_seq) == (head, next_seq)
     again.close()
 
@@ -86,7 +88,8 @@ def test_the_ring_overwrites_the_oldest_first_and_a_scan_agrees(disk_dir):
     again = _store(disk_dir, capacity=1 * MiB)
     assert sorted(again.index.entries) == sorted(("", a) for a in kept)
     _put(again, "", "after", b"x" * 100)  # the head goes on where it was
-    assert again.index.find(("", kept[0])) is None and _read(again, "", kept[-1]) == blocks[kept[-1]]
+    assert again.index.find(("", kept[0])) is None
+    assert _read(again, "", kept[-1]) == blocks[kept[-1]]
     again.close()
 
 
@@ -172,7 +175,7 @@ def test_a_directory_that_is_not_ours_is_refused(tmp_path):
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     os.chmod(open_dir, 0o777)
-    with pytest.raises(ConfigError, match="writable by others.*chmod go-w"):
+    with pytest.raises(ConfigError, match=r"writable by others.*chmod go-w"):
         files.check_dir(str(open_dir))
     a_file = tmp_path / "file"
     a_file.write_bytes(b"")
@@ -189,6 +192,6 @@ def test_a_directory_that_is_not_ours_is_refused(tmp_path):
 
 
 def test_a_disk_without_room_is_refused_at_start(disk_dir):
-    with pytest.raises(ConfigError, match="cannot reserve .*lower --disk-capacity"):
+    with pytest.raises(ConfigError, match=r"cannot reserve .*lower --disk-capacity"):
         files.make_data(str(disk_dir), 1 << 60)
     assert not os.path.exists(os.path.join(disk_dir, D.DATA_FILE))

@@ -99,7 +99,7 @@ def test_dedup_and_delete_hold_across_tiers(server_factory, disk_dir):
     srv = _serve(server_factory, disk_dir)
     blocks = _blocks("d", 12)
     _put_spilled(srv, blocks)
-    old = list(blocks)[0]  # on disk only now
+    old = next(iter(blocks))  # on disk only now
     assert stats(srv)["unique_blocks"] < 12
     assert request(srv, "PUT", f"/kv/{old}", blocks[old]).status == 200  # a dedup hit
     # Two references now: the first DELETE leaves it, the second removes it everywhere.
@@ -203,7 +203,7 @@ def test_a_stopped_keeper_costs_disk_hits_only(server_factory, disk_dir):
     blocks = _blocks("p", 12)
     _put_spilled(srv, blocks)
     keeper = _disk(srv)["pid"]
-    resident, on_disk = list(blocks)[-1], list(blocks)[0]
+    resident, on_disk = list(blocks)[-1], next(iter(blocks))
     os.kill(keeper, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
