@@ -748,7 +748,10 @@ class ClientCore:
         miss, or :data:`OVER_HTTP`. Never raises."""
         if slab is None:
             return OVER_HTTP
-        return self._locally(address, slab.open_to_fetch, address, self.config.max_block_size)
+        got = self._locally(address, slab.open_to_fetch, address, self.config.max_block_size)
+        if got is None and slab.info.disk:  # the server's disk tier may hold it
+            return OVER_HTTP
+        return got
 
     def local_copy(
         self, slab: LocalSlab, reader: BlockReader, address: str, sink: Callable[..., Any]
@@ -776,10 +779,11 @@ class ClientCore:
         if slab is None:
             return None
         try:
-            return slab.exists_addresses(addresses)
+            found = slab.exists_addresses(addresses)
         except LocalUnavailable as exc:
             self.local.step_aside(exc)
             return None
+        return None if slab.info.disk and not all(found) else found  # misses: ask the disk
 
     def local_lookup(
         self, slab: LocalSlab | None, addresses: list[str], lease_ms: int | None
@@ -805,6 +809,8 @@ class ClientCore:
             found = slab.exists_addresses(addresses)
         except LocalUnavailable as exc:
             self.local.step_aside(exc)
+            return None
+        if slab.info.disk and not all(found):  # the server's disk tier may hold the misses
             return None
         return None if lease and any(found) else found
 

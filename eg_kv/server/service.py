@@ -31,9 +31,9 @@ async def local_slab(request: web.Request, tenant: Tenant) -> web.Response:
     who on the host can open it.
     """
     slab = request.app[SLAB]
-    info = LocalInfo.of(
-        slab.name, slab.slab_id, slab.geometry.total_size, tenant.ns, request.app[SETTINGS].lease_ms
-    )
+    settings = request.app[SETTINGS]
+    info = LocalInfo.of(slab.name, slab.slab_id, slab.geometry.total_size, tenant.ns,
+                        settings.lease_ms, bool(settings.disk))  # fmt: skip
     return json_answer(info)
 
 

@@ -108,6 +108,8 @@ class LocalInfo:
             server that does not say: then this process's own uid must).
         lease_ms: the longest lease the server grants (its ``--lease-ms``; 0: none), which
             local leases (:mod:`eg_kv.slab.local_leases`) keep to as well.
+        disk: the server has a disk tier (``--disk``): a block the slab misses may be on
+            disk, so a local miss asks the server.
     """
 
     slab: str
@@ -118,6 +120,7 @@ class LocalInfo:
     ns: int
     uid: int | None = None
     lease_ms: int = 0
+    disk: bool = False
 
     @classmethod
     def from_json(cls, doc: Any) -> LocalInfo:
@@ -136,6 +139,7 @@ class LocalInfo:
                 ns=int(doc["namespace_id"]),
                 uid=None if doc.get("uid") is None else int(doc["uid"]),
                 lease_ms=max(0, int(doc.get("lease_ms", 0))),
+                disk=doc.get("disk") is True,
             )
         except (TypeError, KeyError, ValueError) as e:
             raise LocalUnavailable(f"the server's slab description is malformed ({e})") from None
@@ -146,8 +150,9 @@ class LocalInfo:
 
     @classmethod
     def of(
-        cls, slab_name: str, slab_id: bytes, total_size: int, ns: int, lease_ms: int = 0
-    ) -> dict[str, Any]:
+        cls, slab_name: str, slab_id: bytes, total_size: int, ns: int, lease_ms: int = 0,
+        disk: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
         """The JSON a server answers for its slab (the inverse of :meth:`from_json`)."""
         return {
             "slab": slab_name,
@@ -158,6 +163,7 @@ class LocalInfo:
             "namespace_id": ns,
             "uid": os.geteuid(),  # the server's: a client trusts no other user's segment
             "lease_ms": lease_ms,
+            "disk": disk,
         }
 
 

@@ -17,6 +17,7 @@ from helpers.common import free_port, wait_for
 from helpers.server_http import request, stats
 from helpers.servers import serve_cmd
 
+from eg_kv.client.connectors import RemoteKVConnector
 from eg_kv.disk import layout as D
 
 KiB = 1024
@@ -233,3 +234,19 @@ def test_a_second_server_on_the_directory_is_refused(server_factory, disk_dir, t
         assert out.returncode != 0 and len(errors) == 1 and reason in errors[0], out.stderr
     os.chmod(tmp_path, 0o700)
     assert srv.healthz()["workers_up"] == 2
+
+
+def test_a_client_reading_the_slab_itself_gets_disk_hits_over_http(server_factory, disk_dir):
+    """On the server's host the client reads the slab itself; a block the slab evicted is
+    asked of the server, which has it on disk (LocalInfo's ``disk``)."""
+    srv = _serve(server_factory, disk_dir)
+    blocks = {f"key-{i}": os.urandom(BLOCK) for i in range(16)}
+    with RemoteKVConnector(base_url=srv.url, local_reads=True) as kv:
+        for key, data in blocks.items():
+            spilled = _disk(srv)["spills"]
+            assert kv.put(key, data)
+            wait_for(lambda s=spilled: _disk(srv)["spills"] > s, what=f"the spill of {key}")
+        assert kv.exists_many(list(blocks)) == [True] * 16
+        assert {key: kv.get(key) for key in blocks} == blocks
+        assert kv.reads_locally
+    assert _disk(srv)["promotions"] >= 8
