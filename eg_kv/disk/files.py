@@ -159,3 +159,32 @@ def write_super(fd: int, sb: D.Super) -> None:
         os.pwritev(fd, [buf], 0)
     finally:
         buf.close()
+
+
+#: The most buffers one ``preadv``/``pwritev`` takes (the rest go in further calls).
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def pwrite_all(fd: int, views: list, offset: int) -> None:
+    """Write ``views`` one after another from ``offset`` (as many calls as IOV_MAX needs).
+
+    Raises:
+        OSError: a write failed or was short (a full disk).
+    """
+    for i in range(0, len(views), IOV_MAX):
+        group = views[i : i + IOV_MAX]
+        want = sum(len(v) for v in group)
+        if os.pwritev(fd, group, offset) != want:
+            raise OSError(errno.ENOSPC, "short write")
+        offset += want
+
+
+def pread_all(fd: int, views: list, offset: int) -> bool:
+    """Fill ``views`` from ``offset`` on; False if the file ended first."""
+    for i in range(0, len(views), IOV_MAX):
+        group = views[i : i + IOV_MAX]
+        want = sum(len(v) for v in group)
+        if os.preadv(fd, group, offset) != want:
+            return False
+        offset += want
+    return True

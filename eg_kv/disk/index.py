@@ -33,6 +33,7 @@ class Entry:
     engine: EngineName = NO_ENGINE
     live: bool = True  #: in the index (False: deleted or superseded; its space not freed yet)
     in_ring: bool = True  #: its bytes are still on disk (False: the head passed it)
+    block: int = 0  #: the slab block it was spilled from, by this keeper (0: found by a scan)
 
     @property
     def size(self) -> int:

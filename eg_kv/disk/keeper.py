@@ -37,6 +37,8 @@ from .store import DiskStore
 
 log = logging.getLogger("eg_kv.disk")
 
+#: A block to spill: namespace id, key, block id, length, engine name.
+Spill = tuple[int, Key, int, int, EngineName]
 #: Stored blocks waiting for their spill; past it, a block is not spilled (a drop).
 SPILL_QUEUE = 4096
 #: Entries of the event log read per step, and how long an idle follower sleeps (s).
@@ -60,7 +62,9 @@ class Keeper:
             raise ValueError("the disk tier follows the event log: --events must not be 0")
         self.slab, self.ring, self.store = slab, ring, store
         self.since = ring.head
-        self.spills: queue.Queue[tuple[int, Key, int, EngineName] | None] = queue.Queue(SPILL_QUEUE)
+        self.spills: queue.Queue[tuple[int, Key, int, int, EngineName] | None] = queue.Queue(
+            SPILL_QUEUE
+        )
         self._names: dict[int, str | None] = {}
         self._connections = 0
 
@@ -90,7 +94,7 @@ class Keeper:
                     NO_ENGINE
                 )  # fmt: skip
                 try:
-                    self.spills.put_nowait((ns, key, e[2], engine))
+                    self.spills.put_nowait((ns, key, e[1], e[2], engine))
                 except queue.Full:
                     counters["spill_drops"] += 1
             elif reason == R_DELETE:
@@ -119,7 +123,7 @@ class Keeper:
             item = self.spills.get()
             if item is None:
                 return
-            ns, key, length, engine = item
+            ns, key, block, length, engine = item
             try:
                 found = slab.read_or_open(key[1], ns)
             except Exception:  # a damaged address cannot be one the log names: skip it
@@ -135,8 +139,16 @@ class Keeper:
                 counters["spill_skips"] += 1  # a promoted block: its record is there
                 continue
             try:
-                store.append(key, length, checksum, _filler(reader), 1, engine,
-                             self._quota(ns))  # fmt: skip
+                views = None if isinstance(reader, bytes) else reader.aligned_views(D.ALIGN)
+                if views is None or isinstance(reader, bytes):  # small (a copy), or unaligned
+                    done = store.append(key, length, checksum, _filler(reader), 1, engine,
+                                        self._quota(ns), block=block)  # fmt: skip
+                else:  # straight from the slab's pages, vouched for after the write
+                    done = store.append(key, length, checksum, None, 1, engine,
+                                        self._quota(ns), views, reader.still_there,
+                                        block)  # fmt: skip
+                if done is None:
+                    counters["spill_drops"] += 1
             except BlockGone:
                 counters["spill_drops"] += 1
 
@@ -199,7 +211,7 @@ class Keeper:
         if op == wire.DISCARD:
             return await asyncio.to_thread(store.discard, (args[0], args[1]))
         if op == wire.ADOPT:
-            return await asyncio.to_thread(self._adopt, (args[0], args[1]), args[2])
+            return await asyncio.to_thread(self._adopt, (args[0], args[1]), args[2], args[3])
         if op == wire.STATS:
             stats = store.stats()
             stats["spill_queue"] = self.spills.qsize()
@@ -216,12 +228,13 @@ class Keeper:
             return None
         raise ValueError(f"unknown op {op!r}")
 
-    def _adopt(self, key: Key, checksum: int) -> int:
-        """A PUT created ``key`` in the slab: if the disk holds it with the same bytes,
-        it was a dedup hit (returns the copy's refs); a copy with other bytes is stale."""
+    def _adopt(self, key: Key, checksum: int, block: int) -> int:
+        """A PUT created ``key`` in the slab as ``block``: if the disk holds it with the
+        same bytes, it was a dedup hit (returns the copy's refs); a copy with other bytes
+        is stale. The spill of that very block (which may be done already) is no copy."""
         with self.store.lock:
             e = self.store.index.find(key)
-        if e is None:
+        if e is None or e.block == block:
             return 0
         if e.checksum == checksum:
             return e.refs

@@ -28,6 +28,36 @@ def _buffer(size: int):
     return buf
 
 
+def check_header(raw: bytes, key: bytes, seq: int, length: int, namespace: str,
+                 address: str) -> D.Record | None:  # fmt: skip
+    """The header, if its MAC holds and it names this record; else None."""
+    rec = D.unpack_header(raw, key)
+    if rec is None or (rec.seq, rec.length, rec.namespace, rec.address) != (
+        seq, length, namespace, address,
+    ):  # fmt: skip
+        return None
+    return rec
+
+
+def read_into(
+    fd: int, key: bytes, offset: int, length: int, seq: int, namespace: str, address: str,
+    views: list[memoryview],
+) -> D.Record | None:  # fmt: skip
+    """Read a record's block straight into ``views`` (aligned: the slab's reserved pages)
+    and return its header if it names this record; the block's checksum is the caller's
+    to check (the slab's commit does). None: a miss."""
+    head = _buffer(D.HEADER)
+    mv = memoryview(head)
+    try:
+        if not files.pread_all(fd, [mv[: D.HEADER], *views], offset):
+            return None
+    except OSError:
+        return None
+    finally:
+        mv.release()
+    return check_header(head[: D.HEADER], key, seq, length, namespace, address)
+
+
 def read_block(
     fd: int, key: bytes, offset: int, length: int, seq: int, namespace: str, address: str
 ) -> tuple[bytes, D.Record] | None:
@@ -44,10 +74,8 @@ def read_block(
         mv.release()
     if n < D.HEADER + length:  # the file was cut short
         return None
-    rec = D.unpack_header(buf[: D.HEADER], key)
-    if rec is None or (rec.seq, rec.length, rec.namespace, rec.address) != (
-        seq, length, namespace, address,
-    ):  # fmt: skip
+    rec = check_header(buf[: D.HEADER], key, seq, length, namespace, address)
+    if rec is None:
         return None
     data = buf[D.HEADER : D.HEADER + length]
     if checksum_of(data) != rec.checksum:

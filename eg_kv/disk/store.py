@@ -25,6 +25,9 @@ from .index import DiskIndex, Entry, Key
 
 log = logging.getLogger("eg_kv.disk")
 
+#: What copies a block into the view it is given (:meth:`DiskStore.append`).
+Fill = Callable[[memoryview], None]
+
 #: How far past the head the superblock's high water is moved when the head reaches it
 #: (one 4 KiB write per step): a scan after a crash reads at most this far past the last
 #: record for nothing.
@@ -70,22 +73,28 @@ class DiskStore:
     # ------------------------------------------------------------------ writes
 
     def append(
-        self, key: Key, length: int, checksum: int, fill: Callable[[memoryview], None],
+        self, key: Key, length: int, checksum: int, fill: Fill | None = None,
         refs: int = 1, engine: EngineName = NO_ENGINE, quota: int = 0,
+        views: list[memoryview] | None = None, still_there: Callable[[], bool] | None = None,
+        block: int = 0,
     ) -> Entry | None:  # fmt: skip
         """Write a block's record at the head and index it; None if it could not be.
 
+        The block comes either from ``fill``, which copies its ``length`` bytes into the
+        view it is given (and raises, e.g. BlockGone, when it cannot: nothing is written),
+        or straight from ``views`` (the slab's pages, aligned: no copy), which
+        ``still_there`` vouches for once written (False: the record is undone).
+
         Args:
-            fill: copies the block's ``length`` bytes into the view it is given; raises
-                (e.g. BlockGone) when it cannot, and nothing is written.
             quota: its namespace's quota in bytes (0: none): older records of the
                 namespace leave the index until this one fits.
         """
-        buf = self.buf
-        mv = memoryview(buf)
+        mv = memoryview(self.buf)
         try:
             with self.io:
-                fill(mv[D.HEADER : D.HEADER + length])
+                if views is None:
+                    assert fill is not None
+                    fill(mv[D.HEADER : D.HEADER + length])
                 with self.lock:
                     seq = self.index.next_seq
                     self.index.next_seq += 1
@@ -102,16 +111,20 @@ class DiskStore:
                     self._raise_high_water(end)
                 D.pack_header(mv[: D.HEADER], self.sb.key, seq, length, checksum, key[0], key[1],
                               refs, engine)  # fmt: skip
+                iov = [mv[: end - offset]] if views is None else [mv[: D.HEADER], *views]
                 t0 = time.perf_counter()
                 try:
-                    os.pwritev(self.fd, [mv[: end - offset]], offset)
+                    files.pwrite_all(self.fd, iov, offset)
                 except OSError as e:
                     self.counters["write_errors"] += 1
                     log.warning("disk tier: a write of %s at %d failed: %s",
                                 human_size(length), offset, e)  # fmt: skip
                     return None
                 self.counters["write_seconds"] += time.perf_counter() - t0
-                entry = Entry(key, offset, length, seq, checksum, refs, engine)
+                entry = Entry(key, offset, length, seq, checksum, refs, engine, block=block)
+                if still_there is not None and not still_there():
+                    self._zero_headers([entry])  # the pages changed hands meanwhile
+                    return None
                 with self.lock:
                     self.index.ring.append(entry)
                     self.index.add(entry)

@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 from ..engine import EngineName
 from . import files, wire
 from . import layout as D
-from .reader import read_block
+from .layout import Record
+from .reader import read_block, read_into
 
 log = logging.getLogger("eg_kv.disk")
 
@@ -83,21 +84,50 @@ class DiskTier:
         self._check_file(file_id)
         return [None if p is None else Found(*p) for p in places]
 
-    async def load(self, namespace: str, address: str) -> Loaded | None:
-        """The block, read from its record and verified; None: a miss."""
+    async def locate(self, namespace: str, address: str) -> Found | None:
+        """Where the block a GET is about to load lies (None: not on disk); counted as a
+        disk hit when found."""
         found = (await self.find(namespace, [address], load=True))[0]
-        if found is None or self._fd < 0:
-            return None
+        return found if found is not None and self._fd >= 0 else None
+
+    async def read(self, namespace: str, address: str, found: Found) -> Loaded | None:
+        """The block, read from its record into memory and verified; None: a miss."""
         t0 = time.perf_counter()
         got = await asyncio.to_thread(read_block, self._fd, self._file[1], found.offset,
                                       found.length, found.seq, namespace, address)  # fmt: skip
         if got is None:
-            log.warning("disk tier: the record of %s failed its checks; dropped", address)
-            self._report(wire.BAD, namespace, address, found.seq)
+            self.failed(namespace, address, found)
             return None
         self._report(wire.LOADED, found.length, time.perf_counter() - t0)
         data, rec = got
         return Loaded(data, rec.checksum, found.refs, rec.engine)
+
+    async def read_into(
+        self, namespace: str, address: str, found: Found, views: list[memoryview]
+    ) -> Record | None:
+        """Read the block straight into ``views`` (a promotion's reserved slab pages) and
+        return its header, which names this record; None: a miss (reported). The bytes'
+        checksum is the caller's to check. The read is not abandoned halfway: a cancelled
+        caller waits for it, so the pages are never freed under it."""
+        t0 = time.perf_counter()
+        task = asyncio.ensure_future(asyncio.to_thread(
+            read_into, self._fd, self._file[1], found.offset, found.length, found.seq,
+            namespace, address, views))  # fmt: skip
+        try:
+            rec = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            raise
+        if rec is None:
+            self.failed(namespace, address, found)
+            return None
+        self._report(wire.LOADED, found.length, time.perf_counter() - t0)
+        return rec
+
+    def failed(self, namespace: str, address: str, found: Found) -> None:
+        """A record failed its checks: the keeper drops it."""
+        log.warning("disk tier: the record of %s failed its checks; dropped", address)
+        self._report(wire.BAD, namespace, address, found.seq)
 
     async def delete(self, namespace: str, address: str) -> bool:
         """Release one reference of a block only the disk holds."""
@@ -107,10 +137,10 @@ class DiskTier:
         """The slab's last reference of ``address`` went: drop the disk's copy too."""
         return bool(await self._call(wire.DISCARD, namespace, address))
 
-    async def adopt(self, namespace: str, address: str, checksum: int) -> int:
-        """A PUT created ``address``: the refs of the disk's copy of the same bytes (0:
-        none; a PUT of a disk-resident block is a dedup hit)."""
-        return int(await self._call(wire.ADOPT, namespace, address, checksum) or 0)
+    async def adopt(self, namespace: str, address: str, checksum: int, block: int) -> int:
+        """A PUT created ``address`` as slab block ``block``: the refs of the disk's copy
+        of the same bytes (0: none; a PUT of a disk-resident block is a dedup hit)."""
+        return int(await self._call(wire.ADOPT, namespace, address, checksum, block) or 0)
 
     async def stats(self) -> dict[str, Any] | None:
         """The keeper's counters (None: it did not answer)."""

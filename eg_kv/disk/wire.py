@@ -12,8 +12,9 @@ find       namespace, [address, ...], load (bool)     [file id, [[offset, length
                                                       refs] or None, ...]]
 delete     namespace, address                         whether it was there (one reference goes)
 discard    namespace, address                         whether it was there (the copy goes)
-adopt      namespace, address, checksum               the refs of a copy with that checksum, or 0
-                                                      (a copy with another checksum is dropped)
+adopt      namespace, address, checksum, block id     the refs of a copy with that checksum not
+                                                      spilled from that block, or 0 (a copy with
+                                                      another checksum is dropped)
 stats      (none)                                     the tier's counters (a map)
 bad        namespace, address, seq                    (report) a record that failed its checks
 loaded     bytes, seconds                             (report) a verified read from the file

@@ -15,6 +15,7 @@ import logging
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
+from ..disk.tier import Loaded
 from ..errors import NotFound
 from ..slab.store import BlockGone
 from ..slab.view import BlockReader
@@ -56,7 +57,11 @@ async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
             loaded = await tiers.load(request, tenant, address)
             if loaded is None:
                 raise NotFound(f"no block {address}")
-            return reply(request, 200, loaded.data, BLOCK_TYPE, checksum=loaded.checksum)
+            if isinstance(loaded, Loaded):
+                return reply(request, 200, loaded.data, BLOCK_TYPE, checksum=loaded.checksum)
+            found = request.app[SLAB].read_or_open(address, tenant.ns)
+            if found is None:
+                raise NotFound(f"no block {address} (evicted as soon as it was promoted)")
         checksum, reader = found
         if isinstance(reader, bytes):  # one page, copied: the fast path for small blocks
             return reply(request, 200, reader, BLOCK_TYPE, checksum=checksum)

@@ -16,34 +16,67 @@ import logging
 
 from aiohttp import web
 
+from ..disk.layout import ALIGN
 from ..disk.tier import Found, Loaded
 from ..errors import EgKvError
-from .keys import DISK, SLAB
+from .keys import DISK, SETTINGS, SLAB
 from .tenants import Tenant
 
 log = logging.getLogger("eg_kv.server.tiers")
 
 
-async def load(request: web.Request, tenant: Tenant, address: str) -> Loaded | None:
-    """The block from the disk tier, promoted into the slab; None: not there."""
+class Promoted:
+    """What :func:`load` answers for a block it put into the slab: serve it from there."""
+
+
+PROMOTED = Promoted()
+
+
+async def load(request: web.Request, tenant: Tenant, address: str) -> Loaded | Promoted | None:
+    """The block from the disk tier, promoted into the slab: :data:`PROMOTED` when it was
+    read straight into the slab's pages (serve it from the slab), its bytes when it was
+    read into memory (the slab would not take it, or its pages are not aligned for
+    O_DIRECT), None when the disk does not hold it (or its record failed its checks)."""
     tier = request.app.get(DISK)
     if tier is None:
         return None
-    got = await tier.load(tenant.namespace, address)
-    if got is not None:
-        promote(request, tenant, address, got)
-    return got
-
-
-def promote(request: web.Request, tenant: Tenant, address: str, got: Loaded) -> None:
-    """Put a block read from disk back into the slab (its copy on disk stays)."""
+    found = await tier.locate(tenant.namespace, address)
+    if found is None:
+        return None
     slab = request.app[SLAB]
     try:
-        if slab.put(address, got.data, tenant.ns, got.checksum, got.engine):
-            for _ in range(got.refs - 1):
-                slab.add_ref(address, len(got.data), tenant.ns)
-    except EgKvError as e:  # served all the same, from the bytes read
+        handle = slab.begin_put(address, found.length, request.app[SETTINGS].upload_share,
+                                tenant.ns, found.checksum)  # fmt: skip
+    except EgKvError as e:  # no room now (leases, a quota): served from a copy instead
         log.info("disk tier: %s not promoted into the slab: %s", address, e)
+        return await tier.read(tenant.namespace, address, found)
+    try:
+        if handle.dedup:  # another request promoted it meanwhile
+            return PROMOTED
+        views = handle.page_views(ALIGN)
+        got: Loaded | Promoted | None
+        if views is None:  # the slab's pages do not suit O_DIRECT: through a copy
+            got = await tier.read(tenant.namespace, address, found)
+            if got is None:
+                return None
+            handle.write(got.data)
+            handle.engine = got.engine
+            handle.commit()
+        else:
+            rec = await tier.read_into(tenant.namespace, address, found, views)
+            if rec is None:
+                return None
+            if handle.filled() != found.checksum:
+                tier.failed(tenant.namespace, address, found)
+                return None
+            handle.engine = rec.engine
+            handle.commit()
+            got = PROMOTED
+        for _ in range(found.refs - 1):
+            slab.add_ref(address, found.length, tenant.ns)
+        return got
+    finally:
+        handle.abort()  # a dedup's reference back, or the pages of a failed read
 
 
 async def find(request: web.Request, tenant: Tenant, addresses: list[str]) -> list[Found | None]:
@@ -78,7 +111,8 @@ async def adopt(request: web.Request, tenant: Tenant, address: str) -> bool:
     if described is None:
         return False
     length, checksum = described
-    refs = await tier.adopt(tenant.namespace, address, checksum)
+    block = slab.block_ids([address], tenant.ns)[1][0]
+    refs = await tier.adopt(tenant.namespace, address, checksum, block)
     try:
         for _ in range(refs):
             slab.add_ref(address, length, tenant.ns)

@@ -923,6 +923,32 @@ class PutHandle:
             self._hash.update(src)  # type: ignore[union-attr]
         self.pos += n
 
+    def page_views(self, align: int) -> list[memoryview] | None:
+        """Writable views of the reserved pages in order, for a read straight into them
+        (the disk tier's promotion: O_DIRECT ``preadv``): starts and sizes multiples of
+        ``align``, the last going on past the block's end within its own page. None for a
+        dedup hit, or where the slab's pages are not multiples of ``align``. Fill them
+        all, then call :meth:`filled`."""
+        slab = self._slab
+        if self._runs is None or slab.page_size % align or slab.geometry.data_off % align:
+            return None
+        mv = slab._mv
+        runs = [(off, size) for _, off, size in self._runs]
+        off, size = runs[-1]
+        runs[-1] = (off, -(-size // align) * align)
+        return [mv[off : off + size] for off, size in runs]
+
+    def filled(self) -> int:
+        """The pages were filled through :meth:`page_views`: hash what they hold, and
+        return that checksum (``commit`` checks it against the expected one, as for a
+        PUT's body)."""
+        if self._runs is not None:
+            mv = self._slab._mv
+            for _, off, size in self._runs:
+                self._hash.update(mv[off : off + size])  # type: ignore[union-attr]
+        self.pos = self.length
+        return self._hash.intdigest() if self._hash is not None else 0
+
     @property
     def dedup(self) -> bool:
         """Whether this put is a dedup hit (counted when it began; its bytes are dropped)."""

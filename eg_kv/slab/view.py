@@ -475,6 +475,26 @@ class BlockReader:
         for start, size in self.runs(max_slice):
             yield mv[start : start + size]
 
+    def aligned_views(self, align: int) -> list[memoryview] | None:
+        """The block's runs as views whose starts and sizes are multiples of ``align`` (the
+        last run's view goes on past the block's end to the next multiple, within its own
+        page), for an O_DIRECT write straight from the slab; None where the slab's pages
+        are not multiples of ``align``. The same caveat as :meth:`views`: the bytes are
+        the block's only if :meth:`still_there` after they were written out.
+
+        Raises:
+            BlockGone: the page chain broke off.
+        """
+        slab = self._slab
+        if slab.page_size % align or slab.geometry.data_off % align:
+            return None
+        mv = slab._mv
+        runs = list(self.runs(1 << 62))
+        if runs:
+            start, size = runs[-1]
+            runs[-1] = (start, -(-size // align) * align)
+        return [mv[start : start + size] for start, size in runs]
+
     def slices(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[bytes]:
         """Yield the block's bytes in copies of about ``max_slice`` bytes each.
 

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""The disk tier against the disk's own limit, side by side in one run on one directory.
+
+Per block size (2 MiB and 14 MiB by default), ``--total`` bytes of blocks:
+
+* ``disk write`` / ``disk read``: the limit. The same bytes written with O_DIRECT
+  ``pwrite`` one block after another into a preallocated file, then read back with
+  O_DIRECT ``preadv`` (what the tier itself does, with nothing else around it);
+* ``spill``: ``eg-kv serve --disk`` takes the blocks (HTTP PUTs, two connections) while
+  its disk keeper is stopped (SIGSTOP), then the keeper is let go (SIGCONT) and timed
+  until the last block is on disk: its own rate (copy out of the slab, O_DIRECT write),
+  not the PUTs'. Blocks it dropped are counted beside it;
+* ``cold hit``: the server started again on the same directory with a slab a quarter of
+  the blocks (the restart keeps them), and every block GET (two connections): each one
+  read from disk, verified, promoted into the slab and answered.
+
+Each eg-kv figure is also printed as a ratio of the limit it is bounded by (the goal: 0.8).
+Run it alone (the box is shared)::
+
+    flock /tmp/eg-kv-bench.lock .venv/bin/python scripts/bench_disk.py --dir /var/tmp/eg-kv-bench
+
+``--dir`` must be on the disk to measure (not tmpfs); it is made, and what the script
+writes there is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import mmap
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eg_kv.config import format_size, parse_size  # noqa: E402
+from eg_kv.slab.store import Slab  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def disk_limit(path: Path, block: int, count: int) -> tuple[float, float]:
+    """O_DIRECT sequential write, then read, of ``count`` blocks: (write, read) bytes/s."""
+    name = path / "limit.bin"
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    buf = mmap.mmap(-1, block)
+    buf[:] = os.urandom(block)
+    try:
+        os.posix_fallocate(fd, 0, block * count)
+        t0 = time.perf_counter()
+        for i in range(count):
+            os.pwritev(fd, [buf], i * block)
+        os.fsync(fd)
+        write = block * count / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(count):
+            os.preadv(fd, [buf], i * block)
+        read = block * count / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        buf.close()
+        name.unlink()
+    return write, read
+
+
+class Server:
+    """``eg-kv serve --disk`` on loopback, stopped by pid (its slab unlinked)."""
+
+    def __init__(self, disk: Path, slab: int, disk_capacity: int, max_block: int) -> None:
+        self.port, self.name = free_port(), f"/eg-kv-bench-disk-{os.getpid()}"
+        self.log = open(disk.parent / "server.log", "ab")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{self.port}",
+             "--workers", "2", "--capacity", str(slab), "--slab-name", self.name,
+             "--max-block-size", str(max_block), "--disk", str(disk),
+             "--disk-capacity", str(disk_capacity)],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if self.disk_stats().get("ready"):
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited: see {disk.parent / 'server.log'}")
+            time.sleep(0.1)
+        self.stop()
+        raise SystemExit("the server did not start within 60 s")
+
+    def conn(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+
+    def disk_stats(self) -> dict:
+        c = self.conn()
+        try:
+            c.request("GET", "/kv/stats")
+            return json.loads(c.getresponse().read())["disk"]
+        finally:
+            c.close()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        try:
+            Slab.unlink_named(self.name)
+        except Exception:
+            pass
+
+
+def _each(server: Server, method: str, addresses: list[str], body: bytes | None) -> int:
+    """``method`` each address on one keep-alive connection; returns bytes moved."""
+    c, moved = server.conn(), 0
+    try:
+        for address in addresses:
+            c.request(method, f"/kv/{address}", body=body)
+            r = c.getresponse()
+            data = r.read()
+            if r.status not in (200, 201):
+                raise SystemExit(f"{method} {address}: {r.status} {data[:200]!r}")
+            moved += len(body) if body is not None else len(data)
+    finally:
+        c.close()
+    return moved
+
+
+def two_connections(server: Server, method: str, addresses: list[str], body: bytes | None) -> float:
+    """Bytes a second of ``method`` over ``addresses`` split across two connections."""
+    halves = [addresses[0::2], addresses[1::2]]
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        moved = sum(pool.map(lambda part: _each(server, method, part, body), halves))
+    return moved / (time.perf_counter() - t0)
+
+
+def on_disk_only(server: Server, addresses: list[str]) -> list[str]:
+    """Those of ``addresses`` the disk tier answers (the batch exists' ``on_disk``)."""
+    out = []
+    for i in range(0, len(addresses), 1024):
+        part = addresses[i : i + 1024]
+        c = server.conn()
+        try:
+            c.request("POST", "/kv/batch/exists", body=json.dumps({"addresses": part}))
+            answer = json.loads(c.getresponse().read())
+        finally:
+            c.close()
+        out += [part[j] for j in answer.get("on_disk", [])]
+    return out
+
+
+def egkv(path: Path, block: int, count: int) -> dict[str, float]:
+    """The spill rate and the cold-hit rate of ``count`` blocks (module docstring)."""
+    disk = path / "tier"
+    disk.mkdir(mode=0o700)
+    capacity = block * count * 5 // 4 + 64 * MiB
+    addresses = [f"bench-{block}-{i:05d}" for i in range(count)]
+    # Spill: the blocks stored while the keeper is stopped, then timed from its SIGCONT
+    # until the last is on disk (the keeper's own rate, not the PUTs').
+    server = Server(disk, block * count + 16 * block, capacity, block)
+    try:
+        keeper = server.disk_stats()["pid"]
+        os.kill(keeper, signal.SIGSTOP)
+        try:
+            two_connections(server, "PUT", addresses, os.urandom(block))
+        finally:
+            os.kill(keeper, signal.SIGCONT)
+        t0, deadline = time.perf_counter(), time.monotonic() + 300
+        while True:
+            st = server.disk_stats()
+            if st["spills"] + st["spill_drops"] >= count or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+        spill = st["spilled_bytes"] / (time.perf_counter() - t0)
+    finally:
+        server.stop()
+    # Cold hits: a new server with a slab a quarter of the blocks, on the same directory
+    # (the restart keeps the cache): every GET reads, verifies and promotes one.
+    server = Server(disk, max(4 * block, block * count // 4), capacity, block)
+    try:
+        cold = on_disk_only(server, addresses)
+        hit = two_connections(server, "GET", cold, None)
+        return {"spill": spill, "drops": st["spill_drops"], "cold hit": hit,
+                "cold": len(cold)}  # fmt: skip
+    finally:
+        server.stop()
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default=None, help="a directory on the disk to measure")
+    p.add_argument("--total", default="512MiB", help="bytes of blocks per size")
+    p.add_argument("--sizes", default="2MiB,14MiB", help="block sizes, comma separated")
+    args = p.parse_args()
+    base = Path(args.dir or tempfile.mkdtemp(prefix="eg-kv-bench-disk-", dir="/var/tmp"))
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=base))
+    total = parse_size(args.total)
+    rows = []
+    try:
+        for size in (parse_size(s) for s in args.sizes.split(",")):
+            count = max(8, total // size)
+            write, read = disk_limit(work, size, count)
+            got = egkv(work, size, count)
+            rows.append((size, count, write, read, got))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    gb = 1e9
+    print(f"disk tier on {base} ({format_size(total)} a size; GB/s; ratio to the disk's limit)")
+    print("| block | disk write | eg-kv spill | ratio | disk read | eg-kv cold hit | ratio "
+          "| spill drops |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for size, count, write, read, got in rows:
+        print(f"| {format_size(size)} x {count} | {write / gb:.2f} | {got['spill'] / gb:.2f} | "
+              f"{got['spill'] / write:.2f} | {read / gb:.2f} | {got['cold hit'] / gb:.2f} | "
+              f"{got['cold hit'] / read:.2f} | {got['drops']} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
