@@ -3,7 +3,12 @@
 Every call is bounded: an answer that takes over :data:`CALL_TIMEOUT_S` (a keeper that is
 stopped, or busy), more than :data:`MAX_PENDING` calls in flight, or a keeper that cannot
 be reached (it is restarting) are all a miss, never a wait; a keeper that is down is
-tried again at most every :data:`RETRY_S`, and a warning is logged once per outage.
+tried again at most every :data:`RETRY_S`, and a warning is logged once per outage. A
+keeper that let a call time out is taken for down: calls are misses at once while a probe
+in the background asks it every :data:`RETRY_S` until it answers, and while any call has
+gone unanswered for :data:`SLOW_S` (a keeper answers in well under a millisecond) the
+others are misses at once too. So one request waits for a stopped keeper, not every PUT
+and GET behind it.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from .reader import read_block, read_into
 
 log = logging.getLogger("eg_kv.disk")
 
-CALL_TIMEOUT_S = 1.0
+CALL_TIMEOUT_S = 0.5
 MAX_PENDING = 256
 RETRY_S = 0.5
+SLOW_S = 0.05
 
 
 class Found(NamedTuple):
@@ -55,6 +61,9 @@ class DiskTier:
         self._sock = os.path.join(path, D.SOCKET_FILE)
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._asked: dict[int, float] = {}  # when each pending call was sent, oldest first
+        self._down = False  # a call timed out: misses at once until the probe gets an answer
+        self._probe: asyncio.Future[None] | None = None
         self._ids = itertools.count(1)
         self._connecting: asyncio.Lock | None = None
         self._retry_at = 0.0
@@ -65,6 +74,8 @@ class DiskTier:
         self.unreachable = 0  #: calls answered as misses because the keeper was not there
 
     async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
         if self._writer is not None:
             self._writer.close()
         if self._fd >= 0:
@@ -172,13 +183,16 @@ class DiskTier:
         if self._writer is not None and not self._writer.is_closing():
             self._writer.write(wire.frame([msg[0], 0, *msg[1:]]))
 
-    async def _call(self, op: str, *args: Any) -> Any:
-        if len(self._pending) >= MAX_PENDING or not await self._connected():
+    async def _call(self, op: str, *args: Any, probe: bool = False) -> Any:
+        if (not probe and (self._down or self._stalled())) or len(
+            self._pending
+        ) >= MAX_PENDING or not await self._connected():  # fmt: skip
             self.unreachable += 1
             return None
         assert self._writer is not None
         rid = next(self._ids)
         fut = self._pending[rid] = asyncio.get_running_loop().create_future()
+        self._asked[rid] = time.monotonic()
         try:
             self._writer.write(wire.frame([op, rid, *args]))
             return await asyncio.wait_for(fut, CALL_TIMEOUT_S)
@@ -186,9 +200,28 @@ class DiskTier:
             if isinstance(e, asyncio.CancelledError):
                 raise
             self.unreachable += 1
+            if isinstance(e, TimeoutError) and not self._down:
+                self._down = True
+                log.warning("disk tier: the keeper did not answer in %.1f s; disk hits are "
+                            "misses until it does", CALL_TIMEOUT_S)  # fmt: skip
+                self._probe = asyncio.ensure_future(self._probe_until_up())
             return None
         finally:
             self._pending.pop(rid, None)
+            self._asked.pop(rid, None)
+
+    async def _probe_until_up(self) -> None:
+        while self._down:
+            await asyncio.sleep(RETRY_S)
+            if await self._call(wire.STATS, probe=True) is not None:
+                self._down = False
+                log.warning("disk tier: the keeper answers again")
+
+    def _stalled(self) -> bool:
+        """Whether the oldest call in flight has waited over :data:`SLOW_S`."""
+        for sent in self._asked.values():  # insertion order: the oldest first
+            return time.monotonic() - sent > SLOW_S
+        return False
 
     async def _connected(self) -> bool:
         if self._writer is not None and not self._writer.is_closing():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -153,10 +154,12 @@ class Metrics:
         workers_up: int,
         workers: int,
         namespaces: dict[str, dict[str, int | str]] | None = None,
+        disk: dict[str, Any] | None = None,
     ) -> bytes:
         """The Prometheus text exposition: every worker's requests plus the slab's stats,
         and with ``namespaces`` (name -> counters) each namespace's, labelled ``namespace``
-        (the default namespace is ``default``)."""
+        (the default namespace is ``default``); with ``disk`` (the disk tier's counters,
+        :mod:`eg_kv.disk`), its ``eg_kv_disk_*`` series."""
         registry = CollectorRegistry(auto_describe=False)
         if self.multiproc_dir:
             MultiProcessCollector(registry, self.multiproc_dir)
@@ -168,6 +171,8 @@ class Metrics:
         registry.register(_Snapshot(lambda: _slab_families(slab_stats, workers_up, workers)))
         if namespaces:
             registry.register(_Snapshot(lambda: _namespace_families(namespaces)))
+        if disk is not None:
+            registry.register(_Snapshot(lambda: _disk_families(disk)))
         return generate_latest(registry)
 
 
@@ -205,6 +210,34 @@ def _slab_families(stats: dict[str, int], workers_up: int, workers: int) -> list
     conf = GaugeMetricFamily("eg_kv_workers", "worker processes configured")
     conf.add_metric([], workers)
     return [*out, up, conf]
+
+
+#: The disk tier's series (``eg_kv_disk_<key>``): counters, then gauges; ``up`` is 0 while
+#: its keeper does not answer (then only ``up`` is sent).
+_DISK_COUNTERS = ("spills", "spilled_bytes", "spill_drops", "spill_skips", "write_seconds",
+                  "write_errors", "disk_evictions", "quota_drops", "deletes", "disk_hits",
+                  "promotions", "read_bytes", "read_seconds", "checksum_failures")  # fmt: skip
+_DISK_GAUGES = ("blocks", "bytes", "capacity_bytes", "spill_queue")
+
+
+def _disk_families(disk: dict[str, Any]) -> list:
+    up = GaugeMetricFamily("eg_kv_disk_up", "the disk keeper answers (1) or not (0)")
+    answered = "spills" in disk
+    up.add_metric([], 1 if answered else 0)
+    out: list[CounterMetricFamily | GaugeMetricFamily] = [up]
+    if not answered:
+        return out
+    for key in _DISK_COUNTERS:
+        c = CounterMetricFamily(f"eg_kv_disk_{key}", f"disk tier counter {key}")
+        c.add_metric([], float(disk[key]))
+        out.append(c)
+    for key in _DISK_GAUGES:
+        g = GaugeMetricFamily(f"eg_kv_disk_{key}", f"disk tier value {key}")
+        g.add_metric([], float(disk[key]))
+        out.append(g)
+    ready = GaugeMetricFamily("eg_kv_disk_ready", "the disk index is rebuilt (1) or filling (0)")
+    ready.add_metric([], 1 if disk.get("ready") else 0)
+    return [*out, ready]
 
 
 #: The per-namespace series: what quotas and fairness are judged by. ``quota_used_bytes``

@@ -94,7 +94,9 @@ async def metrics(request: web.Request, tenant: Tenant) -> web.Response:
     up, configured = request.app[HEALTH]()
     slab = request.app[SLAB]
     namespaces = slab.namespace_stats() if request.app[AUTH].tenants_mode else None
-    body = request.app[METRICS].render(slab.stats(), up, configured, namespaces)
+    tier = request.app.get(DISK)
+    disk = (await tier.stats() or {}) if tier is not None else None
+    body = request.app[METRICS].render(slab.stats(), up, configured, namespaces, disk)
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
     return resp

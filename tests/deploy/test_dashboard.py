@@ -4,7 +4,7 @@ ConfigMap (services/k8s/components/grafana-dashboard, for the Grafana sidecar).
 
 Every PromQL expression names only metrics that a real server's /metrics exposes after
 traffic of every kind the panels show (hits, misses, evictions, a tenant with a quota, a
-connection timeout), plus Prometheus' own ``up``.
+connection timeout, a disk tier's spills), plus Prometheus' own ``up``.
 """
 
 from __future__ import annotations
@@ -102,9 +102,11 @@ def scraped(tmp_path_factory) -> set[str]:
     tokens = write_tokens(tmp / "tokens.toml", [
         {"name": "ops", "role": "admin"}, {"name": "team-a", "quota": "2MiB"},
     ])  # fmt: skip
+    (tmp / "disk").mkdir(mode=0o700)
     srv = start_server(
         tmp, workers=2, capacity="4MiB",
-        extra=("--tokens", str(tokens), "--header-timeout", "0.5"),
+        extra=("--tokens", str(tokens), "--header-timeout", "0.5", "--disk", str(tmp / "disk"),
+               "--disk-capacity", "64MiB"),
     )  # fmt: skip
     try:
         team = token_of("team-a")
@@ -124,6 +126,8 @@ def scraped(tmp_path_factory) -> set[str]:
 
         wait_for(lambda: "eg_kv_connection_timeouts_total{" in text(), timeout=15,
                  what="the header timeout in /metrics")  # fmt: skip
+        wait_for(lambda: "eg_kv_disk_spills_total 60.0" in text(), timeout=15,
+                 what="the disk tier's spills in /metrics")  # fmt: skip
         return scraped_names(text())
     finally:
         stop_server(srv)

@@ -214,6 +214,12 @@ def test_a_stopped_keeper_costs_disk_hits_only(server_factory, disk_dir):
         assert request(srv, "GET", f"/kv/{on_disk}").status == 404  # a miss, not a wait
         assert time.monotonic() - t0 < 3
         assert stats(srv)["disk"]["ready"] is False
+        # New blocks: each PUT asks the keeper whether the disk held it; while one
+        # question waits for the stopped keeper, the others do not wait behind it.
+        t0 = time.monotonic()
+        for i in range(20):
+            assert request(srv, "PUT", f"/kv/while-stopped-{i}", b"y" * 1000).status == 201
+        assert time.monotonic() - t0 < 5  # 20 waits of a second each, had they waited
     finally:
         os.kill(keeper, signal.SIGCONT)
     wait_for(lambda: request(srv, "GET", f"/kv/{on_disk}").status == 200, what="disk hits again")
