@@ -194,7 +194,8 @@ def egkv(path: Path, block: int, count: int) -> dict[str, float]:
         t0, deadline = time.perf_counter(), time.monotonic() + 300
         while True:
             st = server.disk_stats()
-            if st["spills"] + st["spill_drops"] >= count or time.monotonic() > deadline:
+            done = st.get("spills", 0) + st.get("spill_drops", 0)  # none: a probe is due
+            if done >= count or time.monotonic() > deadline:
                 break
             time.sleep(0.002)
         spill = st["spilled_bytes"] / (time.perf_counter() - t0)

@@ -1,14 +1,22 @@
 """The disk tier's keeper: one process per server that spills blocks and keeps the index.
 
-It follows the slab's event log, as the KV-events publisher does (it never takes the slab
-lock): a block *stored* is queued for its spill, and a writer thread copies it out of
-the slab (lock-free, checked by its tag, as a GET) into a record at the ring's head. So
+It follows the slab's event log, as the KV-events publisher does (lock-free): a block
+*stored* is queued for its spill, and a writer thread writes it straight from the slab's
+pages (O_DIRECT; its tag checked after the write, as a GET's) into a record at the ring's
+head. So
 the spill is write-behind: a block is written once, shortly after its PUT, and the slab's
 eviction of it later costs nothing and moves it to the disk tier, where it stays. A
 block removed by a ``DELETE`` of its last reference leaves the disk too; an eviction does
 not (that is the move). When the disk is slower than the PUTs, the queue (bounded)
 fills and later blocks are not spilled (``spill_drops``); a block evicted before its turn
 is a drop too. No PUT ever waits for the disk.
+
+Once a block is on disk, its slot in the slab says so (:meth:`~eg_kv.slab.store.Slab.
+mark_spilled`, a short critical section): its eviction then moves it, and logs no
+removal. When the disk drops a record (its ring overwrites it, a quota, a failed check, a
+``DELETE`` of its last reference) and the slab does not hold the block, the keeper logs
+its removal (:meth:`~eg_kv.slab.store.Slab.disk_dropped`): the event log stays the record
+of what the server holds, in either tier.
 
 Workers ask the keeper where a block's record lies (:mod:`eg_kv.disk.wire`) and read it
 themselves. The socket answers from the moment the keeper starts; the index fills as the
@@ -27,11 +35,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine import NO_ENGINE, EngineName
-from ..slab.events import R_DELETE, STORED
+from ..slab.events import R_DELETE, R_DISK, STORED
+from ..slab.layout import NS_COUNT
 from ..slab.store import BlockGone, Slab
 from . import layout as D
 from . import wire
-from .index import Key
+from .index import Entry, Key
 from .scan import rebuild
 from .store import DiskStore
 
@@ -66,6 +75,8 @@ class Keeper:
             SPILL_QUEUE
         )
         self._names: dict[int, str | None] = {}
+        self._ids: dict[str, int] = {}
+        store.on_drop = self._dropped
         self._connections = 0
 
     # ------------------------------------------------------------------ spills
@@ -109,7 +120,25 @@ class Keeper:
         name = self._names.get(ns)
         if name is None:
             name = self._names[ns] = self.slab.namespace_name(ns)
+            if name is not None:
+                self._ids[name] = ns
         return name
+
+    def _ns_id(self, name: str) -> int | None:
+        """The slab's id of namespace ``name`` (None: not bound in this slab)."""
+        if name not in self._ids:
+            for ns in range(NS_COUNT):
+                if self._name(ns) == name:
+                    break
+        return self._ids.get(name)
+
+    def _dropped(self, e: Entry, deleted: bool) -> None:
+        """A record left the disk: if the slab does not hold its block either, the block
+        has left the server, and the event log says so."""
+        ns = self._ns_id(e.key[0])
+        if ns is not None:
+            self.slab.disk_dropped(e.key[1], ns, e.length, R_DELETE if deleted else R_DISK,
+                                   e.engine)  # fmt: skip
 
     def discard(self, key: Key) -> None:
         """The slab's last reference of ``key`` went: its disk copy goes too."""
@@ -136,7 +165,8 @@ class Keeper:
             with store.lock:
                 have = store.index.find(key)
             if have is not None and have.checksum == checksum:
-                counters["spill_skips"] += 1  # a promoted block: its record is there
+                counters["spill_skips"] += 1  # its record is there already (an adopted PUT)
+                slab.mark_spilled(key[1], ns, block, have.seq)
                 continue
             try:
                 views = None if isinstance(reader, bytes) else reader.aligned_views(D.ALIGN)
@@ -149,6 +179,9 @@ class Keeper:
                                         block)  # fmt: skip
                 if done is None:
                     counters["spill_drops"] += 1
+                else:
+                    slab.mark_spilled(key[1], ns, block, done.seq)
+                    counters["spills"] += 1  # counted once the slab knows it is moved
             except BlockGone:
                 counters["spill_drops"] += 1
 

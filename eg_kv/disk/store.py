@@ -63,6 +63,10 @@ class DiskStore:
         # Zeroes the headers of records that left the index, off the caller's thread (it
         # waits for a spill's write): one task per record removed, so bounded by the index.
         self._zeroer = ThreadPoolExecutor(1, "disk-zero")
+        #: Told of each record that leaves the index for good (not superseded, not
+        #: discarded because the slab's last reference went): (entry, deleted: a DELETE
+        #: took its last reference). The keeper logs the block's removal there.
+        self.on_drop: Callable[[Entry, bool], None] | None = None
 
     def close(self) -> None:
         self._zeroer.shutdown(wait=True)
@@ -106,6 +110,7 @@ class DiskStore:
                 self.counters["disk_evictions"] += len(lost)
                 self.counters["quota_drops"] += len(dropped)
                 self._zero_headers(dropped)
+                self._dropped(lost + dropped)
                 end = offset + D.record_size(length)
                 if end > self.sb.high_water:
                     self._raise_high_water(end)
@@ -128,8 +133,7 @@ class DiskStore:
                 with self.lock:
                     self.index.ring.append(entry)
                     self.index.add(entry)
-                self.counters["spills"] += 1
-                self.counters["spilled_bytes"] += length
+                self.counters["spilled_bytes"] += length  # "spills": the caller's, once done
                 return entry
         finally:
             mv.release()
@@ -169,7 +173,13 @@ class DiskStore:
             self.index.remove(key)
         self.counters["deletes"] += 1
         self._zero_later(e)
+        self._dropped([e], deleted=True)
         return True
+
+    def _dropped(self, entries: list[Entry], deleted: bool = False) -> None:
+        if self.on_drop is not None:
+            for e in entries:
+                self.on_drop(e, deleted)
 
     def discard(self, key: Key) -> bool:
         """Drop ``key``'s record whatever its refs (the slab's last reference went, or
@@ -194,6 +204,7 @@ class DiskStore:
             self.index.remove(key)
         self.counters["checksum_failures"] += 1
         self._zero_later(e)
+        self._dropped([e])
         return True
 
     # ------------------------------------------------------------------ reads

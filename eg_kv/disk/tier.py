@@ -3,7 +3,7 @@
 Every call is bounded: an answer that takes over :data:`CALL_TIMEOUT_S` (a keeper that is
 stopped, or busy), more than :data:`MAX_PENDING` calls in flight, or a keeper that cannot
 be reached (it is restarting) are all a miss, never a wait; a keeper that is down is
-tried again at most every :data:`RETRY_S`, and a warning is logged once per outage. A
+tried again at most every :data:`RETRY_S` (at once when its socket is made anew), and a warning is logged once per outage. A
 keeper that let a call time out is taken for down: calls are misses at once while a probe
 in the background asks it every :data:`RETRY_S` until it answers, and while any call has
 gone unanswered for :data:`SLOW_S` (a keeper answers in well under a millisecond) the
@@ -67,6 +67,7 @@ class DiskTier:
         self._ids = itertools.count(1)
         self._connecting: asyncio.Lock | None = None
         self._retry_at = 0.0
+        self._failed_at: tuple[int, int] | None = None  # the socket a connect last failed on
         self._warned = False
         self._fd = -1
         self._file = (0, b"")  # (file id: its creation ms, its MAC key)
@@ -226,8 +227,8 @@ class DiskTier:
     async def _connected(self) -> bool:
         if self._writer is not None and not self._writer.is_closing():
             return True
-        if time.monotonic() < self._retry_at:
-            return False
+        if time.monotonic() < self._retry_at and self._sock_id() == self._failed_at:
+            return False  # the same socket refused us a moment ago (a new keeper's: try)
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
@@ -239,6 +240,7 @@ class DiskTier:
                 )
             except (OSError, TimeoutError) as e:
                 self._retry_at = time.monotonic() + RETRY_S
+                self._failed_at = self._sock_id()
                 if not self._warned:
                     self._warned = True
                     log.warning("disk tier: the keeper is not reachable (%s); disk hits are "
@@ -248,6 +250,14 @@ class DiskTier:
             self._writer = writer
             self._answers = asyncio.ensure_future(self._read_answers(reader, writer))
             return True
+
+    def _sock_id(self) -> tuple[int, int] | None:
+        """The keeper's socket file as (inode, mtime): a keeper makes it anew at start."""
+        try:
+            st = os.stat(self._sock)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns
 
     async def _read_answers(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

@@ -60,7 +60,7 @@ async def load(request: web.Request, tenant: Tenant, address: str) -> Loaded | P
             if got is None:
                 return None
             handle.write(got.data)
-            handle.engine = got.engine
+            handle.engine, handle.record = got.engine, found.seq
             handle.commit()
         else:
             rec = await tier.read_into(tenant.namespace, address, found, views)
@@ -69,7 +69,7 @@ async def load(request: web.Request, tenant: Tenant, address: str) -> Loaded | P
             if handle.filled() != found.checksum:
                 tier.failed(tenant.namespace, address, found)
                 return None
-            handle.engine = rec.engine
+            handle.engine, handle.record = rec.engine, found.seq
             handle.commit()
             got = PROMOTED
         for _ in range(found.refs - 1):

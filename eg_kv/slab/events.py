@@ -6,6 +6,12 @@ damaged slot) appends one entry, under the slab lock, in the same critical secti
 change: the lock orders the entries, and sequence numbers (``seq``, from 1) count them
 with no gap. Dedup hits and deletes that leave references change no block: no entry.
 
+With a disk tier (:mod:`eg_kv.disk`) the log is of the blocks the server holds in either
+tier: an eviction of a block the disk holds a copy of moves it, and is no entry; a block
+leaving the last tier is a removal (``delete``, or ``disk``: the disk dropped the only
+copy left); a promotion back into the slab is logged as stored (a reader that started
+after the block went to disk learns of it then).
+
 The log lives in its own segment, ``<slab name>.events`` (mode 0600, owned and checked
 like the readers segment, created by the server's supervisor, removed with the slab)::
 
@@ -123,12 +129,13 @@ assert ENTRY.unpack(bytes(32) + (5).to_bytes(8, "little") + (9).to_bytes(8, "lit
 _NO_ENGINE_HEAD = bytes(14)
 
 STORED, REMOVED = 1, 2
-R_PUT, R_EVICT, R_DELETE, R_REPAIR, R_QUOTA = 1, 2, 3, 4, 5
+R_PUT, R_EVICT, R_DELETE, R_REPAIR, R_QUOTA, R_DISK = 1, 2, 3, 4, 5, 6
 KINDS = {STORED: "stored", REMOVED: "removed"}
 #: Why: ``put`` (a put created the block), ``evict`` (the slab was full), ``delete`` (the
 #: last reference went), ``repair`` (a damaged slot was dropped), ``quota`` (its namespace
-#: was over its quota).
-REASONS = {R_PUT: "put", R_EVICT: "evict", R_DELETE: "delete", R_REPAIR: "repair", R_QUOTA: "quota"}
+#: was over its quota), ``disk`` (the disk tier dropped the last copy: eg_kv.disk).
+REASONS = {R_PUT: "put", R_EVICT: "evict", R_DELETE: "delete", R_REPAIR: "repair",
+           R_QUOTA: "quota", R_DISK: "disk"}  # fmt: skip
 #: The fewest entries a log holds (a reader needs room for one pending entry and more).
 MIN_EVENTS = 16
 #: The most (2**24 entries are 4.5 GiB of ``/dev/shm``).

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
@@ -51,7 +52,7 @@ from ..errors import (
 )
 from ..procs import pid_alive
 from . import layout as L
-from .events import R_DELETE, R_EVICT, R_PUT, R_QUOTA, REMOVED, STORED
+from .events import R_DELETE, R_DISK, R_EVICT, R_PUT, R_QUOTA, REMOVED, STORED
 
 # The slot's field indexes, as module globals: read in every probe of every lookup.
 from .layout import (
@@ -99,6 +100,10 @@ _CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once
 #: of a mostly leased table of 524,288 slots held it 2.5 s (issue 31).
 SWEEP_LEASED_MAX = 8192
 _T = TypeVar("_T")
+#: Where a slot's META flags lie (from the slot's start), and the disk tier's flag.
+_META_FLAGS = L.SLOT_META_OFFSET + L.META_FLAGS_OFFSET
+_SPILLED = L.META_SPILLED
+_RECORD = struct.Struct("<Q")
 #: The META of a slot rebuilt without one (check's repair): no checksum, nothing else.
 _NO_META = (0, 0, 0, 0, 0, 0, b"")
 #: Blocks up to this size are stored by :meth:`Slab.put` in one critical section, copy
@@ -182,6 +187,8 @@ class Slab(SlabLeases):
         counted here, one call per evicted block rather than two). ``reason``: the event
         log's (:mod:`eg_kv.slab.events`; 0: evict or delete, as ``evicted`` says)."""
         st, ev = self._state, self._events
+        if ev is not None and evicted and self._mm[self._slot_off(i) + _META_FLAGS] & _SPILLED:
+            ev = None  # the disk tier holds it: a move between tiers, not a removal
         if ev is not None:  # pending before the change, published after (crash safety)
             ev.begin(REMOVED, reason or (R_EVICT if evicted else R_DELETE), s[F_NS],
                      self._slot_address(i, s[L.F_ALEN]), s[F_BLOCK_ID], s[F_LENGTH],
@@ -676,19 +683,23 @@ class Slab(SlabLeases):
 
     def _publish(
         self, i: int, raw: bytes, fp: int, length: int, first: int, npages: int, ns: int,
-        checksum: int, engine: EngineName = NO_ENGINE,
+        checksum: int, engine: EngineName = NO_ENGINE, record: int = 0,
     ) -> None:  # fmt: skip
-        """Make the block on pages ``first``.. visible in empty slot ``i``, and count it."""
+        """Make the block on pages ``first``.. visible in empty slot ``i``, and count it.
+        ``record``: the disk tier's record it was read from (a promotion: its slot says the
+        disk has it). A promotion is logged as stored: a reader that knew the block sees it
+        again (harmless), one that started after it went to disk (a restart) learns of it."""
         st, ev = self._state, self._events
         block_id = st[L.ST_NEXT_BLOCK_ID]
         if ev is not None:  # pending before the change, published after (crash safety)
             ev.begin(STORED, R_PUT, ns, raw, block_id, length, engine)
         st[L.ST_NEXT_BLOCK_ID] = block_id + 1
         self._tag[first] = block_id
+        flags = _SPILLED if record else 0
         if engine is NO_ENGINE:
-            meta: tuple[object, ...] = (checksum, 0, 0, 0, 0, 0, b"")
+            meta: tuple[object, ...] = (checksum, record, 0, 0, flags, 0, b"")
         else:
-            meta = (checksum, 0, engine.lora_id, engine.block_size, 0, len(engine.hash),
+            meta = (checksum, record, engine.lora_id, engine.block_size, flags, len(engine.hash),
                     engine.hash)  # fmt: skip
         self._write_slot(i, 0, raw, 1, length, first, npages, block_id, fp, ns, meta)
         st[L.ST_UNIQUE_BLOCKS] += 1
@@ -733,7 +744,8 @@ class Slab(SlabLeases):
                 i = self._find(h.raw, h.fp, h.ns)[0]
             # Publish the slot before giving up the reservation: a crash in between leaves
             # both claiming the pages, and repair lets the published slot win.
-            self._publish(i, h.raw, h.fp, h.length, h.first, h.npages, h.ns, h.checksum, h.engine)
+            self._publish(i, h.raw, h.fp, h.length, h.first, h.npages, h.ns, h.checksum, h.engine,
+                          h.record)  # fmt: skip
             self._unreserve(h.resv)
             return True
 
@@ -846,6 +858,43 @@ class Slab(SlabLeases):
             self._drop_ref(i, s)
             return True
 
+    # ------------------------------------------------------------------ the disk tier
+
+    def mark_spilled(self, address: str, ns: int, block_id: int, record: int) -> bool:
+        """The disk tier holds block ``block_id`` (resident under ``address``) as its record
+        ``record``: say so in its slot, so that its eviction is a move between tiers, not
+        a removal (:mod:`eg_kv.disk`). False: the block is not resident any more."""
+        raw, fp = self._key(address, ns)
+        with self._locked():
+            i, s = self._find(raw, fp, ns)
+            if s is None or s[F_BLOCK_ID] != block_id:
+                return False
+            off = self._slot_off(i) + L.SLOT_META_OFFSET
+            _RECORD.pack_into(self._mm, off + L.META_DISK_OFFSET, record)
+            self._mm[off + L.META_FLAGS_OFFSET] |= _SPILLED
+            return True
+
+    def disk_dropped(
+        self, address: str, ns: int, length: int, reason: int = R_DISK,
+        engine: EngineName = NO_ENGINE,
+    ) -> bool:  # fmt: skip
+        """The disk tier dropped its copy of ``address``: a resident block loses its mark
+        (its eviction is a removal again); otherwise the block has left the last tier,
+        and the event log says so (``reason``: ``disk``, or ``delete`` for the last
+        reference of a block only the disk held). Returns whether that was logged."""
+        raw, fp = self._key(address, ns)
+        with self._locked():
+            i, s = self._find(raw, fp, ns)
+            if s is not None:
+                self._mm[self._slot_off(i) + _META_FLAGS] &= ~_SPILLED & 0xFF
+                return False
+            ev = self._events
+            if ev is None:
+                return False
+            ev.begin(REMOVED, reason, ns, raw, 0, length, engine)
+            ev.commit()
+            return True
+
     def _drop_ref(self, i: int, s: L.SlotFields) -> None:
         """Release one reference of slot ``i`` (fields ``s``); the last frees the block."""
         if s[F_REFS] <= 1:
@@ -877,7 +926,7 @@ class PutHandle:
 
     __slots__ = ("_hash", "_run", "_runs", "_slab", "address", "block_id", "checksum",
                  "done", "engine", "expected", "first", "fp", "length", "npages", "ns", "pos",
-                 "raw", "resv")  # fmt: skip
+                 "raw", "record", "resv")  # fmt: skip
 
     def __init__(
         self, slab: Slab, address: str, raw: bytes, fp: int, length: int, resv: int,
@@ -897,6 +946,8 @@ class PutHandle:
         self.expected = expected
         self.checksum = 0
         self.engine = engine
+        #: The disk tier's record the bytes come from (a promotion; 0: a put's own bytes).
+        self.record = 0
 
     def write(self, chunk: Bytes) -> None:
         """Copy ``chunk`` into the block's pages at the current position.

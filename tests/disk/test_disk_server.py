@@ -31,10 +31,10 @@ def disk_dir(tmp_path):
     return d
 
 
-def _serve(server_factory, disk_dir, capacity="4MiB", workers=2, **kw):
+def _serve(server_factory, disk_dir, capacity="4MiB", workers=2, disk="64MiB", **kw):
     srv = server_factory(workers=workers, capacity=capacity, extra=(
         "--page-size", "64KiB", "--max-block-size", "1MiB", "--disk", str(disk_dir),
-        "--disk-capacity", "64MiB"), **kw)  # fmt: skip
+        "--disk-capacity", disk), **kw)  # fmt: skip
     wait_for(lambda: _disk(srv).get("ready"), what="the disk tier's scan")
     return srv
 
@@ -256,3 +256,35 @@ def test_a_client_reading_the_slab_itself_gets_disk_hits_over_http(server_factor
         assert {key: kv.get(key) for key in blocks} == blocks
         assert kv.reads_locally
     assert _disk(srv)["promotions"] >= 8
+
+
+def _events(srv) -> list[dict]:
+    return request(srv, "GET", "/kv/events?since=0&limit=10000").json()["events"]
+
+
+def test_the_event_log_says_what_left_the_server_not_what_moved(server_factory, disk_dir):
+    """An eviction of a block the disk holds is a move (no removal); a promotion is logged
+    as stored; a block leaves the log when it leaves the last tier: a DELETE, or the
+    disk's ring overwriting the only copy."""
+    srv = _serve(server_factory, disk_dir, disk="8MiB")  # ~15 records of 512 KiB
+    blocks = _blocks("v", 12)
+    _put_spilled(srv, blocks)
+    assert stats(srv)["evictions"] >= 4
+    assert [e["kind"] for e in _events(srv)] == ["stored"] * 12  # evictions: moves
+    names = list(blocks)
+    answer = request(srv, "POST", "/kv/batch/exists", json.dumps({"addresses": names}).encode())
+    first, second = [names[i] for i in answer.json()["on_disk"][:2]]  # on disk only
+    assert request(srv, "GET", f"/kv/{first}").body == blocks[first]  # a promotion
+    assert request(srv, "DELETE", f"/kv/{second}").status == 204  # its last reference
+    tail = [(e["kind"], e["reason"], e["hash"]) for e in _events(srv)[12:]]
+    assert ("stored", "put", first) in tail and ("removed", "delete", second) in tail
+    more = _blocks("w", 12)  # the disk's ring goes round: the oldest records go
+    _put_spilled(srv, more)
+    wait_for(lambda: any(e["reason"] == "disk" for e in _events(srv)), what="a disk removal")
+    removed = {e["hash"] for e in _events(srv) if e["kind"] == "removed"}
+    held = {a for a in {**blocks, **more} if request(srv, "HEAD", f"/kv/{a}").status == 200}
+    assert removed.isdisjoint(held)  # nothing held was said to be gone
+    logged = set()  # replaying the log gives what the server holds, in either tier
+    for e in _events(srv):
+        (logged.add if e["kind"] == "stored" else logged.discard)(e["hash"])
+    assert logged == held
