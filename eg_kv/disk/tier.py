@@ -3,12 +3,12 @@
 Every call is bounded: an answer that takes over :data:`CALL_TIMEOUT_S` (a keeper that is
 stopped, or busy), more than :data:`MAX_PENDING` calls in flight, or a keeper that cannot
 be reached (it is restarting) are all a miss, never a wait; a keeper that is down is
-tried again at most every :data:`RETRY_S` (at once when its socket is made anew), and a warning is logged once per outage. A
-keeper that let a call time out is taken for down: calls are misses at once while a probe
-in the background asks it every :data:`RETRY_S` until it answers, and while any call has
-gone unanswered for :data:`SLOW_S` (a keeper answers in well under a millisecond) the
-others are misses at once too. So one request waits for a stopped keeper, not every PUT
-and GET behind it.
+tried again at most every :data:`RETRY_S` (at once when its socket is made anew), and a
+warning is logged once per outage. A keeper that let a call time out is taken for down:
+calls are misses at once while a probe in the background asks it every :data:`RETRY_S`
+until it answers, and while any call has gone unanswered for :data:`SLOW_S` (a keeper
+answers in well under a millisecond) the others are misses at once too. So one request
+waits for a stopped keeper, not every PUT and GET behind it.
 """
 
 from __future__ import annotations
