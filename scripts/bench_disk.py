@@ -6,15 +6,18 @@ Per block size (2 MiB and 14 MiB by default), ``--total`` bytes of blocks:
 * ``disk write`` / ``disk read``: the limit. The same bytes written with O_DIRECT
   ``pwrite`` one block after another into a preallocated file, then read back with
   O_DIRECT ``preadv`` (what the tier itself does, with nothing else around it);
-* ``spill``: ``eg-kv serve --disk`` takes the blocks (HTTP PUTs, two connections) while
+* ``spill``: ``eg-kv serve --disk`` takes the blocks (HTTP PUTs, four connections) while
   its disk keeper is stopped (SIGSTOP), then the keeper is let go (SIGCONT) and timed
   until the last block is on disk: its own rate (copy out of the slab, O_DIRECT write),
   not the PUTs'. Blocks it dropped are counted beside it;
 * ``cold hit``: the server started again on the same directory with a slab a quarter of
-  the blocks (the restart keeps them), and every block GET (two connections): each one
+  the blocks (the restart keeps them), and every block GET (four connections): each one
   read from disk, verified, promoted into the slab and answered.
 
-Then ``--rebuild N`` (100,000) records of 4 KiB are written with the tier's own store and
+Then ``lmcache bench l2`` (16 chunks of 14 MiB a round, ``--lmcache N`` repetitions)
+through eg-kv with a 64 MiB slab and the disk tier, against LMCache's own disk path on CPU
+(its ``fs`` L2 adapter with O_DIRECT) on the same directory. And ``--rebuild N`` (100,000)
+records of 4 KiB are written with the tier's own store and
 the scan that rebuilds their index at a restart is timed.
 
 Each eg-kv figure is also printed as a ratio of the limit it is bounded by (the goal: 0.8);
@@ -151,12 +154,17 @@ def _each(server: Server, method: str, addresses: list[str], body: bytes | None)
     return moved
 
 
-def two_connections(server: Server, method: str, addresses: list[str], body: bytes | None) -> float:
-    """Bytes a second of ``method`` over ``addresses`` split across two connections."""
-    halves = [addresses[0::2], addresses[1::2]]
+#: Connections the PUTs and GETs go over (an engine loads with several in flight: LMCache's
+#: L2 adapter with 8 threads).
+CONNECTIONS = 4
+
+
+def connections(server: Server, method: str, addresses: list[str], body: bytes | None) -> float:
+    """Bytes a second of ``method`` over ``addresses`` split across :data:`CONNECTIONS`."""
+    parts = [addresses[k::CONNECTIONS] for k in range(CONNECTIONS)]
     t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        moved = sum(pool.map(lambda part: _each(server, method, part, body), halves))
+    with concurrent.futures.ThreadPoolExecutor(CONNECTIONS) as pool:
+        moved = sum(pool.map(lambda part: _each(server, method, part, body), parts))
     return moved / (time.perf_counter() - t0)
 
 
@@ -188,7 +196,7 @@ def egkv(path: Path, block: int, count: int) -> dict[str, float]:
         keeper = server.disk_stats()["pid"]
         os.kill(keeper, signal.SIGSTOP)
         try:
-            two_connections(server, "PUT", addresses, os.urandom(block))
+            connections(server, "PUT", addresses, os.urandom(block))
         finally:
             os.kill(keeper, signal.SIGCONT)
         t0, deadline = time.perf_counter(), time.monotonic() + 300
@@ -206,7 +214,7 @@ def egkv(path: Path, block: int, count: int) -> dict[str, float]:
     server = Server(disk, max(4 * block, block * count // 4), capacity, block)
     try:
         cold = on_disk_only(server, addresses)
-        hit = two_connections(server, "GET", cold, None)
+        hit = connections(server, "GET", cold, None)
         return {"spill": spill, "drops": st["spill_drops"], "cold hit": hit,
                 "cold": len(cold)}  # fmt: skip
     finally:
@@ -250,6 +258,42 @@ def rebuild_time(path: Path, records: int, block: int = 4096) -> tuple[float, fl
         shutil.rmtree(where, ignore_errors=True)
 
 
+def lmcache_cells(path: Path, repeat: int) -> dict[tuple[str, str], float]:
+    """``lmcache bench l2`` (16 x 14 MiB chunks a round, scripts/bench_lmcache.py's flags)
+    through eg-kv with a 64 MiB slab and a disk tier, against LMCache's own file-system L2
+    adapter (``fs``, O_DIRECT) on the same directory; sides alternating, medians of
+    ``repeat``. Returns {(side, "Store" | "Load"): ops/s}."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_lmcache as bl
+
+    os.environ["LMCACHE_TRACK_USAGE"] = "false"
+    sargs = bl.shape_args(argparse.Namespace(rounds=3, lookup_rounds=0), 16, 14 * 1024)
+    samples: dict[tuple[str, str], list[float]] = {}
+    for rep in range(repeat):
+        for side in ["eg-kv", "LMCache fs"] if rep % 2 == 0 else ["LMCache fs", "eg-kv"]:
+            where = path / "lmcache-side"
+            where.mkdir(mode=0o700)
+            try:
+                if side == "eg-kv":
+                    server = Server(where, 64 * MiB, 2 * 1024 * MiB, 14 * MiB)
+                    try:
+                        spec = bl.default_spec(f"http://127.0.0.1:{server.port}")
+                        got = bl.run_bench(spec, sargs, path / "l2.json")
+                    finally:
+                        server.stop()
+                else:
+                    spec = json.dumps({"type": "fs", "base_path": str(where), "use_odirect": True})
+                    got = bl.run_bench(spec, sargs, path / "l2.json")
+            finally:
+                shutil.rmtree(where, ignore_errors=True)
+            for op in ("Store", "Load"):
+                if got[op].get("total_keys") != got[op].get("total_success"):
+                    raise SystemExit(f"{side} {op}: {got[op].get('total_success')} of "
+                                     f"{got[op].get('total_keys')} keys")  # fmt: skip
+                samples.setdefault((side, op), []).append(float(got[op]["ops_per_sec_avg"]))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=None, help="a directory on the disk to measure")
@@ -279,6 +323,7 @@ def main() -> int:
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append((size, count, med["write"], med["read"], med))
         rebuilt = rebuild_time(work, args.rebuild) if args.rebuild else None
+        l2 = lmcache_cells(work, args.lmcache) if args.lmcache else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if not args.dir:
@@ -293,6 +338,15 @@ def main() -> int:
         print(f"| {format_size(size)} x {count} | {write / gb:.2f} | {got['spill'] / gb:.2f} | "
               f"{got['spill'] / write:.2f} | {read / gb:.2f} | {got['cold hit'] / gb:.2f} | "
               f"{got['cold hit'] / read:.2f} | {got['drops']} |")  # fmt: skip
+    if l2 is not None:
+        print(
+            f"\nlmcache bench l2, 16 x 14 MiB chunks (ops/s, medians of {args.lmcache}): eg-kv "
+            "with a 64 MiB slab and a disk tier against LMCache's fs adapter (O_DIRECT)"
+        )
+        print("| op | eg-kv | LMCache fs | eg-kv / fs |\n|---|---:|---:|---:|")
+        for op in ("Store", "Load"):
+            a, b = l2[("eg-kv", op)], l2[("LMCache fs", op)]
+            print(f"| {op.lower()} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
     if rebuilt is not None:
         print(f"\nrebuild of the index at start: {args.rebuild:,} records of 4 KiB in "
               f"{rebuilt[1]:.2f} s (written in {rebuilt[0]:.1f} s)")  # fmt: skip

@@ -41,13 +41,14 @@ def rebuild(store: DiskStore) -> int:
             n = os.preadv(fd, [buf], off)
             if n <= 0:
                 break
-            step, entry = _next_record(buf, n, key, off, cap)
-            if entry is not None:
-                with store.lock:
+            step, entries = _records(buf, n, key, off, cap)
+            with store.lock:
+                for entry in entries:
                     if entry.key not in store.deleted_in_scan:
                         store.index.add(entry)
                     else:
                         entry.live = False
+            for entry in entries:
                 found.append(entry)
                 if newest is None or entry.seq > newest.seq:
                     newest = entry
@@ -65,9 +66,12 @@ def rebuild(store: DiskStore) -> int:
     return live
 
 
-def _next_record(buf, n: int, key: bytes, base: int, cap: int) -> tuple[int, Entry | None]:
-    """Look for a header in ``buf[:n]`` (read at ``base``) at an aligned offset: returns
-    how far to step and the record found there (None: none in this chunk)."""
+def _records(buf, n: int, key: bytes, base: int, cap: int) -> tuple[int, list[Entry]]:
+    """The records whose headers lie in ``buf[:n]`` (read at ``base``), each at an aligned
+    offset: a valid header is followed by a jump past its record (its block is not read),
+    anything else by a search for the next magic. Returns how far to step (to the first
+    byte not looked at) and the records found."""
+    out: list[Entry] = []
     pos = 0
     while pos < n:
         j = buf.find(D.RECORD_MAGIC, pos, n)
@@ -77,12 +81,16 @@ def _next_record(buf, n: int, key: bytes, base: int, cap: int) -> tuple[int, Ent
             pos = D.align(j)
             continue
         if j + D.HEADER > n:  # a header across the chunk's end: read again from it
-            return j or D.ALIGN, None
+            return (j or D.ALIGN), out
         rec = D.unpack_header(buf[j : j + D.HEADER], key)
         off = base + j
         if rec is not None and off + D.record_size(rec.length) <= cap:
             e = Entry((rec.namespace, rec.address), off, rec.length, rec.seq, rec.checksum,
                       rec.refs, rec.engine)  # fmt: skip
-            return j + e.size, e
+            out.append(e)
+            pos = j + e.size
+            if pos >= n:  # the record runs past the chunk: go on from its end
+                return pos, out
+            continue
         pos = j + D.ALIGN
-    return n - n % D.ALIGN or D.ALIGN, None
+    return max(D.ALIGN, n - n % D.ALIGN), out

@@ -40,7 +40,7 @@ def _run(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(900)
 def test_a_second_vllm_process_loads_the_prompt_from_eg_kv():
-    proc = _run(timeout=880)
+    proc = _run("--disk", timeout=880)
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-6000:]
     summary = re.search(
@@ -74,6 +74,12 @@ def test_a_second_vllm_process_loads_the_prompt_from_eg_kv():
     assert loaded_blocks * block < whole * block
     assert recomputed >= (whole - k) * block  # vLLM recomputed from the failed block on
     assert fault.group(7) == "True"  # and the greedy output is still the baseline's
+    # --disk: after process 2, eg-kv restarted with a 16 MiB slab on the same disk tier
+    # directory; a further process loaded the whole prompt from disk.
+    disk = re.search(r"DISK loaded_tokens=(\d+) disk_hits=(\d+) outputs_equal=(\w+)", out)
+    assert disk, out[-4000:]
+    assert int(disk.group(1)) == whole * block and int(disk.group(2)) >= whole
+    assert disk.group(3) == "True"
 
 
 @pytest.mark.timeout(300)
