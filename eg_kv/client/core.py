@@ -804,6 +804,11 @@ class ClientCore:
         try:
             if lease and lease_ms:
                 found = slab.lease_addresses(addresses, lease_ms)
+                if found is not None and slab.info.disk and not all(found):
+                    # The server's disk tier may hold the misses: it answers (and leases)
+                    # the whole batch; the leases taken here go back at once.
+                    slab.release_leases([a for a, hit in zip(addresses, found, strict=True) if hit])
+                    return None
                 if found is not None:
                     return found
             found = slab.exists_addresses(addresses)

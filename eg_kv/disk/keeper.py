@@ -170,11 +170,12 @@ class Keeper:
                 continue
             try:
                 views = None if isinstance(reader, bytes) else reader.aligned_views(D.ALIGN)
+                refs = max(1, slab.refs(key[1], ns))  # dedup PUTs before the spill count
                 if views is None or isinstance(reader, bytes):  # small (a copy), or unaligned
-                    done = store.append(key, length, checksum, _filler(reader), 1, engine,
+                    done = store.append(key, length, checksum, _filler(reader), refs, engine,
                                         self._quota(ns), block=block)  # fmt: skip
                 else:  # straight from the slab's pages, vouched for after the write
-                    done = store.append(key, length, checksum, None, 1, engine,
+                    done = store.append(key, length, checksum, None, refs, engine,
                                         self._quota(ns), views, reader.still_there,
                                         block)  # fmt: skip
                 if done is None:
@@ -254,6 +255,12 @@ class Keeper:
         if op == wire.BAD:
             await asyncio.to_thread(store.forget, (args[0], args[1]), args[2])
             return None
+        if op == wire.REFS:  # the disk's copy keeps the slab's count (at least 1)
+            with store.lock:
+                e = store.index.find((args[0], args[1]))
+                if e is not None:
+                    e.refs = max(1, e.refs + int(args[2]))
+            return None
         if op == wire.LOADED:
             counters["promotions"] += 1
             counters["read_bytes"] += args[0]
@@ -267,10 +274,11 @@ class Keeper:
         is stale. The spill of that very block (which may be done already) is no copy."""
         with self.store.lock:
             e = self.store.index.find(key)
+            if e is not None and e.block != block and e.checksum == checksum:
+                e.refs += 1  # the PUT's own reference, on the copy too
+                return e.refs - 1
         if e is None or e.block == block:
             return 0
-        if e.checksum == checksum:
-            return e.refs
         self.discard(key)
         return 0
 

@@ -136,6 +136,11 @@ class DiskTier:
         self._report(wire.LOADED, found.length, time.perf_counter() - t0)
         return rec
 
+    def count_ref(self, namespace: str, address: str, delta: int) -> None:
+        """A dedup PUT (+1) or a DELETE that left references (-1) of a resident block: its
+        disk copy, if any, keeps the same count (a report: nothing waits for it)."""
+        self._report(wire.REFS, namespace, address, delta)
+
     def failed(self, namespace: str, address: str, found: Found) -> None:
         """A record failed its checks: the keeper drops it."""
         log.warning("disk tier: the record of %s failed its checks; dropped", address)

@@ -18,6 +18,8 @@ adopt      namespace, address, checksum, block id     the refs of a copy with th
 stats      (none)                                     the tier's counters (a map)
 bad        namespace, address, seq                    (report) a record that failed its checks
 loaded     bytes, seconds                             (report) a verified read from the file
+refs       namespace, address, +1 or -1               (report) a dedup PUT or a DELETE that left
+                                                      references changed a resident block's refs
 =========  =========================================  ===========================================
 """
 
@@ -30,7 +32,7 @@ from typing import Any
 import msgspec
 
 FIND, DELETE, DISCARD, ADOPT = "find", "delete", "discard", "adopt"
-STATS, BAD, LOADED = "stats", "bad", "loaded"
+STATS, BAD, LOADED, REFS = "stats", "bad", "loaded", "refs"
 FRAME = struct.Struct("<I")
 #: The largest frame either side accepts (a find of 1,024 addresses is ~300 KiB).
 MAX_FRAME = 4 * 1024 * 1024

@@ -94,10 +94,20 @@ async def delete(request: web.Request, tenant: Tenant, address: str) -> bool:
     Returns False when neither tier holds it."""
     slab, tier = request.app[SLAB], request.app.get(DISK)
     if slab.delete(address, tenant.ns):
-        if tier is not None and not slab.exists(address, tenant.ns):
-            await tier.discard(tenant.namespace, address)
+        if tier is not None:
+            if not slab.exists(address, tenant.ns):
+                await tier.discard(tenant.namespace, address)
+            else:
+                tier.count_ref(tenant.namespace, address, -1)
         return True
     return tier is not None and await tier.delete(tenant.namespace, address)
+
+
+def count_dedup(request: web.Request, tenant: Tenant, address: str) -> None:
+    """A PUT was a dedup hit in the slab: the disk's copy counts the reference too."""
+    tier = request.app.get(DISK)
+    if tier is not None:
+        tier.count_ref(tenant.namespace, address, +1)
 
 
 async def adopt(request: web.Request, tenant: Tenant, address: str) -> bool:

@@ -179,6 +179,8 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
             handle.abort()  # no-op after commit; frees the pages (or the dedup reference)
     if created and not await tiers.adopt(request, tenant, address):
         return reply(request, 201, b"created\n")
+    if not created:
+        tiers.count_dedup(request, tenant, address)
     return reply(request, 200, b"dedup\n")
 
 

@@ -336,6 +336,12 @@ class SlabView:
         s = self._read(self._find, raw, fp, ns)[1]
         return None if s is None else s[F_LENGTH]
 
+    def refs(self, address: str, ns: int = 0) -> int:
+        """The block's references if resident, else 0. Counts nothing, reads no data."""
+        raw, fp = self._key(address, ns)
+        s = self._read(self._find, raw, fp, ns)[1]
+        return 0 if s is None else int(s[L.F_REFS])
+
     def describe(self, address: str, ns: int = 0) -> tuple[int, int] | None:
         """The block's (length, checksum) if resident, else None (a HEAD). Counts nothing,
         reads no data."""

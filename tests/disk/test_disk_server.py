@@ -51,6 +51,12 @@ def _spills(srv) -> int:
         return 0
 
 
+def _on_disk(srv, addresses: list[str]) -> list[str]:
+    """Those of ``addresses`` only the disk holds (the batch exists' ``on_disk``)."""
+    answer = request(srv, "POST", "/kv/batch/exists", json.dumps({"addresses": addresses}).encode())
+    return [addresses[i] for i in answer.json().get("on_disk", [])]
+
+
 def _blocks(tag: str, n: int) -> dict[str, bytes]:
     return {f"{tag}{i:03d}": os.urandom(BLOCK) for i in range(n)}
 
@@ -109,6 +115,16 @@ def test_dedup_and_delete_hold_across_tiers(server_factory, disk_dir):
     assert request(srv, "DELETE", f"/kv/{old}").status == 204
     assert request(srv, "GET", f"/kv/{old}").status == 404
     wait_for(lambda: _disk(srv)["blocks"] == 11, what="the disk copy to go")
+    twice = _blocks("t", 1)  # two references while resident, then evicted: both kept
+    (address, data), = twice.items()
+    assert request(srv, "PUT", f"/kv/{address}", data).status == 201
+    assert request(srv, "PUT", f"/kv/{address}", data).status == 200
+    _put_spilled(srv, _blocks("filler", 10))
+    assert address in _on_disk(srv, [address])
+    assert request(srv, "DELETE", f"/kv/{address}").status == 204
+    assert request(srv, "GET", f"/kv/{address}").body == data  # one reference left
+    assert request(srv, "DELETE", f"/kv/{address}").status == 204
+    assert request(srv, "GET", f"/kv/{address}").status == 404
     other = list(blocks)[1]  # a DELETE of a block only the disk holds
     assert request(srv, "DELETE", f"/kv/{other}").status == 204
     assert request(srv, "GET", f"/kv/{other}").status == 404
@@ -253,6 +269,8 @@ def test_a_client_reading_the_slab_itself_gets_disk_hits_over_http(server_factor
             assert kv.put(key, data)
             wait_for(lambda s=spilled: _disk(srv)["spills"] > s, what=f"the spill of {key}")
         assert kv.exists_many(list(blocks)) == [True] * 16
+        assert kv.exists_many(list(blocks), lease_ms=2000) == [True] * 16  # leased: the same
+        kv.release(list(blocks))
         assert {key: kv.get(key) for key in blocks} == blocks
         assert kv.reads_locally
     assert _disk(srv)["promotions"] >= 8
