@@ -116,7 +116,7 @@ def test_dedup_and_delete_hold_across_tiers(server_factory, disk_dir):
     assert request(srv, "GET", f"/kv/{old}").status == 404
     wait_for(lambda: _disk(srv)["blocks"] == 11, what="the disk copy to go")
     twice = _blocks("t", 1)  # two references while resident, then evicted: both kept
-    (address, data), = twice.items()
+    ((address, data),) = twice.items()
     assert request(srv, "PUT", f"/kv/{address}", data).status == 201
     assert request(srv, "PUT", f"/kv/{address}", data).status == 200
     _put_spilled(srv, _blocks("filler", 10))
