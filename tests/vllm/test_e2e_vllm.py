@@ -74,7 +74,7 @@ def test_a_second_vllm_process_loads_the_prompt_from_eg_kv():
     assert loaded_blocks * block < whole * block
     assert recomputed >= (whole - k) * block  # vLLM recomputed from the failed block on
     assert fault.group(7) == "True"  # and the greedy output is still the baseline's
-    # --disk: after process 2, eg-kv restarted with a 16 MiB slab on the same disk tier
+    # --disk: after process 2, eg-kv restarted with an 8 MiB slab on the same disk tier
     # directory; a further process loaded the whole prompt from disk.
     disk = re.search(r"DISK loaded_tokens=(\d+) disk_hits=(\d+) outputs_equal=(\w+)", out)
     assert disk, out[-4000:]
