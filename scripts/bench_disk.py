@@ -14,11 +14,11 @@ Per block size (2 MiB and 14 MiB by default), ``--total`` bytes of blocks:
   the blocks (the restart keeps them), and every block GET (four connections): each one
   read from disk, verified, promoted into the slab and answered.
 
-Then ``lmcache bench l2`` (16 chunks of 14 MiB a round, ``--lmcache N`` repetitions)
-through eg-kv with a 64 MiB slab and the disk tier, against LMCache's own disk path on CPU
-(its ``fs`` L2 adapter with O_DIRECT) on the same directory. And ``--rebuild N`` (100,000)
-records of 4 KiB are written with the tier's own store and
-the scan that rebuilds their index at a restart is timed.
+Then ``lmcache bench l2`` (48 chunks of 14 MiB a round, 672 MiB, ``--lmcache N``
+repetitions) through eg-kv with a 256 MiB slab and the disk tier, against LMCache's own
+disk path on CPU (its ``fs`` L2 adapter with O_DIRECT) on the same directory. And
+``--rebuild N`` (100,000) records of 4 KiB are written with the tier's own store and the
+scan that rebuilds their index at a restart is timed.
 
 Each eg-kv figure is also printed as a ratio of the limit it is bounded by (the goal: 0.8);
 each cell is the median of ``--rounds`` rounds, the limit and eg-kv interleaved in each
@@ -258,16 +258,28 @@ def rebuild_time(path: Path, records: int, block: int = 4096) -> tuple[float, fl
         shutil.rmtree(where, ignore_errors=True)
 
 
+def _l2(bl, spec: str, sargs: argparse.Namespace, out: Path) -> dict:
+    """One ``lmcache bench l2`` run's sections; a run that missed keys (exit status 1)
+    still wrote them, and its hit rate is part of the answer."""
+    out.unlink(missing_ok=True)
+    try:
+        return bl.run_bench(spec, sargs, out)
+    except RuntimeError:
+        if not out.exists():
+            raise
+        return {sec["operation"]: sec for sec in bl._sections(json.loads(out.read_text()))}
+
+
 def lmcache_cells(path: Path, repeat: int) -> dict[tuple[str, str], float]:
-    """``lmcache bench l2`` (16 x 14 MiB chunks a round, scripts/bench_lmcache.py's flags)
-    through eg-kv with a 64 MiB slab and a disk tier, against LMCache's own file-system L2
+    """``lmcache bench l2`` (48 x 14 MiB chunks a round, scripts/bench_lmcache.py's flags)
+    through eg-kv with a 256 MiB slab and a disk tier, against LMCache's own file-system L2
     adapter (``fs``, O_DIRECT) on the same directory; sides alternating, medians of
     ``repeat``. Returns {(side, "Store" | "Load"): ops/s}."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_lmcache as bl
 
     os.environ["LMCACHE_TRACK_USAGE"] = "false"
-    sargs = bl.shape_args(argparse.Namespace(rounds=3, lookup_rounds=0), 16, 14 * 1024)
+    sargs = bl.shape_args(argparse.Namespace(rounds=3, lookup_rounds=0), 48, 14 * 1024)
     samples: dict[tuple[str, str], list[float]] = {}
     for rep in range(repeat):
         for side in ["eg-kv", "LMCache fs"] if rep % 2 == 0 else ["LMCache fs", "eg-kv"]:
@@ -275,22 +287,23 @@ def lmcache_cells(path: Path, repeat: int) -> dict[tuple[str, str], float]:
             where.mkdir(mode=0o700)
             try:
                 if side == "eg-kv":
-                    server = Server(where, 64 * MiB, 2 * 1024 * MiB, 14 * MiB)
+                    server = Server(where, 256 * MiB, 4 * 1024 * MiB, 14 * MiB)
                     try:
                         spec = bl.default_spec(f"http://127.0.0.1:{server.port}")
-                        got = bl.run_bench(spec, sargs, path / "l2.json")
+                        got = _l2(bl, spec, sargs, path / "l2.json")
                     finally:
                         server.stop()
                 else:
                     spec = json.dumps({"type": "fs", "base_path": str(where), "use_odirect": True})
-                    got = bl.run_bench(spec, sargs, path / "l2.json")
+                    got = _l2(bl, spec, sargs, path / "l2.json")
             finally:
                 shutil.rmtree(where, ignore_errors=True)
             for op in ("Store", "Load"):
-                if got[op].get("total_keys") != got[op].get("total_success"):
-                    raise SystemExit(f"{side} {op}: {got[op].get('total_success')} of "
-                                     f"{got[op].get('total_keys')} keys")  # fmt: skip
                 samples.setdefault((side, op), []).append(float(got[op]["ops_per_sec_avg"]))
+            # A load's hits: what the store kept (eg-kv's spills are dropped, not waited
+            # for, when the stores outrun the disk by more than the slab holds).
+            total, ok = got["Load"].get("total_keys") or 1, got["Load"].get("total_success", 0)
+            samples.setdefault((side, "hits"), []).append(ok / total)
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -300,6 +313,8 @@ def main() -> int:
     p.add_argument("--total", default="512MiB", help="bytes of blocks per size")
     p.add_argument("--sizes", default="2MiB,14MiB", help="block sizes, comma separated")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    p.add_argument("--lmcache", type=int, default=3, metavar="N",
+                   help="repetitions of the lmcache bench l2 comparison (0: none)")  # fmt: skip
     p.add_argument(
         "--rebuild",
         type=int,
@@ -322,7 +337,9 @@ def main() -> int:
                 runs.append({"write": write, "read": read, **egkv(work, size, count)})
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append((size, count, med["write"], med["read"], med))
+            print(f"  {format_size(size)}: {med}", file=sys.stderr, flush=True)
         rebuilt = rebuild_time(work, args.rebuild) if args.rebuild else None
+        print(f"  rebuild: {rebuilt}", file=sys.stderr, flush=True)
         l2 = lmcache_cells(work, args.lmcache) if args.lmcache else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -340,8 +357,8 @@ def main() -> int:
               f"{got['cold hit'] / read:.2f} | {got['drops']} |")  # fmt: skip
     if l2 is not None:
         print(
-            f"\nlmcache bench l2, 16 x 14 MiB chunks (ops/s, medians of {args.lmcache}): eg-kv "
-            "with a 64 MiB slab and a disk tier against LMCache's fs adapter (O_DIRECT)"
+            f"\nlmcache bench l2, 48 x 14 MiB chunks a round (ops/s, medians of {args.lmcache}): "
+            "eg-kv with a 256 MiB slab and a disk tier against LMCache's fs adapter (O_DIRECT)"
         )
         print("| op | eg-kv | LMCache fs | eg-kv / fs |\n|---|---:|---:|---:|")
         for op in ("Store", "Load"):

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +55,9 @@ SPILL_QUEUE = 4096
 #: Entries of the event log read per step, and how long an idle follower sleeps (s).
 STEP = 4096
 IDLE_S = 0.002
+#: Listings of the index in progress (a snapshot each), and how long one may lie idle.
+MAX_LISTINGS = 8
+LISTING_IDLE_S = 60.0
 #: Connections (workers) the keeper serves, and requests each may have in flight.
 MAX_CONNECTIONS = 256
 MAX_INFLIGHT = 64
@@ -76,8 +81,11 @@ class Keeper:
         )
         self._names: dict[int, str | None] = {}
         self._ids: dict[str, int] = {}
+        self._listings: dict[int, tuple[list[Entry], int, float]] = {}  # id: (rest, at, when)
+        self._listing_ids = itertools.count(1)
         store.on_drop = self._dropped
         self._connections = 0
+        self._writers: set[asyncio.StreamWriter] = set()  # the workers' connections
 
     # ------------------------------------------------------------------ spills
 
@@ -157,13 +165,14 @@ class Keeper:
                 found = slab.read_or_open(key[1], ns)
             except Exception:  # a damaged address cannot be one the log names: skip it
                 found = None
-            if found is None or (found[1].length if not isinstance(found[1], bytes)
-                                 else len(found[1])) != length:  # fmt: skip
-                counters["spill_drops"] += 1  # evicted (or replaced) before its turn
-                continue
-            checksum, reader = found
             with store.lock:
                 have = store.index.find(key)
+            if found is None or (found[1].length if not isinstance(found[1], bytes)
+                                 else len(found[1])) != length:  # fmt: skip
+                # Gone before its turn: a drop, unless the disk has it (a promotion).
+                counters["spill_skips" if have is not None else "spill_drops"] += 1
+                continue
+            checksum, reader = found
             if have is not None and have.checksum == checksum:
                 counters["spill_skips"] += 1  # its record is there already (an adopted PUT)
                 slab.mark_spilled(key[1], ns, block, have.seq)
@@ -197,6 +206,7 @@ class Keeper:
             writer.close()
             return
         self._connections += 1
+        self._writers.add(writer)
         inflight = asyncio.Semaphore(MAX_INFLIGHT)
         tasks: set[asyncio.Task[None]] = set()
         try:
@@ -211,6 +221,7 @@ class Keeper:
                 task.add_done_callback(tasks.discard)
         finally:
             self._connections -= 1
+            self._writers.discard(writer)
             for task in tasks:
                 task.cancel()
             writer.close()
@@ -255,6 +266,8 @@ class Keeper:
         if op == wire.BAD:
             await asyncio.to_thread(store.forget, (args[0], args[1]), args[2])
             return None
+        if op == wire.LIST:
+            return self._list(args[0], int(args[1]))
         if op == wire.REFS:  # the disk's copy keeps the slab's count (at least 1)
             with store.lock:
                 e = store.index.find((args[0], args[1]))
@@ -267,6 +280,34 @@ class Keeper:
             counters["read_seconds"] += args[1]
             return None
         raise ValueError(f"unknown op {op!r}")
+
+    def _list(self, ns: str | None, listing: int) -> list[Any]:
+        """A page of the blocks the disk holds (namespace ``ns``'s, or all): the first
+        call takes a snapshot of the index (references, not copies), later ones page
+        through it. Bounded: the oldest listing goes when :data:`MAX_LISTINGS` are open,
+        and one left idle for :data:`LISTING_IDLE_S` is dropped."""
+        now = time.monotonic()
+        for lid in [k for k, (_, _, t) in self._listings.items() if now - t > LISTING_IDLE_S]:
+            del self._listings[lid]
+        if listing not in self._listings:
+            with self.store.lock:  # one C-level copy under the lock, the filter outside
+                rest = list(self.store.index.entries.values())
+            if ns is not None:
+                rest = [e for e in rest if e.key[0] == ns]
+            while len(self._listings) >= MAX_LISTINGS:
+                del self._listings[next(iter(self._listings))]
+            listing = next(self._listing_ids)
+            at = 0
+        else:
+            rest, at, _ = self._listings[listing]
+        page = rest[at : at + wire.LIST_PAGE]
+        at += len(page)
+        done = at >= len(rest)
+        if done:
+            self._listings.pop(listing, None)
+        else:
+            self._listings[listing] = (rest, at, now)
+        return [listing, [[e.key[0], e.key[1], e.length] for e in page if e.live], done]
 
     def _adopt(self, key: Key, checksum: int, block: int) -> int:
         """A PUT created ``key`` in the slab as ``block``: if the disk holds it with the
@@ -300,6 +341,9 @@ class Keeper:
                     await asyncio.sleep(IDLE_S)
         finally:
             server.close()
+            for w in list(self._writers):  # their handlers end now, not cancelled at exit
+                w.close()
+            await asyncio.sleep(0.01)
             with self.spills.mutex:
                 self.spills.queue.clear()
             self.spills.put(None)

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 from ..engine import EngineName
@@ -158,6 +159,21 @@ class DiskTier:
         """A PUT created ``address`` as slab block ``block``: the refs of the disk's copy
         of the same bytes (0: none; a PUT of a disk-resident block is a dedup hit)."""
         return int(await self._call(wire.ADOPT, namespace, address, checksum, block) or 0)
+
+    async def listing(self, namespace: str | None) -> AsyncIterator[list[list[Any]]]:
+        """The blocks the disk holds (``namespace``'s, or all), a page at a time:
+        ``[namespace, address, length]`` each. Ends early (having said less) when the
+        keeper does not answer."""
+        lid = 0
+        while True:
+            got = await self._call(wire.LIST, namespace, lid)
+            if got is None:
+                return
+            lid, page, done = got
+            if page:
+                yield page
+            if done:
+                return
 
     async def stats(self) -> dict[str, Any] | None:
         """The keeper's counters (None: it did not answer)."""

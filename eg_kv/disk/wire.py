@@ -16,6 +16,8 @@ adopt      namespace, address, checksum, block id     the refs of a copy with th
                                                       spilled from that block, or 0 (a copy with
                                                       another checksum is dropped)
 stats      (none)                                     the tier's counters (a map)
+list       namespace (None: all), listing id (0: new) [listing id, [[namespace, address,
+                                                      length], ...] (LIST_PAGE at most), done]
 bad        namespace, address, seq                    (report) a record that failed its checks
 loaded     bytes, seconds                             (report) a verified read from the file
 refs       namespace, address, +1 or -1               (report) a dedup PUT or a DELETE that left
@@ -32,7 +34,9 @@ from typing import Any
 import msgspec
 
 FIND, DELETE, DISCARD, ADOPT = "find", "delete", "discard", "adopt"
-STATS, BAD, LOADED, REFS = "stats", "bad", "loaded", "refs"
+STATS, BAD, LOADED, REFS, LIST = "stats", "bad", "loaded", "refs", "list"
+#: Blocks one ``list`` answer holds at most.
+LIST_PAGE = 4096
 FRAME = struct.Struct("<I")
 #: The largest frame either side accepts (a find of 1,024 addresses is ~300 KiB).
 MAX_FRAME = 4 * 1024 * 1024

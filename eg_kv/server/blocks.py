@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -59,6 +60,8 @@ async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
                 raise NotFound(f"no block {address}")
             if isinstance(loaded, Loaded):
                 return reply(request, 200, loaded.data, BLOCK_TYPE, checksum=loaded.checksum)
+            if isinstance(loaded, tiers.Promoting):
+                return await _send_promoting(request, loaded)
             found = request.app[SLAB].read_or_open(address, tenant.ns)
             if found is None:
                 raise NotFound(f"no block {address} (evicted as soon as it was promoted)")
@@ -94,6 +97,43 @@ async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
         return written(200, False, 0)
     replies.sent(request, n)
     return written(200, keep, n)
+
+
+async def _send_promoting(request: web.Request, p: tiers.Promoting) -> web.StreamResponse:
+    """Send a block read from disk from the slab pages it reserved, then publish it: the
+    pages stay reserved until the kernel has taken every byte, so no eviction can reach
+    them meanwhile (module :mod:`eg_kv.server.tiers`)."""
+    try:
+        if p.length <= READ_SLICE:  # one copy, then the block is the slab's
+            return reply(request, 200, b"".join(p.views), BLOCK_TYPE, checksum=p.checksum)
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away before the response")
+        head, keep = replies.head(request, 200, BLOCK_TYPE, p.length, closing(request),
+                                  p.checksum)  # fmt: skip
+        transport.write(head)
+        replies.sent(request, len(head))
+        tls = transport.get_extra_info("sslcontext") is not None
+        try:
+            batch: list[bytes | memoryview] = []
+            batched = 0
+            for view in p.views:
+                batch.append(bytes(view) if tls else view)  # TLS buffers plaintext: copies
+                batched += len(view)
+                if batched >= SEND_BATCH:
+                    _write_views(transport, batch)
+                    batch, batched = [], 0
+                    await request.writer.drain()
+            if batch:
+                _write_views(transport, batch)
+            await _flushed(transport, request.writer)  # the pages are the kernel's no more
+        except BaseException:
+            transport.abort()  # a short body: the client sees a miss
+            raise
+        replies.sent(request, p.length)
+        return written(200, keep, p.length)
+    finally:
+        p.publish()
 
 
 async def _send_zero_copy(
@@ -139,7 +179,7 @@ async def _send_zero_copy(
     transport.write(tail_bytes)
 
 
-def _write_views(transport: asyncio.Transport, views: list[memoryview]) -> None:
+def _write_views(transport: asyncio.Transport, views: Sequence[bytes | memoryview]) -> None:
     """One ``writelines``; a closed uvloop transport raises RuntimeError, so check first.
 
     Raises:

@@ -60,7 +60,7 @@ from ..slab.store import Slab
 from ..wire import whole_number
 from .answers import label, reply
 from .gates import Gate, client_gone
-from .keys import AUTH, DRAIN, EVENT_READS, EVENT_WAITERS, SLAB, SNAPSHOTS
+from .keys import AUTH, DISK, DRAIN, EVENT_READS, EVENT_WAITERS, SLAB, SNAPSHOTS
 from .replies import JSON
 from .tenants import Tenant
 
@@ -326,6 +326,8 @@ async def get_snapshot(request: web.Request, tenant: Tenant) -> web.StreamRespon
                     resp = label(web.StreamResponse(headers={"Content-Type": SNAPSHOT_TYPE}))
                     await resp.prepare(request)
                     await resp.write(f'{{"epoch": "{ring.epoch:016x}"}}\n'.encode())
+                if part.kind == "end":  # the disk tier's blocks, before the end line
+                    await _write_disk_blocks(request, tenant, resp, names is not None)
                 await resp.write(_part_lines(part, names))
                 if client_gone(request):
                     raise ConnectionResetError("the reader left during its snapshot")
@@ -338,6 +340,28 @@ async def get_snapshot(request: web.Request, tenant: Tenant) -> web.StreamRespon
         assert resp is not None  # a stream always has its end part
         await resp.write_eof()
         return resp
+
+
+async def _write_disk_blocks(
+    request: web.Request, tenant: Tenant, resp: web.StreamResponse, named: bool
+) -> None:
+    """With a disk tier, the blocks only the disk holds, as block lines (a block in both
+    tiers is listed twice: a set of blocks, not a count). Listed after the slab's walk,
+    so a block the disk dropped meanwhile is gone from both (its removal is in the log
+    after the snapshot's ``seq``)."""
+    tier = request.app.get(DISK)
+    if tier is None:
+        return
+    scope = None if tenant.is_admin else tenant.namespace
+    async for page in tier.listing(scope):
+        lines = [
+            f'{{"hash": {json.dumps(address)}, "length": {length}'
+            + (f', "namespace": {json.dumps(ns)}}}' if named else "}")
+            for ns, address, length in page
+        ]
+        await resp.write("".join(line + "\n" for line in lines).encode())
+        if client_gone(request):
+            raise ConnectionResetError("the reader left during its snapshot")
 
 
 def _part_lines(part: SnapshotPart, names: dict[int, str] | None) -> bytes:

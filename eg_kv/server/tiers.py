@@ -1,13 +1,15 @@
 """The block routes' way down to the disk tier (``--disk``), when the slab misses.
 
-A GET that misses the slab and finds the block on disk answers it and promotes it (a put
-into the slab, with the record's checksum and engine name, and as many references as the
-disk's copy held); a promotion the slab refuses (full of leased blocks, the namespace
-over its quota) still answers the GET. HEAD, exists and batch exists answer from the
-keeper's index without moving bytes. A DELETE that misses the slab releases the disk's
-copy; a PUT that creates a block the disk already holds with the same bytes is a dedup
-hit (200) and takes its references into the slab. Without a disk tier every function
-here answers as a miss at once.
+A GET that misses the slab and finds the block on disk reserves its pages in the slab,
+reads the record straight into them and checks it, sends it from those pages (reserved,
+so no eviction can take them during the send, however small the slab), and then
+publishes it there (a promotion, with the record's engine name and as many references as
+the disk's copy held). A promotion the slab refuses (full of leased blocks, the
+namespace over its quota) still answers the GET, from a copy. HEAD, exists and batch
+exists answer from the keeper's index without moving bytes. A DELETE that misses the
+slab releases the disk's copy; a PUT that creates a block the disk already holds with
+the same bytes is a dedup hit (200) and takes its references into the slab. Without a
+disk tier every function here answers as a miss at once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from aiohttp import web
 from ..disk.layout import ALIGN
 from ..disk.tier import Found, Loaded
 from ..errors import EgKvError
+from ..slab.store import PutHandle, Slab
 from .keys import DISK, SETTINGS, SLAB
 from .tenants import Tenant
 
@@ -32,10 +35,45 @@ class Promoted:
 PROMOTED = Promoted()
 
 
-async def load(request: web.Request, tenant: Tenant, address: str) -> Loaded | Promoted | None:
-    """The block from the disk tier, promoted into the slab: :data:`PROMOTED` when it was
-    read straight into the slab's pages (serve it from the slab), its bytes when it was
-    read into memory (the slab would not take it, or its pages are not aligned for
+class Promoting:
+    """A block read from disk into pages it has reserved in the slab and verified, not yet
+    published: the GET sends it from those pages (nobody else can touch them while they
+    are reserved, so it cannot be evicted from under the send, however small the slab)
+    and then calls :meth:`publish`.
+
+    Attributes:
+        views: the block's bytes, in order (slab memory).
+        length, checksum: the block's.
+    """
+
+    def __init__(self, handle: PutHandle, views: list[memoryview], found: Found,
+                 slab: Slab, ns: int) -> None:  # fmt: skip
+        self._handle, self._found, self._slab, self._ns = handle, found, slab, ns
+        self.length, self.checksum = found.length, found.checksum
+        extra = sum(len(v) for v in views) - found.length  # the alignment past the end
+        self.views = [*views[:-1], views[-1][: len(views[-1]) - extra]]
+
+    def publish(self) -> None:
+        """Publish the block (once its bytes are sent, or copied); with the references its
+        disk copy holds. Its pages go back instead if that fails (a quota changed)."""
+        h, found = self._handle, self._found
+        try:
+            h.commit()
+            for _ in range(found.refs - 1):
+                self._slab.add_ref(h.address, found.length, self._ns)
+        except EgKvError as e:
+            log.info("disk tier: %s not promoted into the slab: %s", h.address, e)
+        finally:
+            h.abort()
+
+
+async def load(
+    request: web.Request, tenant: Tenant, address: str
+) -> Loaded | Promoted | Promoting | None:
+    """The block from the disk tier, on its way into the slab: a :class:`Promoting` when
+    it was read straight into reserved slab pages (send, then publish), :data:`PROMOTED`
+    when another request promoted it meanwhile (serve it from the slab), its bytes when
+    it was read into memory (the slab would not take it, or its pages are not aligned for
     O_DIRECT), None when the disk does not hold it (or its record failed its checks)."""
     tier = request.app.get(DISK)
     if tier is None:
@@ -50,33 +88,32 @@ async def load(request: web.Request, tenant: Tenant, address: str) -> Loaded | P
     except EgKvError as e:  # no room now (leases, a quota): served from a copy instead
         log.info("disk tier: %s not promoted into the slab: %s", address, e)
         return await tier.read(tenant.namespace, address, found)
+    handed = False
     try:
         if handle.dedup:  # another request promoted it meanwhile
             return PROMOTED
         views = handle.page_views(ALIGN)
-        got: Loaded | Promoted | None
         if views is None:  # the slab's pages do not suit O_DIRECT: through a copy
             got = await tier.read(tenant.namespace, address, found)
             if got is None:
                 return None
             handle.write(got.data)
             handle.engine, handle.record = got.engine, found.seq
-            handle.commit()
-        else:
-            rec = await tier.read_into(tenant.namespace, address, found, views)
-            if rec is None:
-                return None
-            if handle.filled() != found.checksum:
-                tier.failed(tenant.namespace, address, found)
-                return None
-            handle.engine, handle.record = rec.engine, found.seq
-            handle.commit()
-            got = PROMOTED
-        for _ in range(found.refs - 1):
-            slab.add_ref(address, found.length, tenant.ns)
-        return got
+            handed = True
+            Promoting(handle, [memoryview(got.data)], found, slab, tenant.ns).publish()
+            return got
+        rec = await tier.read_into(tenant.namespace, address, found, views)
+        if rec is None:
+            return None
+        if handle.filled() != found.checksum:
+            tier.failed(tenant.namespace, address, found)
+            return None
+        handle.engine, handle.record = rec.engine, found.seq
+        handed = True
+        return Promoting(handle, views, found, slab, tenant.ns)
     finally:
-        handle.abort()  # a dedup's reference back, or the pages of a failed read
+        if not handed:
+            handle.abort()  # a dedup's reference back, or the pages of a failed read
 
 
 async def find(request: web.Request, tenant: Tenant, addresses: list[str]) -> list[Found | None]:
