@@ -306,3 +306,17 @@ def test_the_event_log_says_what_left_the_server_not_what_moved(server_factory, 
     for e in _events(srv):
         (logged.add if e["kind"] == "stored" else logged.discard)(e["hash"])
     assert logged == held
+
+
+def test_a_snapshot_lists_the_blocks_only_the_disk_holds(server_factory, disk_dir):
+    srv = _serve(server_factory, disk_dir)
+    blocks = _blocks("n", 12)
+    _put_spilled(srv, blocks)
+    only_on_disk = _on_disk(srv, list(blocks))
+    assert len(only_on_disk) >= 4
+    r = request(srv, "GET", "/kv/events/snapshot")
+    assert r.status == 200
+    lines = [json.loads(line) for line in r.text.splitlines()]
+    listed = {line["hash"] for line in lines if "hash" in line}
+    assert listed == set(blocks)  # the slab's blocks and the disk's, each at least once
+    assert "seq" in lines[-1]  # the end line stays last
