@@ -749,9 +749,7 @@ class ClientCore:
         if slab is None:
             return OVER_HTTP
         got = self._locally(address, slab.open_to_fetch, address, self.config.max_block_size)
-        if got is None and slab.info.disk:  # the server's disk tier may hold it
-            return OVER_HTTP
-        return got
+        return OVER_HTTP if got is None and slab.info.disk else got  # its disk tier may hold it
 
     def local_copy(
         self, slab: LocalSlab, reader: BlockReader, address: str, sink: Callable[..., Any]
@@ -804,20 +802,14 @@ class ClientCore:
         try:
             if lease and lease_ms:
                 found = slab.lease_addresses(addresses, lease_ms)
-                if found is not None and slab.info.disk and not all(found):
-                    # The server's disk tier may hold the misses: it answers (and leases)
-                    # the whole batch; the leases taken here go back at once.
-                    slab.release_leases([a for a, hit in zip(addresses, found, strict=True) if hit])
-                    return None
                 if found is not None:
                     return found
             found = slab.exists_addresses(addresses)
         except LocalUnavailable as exc:
             self.local.step_aside(exc)
             return None
-        if slab.info.disk and not all(found):  # the server's disk tier may hold the misses
-            return None
-        return None if lease and any(found) else found
+        # Hits to lease are the server's to lease; misses, its disk tier's to answer.
+        return None if (lease and any(found)) or (slab.info.disk and not all(found)) else found
 
     def note_unleased(self, addresses: list[str], found: list[bool]) -> None:
         """Remember the hits of a leasing lookup the server answered unleased (a lease cap,

@@ -190,7 +190,9 @@ class Keeper:
                 if done is None:
                     counters["spill_drops"] += 1
                 else:
-                    slab.mark_spilled(key[1], ns, block, done.seq)
+                    refs = slab.mark_spilled(key[1], ns, block, done.seq)
+                    with store.lock:  # the count now (a report may have come first)
+                        done.refs = max(done.refs, refs)
                     counters["spills"] += 1  # counted once the slab knows it is moved
             except BlockGone:
                 counters["spill_drops"] += 1
@@ -272,7 +274,7 @@ class Keeper:
             with store.lock:
                 e = store.index.find((args[0], args[1]))
                 if e is not None:
-                    e.refs = max(1, e.refs + int(args[2]))
+                    e.refs = max(1, int(args[2]))
             return None
         if op == wire.LOADED:
             counters["promotions"] += 1

@@ -137,10 +137,13 @@ class DiskTier:
         self._report(wire.LOADED, found.length, time.perf_counter() - t0)
         return rec
 
-    def count_ref(self, namespace: str, address: str, delta: int) -> None:
-        """A dedup PUT (+1) or a DELETE that left references (-1) of a resident block: its
-        disk copy, if any, keeps the same count (a report: nothing waits for it)."""
-        self._report(wire.REFS, namespace, address, delta)
+    def count_refs(self, namespace: str, address: str, refs: int) -> None:
+        """A dedup PUT or a DELETE that left references changed a resident block's count
+        to ``refs``: its disk copy, if any, keeps the same (a report: nothing waits for
+        it; the count itself, not the change, so that reports and the spill's own count
+        agree in whatever order they arrive)."""
+        if refs > 0:
+            self._report(wire.REFS, namespace, address, refs)
 
     def failed(self, namespace: str, address: str, found: Found) -> None:
         """A record failed its checks: the keeper drops it."""

@@ -20,8 +20,8 @@ list       namespace (None: all), listing id (0: new) [listing id, [[namespace, 
                                                       length], ...] (LIST_PAGE at most), done]
 bad        namespace, address, seq                    (report) a record that failed its checks
 loaded     bytes, seconds                             (report) a verified read from the file
-refs       namespace, address, +1 or -1               (report) a dedup PUT or a DELETE that left
-                                                      references changed a resident block's refs
+refs       namespace, address, references             (report) a dedup PUT or a DELETE that left
+                                                      references: the resident block's count now
 =========  =========================================  ===========================================
 """
 

@@ -132,10 +132,11 @@ async def delete(request: web.Request, tenant: Tenant, address: str) -> bool:
     slab, tier = request.app[SLAB], request.app.get(DISK)
     if slab.delete(address, tenant.ns):
         if tier is not None:
-            if not slab.exists(address, tenant.ns):
+            refs = slab.refs(address, tenant.ns)
+            if not refs:
                 await tier.discard(tenant.namespace, address)
             else:
-                tier.count_ref(tenant.namespace, address, -1)
+                tier.count_refs(tenant.namespace, address, refs)
         return True
     return tier is not None and await tier.delete(tenant.namespace, address)
 
@@ -144,7 +145,7 @@ def count_dedup(request: web.Request, tenant: Tenant, address: str) -> None:
     """A PUT was a dedup hit in the slab: the disk's copy counts the reference too."""
     tier = request.app.get(DISK)
     if tier is not None:
-        tier.count_ref(tenant.namespace, address, +1)
+        tier.count_refs(tenant.namespace, address, request.app[SLAB].refs(address, tenant.ns))
 
 
 async def adopt(request: web.Request, tenant: Tenant, address: str) -> bool:

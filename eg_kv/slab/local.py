@@ -452,13 +452,14 @@ class LocalSlab(SlabView):
 
         Returns:
             One bool per address; None when this reader cannot lease locally (no table,
-            or no room in it): ask over HTTP instead.
+            or no room in it; or the server has a disk tier, which may hold the misses):
+            ask over HTTP instead.
 
         Raises:
             LocalUnavailable: ask over HTTP instead. InvalidAddress: as the server's 400.
         """
         leases, ns = self.leases, self.info.ns
-        if leases is None:
+        if leases is None or self.info.disk:
             return None
         seq, ids = self.block_ids(addresses, ns)
         found = list(map(bool, ids))

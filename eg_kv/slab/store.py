@@ -860,19 +860,20 @@ class Slab(SlabLeases):
 
     # ------------------------------------------------------------------ the disk tier
 
-    def mark_spilled(self, address: str, ns: int, block_id: int, record: int) -> bool:
+    def mark_spilled(self, address: str, ns: int, block_id: int, record: int) -> int:
         """The disk tier holds block ``block_id`` (resident under ``address``) as its record
         ``record``: say so in its slot, so that its eviction is a move between tiers, not
-        a removal (:mod:`eg_kv.disk`). False: the block is not resident any more."""
+        a removal (:mod:`eg_kv.disk`). Returns the block's references now (0: it is not
+        resident any more)."""
         raw, fp = self._key(address, ns)
         with self._locked():
             i, s = self._find(raw, fp, ns)
             if s is None or s[F_BLOCK_ID] != block_id:
-                return False
+                return 0
             off = self._slot_off(i) + L.SLOT_META_OFFSET
             _RECORD.pack_into(self._mm, off + L.META_DISK_OFFSET, record)
             self._mm[off + L.META_FLAGS_OFFSET] |= _SPILLED
-            return True
+            return int(s[F_REFS])
 
     def disk_dropped(
         self, address: str, ns: int, length: int, reason: int = R_DISK,
