@@ -88,12 +88,12 @@ def test_evictions_spill_and_hits_come_back(server_factory, disk_dir):
     _put_spilled(srv, blocks)
     st = stats(srv)
     assert st["unique_blocks"] <= 8 and st["evictions"] >= 24
-    first = list(blocks)[:4]  # evicted long ago: on disk only
+    first = _on_disk(srv, list(blocks))[:3]  # evicted: on disk only
     r = request(srv, "HEAD", f"/kv/{first[0]}")
     assert r.status == 200 and int(r.headers["Content-Length"]) == BLOCK
     assert request(srv, "GET", f"/kv/{first[1]}/exists").json()["exists"] is True
     batch = request(srv, "POST", "/kv/batch/exists",
-                    json.dumps({"addresses": [*first[:3], "s999"]}).encode()).json()  # fmt: skip
+                    json.dumps({"addresses": [*first, "s999"]}).encode()).json()  # fmt: skip
     assert batch == {"exists": [True, True, True, False], "prefix_hits": 3, "on_disk": [0, 1, 2]}
 
     assert _all_back(srv, blocks) == {"equal": 32, "miss": 0}
@@ -119,7 +119,10 @@ def test_dedup_and_delete_hold_across_tiers(server_factory, disk_dir):
     ((address, data),) = twice.items()
     assert request(srv, "PUT", f"/kv/{address}", data).status == 201
     assert request(srv, "PUT", f"/kv/{address}", data).status == 200
-    _put_spilled(srv, _blocks("filler", 10))
+    for i in range(40):  # until the slab evicts it (its second chance spent)
+        _put_spilled(srv, _blocks(f"filler{i}-", 2))
+        if _on_disk(srv, [address]):
+            break
     assert address in _on_disk(srv, [address])
     assert request(srv, "DELETE", f"/kv/{address}").status == 204
     assert request(srv, "GET", f"/kv/{address}").body == data  # one reference left
@@ -220,7 +223,7 @@ def test_a_stopped_keeper_costs_disk_hits_only(server_factory, disk_dir):
     blocks = _blocks("p", 12)
     _put_spilled(srv, blocks)
     keeper = _disk(srv)["pid"]
-    resident, on_disk = list(blocks)[-1], next(iter(blocks))
+    resident, on_disk = list(blocks)[-1], _on_disk(srv, list(blocks))[0]
     os.kill(keeper, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
