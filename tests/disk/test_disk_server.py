@@ -16,6 +16,7 @@ import pytest
 from helpers.common import free_port, wait_for
 from helpers.server_http import request, stats
 from helpers.servers import serve_cmd
+from helpers.tenants import token_of, write_tokens
 
 from eg_kv.client.connectors import RemoteKVConnector
 from eg_kv.disk import layout as D
@@ -31,11 +32,13 @@ def disk_dir(tmp_path):
     return d
 
 
-def _serve(server_factory, disk_dir, capacity="4MiB", workers=2, disk="64MiB", **kw):
+def _serve(server_factory, disk_dir, capacity="4MiB", workers=2, disk="64MiB", extra_args=(),
+           **kw):  # fmt: skip
     srv = server_factory(workers=workers, capacity=capacity, extra=(
         "--page-size", "64KiB", "--max-block-size", "1MiB", "--disk", str(disk_dir),
-        "--disk-capacity", disk), **kw)  # fmt: skip
-    wait_for(lambda: _disk(srv).get("ready"), what="the disk tier's scan")
+        "--disk-capacity", disk, *extra_args), **kw)  # fmt: skip
+    if not extra_args:  # (with a tokens file, stats need the admin's token: the test waits)
+        wait_for(lambda: _disk(srv).get("ready"), what="the disk tier's scan")
     return srv
 
 
@@ -323,3 +326,29 @@ def test_a_snapshot_lists_the_blocks_only_the_disk_holds(server_factory, disk_di
     listed = {line["hash"] for line in lines if "hash" in line}
     assert listed == set(blocks)  # the slab's blocks and the disk's, each at least once
     assert "seq" in lines[-1]  # the end line stays last
+
+
+def test_a_tenants_quota_bounds_its_blocks_on_disk(server_factory, disk_dir, tmp_path):
+    """A namespace with a 2 MiB quota keeps at most 2 MiB of blocks on disk too (its
+    oldest go first); a namespace without one keeps all of its."""
+    tokens = write_tokens(tmp_path / "tokens.toml", [
+        {"name": "ops", "role": "admin"}, {"name": "small", "quota": "2MiB"},
+        {"name": "big"},
+    ])  # fmt: skip
+    srv = _serve(server_factory, disk_dir, extra_args=("--tokens", str(tokens)))
+    admin = token_of("ops")
+
+    def spills() -> int:
+        return request(srv, "GET", "/kv/stats", token=admin).json()["disk"]["spills"]
+
+    for name in ("small", "big"):
+        for i in range(12):  # 6 MiB each
+            before = spills()
+            r = request(srv, "PUT", f"/kv/{name}-{i}", os.urandom(BLOCK), token=token_of(name))
+            assert r.status == 201, r
+            wait_for(lambda b=before: spills() > b, what=f"the spill of {name}-{i}")
+    disk = request(srv, "GET", "/kv/stats", token=admin).json()["disk"]
+    assert disk["quota_drops"] >= 8  # 12 blocks of 512 KiB against 2 MiB
+    served = {name: sum(request(srv, "GET", f"/kv/{name}-{i}", token=token_of(name)).status == 200
+                        for i in range(12)) for name in ("small", "big")}  # fmt: skip
+    assert served["small"] <= 4 and served["big"] == 12, served
