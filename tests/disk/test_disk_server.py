@@ -47,11 +47,20 @@ def _disk(srv) -> dict:
 
 
 def _spills(srv) -> int:
-    """The spills so far; 0 when the worker that was asked died under the question."""
-    try:
-        return _disk(srv)["spills"]
-    except OSError:
-        return 0
+    """The spills so far: asked until a worker answers with the keeper's count (one that
+    died under the question, or whose call to the keeper timed out on a loaded box, is
+    asked again)."""
+    got: list[int] = []
+
+    def answered() -> bool:
+        try:
+            got[:] = [_disk(srv)["spills"]]
+        except (OSError, KeyError):
+            return False
+        return True
+
+    wait_for(answered, what="the disk tier's spill count")
+    return got[0]
 
 
 def _on_disk(srv, addresses: list[str]) -> list[str]:
@@ -67,9 +76,9 @@ def _blocks(tag: str, n: int) -> dict[str, bytes]:
 def _put_spilled(srv, blocks: dict[str, bytes]) -> None:
     """PUT each block and wait for its spill (so none is evicted before it is written)."""
     for address, data in blocks.items():
-        spilled = _disk(srv)["spills"]
+        spilled = _spills(srv)
         assert request(srv, "PUT", f"/kv/{address}", data).status == 201
-        wait_for(lambda s=spilled: _disk(srv)["spills"] > s, what=f"the spill of {address}")
+        wait_for(lambda s=spilled: _spills(srv) > s, what=f"the spill of {address}")
 
 
 def _all_back(srv, blocks: dict[str, bytes]) -> dict[str, int]:
@@ -173,7 +182,7 @@ def test_sigkill_while_spilling_serves_no_wrong_bytes_and_keeps_what_was_spilled
     writer = threading.Thread(target=put_more)
     writer.start()
     try:
-        wait_for(lambda: _disk(srv)["spills"] >= 16, what="spills under way")
+        wait_for(lambda: _spills(srv) >= 16, what="spills under way")
         worker = next(p for p in psutil.Process(srv.pid).children() if p.pid != _disk(srv)["pid"])
         worker.send_signal(signal.SIGKILL)  # a worker, mid-stream
         wait_for(lambda: _spills(srv) >= 20, what="spills to go on")
@@ -271,9 +280,9 @@ def test_a_client_reading_the_slab_itself_gets_disk_hits_over_http(server_factor
     blocks = {f"key-{i}": os.urandom(BLOCK) for i in range(16)}
     with RemoteKVConnector(base_url=srv.url, local_reads=True) as kv:
         for key, data in blocks.items():
-            spilled = _disk(srv)["spills"]
+            spilled = _spills(srv)
             assert kv.put(key, data)
-            wait_for(lambda s=spilled: _disk(srv)["spills"] > s, what=f"the spill of {key}")
+            wait_for(lambda s=spilled: _spills(srv) > s, what=f"the spill of {key}")
         assert kv.exists_many(list(blocks)) == [True] * 16
         assert kv.exists_many(list(blocks), lease_ms=2000) == [True] * 16  # leased: the same
         kv.release(list(blocks))
@@ -338,8 +347,13 @@ def test_a_tenants_quota_bounds_its_blocks_on_disk(server_factory, disk_dir, tmp
     srv = _serve(server_factory, disk_dir, extra_args=("--tokens", str(tokens)))
     admin = token_of("ops")
 
+    def disk() -> dict:
+        return request(srv, "GET", "/kv/stats", token=admin).json()["disk"]
+
     def spills() -> int:
-        return request(srv, "GET", "/kv/stats", token=admin).json()["disk"]["spills"]
+        return disk().get("spills", 0)  # none while the keeper does not answer
+
+    wait_for(lambda: disk().get("ready"), what="the disk tier's scan")
 
     for name in ("small", "big"):
         for i in range(12):  # 6 MiB each
@@ -347,8 +361,7 @@ def test_a_tenants_quota_bounds_its_blocks_on_disk(server_factory, disk_dir, tmp
             r = request(srv, "PUT", f"/kv/{name}-{i}", os.urandom(BLOCK), token=token_of(name))
             assert r.status == 201, r
             wait_for(lambda b=before: spills() > b, what=f"the spill of {name}-{i}")
-    disk = request(srv, "GET", "/kv/stats", token=admin).json()["disk"]
-    assert disk["quota_drops"] >= 8  # 12 blocks of 512 KiB against 2 MiB
+    assert disk()["quota_drops"] >= 8  # 12 blocks of 512 KiB against 2 MiB
     served = {name: sum(request(srv, "GET", f"/kv/{name}-{i}", token=token_of(name)).status == 200
                         for i in range(12)) for name in ("small", "big")}  # fmt: skip
     assert served["small"] <= 4 and served["big"] == 12, served
