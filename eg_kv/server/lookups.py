@@ -40,7 +40,7 @@ from ..wire import (
 )
 from . import tiers
 from .answers import reply, why
-from .keys import SETTINGS, SLAB
+from .keys import DISK, SETTINGS, SLAB
 from .replies import JSON
 from .tenants import Tenant
 
@@ -80,7 +80,7 @@ async def batch_exists(request: web.Request, tenant: Tenant) -> web.StreamRespon
             addresses, tenant.ns, lease_ms, share, holder_of(tenant.name)
         )
     on_disk: list[int] = []
-    missed = [i for i, hit in enumerate(found) if not hit]
+    missed = [i for i, hit in enumerate(found) if not hit] if DISK in request.app else []
     if missed:  # the disk tier answers the slab's misses (found there: hits, not leased)
         places = await tiers.find(request, tenant, [addresses[i] for i in missed])
         on_disk = [i for i, place in zip(missed, places, strict=True) if place is not None]

@@ -25,6 +25,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from ..disk.store import COUNTERS as _DISK_COUNTERS
 from ._compat import histogram_parts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -214,9 +215,6 @@ def _slab_families(stats: dict[str, int], workers_up: int, workers: int) -> list
 
 #: The disk tier's series (``eg_kv_disk_<key>``): counters, then gauges; ``up`` is 0 while
 #: its keeper does not answer (then only ``up`` is sent).
-_DISK_COUNTERS = ("spills", "spilled_bytes", "spill_drops", "spill_skips", "write_seconds",
-                  "write_errors", "disk_evictions", "quota_drops", "deletes", "disk_hits",
-                  "promotions", "read_bytes", "read_seconds", "checksum_failures")  # fmt: skip
 _DISK_GAUGES = ("blocks", "bytes", "capacity_bytes", "spill_queue")
 
 
