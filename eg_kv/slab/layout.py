@@ -114,8 +114,13 @@ assert GEOMETRY.size <= SLAB_ID_OFFSET
     # the checksum they carried
     ST_CHECKSUM_FAILURES,
     ST_CHECKSUM_REFUSED,
+    # the disk tier (eg_kv.disk): blocks its keeper has marked spilled, ever (0: no disk
+    # tier yet); and that count when an eviction last looked for a spilled victim and
+    # found none (equal: it does not look again until another block is spilled)
+    ST_SPILLS,
+    ST_SPILL_WALL,
     STATE_WORDS,
-) = range(36)
+) = range(38)
 
 #: Byte offset of the owner pid (state word ST_OWNER_PID, a native int64) in EVERY layout
 #: version so far. It must never move: ``--fresh`` reads it from a slab of another

@@ -352,6 +352,35 @@ def test_clock_evicts_unreferenced_blocks_first(slab):
     assert slab.check() == []
 
 
+def test_with_a_disk_tier_eviction_takes_spilled_blocks_first(slab):
+    """A block the disk tier holds is evicted before one it has not written yet (that
+    one would be lost); with none spilled, eviction goes on as before, and looks for
+    spilled victims again once the keeper marks another block."""
+    for i in range(8):  # 8 x 512 KiB fills the 4 MiB slab
+        slab.put(f"b{i}", data(512 * KiB, seed=i))
+    _, ids = slab.block_ids([f"b{i}" for i in range(8)])
+    for i in (2, 5, 7):  # the keeper wrote these three
+        assert slab.mark_spilled(f"b{i}", 0, ids[i], 100 + i) == 1
+    for k in range(3):
+        slab.put(f"n{k}", data(512 * KiB, seed=50 + k))
+    gone = [i for i in range(8) if not slab.exists(f"b{i}")]
+    assert gone == [2, 5, 7]  # the moves, never a loss
+    # Nothing spilled is left: the next eviction takes an unspilled block (it does not
+    # fail or wait), and the ones after it do not look for spilled victims again...
+    slab.put("n3", data(512 * KiB, seed=53))
+    assert sum(slab.exists(f"b{i}") for i in range(8)) == 4
+    st = slab._state
+    assert st[L.ST_SPILL_WALL] == st[L.ST_SPILLS] == 3
+    # ...until the keeper marks one more.
+    survivors = [i for i in range(8) if slab.exists(f"b{i}")]
+    _, now = slab.block_ids([f"b{survivors[-1]}"])
+    slab.mark_spilled(f"b{survivors[-1]}", 0, now[0], 200)
+    slab.put("n4", data(512 * KiB, seed=54))
+    assert not slab.exists(f"b{survivors[-1]}")
+    assert all(slab.exists(f"b{i}") for i in survivors[:-1])
+    assert slab.check() == []
+
+
 def test_big_block_fits_in_scattered_free_pages(slab):
     for i in range(64):  # one page each: the whole slab
         slab.put(f"p{i}", b"x" * PAGE)
