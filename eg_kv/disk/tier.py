@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
 from ..engine import EngineName
@@ -116,26 +116,33 @@ class DiskTier:
         return Loaded(data, rec.checksum, found.refs, rec.engine)
 
     async def read_into(
-        self, namespace: str, address: str, found: Found, views: list[memoryview]
-    ) -> Record | None:
+        self, namespace: str, address: str, found: Found, views: list[memoryview],
+        digest: Callable[[], int],
+    ) -> tuple[Record, int] | None:  # fmt: skip
         """Read the block straight into ``views`` (a promotion's reserved slab pages) and
-        return its header, which names this record; None: a miss (reported). The bytes'
-        checksum is the caller's to check. The read is not abandoned halfway: a cancelled
-        caller waits for it, so the pages are never freed under it."""
+        return its header, which names this record, with ``digest()`` of what was read;
+        None: a miss (reported). ``digest`` runs in the reading thread too (the block's
+        checksum: off the event loop), and comparing it is the caller's. The read is not
+        abandoned halfway: a cancelled caller waits for it, so the pages are never freed
+        under it."""
+
+        def read() -> tuple[Record, int] | None:
+            rec = read_into(self._fd, self._file[1], found.offset, found.length, found.seq,
+                            namespace, address, views)  # fmt: skip
+            return None if rec is None else (rec, digest())
+
         t0 = time.perf_counter()
-        task = asyncio.ensure_future(asyncio.to_thread(
-            read_into, self._fd, self._file[1], found.offset, found.length, found.seq,
-            namespace, address, views))  # fmt: skip
+        task = asyncio.ensure_future(asyncio.to_thread(read))
         try:
-            rec = await asyncio.shield(task)
+            got = await asyncio.shield(task)
         except asyncio.CancelledError:
             await asyncio.wait([task])
             raise
-        if rec is None:
+        if got is None:
             self.failed(namespace, address, found)
             return None
         self._report(wire.LOADED, found.length, time.perf_counter() - t0)
-        return rec
+        return got
 
     def count_refs(self, namespace: str, address: str, refs: int) -> None:
         """A dedup PUT or a DELETE that left references changed a resident block's count

@@ -102,10 +102,11 @@ async def load(
             handed = True
             Promoting(handle, [memoryview(got.data)], found, slab, tenant.ns).publish()
             return got
-        rec = await tier.read_into(tenant.namespace, address, found, views)
-        if rec is None:
+        read = await tier.read_into(tenant.namespace, address, found, views, handle.filled)
+        if read is None:
             return None
-        if handle.filled() != found.checksum:
+        rec, checksum = read
+        if checksum != found.checksum:
             tier.failed(tenant.namespace, address, found)
             return None
         handle.engine, handle.record = rec.engine, found.seq

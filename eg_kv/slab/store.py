@@ -1015,7 +1015,8 @@ class PutHandle:
     def filled(self) -> int:
         """The pages were filled through :meth:`page_views`: hash what they hold, and
         return that checksum (``commit`` checks it against the expected one, as for a
-        PUT's body)."""
+        PUT's body). Any one thread may call it (the disk tier's reading thread does):
+        it reads only the handle's own reserved pages."""
         if self._runs is not None:
             mv = self._slab._mv
             for _, off, size in self._runs:
