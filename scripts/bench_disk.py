@@ -446,7 +446,7 @@ def main() -> int:
     rows = []
     try:
         for size in (parse_size(s) for s in args.sizes.split(",") if s):
-            count = max(8, total // size)
+            count = max(64, total // size)  # 64: a load of eight threads has a tail
             runs = []
             for _ in range(args.rounds):  # the limit and eg-kv interleaved, medians kept
                 runs.append(egkv(work, size, count))
