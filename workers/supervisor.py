@@ -689,7 +689,7 @@ class Supervisor:
             self._dead.pop(0)
 
     def _repair(self) -> None:
-        """Full repair (at exit, when no worker is left to stall)."""
+        """Full repair (at exit with ``--keep``, when no worker is left to stall)."""
         try:
             problems = self._slab.repair(
                 timeout=LOCK_WAIT_S * 10,
@@ -847,7 +847,8 @@ class Supervisor:
                 os.waitpid(pid, 0)
         self.workers.clear()
         if self.slab is not None:
-            self._repair()
+            if self.settings.keep:  # left for the next server: consistent, not only repairable
+                self._repair()  # (a slab about to go is not: 10 s of a 4 GiB one's exit)
             self._dead.clear()
             name = self.slab.name
             self.slab.close()
