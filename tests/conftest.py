@@ -27,8 +27,29 @@ NEEDS = {
 }
 
 
+#: A file with a test allowed this long (its ``timeout`` marker, s) runs first.
+LONG_TIMEOUT_S = 600
+
+
+def _long_files_first(items) -> None:
+    """Reorder ``items`` so that the files of the longest tests come first (those with a
+    test whose ``timeout`` is at least :data:`LONG_TIMEOUT_S`, longest allowed first; the
+    rest keep their order). scripts/test hands whole files to its pytest-xdist processes
+    in this order: the 3-minute vLLM end to end then runs beside the rest, not alone at
+    the end."""
+    allowed: dict[str, float] = {}
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        if mark is not None and mark.args and mark.args[0] >= LONG_TIMEOUT_S:
+            allowed[str(item.path)] = max(allowed.get(str(item.path), 0), mark.args[0])
+    if allowed:
+        items.sort(key=lambda item: -allowed.get(str(item.path), 0))  # stable
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip, with the reason, each test marked with a package that is not installed."""
+    """Skip, with the reason, each test marked with a package that is not installed; the
+    longest files first (:func:`_long_files_first`)."""
+    _long_files_first(items)
     missing = {
         marker: pytest.mark.skip(reason=why)
         for marker, (module, why) in NEEDS.items()
