@@ -428,7 +428,7 @@ def main() -> int:
     p.add_argument("--dir", default=None, help="a directory on the disk to measure")
     p.add_argument("--total", default="512MiB", help="bytes of blocks per size")
     p.add_argument("--sizes", default="2MiB,14MiB", help="block sizes, comma separated")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians)")
     p.add_argument("--lmcache", type=int, default=3, metavar="N",
                    help="repetitions of the lmcache bench l2 comparison (0: none)")  # fmt: skip
     p.add_argument(
