@@ -40,8 +40,9 @@ def _long_files_first(items) -> None:
     allowed: dict[str, float] = {}
     for item in items:
         mark = item.get_closest_marker("timeout")
-        if mark is not None and mark.args and mark.args[0] >= LONG_TIMEOUT_S:
-            allowed[str(item.path)] = max(allowed.get(str(item.path), 0), mark.args[0])
+        limit = mark.args[0] if mark is not None and mark.args else 0
+        if isinstance(limit, (int, float)) and limit >= LONG_TIMEOUT_S:
+            allowed[str(item.path)] = max(allowed.get(str(item.path), 0), limit)
     if allowed:
         items.sort(key=lambda item: -allowed.get(str(item.path), 0))  # stable
 
