@@ -375,7 +375,13 @@ def test_an_empty_namespaces_snapshot_burst_costs_the_others_little(million):
     during = under_burst(b"/kv/events/snapshot")
     assert p99(during) <= 2 * baseline, (idle, baseline, p99(during))
     # Once the burst is over, nothing of it lingers. Sub-millisecond p99s wobble by 2x on
-    # 2 cores (0.65 ms idle, then 1.78 ms in one CI run), so the bound is 2x the larger of
-    # the two quiet figures: a walk left running would cost tens of ms a request.
-    after = p99(latencies(300))
-    assert after <= 2 * max(idle, baseline), (idle, baseline, after)
+    # 2 cores (0.65 ms idle, then 1.78 ms in one CI run; 2.49 ms once beside another test
+    # file's servers under scripts/test's two processes), so the bound is 2x the larger of
+    # the two quiet figures, and a sample over it is taken again, for at most 10 s: a walk
+    # left running would cost tens of ms a request for as long as it ran (25 s on d29c8d3).
+    deadline, afters = time.monotonic() + 10, []
+    while True:
+        afters.append(p99(latencies(300)))
+        if afters[-1] <= 2 * max(idle, baseline) or time.monotonic() > deadline:
+            break
+    assert afters[-1] <= 2 * max(idle, baseline), (idle, baseline, afters)
