@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .client.connectors import RemoteKVConnector
-from .client.core import KvCacheConfig, KvCacheStats, to_address
+from .client.rules import KvCacheStats, to_address
+from .client.settings import KvCacheConfig
 from .lmcache.l2 import RemoteKVL2Connector
 
 if TYPE_CHECKING:

@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 import psutil  # noqa: E402
 
 from eg_kv.client.connectors import RemoteKVConnector  # noqa: E402
-from eg_kv.client.core import KvCacheConfig  # noqa: E402
 from eg_kv.client.placement import Placement  # noqa: E402
 from eg_kv.client.sets import ClusterConnector  # noqa: E402
+from eg_kv.client.settings import KvCacheConfig  # noqa: E402
 from eg_kv.slab.store import Slab  # noqa: E402
 
 

@@ -59,7 +59,7 @@ SLAB_BYTES = 512 * MiB
 
 def client_main(url: str, cells: list[list], seconds: float, verify: bool) -> None:
     """In a child process under the side's tree: measure each cell, print JSON."""
-    from eg_kv.client.core import KvCacheConfig
+    from eg_kv.client.settings import KvCacheConfig
     from eg_kv.client.sync import ServerConnector
 
     out = {}

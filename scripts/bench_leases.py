@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eg_kv.client.core import KvCacheConfig  # noqa: E402
+from eg_kv.client.settings import KvCacheConfig  # noqa: E402
 from eg_kv.client.sync import ServerConnector  # noqa: E402
 
 #: Each writer: put ``burst`` new blocks of ``size`` bytes per line read, then say "done".

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_lmcache import MiB, egkv_server, egkv_spec, redis_server, redis_spec, run_bench
 
 from eg_kv.address import address_for_key
-from eg_kv.client.core import batch_answer, batch_body, json_answer
+from eg_kv.client.rules import batch_answer, batch_body, json_answer
 from eg_kv.lmcache.l2 import RemoteKVL2Connector
 from eg_kv.slab.store import Slab
 
@@ -78,7 +78,7 @@ def _us(f, reps: int) -> list[float]:
 def split_egkv(url: str, slab_name: str, n: int, reps: int) -> dict[str, float]:
     """Median µs of each part of one eg-kv lookup of ``n`` fresh keys (see the module doc)."""
     from eg_kv import wire
-    from eg_kv.client.core import compact_answer
+    from eg_kv.client.rules import compact_answer
     from eg_kv.server import lookups
 
     conn = RemoteKVL2Connector(base_url=url, num_workers=4, timeout_s=60)

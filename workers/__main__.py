@@ -327,9 +327,9 @@ def _set_stats(
     url: str, where: str, token: str | None, whose: str, args: argparse.Namespace
 ) -> int:
     """``eg-kv stats`` of a server set: the sum, then one line per member."""
-    from eg_kv.client.core import KvCacheConfig
     from eg_kv.client.sets import ClusterConnector
     from eg_kv.client.setstats import sum_stats
+    from eg_kv.client.settings import KvCacheConfig
 
     verify = None if not args.insecure else False
     config = KvCacheConfig.from_env(

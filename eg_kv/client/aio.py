@@ -46,33 +46,7 @@ from ..wire import (
     encode_addresses,
 )
 from .bodies import byte_views
-from .core import (
-    BLOCK_TYPE,
-    JSON_TYPE,
-    OVER_HTTP,
-    SMALL_ANSWER_MAX,
-    ClientCore,
-    CompactRefused,
-    KvCacheConfig,
-    KvCacheStats,
-    LoadFailures,
-    Miss,
-    batch_answer,
-    batch_body,
-    batches,
-    block_to_read,
-    check_final,
-    compact_answer,
-    exists_answer,
-    json_answer,
-    leading_hits,
-    may_resend,
-    parts_checksum,
-    resolve_config,
-    to_address,
-    to_addresses,
-    wants_continue,
-)
+from .core import BLOCK_TYPE, JSON_TYPE, OVER_HTTP, ClientCore, LoadFailures
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import (
     SNAPSHOT_ANSWER_MAX,
@@ -85,7 +59,28 @@ from .events import (
 from .interface import AsyncReadExact, AsyncSink, MayStart, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
+from .rules import (
+    SMALL_ANSWER_MAX,
+    CompactRefused,
+    KvCacheStats,
+    Miss,
+    batch_answer,
+    batch_body,
+    batches,
+    block_to_read,
+    check_final,
+    compact_answer,
+    exists_answer,
+    json_answer,
+    leading_hits,
+    may_resend,
+    parts_checksum,
+    to_address,
+    to_addresses,
+    wants_continue,
+)
 from .setstats import MemberStats
+from .settings import KvCacheConfig, resolve_config
 
 T = TypeVar("T")
 C = TypeVar("C", bound="AsyncServerConnector")

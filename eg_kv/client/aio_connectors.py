@@ -13,8 +13,8 @@ import aiohttp
 
 from .aio import AsyncServerConnector
 from .aio_sets import AsyncSetConnector
-from .core import KvCacheConfig, resolve_config
 from .interface import AsyncKvConnector
+from .settings import KvCacheConfig, resolve_config
 
 __all__ = ["AsyncRemoteKVConnector"]
 

@@ -18,13 +18,14 @@ from typing import Any, TypeVar
 from ..engine import NO_ENGINE, EngineName
 from .aio import AsyncServerConnector
 from .bodies import byte_views
-from .core import KvCacheConfig, KvCacheStats, to_address, to_addresses
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
 from .interface import AsyncSink, Unreachable
 from .placement import prefix_hits
 from .router import Ask, BatchPlan, MemberConnectors, Router, Waiting, absent, set_health
+from .rules import KvCacheStats, to_address, to_addresses
 from .setstats import MemberStats, set_stats
+from .settings import KvCacheConfig
 from .sync import member_connector
 
 T = TypeVar("T")

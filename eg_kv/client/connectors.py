@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .core import KvCacheConfig, resolve_config
 from .interface import KvConnector
 from .sets import SetConnector
+from .settings import KvCacheConfig, resolve_config
 from .sync import ServerConnector
 
 __all__ = ["RemoteKVConnector", "connect"]

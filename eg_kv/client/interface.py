@@ -17,10 +17,11 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..engine import EngineName
-from .core import KvCacheConfig, KvCacheStats
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
+from .rules import KvCacheStats
 from .setstats import MemberStats
+from .settings import KvCacheConfig
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from .core import CONFIG_KEYWORDS
+from .settings import CONFIG_KEYWORDS
 
 #: ``url`` is the name engine users expect; it means ``base_url``.
 ALIASES = {"url": "base_url"}

@@ -50,11 +50,13 @@ from typing import Any
 from ..checksum import Failures
 from ..config import parse_addr
 from ..errors import ConfigError
-from .core import KvCacheConfig, to_address
 from .health import Health
 from .interface import KvConnector, Unreachable
-from .members import Member, Membership, View, parse_server_set
+from .members import Member, parse_server_set
+from .membership import Membership, View
 from .placement import merge
+from .rules import to_address
+from .settings import KvCacheConfig
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 from ..engine import NO_ENGINE, EngineName
 from .bodies import byte_views
-from .core import KvCacheConfig, KvCacheStats, batches, to_address, to_addresses
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
 from .placement import prefix_hits
@@ -36,7 +35,9 @@ from .router import (
     absent,
     set_health,
 )
+from .rules import KvCacheStats, batches, to_address, to_addresses
 from .setstats import MemberStats, member_line, set_stats
+from .settings import KvCacheConfig
 from .sync import ServerConnector, member_connector
 
 T = TypeVar("T")

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import RemoteError
-from .core import KvCacheStats
 from .members import Member
+from .rules import KvCacheStats
 
 #: Per-member limits: the set's value is the smallest, not the sum.
 LIMIT_FIELDS = ("page_size", "max_block_size")

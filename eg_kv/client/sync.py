@@ -33,6 +33,7 @@ from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
 from ..wire import (
     ADDRESSES_TYPE,
+    BATCH_EXISTS_MAX,
     BATCH_EXISTS_PATH,
     BATCH_RELEASE_PATH,
     CHECKSUM_HEADER,
@@ -46,39 +47,7 @@ from ..wire import (
     encode_addresses,
 )
 from .bodies import byte_views
-from .core import (
-    BATCH_EXISTS_MAX,
-    BLOCK_TYPE,
-    CONFIG_KEYWORDS,
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_NUM_WORKERS,
-    DEFAULT_TIMEOUT_S,
-    JSON_TYPE,
-    OVER_HTTP,
-    SMALL_ANSWER_MAX,
-    ClientCore,
-    CompactRefused,
-    KvCacheConfig,
-    KvCacheStats,
-    LoadFailures,
-    Miss,
-    PoolWaitTimeout,
-    batch_answer,
-    batch_body,
-    batches,
-    block_to_read,
-    check_final,
-    checksum_line,
-    compact_answer,
-    exists_answer,
-    json_answer,
-    leading_hits,
-    may_resend,
-    resolve_config,
-    to_address,
-    to_addresses,
-    wants_continue,
-)
+from .core import BLOCK_TYPE, JSON_TYPE, OVER_HTTP, ClientCore, LoadFailures
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import (
     SNAPSHOT_ANSWER_MAX,
@@ -92,7 +61,36 @@ from .http11 import Connection, Deadline, Response, StaleConnection, host_header
 from .interface import MayStart, Sink, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
+from .rules import (
+    SMALL_ANSWER_MAX,
+    CompactRefused,
+    KvCacheStats,
+    Miss,
+    PoolWaitTimeout,
+    batch_answer,
+    batch_body,
+    batches,
+    block_to_read,
+    check_final,
+    checksum_line,
+    compact_answer,
+    exists_answer,
+    json_answer,
+    leading_hits,
+    may_resend,
+    to_address,
+    to_addresses,
+    wants_continue,
+)
 from .setstats import MemberStats, member_line
+from .settings import (
+    CONFIG_KEYWORDS,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_NUM_WORKERS,
+    DEFAULT_TIMEOUT_S,
+    KvCacheConfig,
+    resolve_config,
+)
 
 __all__ = [
     "BATCH_EXISTS_MAX",

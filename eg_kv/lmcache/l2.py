@@ -60,8 +60,8 @@ from typing import Any
 
 from ..blockkey import say_once
 from ..client.connectors import connect
-from ..client.core import KvCacheConfig, resolve_config
 from ..client.lease_record import LeaseRecord
+from ..client.settings import KvCacheConfig, resolve_config
 from ..errors import ConfigError
 from .key_addresses import KeyAddresses, binding_params
 from .store_warnings import StoreWarnings

@@ -45,7 +45,8 @@ from ..address import address_for_key
 from ..binding import current_binding, declared_binding
 from ..blockkey import say_once
 from ..client.connectors import connect
-from ..client.core import CONFIG_KEYWORDS, KvCacheConfig, Miss
+from ..client.rules import Miss
+from ..client.settings import CONFIG_KEYWORDS, KvCacheConfig
 from ..engine import NO_ENGINE, EngineName, hash_bytes
 from ..errors import ConfigError
 from .compat import CacheEngineKey, MemoryObj, RemoteConnector, RemoteMetadata

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..client.core import KvCacheConfig
 from ..client.options import split_options
+from ..client.settings import KvCacheConfig
 from ..errors import ConfigError
 
 #: The backend's own keys in the extra config, and their defaults.

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..blockkey import say_once
-from ..client.core import KvCacheConfig
 from ..client.options import split_options
+from ..client.settings import KvCacheConfig
 from ..errors import ConfigError
 
 __all__ = ["TIER_KEYS", "TierSettings", "tier_settings_from"]

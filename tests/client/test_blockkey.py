@@ -17,7 +17,7 @@ from helpers.kvcache import lm_keys, wait_completions
 
 from eg_kv.blockkey import ENV_BLOCK_KEY, TAG, BlockKey, from_env
 from eg_kv.client.aio import AsyncServerConnector
-from eg_kv.client.core import KvCacheConfig
+from eg_kv.client.settings import KvCacheConfig
 from eg_kv.client.sync import ServerConnector
 from eg_kv.errors import ConfigError
 from eg_kv.kvcache import RemoteKVL2Connector

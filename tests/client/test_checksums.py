@@ -22,8 +22,8 @@ import pytest
 import xxhash
 
 from eg_kv.client.aio import AsyncServerConnector
-from eg_kv.client.core import KvCacheConfig
 from eg_kv.client.sets import SetConnector
+from eg_kv.client.settings import KvCacheConfig
 from eg_kv.client.sync import ServerConnector
 from eg_kv.wire import CHECKSUM_HEADER
 

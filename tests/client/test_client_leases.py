@@ -14,8 +14,8 @@ import pytest
 
 from eg_kv.client.aio_sets import AsyncSetConnector
 from eg_kv.client.connectors import connect
-from eg_kv.client.core import KvCacheConfig
 from eg_kv.client.sets import SetConnector
+from eg_kv.client.settings import KvCacheConfig
 from eg_kv.errors import ConfigError
 from eg_kv.vllm.settings import settings_from
 from eg_kv.vllm.staging import load_rows

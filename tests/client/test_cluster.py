@@ -21,8 +21,8 @@ from helpers.server_sets import SRV_NAME, set_url, start_set
 from eg_kv.client.aio_connectors import AsyncRemoteKVConnector
 from eg_kv.client.aio_sets import AsyncClusterConnector
 from eg_kv.client.connectors import RemoteKVConnector
-from eg_kv.client.core import KvCacheConfig
 from eg_kv.client.sets import ClusterConnector
+from eg_kv.client.settings import KvCacheConfig
 from eg_kv.errors import ConfigError
 
 

@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from eg_kv.client.core import KvCacheConfig
 from eg_kv.client.events import MIN_INTERVAL_S, SNAPSHOT_INTERVAL_S, Pacer, follow
+from eg_kv.client.settings import KvCacheConfig
 from eg_kv.client.sync import ServerConnector
 from eg_kv.vllm.events import EventRelay, LogFollowers
 from eg_kv.vllm.tier_events import RemovalRelay

@@ -19,7 +19,8 @@ from helpers.common import wait_for
 from helpers.kvcache import RawServer
 
 from eg_kv.address import address_for_key, validate
-from eg_kv.client.core import CONFIG_KEYWORDS, Miss, block_to_read, may_resend, to_addresses
+from eg_kv.client.rules import Miss, block_to_read, may_resend, to_addresses
+from eg_kv.client.settings import CONFIG_KEYWORDS
 from eg_kv.errors import ConfigError, InvalidAddress, RemoteError, Unauthorized
 from eg_kv.kvcache import (
     AsyncRemoteKVConnector,

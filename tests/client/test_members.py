@@ -18,9 +18,9 @@ from eg_kv.client.health import Health
 from eg_kv.client.members import (
     DnsQuery,
     Member,
-    Membership,
     parse_server_set,
 )
+from eg_kv.client.membership import Membership
 from eg_kv.client.placement import Placement
 from eg_kv.errors import ConfigError
 
@@ -121,7 +121,7 @@ class NoDns:
         if name == "dns" or name.startswith("dns."):
             raise ImportError("dnspython is not installed")
 sys.meta_path.insert(0, NoDns())
-from eg_kv.client.members import Membership
+from eg_kv.client.membership import Membership
 m = Membership("http://a:1,http://b:2")
 assert [x.id for x in m.members] == ["a:1", "b:2"], m.members
 assert threading.active_count() == 1, threading.enumerate()
@@ -263,7 +263,7 @@ def test_targets_whose_lookups_hang_cost_one_deadline_then_fill_in(dns_server):
 @pytest.mark.timeout(60)
 @pytest.mark.slow
 def test_the_members_taken_from_dns_are_capped(dns_server, caplog):
-    from eg_kv.client.members import MAX_DNS_MEMBERS
+    from eg_kv.client.dns import MAX_DNS_MEMBERS
 
     zone, port = dns_server
     many = range(MAX_DNS_MEMBERS + 20)

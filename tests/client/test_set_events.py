@@ -8,8 +8,9 @@ import asyncio
 import pytest
 
 from eg_kv.client.aio_sets import AsyncSetConnector
-from eg_kv.client.core import KvCacheConfig, to_address
+from eg_kv.client.rules import to_address
 from eg_kv.client.sets import SetConnector
+from eg_kv.client.settings import KvCacheConfig
 from eg_kv.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

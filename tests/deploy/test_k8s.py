@@ -359,7 +359,7 @@ def assert_our_adapter_without_url_or_token(args: list[str]) -> None:
     )  # fmt: skip
     # No base_url: the set comes from the environment; no token: LMCache logs this JSON.
     assert not {"base_url", "addr", "token"} & set(spec["adapter_params"])
-    from eg_kv.client.core import CONFIG_KEYWORDS
+    from eg_kv.client.settings import CONFIG_KEYWORDS
 
     assert set(spec["adapter_params"]) <= set(CONFIG_KEYWORDS)
     import importlib

@@ -97,7 +97,7 @@ def test_a_load_releases_only_what_this_connectors_lookup_leased(server_factory)
 
     from helpers.common import wait_for
 
-    from eg_kv.client.core import KvCacheConfig
+    from eg_kv.client.settings import KvCacheConfig
     from eg_kv.client.sync import ServerConnector
 
     srv = server_factory(workers=1, capacity="8MiB")

@@ -17,7 +17,7 @@ import pytest
 from helpers.tenants import token_of, write_tokens
 
 from eg_kv.client.aio import AsyncServerConnector
-from eg_kv.client.core import KvCacheConfig
+from eg_kv.client.settings import KvCacheConfig
 from eg_kv.client.sync import ServerConnector
 from eg_kv.wire import (
     ADDRESSES_TYPE,

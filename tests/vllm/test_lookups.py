@@ -12,7 +12,7 @@ import pytest
 from helpers.kvcache import RawServer
 
 from eg_kv.client.connectors import connect
-from eg_kv.client.core import KvCacheConfig
+from eg_kv.client.settings import KvCacheConfig
 from eg_kv.vllm.addresses import BlockFormat, lookup_addresses, token_chain
 from eg_kv.vllm.lookups import PendingLookups
 

@@ -14,7 +14,7 @@ import pytest
 from helpers.kvcache import RawServer
 
 from eg_kv.client.connectors import connect
-from eg_kv.client.core import KvCacheConfig
+from eg_kv.client.settings import KvCacheConfig
 from eg_kv.errors import ConfigError
 from eg_kv.vllm.tier_copies import TRAILER, CopyJobs, trailer
 from eg_kv.vllm.tier_lookups import StepLookups

@@ -54,7 +54,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from eg_kv.client.connectors import connect
-from eg_kv.client.core import KvCacheConfig
+from eg_kv.client.settings import KvCacheConfig
 
 
 def build(args: argparse.Namespace, events: bool = False):
