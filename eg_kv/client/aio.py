@@ -24,7 +24,6 @@ from functools import partial
 from typing import Any, TypeVar
 
 import aiohttp
-from aiohttp.payload import Payload
 
 from ..blockkey import TAG, ForgedBlock
 from ..engine import NO_ENGINE, EngineName, engine_headers
@@ -36,42 +35,47 @@ from ..wire import (
     BATCH_EXISTS_PATH,
     BATCH_RELEASE_PATH,
     CHECKSUM_HEADER,
-    EVENTS_PATH,
     EVENTS_SNAPSHOT_PATH,
-    HEALTHZ_PATH,
     LEASE_HEADER,
-    LEASE_REFUSED_HEADER,
     RELEASE_HEADER,
-    STATS_PATH,
     encode_addresses,
 )
+from . import plans
+from .aio_http import (
+    Parts,
+    checked_status,
+    drained,
+    flag_body,
+    into_bytes,
+    json_body,
+    never_resend,
+    read_small,
+    sink_from_memory,
+    small_body,
+    with_refusal,
+)
 from .bodies import byte_views
-from .core import BLOCK_TYPE, JSON_TYPE, OVER_HTTP, ClientCore, LoadFailures
+from .core import JSON_TYPE, OVER_HTTP, ClientCore, LoadFailures
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import (
     SNAPSHOT_ANSWER_MAX,
     EventBatch,
     Snapshot,
     SnapshotReader,
-    events_target,
-    parse_events,
 )
 from .interface import AsyncReadExact, AsyncSink, MayStart, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
+from .plans import drive_async
 from .rules import (
-    SMALL_ANSWER_MAX,
     CompactRefused,
     KvCacheStats,
     Miss,
     batch_answer,
     batch_body,
-    batches,
     block_to_read,
     check_final,
-    compact_answer,
     exists_answer,
-    json_answer,
     leading_hits,
     may_resend,
     parts_checksum,
@@ -82,87 +86,6 @@ from .rules import (
 from .setstats import MemberStats
 from .settings import KvCacheConfig, resolve_config
 
-T = TypeVar("T")
-C = TypeVar("C", bound="AsyncServerConnector")
-
-
-class _NotResent(aiohttp.ClientError):
-    """A request that changes state lost its connection after it went out."""
-
-
-async def _never_resend(
-    request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
-) -> aiohttp.ClientResponse:
-    # aiohttp resends PUT and DELETE once when the connection drops (it counts them
-    # idempotent); a DELETE the server applied before dropping would release two
-    # references. Its retry catches only these two errors, so renaming them stops it.
-    try:
-        return await handler(request)
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        raise _NotResent(f"{type(exc).__name__}: {exc}") from None
-
-
-class _Parts(Payload):
-    """A PUT body made of several buffers, written in order without a copy.
-
-    ``started`` tells whether aiohttp began writing it: with ``Expect: 100-continue`` a
-    final answer may come first, and then the body was never sent.
-    """
-
-    def __init__(self, parts: list[memoryview]) -> None:
-        super().__init__(parts, content_type=BLOCK_TYPE)
-        self._size = sum(len(p) for p in parts)
-        self.started = False
-
-    async def write(self, writer: Any) -> None:
-        self.started = True
-        for part in self._value:
-            await writer.write(part)
-
-    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
-        await self.write(writer)
-
-    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        return b"".join(self._value).decode(encoding, errors)
-
-    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
-        return b"".join(self._value)
-
-
-async def _read_small(resp: aiohttp.ClientResponse) -> bytes:
-    """A non-block body, at most :data:`SMALL_ANSWER_MAX` bytes however it is framed.
-
-    Raises:
-        Miss: it is longer.
-    """
-    if resp.method == "HEAD":
-        return b""  # its Content-Length is the block's, and no body follows
-    if resp.content_length is not None:
-        if resp.content_length > SMALL_ANSWER_MAX:
-            raise Miss(f"answer of {resp.content_length} bytes is over {SMALL_ANSWER_MAX}")
-        return await resp.read()
-    out = bytearray()
-    async for chunk in resp.content.iter_any():
-        out += chunk
-        if len(out) > SMALL_ANSWER_MAX:
-            raise Miss(f"answer is over {SMALL_ANSWER_MAX} bytes")
-    return bytes(out)
-
-
-async def _drained(resp: aiohttp.ClientResponse) -> int:
-    await _read_small(resp)
-    return resp.status
-
-
-async def _checked_status(resp: aiohttp.ClientResponse) -> int:
-    check_final(resp.status)
-    return await _drained(resp)
-
-
-async def _small(resp: aiohttp.ClientResponse) -> tuple[int, bytes]:
-    return resp.status, await _read_small(resp)
-
-
 #: Local reads of blocks up to this many bytes are copied in the event loop; larger ones
 #: on a thread, whose copy releases the GIL. A hop to a thread and back costs about what
 #: copying 1 MiB does.
@@ -171,55 +94,8 @@ LOCAL_COPY_IN_LOOP = 1024 * 1024
 _RELEASE = {RELEASE_HEADER: "1"}
 
 
-def _into_bytes(length: int, read_exact: Callable[[memoryview], None]) -> bytes:
-    buf = bytearray(length)
-    read_exact(memoryview(buf))
-    return bytes(buf)
-
-
-async def _json(resp: aiohttp.ClientResponse) -> Any:
-    check_final(resp.status)
-    return json_answer(resp.status, await _read_small(resp))
-
-
-async def _flags(n: int, resp: aiohttp.ClientResponse) -> list[bool]:
-    """The answer to a compact batch of ``n`` addresses (see
-    :func:`~eg_kv.client.core.compact_answer`)."""
-    check_final(resp.status)
-    body = await _read_small(resp)
-    ctype = resp.headers.get("Content-Type")
-    return compact_answer(resp.status, None if ctype is None else ctype.encode("latin-1"), body, n)
-
-
-async def _with_refusal(
-    parse: Callable[[aiohttp.ClientResponse], Awaitable[T]], resp: aiohttp.ClientResponse
-) -> tuple[T, bool]:
-    """``parse``'s answer, and whether the server answered a leasing lookup's hits
-    unleased (a lease cap: :data:`~eg_kv.wire.LEASE_REFUSED_HEADER`)."""
-    return await parse(resp), LEASE_REFUSED_HEADER in resp.headers
-
-
-async def _sink_from_memory(body: bytes, sink: AsyncSink[T]) -> T:
-    """Hand a block already in memory (a local read) to an async sink.
-
-    Raises:
-        Miss: the sink read past the block or left part of it unread.
-    """
-    src = memoryview(body)
-    taken = 0
-
-    async def read_exact(view: memoryview) -> None:
-        nonlocal taken
-        view = memoryview(view).cast("B")
-        if taken + len(view) > len(src):
-            raise Miss("the sink read past the block")
-        view[:] = src[taken : taken + len(view)]
-        taken += len(view)
-
-    result = await sink(len(src), read_exact)
-    if taken != len(src):
-        raise Miss("sink left part of the body unread")
-    return result
+T = TypeVar("T")
+C = TypeVar("C", bound="AsyncServerConnector")
 
 
 class AsyncServerConnector(LoadFailures):
@@ -316,7 +192,7 @@ class AsyncServerConnector(LoadFailures):
         target: str,
         on_response: Callable[[aiohttp.ClientResponse], Awaitable[T]],
         *,
-        body: _Parts | bytes | None = None,
+        body: Parts | bytes | None = None,
         headers: dict[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> T:
@@ -328,7 +204,7 @@ class AsyncServerConnector(LoadFailures):
         """
         session = self._get_session()
         resend = may_resend(method, target)
-        expect = isinstance(body, _Parts) and wants_continue(method, body.size or 0)
+        expect = isinstance(body, Parts) and wants_continue(method, body.size or 0)
         kw: dict[str, Any] = {
             "headers": {**self._core.headers, **headers} if headers else self._core.headers,
             "timeout": aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self._timeout,
@@ -338,7 +214,7 @@ class AsyncServerConnector(LoadFailures):
             **self._tls_name,
         }
         if not resend:
-            kw["middlewares"] = (_never_resend,)
+            kw["middlewares"] = (never_resend,)
         for attempt in (0, 1):
             try:
                 async with session.request(method, self._origin + target, data=body, **kw) as resp:
@@ -347,7 +223,7 @@ class AsyncServerConnector(LoadFailures):
                     except BaseException:
                         resp.close()  # an answer left unread or unusable: framing in doubt
                         raise
-                    if isinstance(body, _Parts) and not body.started:
+                    if isinstance(body, Parts) and not body.started:
                         # A final answer came before 100 Continue: the body was never sent
                         # and whether the server waits for it is unknown.
                         resp.close()
@@ -378,7 +254,7 @@ class AsyncServerConnector(LoadFailures):
     async def _probe(self) -> None:
         """Ask the server where its slab is (``GET /kv/local/slab``) and map it if it can."""
         try:
-            answer = await self._exchange("GET", self._core.path(LOCAL_ROUTE), _small)
+            answer = await self._exchange("GET", self._core.path(LOCAL_ROUTE), small_body)
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss("GET", LOCAL_ROUTE, exc)
         else:
@@ -409,7 +285,7 @@ class AsyncServerConnector(LoadFailures):
             length = resp.content_length
             encoding = resp.headers.get("Content-Encoding")
             if not block_to_read(resp.status, length, encoding, limit):
-                await _read_small(resp)
+                await read_small(resp)
                 return None
             body = await resp.read()
             if len(body) != length:
@@ -440,7 +316,7 @@ class AsyncServerConnector(LoadFailures):
         local = core.local_open(slab, address)
         if slab is None or not isinstance(local, BlockReader):
             return local
-        into = core.keyed(address, _into_bytes)
+        into = core.keyed(address, into_bytes)
         if local.length > LOCAL_COPY_IN_LOOP:
             return await asyncio.get_running_loop().run_in_executor(
                 None, core.local_copy, slab, local, address, into
@@ -476,7 +352,7 @@ class AsyncServerConnector(LoadFailures):
         release_header = core.release_header(slab, address, release_lease)
         if isinstance(local, bytes):
             try:
-                return await _sink_from_memory(local, sink)
+                return await sink_from_memory(local, sink)
             except Exception as exc:
                 core.miss("GET", address, exc)
                 return None
@@ -486,7 +362,7 @@ class AsyncServerConnector(LoadFailures):
         async def on_response(resp: aiohttp.ClientResponse) -> T | None:
             length = resp.content_length
             if not block_to_read(resp.status, length, resp.headers.get("Content-Encoding"), limit):
-                await _read_small(resp)
+                await read_small(resp)
                 return None
             left = length or 0
             verifier = core.verifier(resp.headers.get(CHECKSUM_HEADER))
@@ -587,7 +463,7 @@ class AsyncServerConnector(LoadFailures):
         views = self._core.sealed(address, byte_views(parts))  # TypeError: not a miss
         try:
             status = await self._exchange(
-                "PUT", self._core.block_path(address), _drained, body=_Parts(views),
+                "PUT", self._core.block_path(address), drained, body=Parts(views),
                 headers={CHECKSUM_HEADER: parts_checksum(views), **engine_headers(engine)},
             )  # fmt: skip
         except Exception as exc:  # asyncio.TimeoutError included
@@ -599,7 +475,7 @@ class AsyncServerConnector(LoadFailures):
 
     async def _status(self, method: str, address: str) -> int | None:
         try:
-            return await self._exchange(method, self._core.block_path(address), _checked_status)
+            return await self._exchange(method, self._core.block_path(address), checked_status)
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss(method, address, exc)
             return None
@@ -627,7 +503,7 @@ class AsyncServerConnector(LoadFailures):
             return found
         try:
             return exists_answer(
-                await self._exchange("GET", self._core.block_path(address, "/exists"), _json)
+                await self._exchange("GET", self._core.block_path(address, "/exists"), json_body)
             )
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss("exists", address, exc)
@@ -654,7 +530,7 @@ class AsyncServerConnector(LoadFailures):
                 flags, refused = await self._exchange(
                     "POST",
                     self._core.path(BATCH_EXISTS_PATH),
-                    partial(_with_refusal, partial(_flags, len(addresses))),
+                    partial(with_refusal, partial(flag_body, len(addresses))),
                     body=encode_addresses(addresses),
                     headers={"Content-Type": ADDRESSES_TYPE, **lease},
                     timeout_s=timeout_s,
@@ -677,7 +553,7 @@ class AsyncServerConnector(LoadFailures):
         doc, refused = await self._exchange(
             "POST",
             self._core.path(BATCH_EXISTS_PATH),
-            partial(_with_refusal, _json),
+            partial(with_refusal, json_body),
             body=batch_body(addresses),
             headers={"Content-Type": JSON_TYPE, **(lease or {})},
             timeout_s=timeout_s,
@@ -687,25 +563,13 @@ class AsyncServerConnector(LoadFailures):
             self._core.note_unleased(addresses, answer[0])
         return answer
 
-    async def _try_batch(
-        self, chunk: list[str], timeout_s: float | None = None, lease_ms: int | None = None
-    ) -> list[bool] | None:
-        try:
-            return (await self._batch_exists(chunk, timeout_s, lease_ms))[0]
-        except Exception as exc:  # asyncio.TimeoutError included
-            self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
-            return None
-
     async def exists_many(
         self, keys: Sequence[str | bytes], lease_ms: int | None = None
     ) -> list[bool]:
         """One bool per key (one batch request per 1024 keys); False where a batch failed.
         ``lease_ms``: lease the hits (:meth:`eg_kv.client.sync.ServerConnector.exists_many`)."""
-        out: list[bool] = []
-        for chunk in batches(to_addresses(keys)):
-            found = await self._try_batch(chunk, lease_ms=lease_ms)
-            out.extend(found if found is not None else [False] * len(chunk))
-        return out
+        plan = plans.exists_many(self._core, to_addresses(keys), lease_ms)
+        return await drive_async(plan, self._answer)
 
     async def try_exists_many(
         self, keys: Sequence[str | bytes], lease_ms: int | None = None
@@ -726,33 +590,16 @@ class AsyncServerConnector(LoadFailures):
             timeout_s: the deadline of each request, when shorter than the config's.
             lease_ms: lease the hits (see :meth:`exists_many`).
         """
-        out: list[bool] = []
-        for chunk in batches(addresses):
-            found = await self._try_batch(chunk, timeout_s, lease_ms)
-            if found is None:
-                return None
-            out.extend(found)
-        return out
+        plan = plans.try_exists(self._core, list(addresses), timeout_s, lease_ms)
+        return await drive_async(plan, self._answer)
 
     async def contains_prefix(
         self, keys: Sequence[str | bytes], lease_ms: int | None = None
     ) -> int:
         """How many keys, from the first, are resident without a gap; 0 on any error.
         ``lease_ms``: lease the prefix's blocks; hits past it are released at once."""
-        total = 0
-        for chunk in batches(to_addresses(keys)):
-            try:
-                found, prefix = await self._batch_exists(chunk, lease_ms=lease_ms)
-            except Exception as exc:  # asyncio.TimeoutError included
-                self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
-                return total
-            total += prefix
-            if prefix < len(chunk):
-                if lease_ms:
-                    extra = zip(chunk[prefix:], found[prefix:], strict=True)
-                    await self.release([a for a, hit in extra if hit])
-                break
-        return total
+        plan = plans.contains_prefix(self._core, to_addresses(keys), lease_ms)
+        return await drive_async(plan, self._answer)
 
     async def release(self, keys: Sequence[str | bytes]) -> int:
         """End one lease on each key's block: here, for a lease this client took on the
@@ -761,21 +608,21 @@ class AsyncServerConnector(LoadFailures):
         Returns:
             How many leases were released; 0 for a batch that failed. Never raises.
         """
-        released, remote = self._core.local_release(to_addresses(keys))
-        for chunk in batches(remote):
-            try:
-                found = await self._exchange(
-                    "POST",
-                    self._core.path(BATCH_RELEASE_PATH),
-                    partial(_flags, len(chunk)),
-                    body=encode_addresses(chunk),
-                    headers={"Content-Type": ADDRESSES_TYPE},
-                )
-            except Exception as exc:  # asyncio.TimeoutError included
-                self._core.miss("batch/release", f"[{len(chunk)} addresses]", exc)
-                continue
-            released += sum(found)
-        return released
+        return await drive_async(plans.release(self._core, to_addresses(keys)), self._answer)
+
+    async def _answer(self, step: plans.Step) -> Any:
+        """Send the request a plan asks for (:mod:`eg_kv.client.plans`); its answer."""
+        if isinstance(step, plans.Exists):
+            return await self._batch_exists(step.addresses, step.timeout_s, step.lease_ms)
+        if isinstance(step, plans.Release):
+            return await self._exchange(
+                "POST",
+                self._core.path(BATCH_RELEASE_PATH),
+                partial(flag_body, len(step.addresses)),
+                body=encode_addresses(step.addresses),
+                headers={"Content-Type": ADDRESSES_TYPE},
+            )
+        return await self._exchange("GET", step.target, json_body, timeout_s=step.timeout_s)
 
     async def stats(self) -> KvCacheStats:
         """``GET /kv/stats``.
@@ -784,22 +631,11 @@ class AsyncServerConnector(LoadFailures):
             Unauthorized: the server refused the token.
             RemoteError: the server is unreachable or answered something unusable.
         """
-        try:
-            doc = await self._exchange("GET", self._core.path(STATS_PATH), _json)
-        except EgKvError:
-            raise
-        except Exception as exc:  # asyncio.TimeoutError included
-            raise self._core.unreachable(STATS_PATH, exc) from None
-        return KvCacheStats.from_json(doc)
+        return await drive_async(plans.stats(self._core), self._answer)
 
     async def healthz(self) -> dict[str, Any] | None:
         """``GET /healthz``: the decoded answer, or None when the server is not healthy."""
-        try:
-            doc = await self._exchange("GET", self._core.path(HEALTHZ_PATH), _json)
-        except Exception as exc:  # asyncio.TimeoutError included
-            self._core.miss("healthz", "-", exc)
-            return None
-        return doc if isinstance(doc, dict) else None
+        return await drive_async(plans.healthz(self._core), self._answer)
 
     async def events(
         self, since: int = 0, wait: float = 0.0, limit: int = DEFAULT_EVENTS_LIMIT,
@@ -811,14 +647,8 @@ class AsyncServerConnector(LoadFailures):
             Unauthorized: the server refused the token.
             RemoteError: unreachable, no event log, too many waiters, an unusable answer.
         """
-        target = self._core.path(events_target(since, wait, limit, epoch))
-        try:
-            doc = await self._exchange("GET", target, _json, timeout_s=wait + self.config.timeout_s)
-        except EgKvError:
-            raise
-        except Exception as exc:  # asyncio.TimeoutError included
-            raise self._core.unreachable(EVENTS_PATH, exc) from None
-        return parse_events(doc)
+        plan = plans.events(self._core, since, wait, limit, epoch)
+        return await drive_async(plan, self._answer)
 
     async def snapshot(self) -> Snapshot:
         """``GET /kv/events/snapshot``: the blocks held and the log's seq they match, read a

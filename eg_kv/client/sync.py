@@ -20,14 +20,11 @@ The public name, :class:`eg_kv.client.connectors.RemoteKVConnector`, is this cla
 
 from __future__ import annotations
 
-import ssl
 import threading
-import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from ..config import DEFAULT_HOST
 from ..engine import NO_ENGINE, EngineName, engine_header_lines
 from ..errors import ConfigError, EgKvError, RemoteError
 from ..slab.local import LocalSlab
@@ -37,15 +34,13 @@ from ..wire import (
     BATCH_EXISTS_PATH,
     BATCH_RELEASE_PATH,
     CHECKSUM_HEADER,
-    EVENTS_PATH,
     EVENTS_SNAPSHOT_PATH,
-    HEALTHZ_PATH,
     LEASE_HEADER,
     LEASE_REFUSED_HEADER,
     RELEASE_HEADER,
-    STATS_PATH,
     encode_addresses,
 )
+from . import plans
 from .bodies import byte_views
 from .core import BLOCK_TYPE, JSON_TYPE, OVER_HTTP, ClientCore, LoadFailures
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
@@ -53,23 +48,21 @@ from .events import (
     SNAPSHOT_ANSWER_MAX,
     EventBatch,
     Snapshot,
-    events_target,
-    parse_events,
     parse_snapshot,
 )
-from .http11 import Connection, Deadline, Response, StaleConnection, host_header
+from .http11 import Deadline, Response, StaleConnection
 from .interface import MayStart, Sink, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
+from .plans import drive
+from .pool import Pool
 from .rules import (
     SMALL_ANSWER_MAX,
     CompactRefused,
     KvCacheStats,
     Miss,
-    PoolWaitTimeout,
     batch_answer,
     batch_body,
-    batches,
     block_to_read,
     check_final,
     checksum_line,
@@ -108,67 +101,6 @@ __all__ = [
 
 T = TypeVar("T")
 C = TypeVar("C", bound="ServerConnector")
-
-
-class _Pool:
-    """A LIFO pool of kept-alive connections, bounded by ``max_connections``.
-
-    Thread-safe: a connection is used by one thread at a time. At most ``max_connections``
-    exist at once; a caller beyond that waits for one (within its deadline). An idle
-    connection is checked before reuse (:meth:`Connection.dropped`), so a request goes
-    out on one the server closed only when it closed in the last microseconds.
-    """
-
-    def __init__(self, config: KvCacheConfig) -> None:
-        parts = urllib.parse.urlsplit(config.base_url)
-        self.host = parts.hostname or DEFAULT_HOST
-        self.https = parts.scheme == "https"
-        self.port = parts.port or (443 if self.https else 80)
-        # A member found through DNS is connected at its address but named (Host, TLS
-        # name and SNI) by its server_name.
-        self.server_name = config.server_name or self.host
-        self.host_header = host_header(self.server_name, self.port, self.https)
-        self.ssl_context: ssl.SSLContext | None = None
-        if self.https:
-            self.ssl_context = ssl.create_default_context()
-            if not config.verify_tls:
-                self.ssl_context.check_hostname = False
-                self.ssl_context.verify_mode = ssl.CERT_NONE
-        self._idle: list[Connection] = []
-        self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(config.max_connections)
-        self._closed = False
-
-    def acquire(self, deadline: Deadline) -> Connection:
-        if not self._slots.acquire(timeout=deadline.left()):
-            raise PoolWaitTimeout(
-                "no free eg-kv connection within the timeout: raise max_connections"
-            )
-        while True:
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            if conn is None:
-                return Connection(
-                    self.host, self.port, self.host_header, self.ssl_context, self.server_name
-                )
-            if not conn.dropped():
-                return conn
-            conn.close()
-
-    def release(self, conn: Connection, reusable: bool) -> None:
-        if reusable and not self._closed:
-            with self._lock:
-                self._idle.append(conn)
-        else:
-            conn.close()
-        self._slots.release()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
 
 
 #: The header of a leasing lookup answered unleased, as the sync client reads headers.
@@ -219,7 +151,7 @@ class ServerConnector(LoadFailures):
             )
         self._core = ClientCore(self.config)
         self._core.on_unreachable = on_unreachable
-        self._pool = _Pool(self.config)
+        self._pool = Pool(self.config)
         # The header lines every request carries (the token among them), encoded once.
         self._head = b"".join(
             b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1"))
@@ -622,11 +554,7 @@ class ServerConnector(LoadFailures):
         Returns:
             One bool per key; all False for a batch that failed.
         """
-        out: list[bool] = []
-        for chunk in batches(to_addresses(keys)):
-            found = self._try_batch(chunk, lease_ms=lease_ms)
-            out.extend(found if found is not None else [False] * len(chunk))
-        return out
+        return drive(plans.exists_many(self._core, to_addresses(keys), lease_ms), self._answer)
 
     def try_exists_many(
         self, keys: Sequence[str | bytes], lease_ms: int | None = None
@@ -648,22 +576,8 @@ class ServerConnector(LoadFailures):
             timeout_s: the deadline of each request, when shorter than the config's.
             lease_ms: lease the hits (see :meth:`exists_many`).
         """
-        out: list[bool] = []
-        for chunk in batches(addresses):
-            found = self._try_batch(chunk, timeout_s, lease_ms)
-            if found is None:
-                return None
-            out.extend(found)
-        return out
-
-    def _try_batch(
-        self, chunk: list[str], timeout_s: float | None = None, lease_ms: int | None = None
-    ) -> list[bool] | None:
-        try:
-            return self._batch_exists(chunk, timeout_s, lease_ms)[0]
-        except Exception as exc:
-            self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
-            return None
+        plan = plans.try_exists(self._core, list(addresses), timeout_s, lease_ms)
+        return drive(plan, self._answer)
 
     def contains_prefix(self, keys: Sequence[str | bytes], lease_ms: int | None = None) -> int:
         """How many of ``keys``, from the first, are resident without a gap (prefix hits).
@@ -675,20 +589,8 @@ class ServerConnector(LoadFailures):
         Returns:
             The prefix length; 0 on any error.
         """
-        total = 0
-        for chunk in batches(to_addresses(keys)):
-            try:
-                found, prefix = self._batch_exists(chunk, lease_ms=lease_ms)
-            except Exception as exc:
-                self._core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
-                return total
-            total += prefix
-            if prefix < len(chunk):
-                if lease_ms:
-                    extra = zip(chunk[prefix:], found[prefix:], strict=True)
-                    self.release([a for a, hit in extra if hit])
-                break
-        return total
+        plan = plans.contains_prefix(self._core, to_addresses(keys), lease_ms)
+        return drive(plan, self._answer)
 
     def release(self, keys: Sequence[str | bytes]) -> int:
         """End one lease on each key's block: here, for a lease this client took on the
@@ -698,21 +600,21 @@ class ServerConnector(LoadFailures):
             How many leases were released (one that had ended, or none held, counts 0);
             0 for a batch that failed. Never raises.
         """
-        released, remote = self._core.local_release(to_addresses(keys))
-        for chunk in batches(remote):
-            try:
-                found = self._exchange(
-                    "POST",
-                    self._core.path(BATCH_RELEASE_PATH),
-                    partial(self._flags, len(chunk)),
-                    body=(encode_addresses(chunk),),
-                    headers=self._compact_head,
-                )
-            except Exception as exc:
-                self._core.miss("batch/release", f"[{len(chunk)} addresses]", exc)
-                continue
-            released += sum(found)
-        return released
+        return drive(plans.release(self._core, to_addresses(keys)), self._answer)
+
+    def _answer(self, step: plans.Step) -> Any:
+        """Send the request a plan asks for (:mod:`eg_kv.client.plans`); its answer."""
+        if isinstance(step, plans.Exists):
+            return self._batch_exists(step.addresses, step.timeout_s, step.lease_ms)
+        if isinstance(step, plans.Release):
+            return self._exchange(
+                "POST",
+                self._core.path(BATCH_RELEASE_PATH),
+                partial(self._flags, len(step.addresses)),
+                body=(encode_addresses(step.addresses),),
+                headers=self._compact_head,
+            )
+        return self._exchange("GET", step.target, self._json, timeout_s=step.timeout_s)
 
     def stats(self) -> KvCacheStats:
         """``GET /kv/stats``.
@@ -721,22 +623,11 @@ class ServerConnector(LoadFailures):
             Unauthorized: the server refused the token.
             RemoteError: the server is unreachable or answered something unusable.
         """
-        try:
-            doc = self._exchange("GET", self._core.path(STATS_PATH), self._json)
-        except EgKvError:
-            raise
-        except Exception as exc:
-            raise self._core.unreachable(STATS_PATH, exc) from None
-        return KvCacheStats.from_json(doc)
+        return drive(plans.stats(self._core), self._answer)
 
     def healthz(self) -> dict[str, Any] | None:
         """``GET /healthz``: the decoded answer, or None when the server is not healthy."""
-        try:
-            doc = self._exchange("GET", self._core.path(HEALTHZ_PATH), self._json)
-        except Exception as exc:
-            self._core.miss("healthz", "-", exc)
-            return None
-        return doc if isinstance(doc, dict) else None
+        return drive(plans.healthz(self._core), self._answer)
 
     def events(
         self, since: int = 0, wait: float = 0.0, limit: int = DEFAULT_EVENTS_LIMIT,
@@ -750,14 +641,7 @@ class ServerConnector(LoadFailures):
             RemoteError: unreachable, no event log there (``--events 0``), too many
                 readers waiting on its worker (503), or an unusable answer.
         """
-        target = self._core.path(events_target(since, wait, limit, epoch))
-        try:
-            doc = self._exchange("GET", target, self._json, timeout_s=wait + self.config.timeout_s)
-        except EgKvError:
-            raise
-        except Exception as exc:
-            raise self._core.unreachable(EVENTS_PATH, exc) from None
-        return parse_events(doc)
+        return drive(plans.events(self._core, since, wait, limit, epoch), self._answer)
 
     def snapshot(self) -> Snapshot:
         """``GET /kv/events/snapshot``: the blocks held and the log's seq they match.

@@ -1,0 +1,200 @@
+"""The calls that take several requests, written once as plans both connectors drive.
+
+A plan is a generator that does no I/O: it yields each request it needs as a step
+(:class:`Exists`, :class:`Release`, :class:`GetJson`) and is sent the answer, or thrown
+the error, by a driver: :func:`drive` in the sync connector, :func:`drive_async` in the
+async one, each answering a step with its own transport (the way h11 leaves the socket to
+its caller). So the rules of a batch lookup (split at 1,024 addresses, a failed batch is
+a miss or the end of a prefix, the hits past a prefix give their leases back) and of the
+JSON routes (which errors raise, which are misses) exist once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, TypeVar
+
+from ..errors import EgKvError
+from ..wire import EVENTS_PATH, HEALTHZ_PATH, STATS_PATH
+from .core import ClientCore
+from .events import EventBatch, events_target, parse_events
+from .rules import KvCacheStats, batches
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Exists:
+    """One ``POST /kv/batch/exists`` (at most 1,024 addresses); answered ``(found,
+    prefix)``: a flag per address and the leading hits."""
+
+    addresses: list[str]
+    timeout_s: float | None = None
+    lease_ms: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """One ``POST /kv/batch/release`` (at most 1,024 addresses); answered with a flag per
+    address (a lease ended)."""
+
+    addresses: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class GetJson:
+    """One ``GET`` of a JSON route (``target``, prefixed); answered with the decoded body."""
+
+    target: str
+    timeout_s: float | None = None
+
+
+Step = Exists | Release | GetJson
+Plan = Generator[Step, Any, T]
+
+
+def _advance(plan: Plan[T], got: Any, failed: BaseException | None) -> tuple[bool, Any]:
+    """Hand ``plan`` its last answer (or error): (True, its result) once it is done, else
+    (False, its next step)."""
+    try:
+        return False, plan.throw(failed) if failed is not None else plan.send(got)
+    except StopIteration as done:
+        return True, done.value
+
+
+def drive(plan: Plan[T], answer: Callable[[Step], Any]) -> T:
+    """Run ``plan``, doing each of its steps with ``answer(step)``; what ``answer`` raises
+    goes back into the plan (which decides: a miss, or raise)."""
+    got, failed = None, None
+    while True:
+        done, step = _advance(plan, got, failed)
+        if done:
+            return step  # type: ignore[no-any-return]
+        try:
+            got, failed = answer(step), None
+        except Exception as exc:
+            got, failed = None, exc
+
+
+async def drive_async(plan: Plan[T], answer: Callable[[Step], Awaitable[Any]]) -> T:
+    """:func:`drive` for the async connector (``answer`` is a coroutine function)."""
+    got, failed = None, None
+    while True:
+        done, step = _advance(plan, got, failed)
+        if done:
+            return step  # type: ignore[no-any-return]
+        try:
+            got, failed = await answer(step), None
+        except Exception as exc:  # asyncio.TimeoutError included
+            got, failed = None, exc
+
+
+# --------------------------------------------------------------------------- lookups
+
+
+def _try_batch(
+    core: ClientCore, chunk: list[str], timeout_s: float | None, lease_ms: int | None
+) -> Plan[list[bool] | None]:
+    try:
+        found: list[bool]
+        found, _prefix = yield Exists(chunk, timeout_s, lease_ms)
+    except Exception as exc:
+        core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
+        return None
+    return found
+
+
+def exists_many(core: ClientCore, addresses: list[str], lease_ms: int | None) -> Plan[list[bool]]:
+    """A flag per address, one batch per 1,024; a batch that failed is all misses."""
+    out: list[bool] = []
+    for chunk in batches(addresses):
+        found = yield from _try_batch(core, chunk, None, lease_ms)
+        out.extend(found if found is not None else [False] * len(chunk))
+    return out
+
+
+def try_exists(
+    core: ClientCore, addresses: list[str], timeout_s: float | None, lease_ms: int | None
+) -> Plan[list[bool] | None]:
+    """A flag per address, or None when any batch failed ("could not ask")."""
+    out: list[bool] = []
+    for chunk in batches(addresses):
+        found = yield from _try_batch(core, chunk, timeout_s, lease_ms)
+        if found is None:
+            return None
+        out.extend(found)
+    return out
+
+
+def contains_prefix(core: ClientCore, addresses: list[str], lease_ms: int | None) -> Plan[int]:
+    """The leading hits without a gap; a failed batch ends the prefix. With ``lease_ms``,
+    the hits past the prefix, which no one will load, give their leases back at once."""
+    total = 0
+    for chunk in batches(addresses):
+        try:
+            found, prefix = yield Exists(chunk, None, lease_ms)
+        except Exception as exc:
+            core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
+            return total
+        total += prefix
+        if prefix < len(chunk):
+            if lease_ms:
+                extra = zip(chunk[prefix:], found[prefix:], strict=True)
+                yield from release(core, [a for a, hit in extra if hit])
+            break
+    return total
+
+
+def release(core: ClientCore, addresses: list[str]) -> Plan[int]:
+    """End one lease on each address's block: here for a lease this client took on the
+    local slab (no request), else one batch per 1,024. Returns the leases ended; a batch
+    that failed counts 0."""
+    released, remote = core.local_release(addresses)
+    for chunk in batches(remote):
+        try:
+            found = yield Release(chunk)
+        except Exception as exc:
+            core.miss("batch/release", f"[{len(chunk)} addresses]", exc)
+            continue
+        released += sum(found)
+    return released
+
+
+# --------------------------------------------------------------------------- JSON routes
+
+
+def _read(
+    core: ClientCore, route: str, target: str | None = None, timeout_s: float | None = None
+) -> Plan[Any]:
+    """The decoded answer of ``GET route``; our own errors (401 among them) raise as they
+    are, any other failure as :class:`~eg_kv.errors.RemoteError` naming the route."""
+    try:
+        return (yield GetJson(target or core.path(route), timeout_s))
+    except EgKvError:
+        raise
+    except Exception as exc:
+        raise core.unreachable(route, exc) from None
+
+
+def stats(core: ClientCore) -> Plan[KvCacheStats]:
+    """``GET /kv/stats``, checked (raises as :func:`_read`)."""
+    return KvCacheStats.from_json((yield from _read(core, STATS_PATH)))
+
+
+def healthz(core: ClientCore) -> Plan[dict[str, Any] | None]:
+    """``GET /healthz``'s answer, or None when the server is not healthy (never raises)."""
+    try:
+        doc = yield GetJson(core.path(HEALTHZ_PATH))
+    except Exception as exc:
+        core.miss("healthz", "-", exc)
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def events(
+    core: ClientCore, since: int, wait: float, limit: int, epoch: str | None
+) -> Plan[EventBatch]:
+    """``GET /kv/events`` (waiting up to ``wait`` seconds for an event), parsed."""
+    target = core.path(events_target(since, wait, limit, epoch))
+    return parse_events((yield from _read(core, EVENTS_PATH, target, wait + core.config.timeout_s)))

@@ -1,0 +1,75 @@
+"""The sync client's connections: a bounded LIFO pool of kept-alive HTTP/1.1 connections
+(:mod:`eg_kv.client.http11`) to one server, shared by the threads of a
+:class:`~eg_kv.client.sync.ServerConnector`."""
+
+from __future__ import annotations
+
+import ssl
+import threading
+import urllib.parse
+
+from ..config import DEFAULT_HOST
+from .http11 import Connection, Deadline, host_header
+from .rules import PoolWaitTimeout
+from .settings import KvCacheConfig
+
+
+class Pool:
+    """A LIFO pool of kept-alive connections, bounded by ``max_connections``.
+
+    Thread-safe: a connection is used by one thread at a time. At most ``max_connections``
+    exist at once; a caller beyond that waits for one (within its deadline). An idle
+    connection is checked before reuse (:meth:`Connection.dropped`), so a request goes
+    out on one the server closed only when it closed in the last microseconds.
+    """
+
+    def __init__(self, config: KvCacheConfig) -> None:
+        parts = urllib.parse.urlsplit(config.base_url)
+        self.host = parts.hostname or DEFAULT_HOST
+        self.https = parts.scheme == "https"
+        self.port = parts.port or (443 if self.https else 80)
+        # A member found through DNS is connected at its address but named (Host, TLS
+        # name and SNI) by its server_name.
+        self.server_name = config.server_name or self.host
+        self.host_header = host_header(self.server_name, self.port, self.https)
+        self.ssl_context: ssl.SSLContext | None = None
+        if self.https:
+            self.ssl_context = ssl.create_default_context()
+            if not config.verify_tls:
+                self.ssl_context.check_hostname = False
+                self.ssl_context.verify_mode = ssl.CERT_NONE
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(config.max_connections)
+        self._closed = False
+
+    def acquire(self, deadline: Deadline) -> Connection:
+        if not self._slots.acquire(timeout=deadline.left()):
+            raise PoolWaitTimeout(
+                "no free eg-kv connection within the timeout: raise max_connections"
+            )
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return Connection(
+                    self.host, self.port, self.host_header, self.ssl_context, self.server_name
+                )
+            if not conn.dropped():
+                return conn
+            conn.close()
+
+    def release(self, conn: Connection, reusable: bool) -> None:
+        if reusable and not self._closed:
+            with self._lock:
+                self._idle.append(conn)
+        else:
+            conn.close()
+        self._slots.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
