@@ -68,15 +68,12 @@ from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
 from .plans import drive_async
 from .rules import (
-    CompactRefused,
     KvCacheStats,
     Miss,
-    batch_answer,
     batch_body,
     block_to_read,
     check_final,
     exists_answer,
-    leading_hits,
     may_resend,
     parts_checksum,
     to_address,
@@ -145,7 +142,6 @@ class AsyncServerConnector(LoadFailures):
         # A member found through DNS: connected at its address, TLS checks its name.
         self._tls_name = {"server_hostname": self.config.server_name} if (
             self.config.server_name and self._base.startswith("https")) else {}  # fmt: skip
-        self._compact_batches = True
         self._probes: set[asyncio.Future[None]] = set()
         self._closed = False
 
@@ -509,60 +505,6 @@ class AsyncServerConnector(LoadFailures):
             self._core.miss("exists", address, exc)
             return False
 
-    async def _batch_exists(
-        self, addresses: list[str], timeout_s: float | None = None, lease_ms: int | None = None
-    ) -> tuple[list[bool], int]:
-        """One ``POST /kv/batch/exists`` for at most 1024 addresses. Raises on error.
-
-        Sent in the compact format (:mod:`eg_kv.wire`); a server that refuses it (one that
-        predates it) is asked again in JSON, and in JSON from then on. On the server's
-        host, answered from its slab instead. A lease (``lease_ms``) is the server's to
-        take, so a leasing lookup asks it, unless the slab says every address is a miss
-        (nothing to lease: that answer stays local).
-        """
-        lease = {LEASE_HEADER: str(lease_ms)} if lease_ms and lease_ms > 0 else {}
-        slab = await self._local(probe=timeout_s is None)  # mapped for the loads even so
-        found = self._core.local_lookup(slab, addresses, lease_ms)
-        if found is not None:
-            return found, leading_hits(found)
-        if self._compact_batches:
-            try:
-                flags, refused = await self._exchange(
-                    "POST",
-                    self._core.path(BATCH_EXISTS_PATH),
-                    partial(with_refusal, partial(flag_body, len(addresses))),
-                    body=encode_addresses(addresses),
-                    headers={"Content-Type": ADDRESSES_TYPE, **lease},
-                    timeout_s=timeout_s,
-                )
-                if refused:
-                    self._core.note_unleased(addresses, flags)
-                return flags, leading_hits(flags)
-            except CompactRefused:
-                answer = await self._json_batch(addresses, timeout_s, lease)
-                self._compact_batches = False  # JSON worked where the compact body did not
-                return answer
-        return await self._json_batch(addresses, timeout_s, lease)
-
-    async def _json_batch(
-        self,
-        addresses: list[str],
-        timeout_s: float | None = None,
-        lease: dict[str, str] | None = None,
-    ) -> tuple[list[bool], int]:
-        doc, refused = await self._exchange(
-            "POST",
-            self._core.path(BATCH_EXISTS_PATH),
-            partial(with_refusal, json_body),
-            body=batch_body(addresses),
-            headers={"Content-Type": JSON_TYPE, **(lease or {})},
-            timeout_s=timeout_s,
-        )
-        answer = batch_answer(doc, len(addresses))
-        if refused:
-            self._core.note_unleased(addresses, answer[0])
-        return answer
-
     async def exists_many(
         self, keys: Sequence[str | bytes], lease_ms: int | None = None
     ) -> list[bool]:
@@ -612,8 +554,21 @@ class AsyncServerConnector(LoadFailures):
 
     async def _answer(self, step: plans.Step) -> Any:
         """Send the request a plan asks for (:mod:`eg_kv.client.plans`); its answer."""
-        if isinstance(step, plans.Exists):
-            return await self._batch_exists(step.addresses, step.timeout_s, step.lease_ms)
+        if isinstance(step, plans.Mapped):
+            return await self._local(probe=step.probe)
+        if isinstance(step, plans.Batch):
+            head = {"Content-Type": ADDRESSES_TYPE if step.compact else JSON_TYPE}
+            if step.lease_ms and step.lease_ms > 0:
+                head[LEASE_HEADER] = str(step.lease_ms)
+            compact, n = step.compact, len(step.addresses)
+            return await self._exchange(
+                "POST",
+                self._core.path(BATCH_EXISTS_PATH),
+                partial(with_refusal, partial(flag_body, n) if compact else json_body),
+                body=encode_addresses(step.addresses) if compact else batch_body(step.addresses),
+                headers=head,
+                timeout_s=step.timeout_s,
+            )
         if isinstance(step, plans.Release):
             return await self._exchange(
                 "POST",

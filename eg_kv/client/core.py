@@ -107,6 +107,8 @@ class ClientCore:
             "not stored by a holder of this engine's block key (a forger, a lying server, "
             "or an engine with another key)",
         )  # fmt: skip
+        #: Batch lookups go in the compact format until a server refuses it (then JSON).
+        self.compact_batches = True
         #: Hits answered unleased (a lease cap), by address: their releases are not sent.
         self._unleased: dict[str, int] = {}
         self._unleased_lock = threading.Lock()

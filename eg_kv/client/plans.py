@@ -1,12 +1,13 @@
 """The calls that take several requests, written once as plans both connectors drive.
 
 A plan is a generator that does no I/O: it yields each request it needs as a step
-(:class:`Exists`, :class:`Release`, :class:`GetJson`) and is sent the answer, or thrown
-the error, by a driver: :func:`drive` in the sync connector, :func:`drive_async` in the
-async one, each answering a step with its own transport (the way h11 leaves the socket to
-its caller). So the rules of a batch lookup (split at 1,024 addresses, a failed batch is
-a miss or the end of a prefix, the hits past a prefix give their leases back) and of the
-JSON routes (which errors raise, which are misses) exist once.
+(:class:`Mapped`, :class:`Batch`, :class:`Release`, :class:`GetJson`) and is sent the
+answer, or thrown the error, by a driver: :func:`drive` in the sync connector,
+:func:`drive_async` in the async one, each answering a step with its own transport (the
+way h11 leaves the socket to its caller). So the rules of a batch lookup (local or over
+HTTP, compact or JSON, split at 1,024 addresses, a failed batch is a miss or the end of a
+prefix, the hits past a prefix give their leases back) and of the JSON routes (which
+errors raise, which are misses) exist once.
 """
 
 from __future__ import annotations
@@ -19,17 +20,27 @@ from ..errors import EgKvError
 from ..wire import EVENTS_PATH, HEALTHZ_PATH, STATS_PATH
 from .core import ClientCore
 from .events import EventBatch, events_target, parse_events
-from .rules import KvCacheStats, batches
+from .rules import CompactRefused, KvCacheStats, batch_answer, batches, leading_hits
 
 T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
-class Exists:
-    """One ``POST /kv/batch/exists`` (at most 1,024 addresses); answered ``(found,
-    prefix)``: a flag per address and the leading hits."""
+class Mapped:
+    """The server's slab as mapped here (answered with it, or None off its host);
+    ``probe``: ask the server where it is, if that is due, before answering."""
+
+    probe: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One ``POST /kv/batch/exists`` (at most 1,024 addresses) as it is sent: in the
+    compact format, answered ``(flags, refused)``, or in JSON, answered ``(document,
+    refused)``; ``refused``: the server answered a leasing lookup's hits unleased."""
 
     addresses: list[str]
+    compact: bool
     timeout_s: float | None = None
     lease_ms: int | None = None
 
@@ -50,7 +61,7 @@ class GetJson:
     timeout_s: float | None = None
 
 
-Step = Exists | Release | GetJson
+Step = Mapped | Batch | Release | GetJson
 Plan = Generator[Step, Any, T]
 
 
@@ -93,12 +104,50 @@ async def drive_async(plan: Plan[T], answer: Callable[[Step], Awaitable[Any]]) -
 # --------------------------------------------------------------------------- lookups
 
 
+def lookup(
+    core: ClientCore, addresses: list[str], timeout_s: float | None, lease_ms: int | None
+) -> Plan[tuple[list[bool], int]]:
+    """One lookup of at most 1,024 addresses: a flag per address and the leading hits.
+    Raises on error.
+
+    On the server's host it is answered from its slab. Otherwise it is one ``POST
+    /kv/batch/exists`` in the compact format (:mod:`eg_kv.wire`); a server that refuses
+    it (one that predates it) is asked again in JSON, and in JSON from then on. A lease
+    is the server's to take (``X-Eg-Kv-Lease-Ms``), so a leasing lookup asks it, unless
+    the slab says every address is a miss: there is nothing to lease then, and the usual
+    answer of a prompt nobody has computed stays a local one. Hits the server answered
+    unleased (a cap) are noted, so that their releases are not sent.
+    """
+    slab = yield Mapped(probe=timeout_s is None)  # mapped for the loads even so
+    found = core.local_lookup(slab, addresses, lease_ms)
+    if found is not None:
+        return found, leading_hits(found)
+    if core.compact_batches:
+        try:
+            flags, refused = yield Batch(addresses, True, timeout_s, lease_ms)
+            answer = flags, leading_hits(flags)
+        except CompactRefused:
+            answer, refused = yield from _json_lookup(addresses, timeout_s, lease_ms)
+            core.compact_batches = False  # JSON worked where the compact body did not
+    else:
+        answer, refused = yield from _json_lookup(addresses, timeout_s, lease_ms)
+    if refused:
+        core.note_unleased(addresses, answer[0])
+    return answer
+
+
+def _json_lookup(
+    addresses: list[str], timeout_s: float | None, lease_ms: int | None
+) -> Plan[tuple[tuple[list[bool], int], bool]]:
+    doc, refused = yield Batch(addresses, False, timeout_s, lease_ms)
+    return batch_answer(doc, len(addresses)), refused
+
+
 def _try_batch(
     core: ClientCore, chunk: list[str], timeout_s: float | None, lease_ms: int | None
 ) -> Plan[list[bool] | None]:
     try:
-        found: list[bool]
-        found, _prefix = yield Exists(chunk, timeout_s, lease_ms)
+        found, _prefix = yield from lookup(core, chunk, timeout_s, lease_ms)
     except Exception as exc:
         core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
         return None
@@ -133,7 +182,7 @@ def contains_prefix(core: ClientCore, addresses: list[str], lease_ms: int | None
     total = 0
     for chunk in batches(addresses):
         try:
-            found, prefix = yield Exists(chunk, None, lease_ms)
+            found, prefix = yield from lookup(core, chunk, None, lease_ms)
         except Exception as exc:
             core.miss("batch/exists", f"[{len(chunk)} addresses]", exc)
             return total

@@ -58,7 +58,6 @@ from .plans import drive
 from .pool import Pool
 from .rules import (
     SMALL_ANSWER_MAX,
-    CompactRefused,
     KvCacheStats,
     Miss,
     batch_answer,
@@ -69,7 +68,6 @@ from .rules import (
     compact_answer,
     exists_answer,
     json_answer,
-    leading_hits,
     may_resend,
     to_address,
     to_addresses,
@@ -161,7 +159,6 @@ class ServerConnector(LoadFailures):
         self._batch_head = b"Content-Type: %s\r\n" % JSON_TYPE.encode()
         self._compact_head = b"Content-Type: %s\r\n" % ADDRESSES_TYPE.encode()
         self._release_head = b"%s: 1\r\n" % RELEASE_HEADER.encode()
-        self._compact_batches = True
         self._closed = False
 
     @classmethod
@@ -482,60 +479,6 @@ class ServerConnector(LoadFailures):
             self._core.miss("exists", address, exc)
             return False
 
-    def _batch_exists(
-        self, addresses: list[str], timeout_s: float | None = None, lease_ms: int | None = None
-    ) -> tuple[list[bool], int]:
-        """One ``POST /kv/batch/exists`` for at most 1024 addresses. Raises on error.
-
-        Sent in the compact format (:mod:`eg_kv.wire`); a server that refuses it
-        (one that predates it) is asked again in JSON, and in JSON from then on. On the
-        server's host, answered from its slab instead. A lease is the server's to take
-        (``X-Eg-Kv-Lease-Ms``), so a leasing lookup asks it, unless the slab says every
-        address is a miss: there is nothing to lease then, and the usual answer of a
-        prompt nobody has computed stays a local one.
-        """
-        lease = (
-            b"%s: %d\r\n" % (LEASE_HEADER.encode(), lease_ms) if lease_ms and lease_ms > 0 else b""
-        )
-        slab = self._local(probe=timeout_s is None)  # mapped for the loads even so
-        found = self._core.local_lookup(slab, addresses, lease_ms)
-        if found is not None:
-            return found, leading_hits(found)
-        if self._compact_batches:
-            try:
-                found, refused = self._exchange(
-                    "POST",
-                    self._core.path(BATCH_EXISTS_PATH),
-                    partial(_with_refusal, partial(self._flags, len(addresses))),
-                    body=(encode_addresses(addresses),),
-                    headers=self._compact_head + lease,
-                    timeout_s=timeout_s,
-                )
-                if refused:
-                    self._core.note_unleased(addresses, found)
-                return found, leading_hits(found)
-            except CompactRefused:
-                answer = self._json_batch(addresses, timeout_s, lease)
-                self._compact_batches = False  # JSON worked where the compact body did not
-                return answer
-        return self._json_batch(addresses, timeout_s, lease)
-
-    def _json_batch(
-        self, addresses: list[str], timeout_s: float | None = None, lease: bytes = b""
-    ) -> tuple[list[bool], int]:
-        doc, refused = self._exchange(
-            "POST",
-            self._core.path(BATCH_EXISTS_PATH),
-            partial(_with_refusal, self._json),
-            body=(batch_body(addresses),),
-            headers=self._batch_head + lease,
-            timeout_s=timeout_s,
-        )
-        answer = batch_answer(doc, len(addresses))
-        if refused:
-            self._core.note_unleased(addresses, answer[0])
-        return answer
-
     @staticmethod
     def _flags(n: int, resp: Response) -> list[bool]:
         check_final(resp.status)
@@ -604,8 +547,22 @@ class ServerConnector(LoadFailures):
 
     def _answer(self, step: plans.Step) -> Any:
         """Send the request a plan asks for (:mod:`eg_kv.client.plans`); its answer."""
-        if isinstance(step, plans.Exists):
-            return self._batch_exists(step.addresses, step.timeout_s, step.lease_ms)
+        if isinstance(step, plans.Mapped):
+            return self._local(probe=step.probe)
+        if isinstance(step, plans.Batch):
+            n, lease = len(step.addresses), b""
+            if step.lease_ms and step.lease_ms > 0:
+                lease = b"%s: %d\r\n" % (LEASE_HEADER.encode(), step.lease_ms)
+            parse = partial(self._flags, n) if step.compact else self._json
+            body = encode_addresses(step.addresses) if step.compact else batch_body(step.addresses)
+            return self._exchange(
+                "POST",
+                self._core.path(BATCH_EXISTS_PATH),
+                partial(_with_refusal, parse),
+                body=(body,),
+                headers=(self._compact_head if step.compact else self._batch_head) + lease,
+                timeout_s=step.timeout_s,
+            )
         if isinstance(step, plans.Release):
             return self._exchange(
                 "POST",

@@ -124,7 +124,7 @@ def test_batch_exists_is_exact_under_churn(server_factory, tmp_path, evictions):
         try:
             answers = []
             json_kv = RemoteKVConnector(base_url=srv.url, timeout_s=10)
-            json_kv._compact_batches = False  # the JSON contract, under the same churn
+            json_kv._core.compact_batches = False  # the JSON contract, under the same churn
             everything = pinned + never + churned
             deadline = time.monotonic() + SECONDS + 5
             i = 0
