@@ -27,7 +27,7 @@ import aiohttp
 
 from ..blockkey import TAG, ForgedBlock
 from ..engine import NO_ENGINE, EngineName, engine_headers
-from ..errors import ConfigError, EgKvError, RemoteError
+from ..errors import EgKvError, RemoteError
 from ..slab.local import LocalSlab
 from ..slab.view import BlockReader
 from ..wire import (
@@ -55,7 +55,7 @@ from .aio_http import (
     with_refusal,
 )
 from .bodies import byte_views
-from .core import JSON_TYPE, OVER_HTTP, ClientCore, LoadFailures
+from .core import JSON_TYPE, OVER_HTTP, OneServer
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import (
     SNAPSHOT_ANSWER_MAX,
@@ -81,7 +81,7 @@ from .rules import (
     wants_continue,
 )
 from .setstats import MemberStats
-from .settings import KvCacheConfig, resolve_config
+from .settings import KvCacheConfig
 
 #: Local reads of blocks up to this many bytes are copied in the event loop; larger ones
 #: on a thread, whose copy releases the GIL. A hop to a thread and back costs about what
@@ -95,7 +95,7 @@ T = TypeVar("T")
 C = TypeVar("C", bound="AsyncServerConnector")
 
 
-class AsyncServerConnector(LoadFailures):
+class AsyncServerConnector(OneServer):
     """Asyncio client of one eg-kv server. An async context manager.
 
     Pass ``session=`` to share a caller-owned ``aiohttp.ClientSession`` (the caller keeps
@@ -125,14 +125,7 @@ class AsyncServerConnector(LoadFailures):
         Raises:
             ConfigError: a setting cannot be used, or it names a server set.
         """
-        self.config = resolve_config(config, settings)
-        if not self.config.single:
-            raise ConfigError(
-                f"{type(self).__name__} serves one server; a server set needs "
-                "AsyncRemoteKVConnector or AsyncSetConnector"
-            )
-        self._core = ClientCore(self.config)
-        self._core.on_unreachable = on_unreachable
+        self._start(config, settings, on_unreachable, "AsyncRemoteKVConnector or AsyncSetConnector")
         self._session = session
         self._owns_session = session is None
         self._timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
@@ -143,7 +136,6 @@ class AsyncServerConnector(LoadFailures):
         self._tls_name = {"server_hostname": self.config.server_name} if (
             self.config.server_name and self._base.startswith("https")) else {}  # fmt: skip
         self._probes: set[asyncio.Future[None]] = set()
-        self._closed = False
 
     @classmethod
     def from_env(
@@ -155,9 +147,6 @@ class AsyncServerConnector(LoadFailures):
             ConfigError: a setting cannot be used.
         """
         return cls(KvCacheConfig.from_env(**settings), session=session)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._base!r})"
 
     async def __aenter__(self: C) -> C:
         return self

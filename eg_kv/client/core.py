@@ -31,7 +31,7 @@ from .. import wire
 from ..blockkey import ForgedBlock
 from ..checksum import SOCKET_PIECE, ChecksumMismatch, Failures, Verifier
 from ..checksum import decode as decode_checksum
-from ..errors import RemoteError, Unauthorized
+from ..errors import ConfigError, RemoteError, Unauthorized
 from ..slab.local import LocalSlab, LocalUnavailable
 from ..slab.view import BlockReader
 from ..wire import AUTHORIZATION, BLOCK_PREFIX
@@ -40,7 +40,7 @@ from ..wire import AUTHORIZATION, BLOCK_PREFIX
 from ..wire import BLOCK_TYPE as BLOCK_TYPE
 from ..wire import JSON_TYPE as JSON_TYPE
 from .localreads import LocalReads
-from .settings import ACCEPT_IDENTITY, KvCacheConfig
+from .settings import ACCEPT_IDENTITY, KvCacheConfig, resolve_config
 
 T = TypeVar("T")
 _CHECKSUM_NAME = wire.CHECKSUM_HEADER.encode("ascii")
@@ -53,23 +53,6 @@ OVER_HTTP: Any = object()
 
 #: Hits answered unleased a client remembers (:meth:`ClientCore.note_unleased`).
 UNLEASED_MAX = 65536
-
-
-class LoadFailures:
-    """What both single-server connectors report of the loads that failed a check (a
-    base of each: they hold a :class:`ClientCore` as ``_core``)."""
-
-    _core: ClientCore
-
-    @property
-    def checksum_failures(self) -> int:
-        """Blocks this client read whose bytes failed their checksum (each a miss)."""
-        return self._core.checksum_failures.count
-
-    @property
-    def forged_blocks(self) -> int:
-        """Blocks this client read whose block-key tag failed (each a miss)."""
-        return self._core.forged_blocks.count
 
 
 class ClientCore:
@@ -385,3 +368,45 @@ class ClientCore:
         return RemoteError(
             f"cannot read {what} from {self.config.base_url}: {type(exc).__name__}: {exc}"
         )
+
+
+class OneServer:
+    """What both single-server connectors share besides their transport: building from a
+    config or keywords (one server only), their :class:`ClientCore` (``_core``), their
+    ``repr`` (never the token), and what they report of loads that failed a check."""
+
+    config: KvCacheConfig
+    _core: ClientCore
+    _closed: bool
+
+    def _start(
+        self, config: KvCacheConfig | None, settings: dict[str, Any],
+        on_unreachable: Callable[[BaseException], None] | None, set_names: str,
+    ) -> None:  # fmt: skip
+        """Resolve the config and make the core.
+
+        Raises:
+            ConfigError: a setting cannot be used, or it names a server set (which
+                ``set_names`` serve).
+        """
+        self.config = resolve_config(config, settings)
+        if not self.config.single:
+            raise ConfigError(
+                f"{type(self).__name__} serves one server; a server set needs {set_names}"
+            )
+        self._core = ClientCore(self.config)
+        self._core.on_unreachable = on_unreachable
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config.base_url!r})"
+
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks this client read whose bytes failed their checksum (each a miss)."""
+        return self._core.checksum_failures.count
+
+    @property
+    def forged_blocks(self) -> int:
+        """Blocks this client read whose block-key tag failed (each a miss)."""
+        return self._core.forged_blocks.count

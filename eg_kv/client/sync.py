@@ -26,7 +26,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from ..engine import NO_ENGINE, EngineName, engine_header_lines
-from ..errors import ConfigError, EgKvError, RemoteError
+from ..errors import EgKvError, RemoteError
 from ..slab.local import LocalSlab
 from ..wire import (
     ADDRESSES_TYPE,
@@ -42,7 +42,7 @@ from ..wire import (
 )
 from . import plans
 from .bodies import byte_views
-from .core import BLOCK_TYPE, JSON_TYPE, OVER_HTTP, ClientCore, LoadFailures
+from .core import BLOCK_TYPE, JSON_TYPE, OVER_HTTP, OneServer
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import (
     SNAPSHOT_ANSWER_MAX,
@@ -112,7 +112,7 @@ def _with_refusal(parse: Callable[[Response], T], resp: Response) -> tuple[T, bo
     return parse(resp), resp.headers.get(_REFUSED) is not None
 
 
-class ServerConnector(LoadFailures):
+class ServerConnector(OneServer):
     """Synchronous client of one eg-kv server (standard library only). Thread-safe; a
     context manager.
 
@@ -141,14 +141,7 @@ class ServerConnector(LoadFailures):
         Raises:
             ConfigError: a setting cannot be used, or it names a server set.
         """
-        self.config = resolve_config(config, settings)
-        if not self.config.single:
-            raise ConfigError(
-                f"{type(self).__name__} serves one server; a server set needs "
-                "RemoteKVConnector or SetConnector"
-            )
-        self._core = ClientCore(self.config)
-        self._core.on_unreachable = on_unreachable
+        self._start(config, settings, on_unreachable, "RemoteKVConnector or SetConnector")
         self._pool = Pool(self.config)
         # The header lines every request carries (the token among them), encoded once.
         self._head = b"".join(
@@ -159,7 +152,6 @@ class ServerConnector(LoadFailures):
         self._batch_head = b"Content-Type: %s\r\n" % JSON_TYPE.encode()
         self._compact_head = b"Content-Type: %s\r\n" % ADDRESSES_TYPE.encode()
         self._release_head = b"%s: 1\r\n" % RELEASE_HEADER.encode()
-        self._closed = False
 
     @classmethod
     def from_env(cls: type[C], **settings: Any) -> C:
@@ -169,9 +161,6 @@ class ServerConnector(LoadFailures):
             ConfigError: a setting cannot be used.
         """
         return cls(KvCacheConfig.from_env(**settings))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.config.base_url!r})"
 
     def __enter__(self: C) -> C:
         return self
