@@ -1,9 +1,10 @@
 """The asyncio client of one server: :class:`AsyncServerConnector` on an ``aiohttp`` session.
 
 The same methods as :class:`eg_kv.client.sync.ServerConnector`, as coroutines, with the same
-rules (:mod:`eg_kv.client.core`): the hot path (``get``, ``put``, ``contains``, ``exists``,
-``delete``, ``contains_prefix``, ``exists_many``) turns every transport or protocol error
-into a miss and never waits past the timeout; ``stats()`` raises a clear error.
+rules (:mod:`eg_kv.client.core`, :mod:`eg_kv.client.plans`): the hot path (``get``,
+``put``, ``contains``, ``exists``, ``delete``, ``contains_prefix``, ``exists_many``) turns
+every transport or protocol error into a miss and never waits past the timeout;
+``stats()`` raises a clear error.
 
 What aiohttp would do on its own and a client that trusts nothing must not: follow
 redirects (``allow_redirects=False``), decompress (``auto_decompress=False``), resend a
@@ -183,7 +184,7 @@ class AsyncServerConnector(OneServer):
     ) -> T:
         """One request; ``on_response`` reads and checks the final answer. Raises on error.
 
-        A request that changes nothing (:func:`~eg_kv.client.core.may_resend`) is sent once
+        A request that changes nothing (:func:`~eg_kv.client.rules.may_resend`) is sent once
         more when a pooled connection turns out closed; a PUT or DELETE never is.
         ``timeout_s``: this exchange's deadline, when shorter than the config's.
         """

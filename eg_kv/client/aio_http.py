@@ -117,7 +117,7 @@ async def json_body(resp: aiohttp.ClientResponse) -> Any:
 
 async def flag_body(n: int, resp: aiohttp.ClientResponse) -> list[bool]:
     """The answer to a compact batch of ``n`` addresses (see
-    :func:`~eg_kv.client.core.compact_answer`)."""
+    :func:`~eg_kv.client.rules.compact_answer`)."""
     check_final(resp.status)
     body = await read_small(resp)
     ctype = resp.headers.get("Content-Type")

@@ -1,21 +1,27 @@
 """What the sync and the async client share: everything that does no I/O.
 
-:mod:`eg_kv.client.sync` (standard library, :mod:`eg_kv.client.http11`) and :mod:`eg_kv.client.aio`
-(aiohttp) differ only in how bytes move. Settings, addresses, request heads, the rules
-that turn an answer into a hit or a miss, batch splitting and the shared exceptions live
-here, written once (the way httpx's clients share ``BaseClient``).
+:mod:`eg_kv.client.sync` (standard library, :mod:`eg_kv.client.http11`) and
+:mod:`eg_kv.client.aio` (aiohttp) differ only in how bytes move; what they decide is
+written once, the way httpx's clients share ``BaseClient``:
+
+* :mod:`eg_kv.client.settings`: the config, built once;
+* :mod:`eg_kv.client.rules`: keys to addresses, and answers to hits or misses;
+* this module: :class:`ClientCore`, a connector's state (request heads, checksums and the
+  block key, leases, reads of the slab on the server's host, warnings) and
+  :class:`OneServer`, the base of both single-server connectors;
+* :mod:`eg_kv.client.plans`: the calls that take several requests.
 
 The rules against a far end that cannot be trusted (a broken server, a proxy, an attacker
-on the path) are here too, so both clients keep them alike:
+on the path), kept alike in both clients by living there:
 
 * only a final answer counts (interim ``1xx`` answers are skipped by the transports);
 * a block answer is read only when it is ``200``, unencoded, and framed by a
   ``Content-Length`` no larger than ``max_block_size``; anything else is a miss before a
   byte is allocated. Other answers (JSON, error lines) are read up to
-  :data:`SMALL_ANSWER_MAX`;
+  :data:`~eg_kv.client.rules.SMALL_ANSWER_MAX`;
 * redirects are never followed: a ``3xx`` is a miss;
 * a request that changes state (``PUT``, ``DELETE``) is never sent twice
-  (:func:`may_resend`).
+  (:func:`~eg_kv.client.rules.may_resend`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The rules that turn answers into hits or misses, and keys into addresses: pure
-functions both clients call (:mod:`eg_kv.client.core` re-exports them; its docstring lists
-the rules against a far end that cannot be trusted)."""
+functions both clients call (:mod:`eg_kv.client.core`'s docstring lists the rules against
+a far end that cannot be trusted)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A client's settings: :class:`KvCacheConfig`, built once from keywords and the
 environment (``EPISTEMIC_GRAPH_KVCACHE_*``) and passed down, frozen, to every connector
-(:mod:`eg_kv.client.core` re-exports it)."""
+(:class:`~eg_kv.client.core.ClientCore` holds it)."""
 
 from __future__ import annotations
 

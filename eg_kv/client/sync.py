@@ -190,7 +190,7 @@ class ServerConnector(OneServer):
         ``on_response`` must read the body fully (the connection is then kept) or raise
         (the connection is closed: its framing is in doubt). A kept-alive connection the
         server closed fails before any answer; a request that changes nothing
-        (:func:`~eg_kv.client.core.may_resend`) is then sent once more on a fresh one.
+        (:func:`~eg_kv.client.rules.may_resend`) is then sent once more on a fresh one.
 
         Raises:
             Any transport error, TimeoutError, PoolWaitTimeout (no pooled connection

@@ -147,7 +147,7 @@ class EgKvConnector(KVConnectorBase_V1):
     """vLLM's KV connector over eg-kv (see the module docstring).
 
     ``kv_connector_extra_config``: ``url`` / ``base_url`` (one server or a set), ``token``,
-    ``timeout_s``, ... (every :class:`~eg_kv.client.core.KvCacheConfig` field, over the
+    ``timeout_s``, ... (every :class:`~eg_kv.client.settings.KvCacheConfig` field, over the
     ``EPISTEMIC_GRAPH_KVCACHE_*`` environment), ``io_threads``, ``max_pending_bytes``,
     ``lease_ms`` (the lease a lookup takes on its hits, released by the load; 0: none),
     ``events`` (1: relay eg-kv's stores and removals on vLLM's KV-events stream, medium

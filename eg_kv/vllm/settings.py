@@ -1,7 +1,7 @@
 """The connector's settings: vLLM's ``kv_connector_extra_config`` over the
 ``EPISTEMIC_GRAPH_KVCACHE_*`` environment.
 
-Every :class:`~eg_kv.client.core.KvCacheConfig` keyword is accepted (``base_url``,
+Every :class:`~eg_kv.client.settings.KvCacheConfig` keyword is accepted (``base_url``,
 ``addr``, ``token``, ``timeout_s``, ``max_connections``, ``verify_tls``, ...), with
 ``url`` as another name for ``base_url``; a server set (``"http://a:9130,http://b:9130"``,
 ``dns+`` / ``dnssrv+`` URLs) works because the client handles it. The connector's own keys

@@ -3,7 +3,7 @@
 
 A tier entry is ``{"type": "EgKvTier", "module_path": "eg_kv.vllm.tier", "url": ...}``;
 vLLM hands every key but ``type``, ``module_path`` and ``backpressure`` to the tier. Every
-:class:`~eg_kv.client.core.KvCacheConfig` keyword is accepted (``url`` is ``base_url``:
+:class:`~eg_kv.client.settings.KvCacheConfig` keyword is accepted (``url`` is ``base_url``:
 one server, a list, ``dns+`` / ``dnssrv+``; ``token``, ``timeout_s``, ...; the token is
 best left to ``EPISTEMIC_GRAPH_KVCACHE_TOKEN``), and the tier's own keys in
 :data:`TIER_KEYS`.
