@@ -79,9 +79,11 @@ def checkout_like(workdir: Path) -> None:
             (workdir / entry.name).symlink_to(entry)
 
 
-def block_env(ports: dict[int, int], token: str | None) -> dict[str, str]:
+def block_env(ports: dict[int, int], token: str | None, tmpdir: Path) -> dict[str, str]:
     """The environment of a running block: the venv first on PATH, eg-kv's documented
-    variables pointing at the test's port, no stray eg-kv variable from outside."""
+    variables pointing at the test's port, no stray eg-kv variable from outside, and
+    ``TMPDIR`` inside the test's own directory (what a block's ``mktemp -d`` makes goes
+    with it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_KVCACHE_")}
     port = ports[EG_KV_PORT]
     env.update(
@@ -90,6 +92,7 @@ def block_env(ports: dict[int, int], token: str | None) -> dict[str, str]:
         EPISTEMIC_GRAPH_KVCACHE_ADDR=f"127.0.0.1:{port}",
         LMCACHE_TRACK_USAGE="false",
         PYTHONUNBUFFERED="1",
+        TMPDIR=str(tmpdir),
     )
     if token:
         env["EPISTEMIC_GRAPH_KVCACHE_TOKEN"] = token
@@ -151,11 +154,12 @@ def launched(
     """Start ``block`` in its own process group; yield ``(proc, expected, out, err)`` and
     stop the group afterwards, whatever happened."""
     argv, expected = command(block, workdir, ports)
-    out, err = workdir / ".stdout", workdir / ".stderr"
+    out, err, tmpdir = workdir / ".stdout", workdir / ".stderr", workdir / ".tmp"
+    tmpdir.mkdir(exist_ok=True)
     # Files, not pipes: a background child the block leaves holds a pipe open forever.
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen(
-            argv, cwd=workdir, env=block_env(ports, token), stdin=subprocess.DEVNULL,
+            argv, cwd=workdir, env=block_env(ports, token, tmpdir), stdin=subprocess.DEVNULL,
             stdout=o, stderr=e, start_new_session=True,
         )  # fmt: skip
     try:
@@ -286,6 +290,8 @@ def exercise(block: Block, tmp: Path) -> Result:
         if block.mode == "start":
             return start_block(block, workdir, ports, token, serving)
         res = run_block(block, workdir, ports, token)
+        left = _written(workdir)
+        assert not left, f"{block.where} writes {left} into the checkout: use a temporary directory"
         if srv is not None:
             # The worker writes its access line as the answer goes out: wait for one.
             with contextlib.suppress(AssertionError):
@@ -301,6 +307,17 @@ def exercise(block: Block, tmp: Path) -> Result:
             for port in (ports[EG_KV_PORT], ports[SECOND_EG_KV_PORT]):
                 with contextlib.suppress(Exception):
                     Slab.unlink_named(f"/eg-kv-{port}")
+
+
+#: What the runner itself puts in a block's directory.
+_RUNNERS_OWN = {".stdout", ".stderr", ".tmp", "example.py", "example.sh"}
+
+
+def _written(workdir: Path) -> list[str]:
+    """What a block left in its checkout-like directory besides the checkout's own links
+    and the runner's files."""
+    return sorted(e.name for e in workdir.iterdir()
+                  if not e.is_symlink() and e.name not in _RUNNERS_OWN)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- parse

@@ -82,7 +82,7 @@ def test_the_quick_start_and_the_client_examples_run():
     client API's Python (sync and async) must stay ``run`` blocks, never skipped or parsed."""
     front = ("README.md", "docs/getting-started.md", "docs/clients.md")
     python = [b for b in BLOCKS if b.path in front and b.lang == "python"]
-    curl = [b for b in BLOCKS if b.path in front and "--data-binary @page.bin" in b.text]
+    curl = [b for b in BLOCKS if b.path in front and "--data-binary @$D/page.bin" in b.text]
     assert len({b.path for b in python}) == 3 and curl, "the examples moved: update this test"
     for b in python + curl:
         assert b.mode == "run", f"{b.where} is {b.mode!r}: it must run as pasted"
