@@ -12,6 +12,9 @@ in the same run, on the same server, alternating round by round::
     python scripts/bench_leases.py                  # starts its own server
     python scripts/bench_leases.py --url http://127.0.0.1:9130 --json
 
+With ``--url``, the token comes from ``$EPISTEMIC_GRAPH_KVCACHE_TOKEN`` (as ``eg-kv stats``
+takes it), never from the command line.
+
 It also times what a lease costs a lookup (``--latency-calls``, 0 to skip): the median of
 batch lookups of 16 and 256 addresses, plain (answered from the slab on the server's host),
 plain over HTTP, leased (a lookup that finds a hit asks the server, which takes the
@@ -51,10 +54,10 @@ WRITER = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 from eg_kv.client.sync import ServerConnector
-from eg_kv.client.core import KvCacheConfig
+from eg_kv.client.settings import KvCacheConfig
 url, wid, size = sys.argv[2], sys.argv[3], int(sys.argv[4])
 body = bytes([int(wid)]) * size
-with ServerConnector(KvCacheConfig(base_url=url, local_reads=False)) as kv:
+with ServerConnector(KvCacheConfig.from_env(base_url=url, local_reads=False)) as kv:
     print("ready", flush=True)
     for line in sys.stdin:
         rnd, burst = line.split()
@@ -101,7 +104,7 @@ def _line(proc: subprocess.Popen[str], deadline: float) -> str:
 
 def run(url: str, rounds: int, blocks: int, size: int, lease_ms: int) -> dict[str, dict[str, int]]:
     """Alternate leased and lease-less rounds; per mode, lookups' hits and missed loads."""
-    config = KvCacheConfig(base_url=url)
+    config = KvCacheConfig.from_env(base_url=url)
     writers: list[subprocess.Popen[str]] = []
     out = {mode: {"rounds": 0, "hits": 0, "missed": 0} for mode in ("leases", "no_leases")}
     with ServerConnector(config) as kv:
@@ -160,8 +163,8 @@ def latency(url: str, calls: int) -> dict[str, dict[str, float]]:
     """Median µs of a batch lookup of 16 and 256 addresses (all hits): plain local,
     plain over HTTP, leased, and the release of a leased batch."""
     out: dict[str, dict[str, float]] = {}
-    local = ServerConnector(KvCacheConfig(base_url=url))
-    remote = ServerConnector(KvCacheConfig(base_url=url, local_reads=False))
+    local = ServerConnector(KvCacheConfig.from_env(base_url=url))
+    remote = ServerConnector(KvCacheConfig.from_env(base_url=url, local_reads=False))
     try:
         keys = [f"lat-{k}" for k in range(256)]
         for k in keys:
@@ -220,7 +223,8 @@ def _server(url: str | None, capacity: str, role: str) -> Iterator[str]:
 def main() -> int:
     """Parse the flags, run both modes (starting a server unless ``--url``), print."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="a running server (leases on); default: start one")
+    p.add_argument("--url", help="a running server (leases on; its token from "
+                   "$EPISTEMIC_GRAPH_KVCACHE_TOKEN); default: start one")  # fmt: skip
     p.add_argument("--rounds", type=int, default=20, help="rounds per mode (default 20)")
     p.add_argument("--blocks", type=int, default=8, help="blocks the reader looks up a round")
     p.add_argument("--size", type=int, default=64 * 1024, help="block size in bytes")

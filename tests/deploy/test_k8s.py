@@ -1038,7 +1038,7 @@ def test_the_tls_checks_catch_a_broken_shape(tls, breakage):
 _TLS_CLIENT = """
 import os, sys
 from eg_kv.client.connectors import RemoteKVConnector
-from eg_kv.client.core import KvCacheConfig
+from eg_kv.client.settings import KvCacheConfig
 port, name = sys.argv[1], sys.argv[2]
 config = KvCacheConfig(base_url=f"https://127.0.0.1:{port}", server_name=name,
                        token=os.environ["EPISTEMIC_GRAPH_KVCACHE_TOKEN"], timeout_s=10,
