@@ -1,5 +1,6 @@
 """The times the docs and the scripts quote (set-up, the suite, the vLLM end to end, what
-``slow`` means) are the ones measured, kept in one place: ``scripts/times.toml``.
+``slow`` means) are the ones measured, kept in one place: ``scripts/times.toml``; and what
+scripts/setup installs is what the docs say.
 
 Each quote is found by its own words; a quote that is reworded fails here too (the
 pattern no longer matches), so it cannot drift away unseen.
@@ -45,3 +46,19 @@ def test_a_quoted_time_is_the_measured_one(what, path, pattern):
     assert found, f"{path} no longer quotes the {what} time as {pattern!r}: update QUOTES"
     figure = TIMES[what].get("minutes", TIMES[what].get("seconds"))
     assert set(found) == {figure}, f"{path} says {found} for {what}; scripts/times.toml: {figure}"
+
+
+def test_the_extras_scripts_setup_installs_are_the_ones_the_docs_name():
+    """``scripts/setup``'s ``pip install -e '.[...]'`` and docs/development.md's account of
+    it name the same extras."""
+    installed = re.findall(
+        r"pip install -e '\.\[([a-z,]+)\]'", (ROOT / "scripts" / "setup").read_text()
+    )
+    named = re.findall(
+        r"`scripts/setup`: eg-kv with `\[([a-z,]+)\]`",
+        (ROOT / "docs" / "development.md").read_text(),
+    )
+    assert named and installed, "the quotes moved: update this test"
+    assert named[0] == installed[-1], (
+        f"docs/development.md: {named[0]}; scripts/setup: {installed[-1]}"
+    )

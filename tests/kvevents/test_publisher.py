@@ -98,6 +98,7 @@ def kv_events_flags(ports: tuple[int, int], *more: str) -> tuple[str, ...]:
             "--kv-events-pool", "node:test", "--kv-events-model", "tiny", *more)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (scripts/setup-vllm)")
 def test_a_vllm_subscriber_rebuilds_what_the_server_holds_through_churn(server_factory):
     ports = (free_port(), free_port())

@@ -126,6 +126,7 @@ def test_a_burst_of_costly_reads_on_closed_connections_kills_no_worker(server_fa
     assert doc["events"][0]["seq"] == since + 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_one_tenants_long_polls_leave_another_namespace_its_followers(
     server_factory, tmp_path, caplog

@@ -53,6 +53,7 @@ def found(module_server_factory, tmp_path_factory):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @needs_sglang
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize(

@@ -54,6 +54,7 @@ def shared(a: dict, b: dict, path: str) -> int:
     return len(set(a[path]) & set(b[path]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["connector", "tier"])
 def test_engines_whose_bytes_differ_share_no_address(engines, path):
     assert shared(engines["base"], engines["same"], path) == 64  # the same engine: all

@@ -146,6 +146,7 @@ def test_followers_relay_a_real_servers_log(server_factory):
     assert all(not t.is_alive() for t in followers._threads)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (run scripts/setup-vllm)")
 def test_vllm_gets_its_own_event_objects():
     code = (
@@ -204,6 +205,7 @@ print("RESULT " + json.dumps({"events": out, "hashes": hashes,
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (run scripts/setup-vllm)")
 def test_the_connector_relays_with_vllms_own_block_hashes(tmp_path):
     driver = tmp_path / "driver.py"
