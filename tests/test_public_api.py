@@ -83,7 +83,15 @@ def test_the_documents_name_what_users_configure():
     assert ("eg_kv.kvcache", "RemoteKVConnector") in documented_names()
 
 
-@pytest.mark.parametrize(("module", "name"), DOCUMENTED, ids=lambda v: v)
+@pytest.mark.parametrize(
+    ("module", "name"),
+    # Those that need an engine import it in .venv-vllm: 4-7 s each.
+    [
+        pytest.param(m, n, marks=pytest.mark.slow) if m in NEEDS_ENGINE else (m, n)
+        for m, n in DOCUMENTED
+    ],
+    ids=lambda v: v,
+)
 def test_each_documented_name_imports_from_its_documented_path(module, name):
     if name in NEEDS_LMCACHE and importlib.util.find_spec("lmcache") is None:
         pytest.skip("needs the lmcache package (scripts/test installs it)")

@@ -72,6 +72,7 @@ def assert_paced(asked: Counter[str], seconds: float) -> None:
     assert events + snaps >= 1, asked  # it did follow
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gap", [False, True], ids=["answers-at-once", "always-gap"])
 def test_follow_paces_itself(gap):
     with lying_server(gap) as (url, asked):
@@ -89,6 +90,7 @@ def test_follow_paces_itself(gap):
         assert_paced(asked, time.monotonic() - t0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gap", [False, True], ids=["answers-at-once", "always-gap"])
 def test_the_connectors_log_followers_pace_themselves(gap):
     with lying_server(gap) as (url, asked):
@@ -101,6 +103,7 @@ def test_the_connectors_log_followers_pace_themselves(gap):
         assert_paced(asked, time.monotonic() - t0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gap", [False, True], ids=["answers-at-once", "always-gap"])
 def test_the_tiers_removal_relay_paces_itself(gap):
     with lying_server(gap) as (url, asked):

@@ -137,9 +137,10 @@ def test_a_run_block_against_the_test_server(tmp_path):
         """\
         <!-- example: run token -->
         ```bash
-        head -c 70000 /dev/urandom > page.bin
+        D=$(mktemp -d)
+        head -c 70000 /dev/urandom > $D/page.bin
         curl -sf -X PUT -H "Authorization: Bearer $EPISTEMIC_GRAPH_KVCACHE_TOKEN" \\
-          --data-binary @page.bin http://127.0.0.1:9130/kv/doc-test-page
+          --data-binary @$D/page.bin http://127.0.0.1:9130/kv/doc-test-page
         python -c "
         from eg_kv.kvcache import RemoteKVConnector
         with RemoteKVConnector.from_env() as kv:
@@ -154,6 +155,23 @@ def test_a_run_block_against_the_test_server(tmp_path):
     )
     res = exercise(block, tmp_path)
     assert res.stdout.strip().endswith("70000")
+
+
+def test_a_block_that_leaves_a_file_in_the_checkout_fails(tmp_path):
+    """Examples write to a temporary directory (``mktemp -d``: the runner's TMPDIR lies in
+    the test's own directory, removed with it); a file left beside the checkout fails."""
+    block = one(
+        tmp_path,
+        """\
+        <!-- example: run no-server -->
+        ```bash
+        D=$(mktemp -d)
+        touch $D/fine.bin stray.bin
+        ```
+        """,
+    )
+    with pytest.raises(AssertionError, match=r"writes \['stray.bin'\] into the checkout"):
+        exercise(block, tmp_path)
 
 
 @pytest.mark.slow

@@ -213,6 +213,7 @@ def test_bad_engine_headers_get_400_and_store_nothing(server_factory):
     assert request(srv, "HEAD", "/kv/bad").status == 404
 
 
+@pytest.mark.slow
 def test_the_router_demo_scores_sources_by_leading_blocks_and_medium(server_factory):
     """scripts/events_router.py --zmq over two streams: eg-kv (SHARED_STORAGE) holding a
     prompt's 4 blocks and an instance's stand-in (an eg-kv server publishing as GPU)

@@ -76,6 +76,7 @@ class Latencies:
         return self.seen
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_burst_of_costly_reads_on_closed_connections_kills_no_worker(server_factory, tmp_path):
     """300 reads of 10,000 events of the reader's namespace from a full log, each on a

@@ -146,6 +146,7 @@ def test_wait_is_clamped_and_bad_arguments_get_400(srv):
     assert reply.status == 400 and "reserved" in reply.text
 
 
+@pytest.mark.slow
 def test_too_many_waiters_get_503(server_factory):
     srv = server_factory(workers=1, capacity="1MiB")
     head = request(srv, "GET", "/kv/events").json()["next"]
@@ -284,6 +285,7 @@ def stop_mid_event(slab, pids, timeout=60.0):
     raise AssertionError("no worker was caught with an event pending")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_churn_with_workers_sigkilled_loses_and_repeats_no_event(server_factory):
     """THE acceptance test: puts, deletes and evictions from 3 workers of a small slab, a
@@ -414,6 +416,7 @@ def test_a_warm_restart_keeps_the_log_and_another_size_starts_a_new_one(server_f
     assert not os.path.exists(f"/dev/shm{name}.events")
 
 
+@pytest.mark.slow
 def test_a_long_poll_is_not_cut_as_a_stalled_request(server_factory):
     """A waiter moves no byte while it waits: the connection sweeper must not take it
     for a stalled body or answer (--body-timeout 1, a wait of 2.5 s)."""

@@ -186,6 +186,7 @@ def test_copies_round_trip_and_refuse_what_was_not_stored(client):
     assert TRAILER == 16
 
 
+@pytest.mark.slow
 def test_stores_ask_100_continue_and_drain_waits_for_copies():
     with RawServer("continue100") as raw, RawServer("silent") as silent:
         c = connect(KvCacheConfig.from_env({}, base_url=raw.url, timeout_s=5.0))

@@ -92,6 +92,7 @@ def test_the_relays_tables_are_bounded():
     assert relay.counters["dropped"] == 1 and relay.counters["stored"] == 4
 
 
+@pytest.mark.slow
 def test_followers_relay_a_real_servers_log(server_factory):
     srv = server_factory(
         workers=2, capacity="1MiB", extra=("--events", "64", "--page-size", "4KiB")
