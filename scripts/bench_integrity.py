@@ -59,15 +59,14 @@ SLAB_BYTES = 512 * MiB
 
 def client_main(url: str, cells: list[list], seconds: float, verify: bool) -> None:
     """In a child process under the side's tree: measure each cell, print JSON."""
-    from eg_kv.client.settings import KvCacheConfig
-    from eg_kv.client.sync import ServerConnector
+    from eg_kv.client.sync import ServerConnector  # (the config's module moved: keywords)
 
     out = {}
     for op, how, size in cells:
         extra = {} if verify else {"verify_checksums": False}
-        # from_env: the token and, on the keyed side, the block key (the environment's)
-        config = KvCacheConfig.from_env(base_url=url, local_reads=how == "local", **extra)
-        with ServerConnector(config) as client:
+        # Keywords resolve from the environment too: the token and, on the keyed side, the
+        # block key.
+        with ServerConnector(base_url=url, local_reads=how == "local", **extra) as client:
             run = _tier if op == "TIER" else _cell
             out[f"{op} {how} {size}"] = run(client, op, size, seconds)
     print(json.dumps(out))
