@@ -116,7 +116,7 @@ class _Lookups:
 
         left = self.left()
         if left <= 0:
-            raise dns.resolver.LifetimeTimeout(timeout=0.0, errors=[])
+            raise dns.resolver.LifetimeTimeout(timeout=0.0, errors=[])  # type: ignore[no-untyped-call]
         return self.resolver.resolve(qname, rdtype, search=False, lifetime=left)
 
     def addresses(self, qname: Any, rdtype: str) -> list[str]:
@@ -128,18 +128,18 @@ class _Lookups:
         except dns.exception.DNSException:
             return []
 
-    def start(self, qname: Any, rdtype: str) -> concurrent.futures.Future:
+    def start(self, qname: Any, rdtype: str) -> concurrent.futures.Future[list[str]]:
         """:meth:`addresses` on the pool (or now, without one)."""
         if self.pool is not None:
             try:
                 return self.pool.submit(self.addresses, qname, rdtype)
             except RuntimeError:  # the pool was shut down: close() is under way
                 pass
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        done: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
         done.set_result(self.addresses(qname, rdtype))
         return done
 
-    def result(self, future: concurrent.futures.Future) -> list[str] | None:
+    def result(self, future: concurrent.futures.Future[list[str]]) -> list[str] | None:
         """A started lookup's addresses, None if it is still unanswered at the deadline."""
         try:
             return future.result(timeout=max(0.0, self.left()))
@@ -199,7 +199,7 @@ def _resolve_srv(query: DnsQuery, lookups: _Lookups) -> list[Member]:
             chosen.setdefault(format_hostport(target, r.port), r)
     # Every target's addresses: from the additional section, else its A and AAAA
     # lookups, all started at once and all bounded by the one deadline.
-    pending: dict[str, tuple[concurrent.futures.Future, ...]] = {}
+    pending: dict[str, tuple[concurrent.futures.Future[list[str]], ...]] = {}
     known: dict[str, list[str]] = {}
     for member_id in _capped(query, list(chosen)):
         name = chosen[member_id].target
@@ -236,7 +236,7 @@ def _resolve_a(query: DnsQuery, lookups: _Lookups) -> list[Member]:
         try:
             found += future.result(timeout=max(0.0, lookups.left()))
         except concurrent.futures.TimeoutError:
-            errors.append(dns.exception.Timeout(timeout=0.0))
+            errors.append(dns.exception.Timeout(timeout=0.0))  # type: ignore[no-untyped-call]
         except Exception as e:
             errors.append(e)
     if not found and errors:
@@ -251,7 +251,9 @@ def _resolve_a(query: DnsQuery, lookups: _Lookups) -> list[Member]:
     return [members[m] for m in _capped(query, list(members))]
 
 
-def _start_raising(lookups: _Lookups, qname: Any, rdtype: str) -> concurrent.futures.Future:
+def _start_raising(
+    lookups: _Lookups, qname: Any, rdtype: str
+) -> concurrent.futures.Future[list[str]]:
     """One A or AAAA query started on the pool; its future raises what the query raised."""
 
     def run() -> list[str]:
@@ -262,7 +264,7 @@ def _start_raising(lookups: _Lookups, qname: Any, rdtype: str) -> concurrent.fut
             return lookups.pool.submit(run)
         except RuntimeError:  # the pool was shut down: close() is under way
             pass
-    done: concurrent.futures.Future = concurrent.futures.Future()
+    done: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
     try:
         done.set_result(run())
     except Exception as e:

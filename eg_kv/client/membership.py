@@ -11,6 +11,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 from ..errors import ConfigError
 from .dns import DEFAULT_QUERY_TIMEOUT_S, DNS_THREADS, make_resolver, resolve
@@ -155,7 +156,7 @@ class Membership:
         self._found: dict[DnsQuery, list[Member]] = {}  # last good answer of each entry
         self._failing: set[DnsQuery] = set()
         self._weights: dict[str, float] = {}  # measured weights, by member id
-        self._weighing: dict[str, concurrent.futures.Future] = {}  # weighings under way
+        self._weighing: dict[str, concurrent.futures.Future[Any]] = {}  # weighings under way
         self._weigh_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._capped: set[tuple[str, float]] = set()  # (member, capacity) the cap held: logged
         self._lock = threading.Lock()
