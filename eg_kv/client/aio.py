@@ -28,7 +28,7 @@ import aiohttp
 
 from ..blockkey import TAG, ForgedBlock
 from ..engine import NO_ENGINE, EngineName, engine_headers
-from ..errors import EgKvError, RemoteError
+from ..errors import RemoteError
 from ..slab.local import LocalSlab
 from ..slab.view import BlockReader
 from ..wire import (
@@ -36,7 +36,6 @@ from ..wire import (
     BATCH_EXISTS_PATH,
     BATCH_RELEASE_PATH,
     CHECKSUM_HEADER,
-    EVENTS_SNAPSHOT_PATH,
     LEASE_HEADER,
     RELEASE_HEADER,
     encode_addresses,
@@ -94,6 +93,20 @@ _RELEASE = {RELEASE_HEADER: "1"}
 
 T = TypeVar("T")
 C = TypeVar("C", bound="AsyncServerConnector")
+
+
+async def _snapshot_body(resp: aiohttp.ClientResponse) -> Snapshot:
+    """A snapshot answer, read a piece at a time (:class:`~eg_kv.client.events.SnapshotReader`)."""
+    check_final(resp.status)
+    if resp.status != 200:
+        raise Miss(f"HTTP {resp.status}")
+    reader, got = SnapshotReader(), 0
+    async for piece in resp.content.iter_chunked(1 << 16):
+        got += len(piece)
+        if got > SNAPSHOT_ANSWER_MAX:
+            raise Miss(f"answer of more than {SNAPSHOT_ANSWER_MAX} bytes")
+        reader.feed(piece)
+    return reader.result()
 
 
 class AsyncServerConnector(OneServer):
@@ -522,7 +535,7 @@ class AsyncServerConnector(OneServer):
             timeout_s: the deadline of each request, when shorter than the config's.
             lease_ms: lease the hits (see :meth:`exists_many`).
         """
-        plan = plans.try_exists(self._core, list(addresses), timeout_s, lease_ms)
+        plan = plans.try_exists(self._core, addresses, timeout_s, lease_ms)
         return await drive_async(plan, self._answer)
 
     async def contains_prefix(
@@ -567,6 +580,8 @@ class AsyncServerConnector(OneServer):
                 body=encode_addresses(step.addresses),
                 headers={"Content-Type": ADDRESSES_TYPE},
             )
+        if isinstance(step, plans.GetSnapshot):
+            return await self._exchange("GET", step.target, _snapshot_body)
         return await self._exchange("GET", step.target, json_body, timeout_s=step.timeout_s)
 
     async def stats(self) -> KvCacheStats:
@@ -602,28 +617,7 @@ class AsyncServerConnector(OneServer):
         Raises:
             The same as :meth:`events`.
         """
-
-        async def on_response(resp: aiohttp.ClientResponse) -> Snapshot:
-            check_final(resp.status)
-            if resp.status != 200:
-                raise Miss(f"HTTP {resp.status}")
-            reader, got = SnapshotReader(), 0
-            async for piece in resp.content.iter_chunked(1 << 16):
-                got += len(piece)
-                if got > SNAPSHOT_ANSWER_MAX:
-                    raise Miss(f"answer of more than {SNAPSHOT_ANSWER_MAX} bytes")
-                reader.feed(piece)
-            return reader.result()
-
-        try:
-            snap: Snapshot = await self._exchange(
-                "GET", self._core.path(EVENTS_SNAPSHOT_PATH), on_response
-            )
-            return snap
-        except EgKvError:
-            raise
-        except Exception as exc:  # asyncio.TimeoutError included
-            raise self._core.unreachable(EVENTS_SNAPSHOT_PATH, exc) from None
+        return await drive_async(plans.snapshot(self._core), self._answer)
 
     async def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""

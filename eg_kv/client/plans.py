@@ -1,24 +1,24 @@
 """The calls that take several requests, written once as plans both connectors drive.
 
 A plan is a generator that does no I/O: it yields each request it needs as a step
-(:class:`Mapped`, :class:`Batch`, :class:`Release`, :class:`GetJson`) and is sent the
-answer, or thrown the error, by a driver: :func:`drive` in the sync connector,
-:func:`drive_async` in the async one, each answering a step with its own transport (the
-way h11 leaves the socket to its caller). So the rules of a batch lookup (local or over
-HTTP, compact or JSON, split at 1,024 addresses, a failed batch is a miss or the end of a
-prefix, the hits past a prefix give their leases back) and of the JSON routes (which
-errors raise, which are misses) exist once.
+(:class:`Mapped`, :class:`Batch`, :class:`Release`, :class:`GetJson`,
+:class:`GetSnapshot`) and is sent the answer, or thrown the error, by a driver:
+:func:`drive` in the sync connector, :func:`drive_async` in the async one, each answering
+a step with its own transport (the way h11 leaves the socket to its caller). So the rules
+of a batch lookup (local or over HTTP, compact or JSON, split at 1,024 addresses, a failed
+batch is a miss or the end of a prefix, the hits past a prefix give their leases back) and
+of the JSON routes and the snapshot (which errors raise, which are misses) exist once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from ..errors import EgKvError
-from ..wire import EVENTS_PATH, HEALTHZ_PATH, STATS_PATH
+from ..wire import EVENTS_PATH, EVENTS_SNAPSHOT_PATH, HEALTHZ_PATH, STATS_PATH
 from .core import ClientCore
-from .events import EventBatch, events_target, parse_events
+from .events import EventBatch, Snapshot, events_target, parse_events
 from .rules import CompactRefused, KvCacheStats, batch_answer, batches, leading_hits
 
 T = TypeVar("T")
@@ -60,7 +60,14 @@ class GetJson(NamedTuple):
     timeout_s: float | None = None
 
 
-Step = Mapped | Batch | Release | GetJson
+class GetSnapshot(NamedTuple):
+    """One ``GET /kv/events/snapshot`` (``target``, prefixed); answered with the parsed
+    :class:`~eg_kv.client.events.Snapshot` (each client reads the stream its own way)."""
+
+    target: str
+
+
+Step = Mapped | Batch | Release | GetJson | GetSnapshot
 Plan = Generator[Step, Any, T]
 
 
@@ -167,7 +174,7 @@ def exists_many(core: ClientCore, addresses: list[str], lease_ms: int | None) ->
 
 
 def try_exists(
-    core: ClientCore, addresses: list[str], timeout_s: float | None, lease_ms: int | None
+    core: ClientCore, addresses: Sequence[str], timeout_s: float | None, lease_ms: int | None
 ) -> Plan[list[bool] | None]:
     """A flag per address, or None when any batch failed ("could not ask")."""
     out: list[bool] = []
@@ -216,13 +223,12 @@ def release(core: ClientCore, addresses: list[str]) -> Plan[int]:
 # --------------------------------------------------------------------------- JSON routes
 
 
-def _read(
-    core: ClientCore, route: str, target: str | None = None, timeout_s: float | None = None
-) -> Plan[Any]:
-    """The decoded answer of ``GET route``; our own errors (401 among them) raise as they
-    are, any other failure as :class:`~eg_kv.errors.RemoteError` naming the route."""
+def _read(core: ClientCore, route: str, step: GetJson | GetSnapshot | None = None) -> Plan[Any]:
+    """The answer to ``step`` (default: ``GET route``'s JSON); our own errors (401 among
+    them) raise as they are, any other failure as :class:`~eg_kv.errors.RemoteError`
+    naming the route."""
     try:
-        return (yield GetJson(target or core.path(route), timeout_s))
+        return (yield step or GetJson(core.path(route)))
     except EgKvError:
         raise
     except Exception as exc:
@@ -248,5 +254,16 @@ def events(
     core: ClientCore, since: int, wait: float, limit: int, epoch: str | None
 ) -> Plan[EventBatch]:
     """``GET /kv/events`` (waiting up to ``wait`` seconds for an event), parsed."""
-    target = core.path(events_target(since, wait, limit, epoch))
-    return parse_events((yield from _read(core, EVENTS_PATH, target, wait + core.config.timeout_s)))
+    step = GetJson(
+        core.path(events_target(since, wait, limit, epoch)), wait + core.config.timeout_s
+    )
+    return parse_events((yield from _read(core, EVENTS_PATH, step)))
+
+
+def snapshot(core: ClientCore) -> Plan[Snapshot]:
+    """``GET /kv/events/snapshot``: the blocks held and the log's seq they match (raises as
+    :func:`_read`)."""
+    snap: Snapshot = yield from _read(
+        core, EVENTS_SNAPSHOT_PATH, GetSnapshot(core.path(EVENTS_SNAPSHOT_PATH))
+    )
+    return snap

@@ -26,7 +26,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from ..engine import NO_ENGINE, EngineName, engine_header_lines
-from ..errors import EgKvError, RemoteError
+from ..errors import RemoteError
 from ..slab.local import LocalSlab
 from ..wire import (
     ADDRESSES_TYPE,
@@ -34,7 +34,6 @@ from ..wire import (
     BATCH_EXISTS_PATH,
     BATCH_RELEASE_PATH,
     CHECKSUM_HEADER,
-    EVENTS_SNAPSHOT_PATH,
     LEASE_HEADER,
     LEASE_REFUSED_HEADER,
     RELEASE_HEADER,
@@ -508,7 +507,7 @@ class ServerConnector(OneServer):
             timeout_s: the deadline of each request, when shorter than the config's.
             lease_ms: lease the hits (see :meth:`exists_many`).
         """
-        plan = plans.try_exists(self._core, list(addresses), timeout_s, lease_ms)
+        plan = plans.try_exists(self._core, addresses, timeout_s, lease_ms)
         return drive(plan, self._answer)
 
     def contains_prefix(self, keys: Sequence[str | bytes], lease_ms: int | None = None) -> int:
@@ -560,7 +559,16 @@ class ServerConnector(OneServer):
                 body=(encode_addresses(step.addresses),),
                 headers=self._compact_head,
             )
+        if isinstance(step, plans.GetSnapshot):
+            return parse_snapshot(self._exchange("GET", step.target, self._snapshot_body))
         return self._exchange("GET", step.target, self._json, timeout_s=step.timeout_s)
+
+    @staticmethod
+    def _snapshot_body(resp: Response) -> bytes:
+        check_final(resp.status)
+        if resp.status != 200:
+            raise Miss(f"HTTP {resp.status}")
+        return resp.read_all(SNAPSHOT_ANSWER_MAX)
 
     def stats(self) -> KvCacheStats:
         """``GET /kv/stats``.
@@ -595,20 +603,7 @@ class ServerConnector(OneServer):
         Raises:
             The same as :meth:`events`.
         """
-
-        def on_response(resp: Response) -> bytes:
-            check_final(resp.status)
-            if resp.status != 200:
-                raise Miss(f"HTTP {resp.status}")
-            return resp.read_all(SNAPSHOT_ANSWER_MAX)
-
-        try:
-            body = self._exchange("GET", self._core.path(EVENTS_SNAPSHOT_PATH), on_response)
-        except EgKvError:
-            raise
-        except Exception as exc:
-            raise self._core.unreachable(EVENTS_SNAPSHOT_PATH, exc) from None
-        return parse_snapshot(body)
+        return drive(plans.snapshot(self._core), self._answer)
 
     def member_stats(self) -> list[MemberStats]:
         """This server's line, as a set of one: up with its stats, or down with the error."""
