@@ -52,16 +52,15 @@ from .aio_http import (
     read_small,
     sink_from_memory,
     small_body,
+    snapshot_body,
     with_refusal,
 )
 from .bodies import byte_views
 from .core import JSON_TYPE, OVER_HTTP, OneServer
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import (
-    SNAPSHOT_ANSWER_MAX,
     EventBatch,
     Snapshot,
-    SnapshotReader,
 )
 from .interface import AsyncReadExact, AsyncSink, MayStart, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
@@ -72,7 +71,6 @@ from .rules import (
     Miss,
     batch_body,
     block_to_read,
-    check_final,
     exists_answer,
     may_resend,
     parts_checksum,
@@ -93,20 +91,6 @@ _RELEASE = {RELEASE_HEADER: "1"}
 
 T = TypeVar("T")
 C = TypeVar("C", bound="AsyncServerConnector")
-
-
-async def _snapshot_body(resp: aiohttp.ClientResponse) -> Snapshot:
-    """A snapshot answer, read a piece at a time (:class:`~eg_kv.client.events.SnapshotReader`)."""
-    check_final(resp.status)
-    if resp.status != 200:
-        raise Miss(f"HTTP {resp.status}")
-    reader, got = SnapshotReader(), 0
-    async for piece in resp.content.iter_chunked(1 << 16):
-        got += len(piece)
-        if got > SNAPSHOT_ANSWER_MAX:
-            raise Miss(f"answer of more than {SNAPSHOT_ANSWER_MAX} bytes")
-        reader.feed(piece)
-    return reader.result()
 
 
 class AsyncServerConnector(OneServer):
@@ -581,7 +565,7 @@ class AsyncServerConnector(OneServer):
                 headers={"Content-Type": ADDRESSES_TYPE},
             )
         if isinstance(step, plans.GetSnapshot):
-            return await self._exchange("GET", step.target, _snapshot_body)
+            return await self._exchange("GET", step.target, snapshot_body)
         return await self._exchange("GET", step.target, json_body, timeout_s=step.timeout_s)
 
     async def stats(self) -> KvCacheStats:

@@ -15,6 +15,7 @@ from ..wire import (
     LEASE_REFUSED_HEADER,
 )
 from .core import BLOCK_TYPE
+from .events import SNAPSHOT_ANSWER_MAX, Snapshot, SnapshotReader
 from .interface import AsyncSink
 from .rules import (
     SMALL_ANSWER_MAX,
@@ -153,3 +154,17 @@ async def sink_from_memory(body: bytes, sink: AsyncSink[T]) -> T:
     if taken != len(src):
         raise Miss("sink left part of the body unread")
     return result
+
+
+async def snapshot_body(resp: aiohttp.ClientResponse) -> Snapshot:
+    """A snapshot answer, read a piece at a time (:class:`~eg_kv.client.events.SnapshotReader`)."""
+    check_final(resp.status)
+    if resp.status != 200:
+        raise Miss(f"HTTP {resp.status}")
+    reader, got = SnapshotReader(), 0
+    async for piece in resp.content.iter_chunked(1 << 16):
+        got += len(piece)
+        if got > SNAPSHOT_ANSWER_MAX:
+            raise Miss(f"answer of more than {SNAPSHOT_ANSWER_MAX} bytes")
+        reader.feed(piece)
+    return reader.result()
