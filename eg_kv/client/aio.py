@@ -19,16 +19,13 @@ otherwise.
 from __future__ import annotations
 
 import asyncio
-import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 import aiohttp
 
-from ..blockkey import TAG, ForgedBlock
 from ..engine import NO_ENGINE, EngineName, engine_headers
-from ..errors import RemoteError
 from ..slab.local import LocalSlab
 from ..slab.view import BlockReader
 from ..wire import (
@@ -43,19 +40,19 @@ from ..wire import (
 from . import plans
 from .aio_http import (
     Parts,
+    Transport,
+    block_body,
     checked_status,
     drained,
     flag_body,
-    into_bytes,
     json_body,
-    never_resend,
-    read_small,
     sink_from_memory,
     small_body,
     snapshot_body,
+    whole_block,
     with_refusal,
 )
-from .bodies import byte_views
+from .bodies import byte_views, into_bytes
 from .core import JSON_TYPE, OVER_HTTP, OneServer
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import (
@@ -70,13 +67,10 @@ from .rules import (
     KvCacheStats,
     Miss,
     batch_body,
-    block_to_read,
     exists_answer,
-    may_resend,
     parts_checksum,
     to_address,
     to_addresses,
-    wants_continue,
 )
 from .setstats import MemberStats
 from .settings import KvCacheConfig
@@ -124,15 +118,8 @@ class AsyncServerConnector(OneServer):
             ConfigError: a setting cannot be used, or it names a server set.
         """
         self._start(config, settings, on_unreachable, "AsyncRemoteKVConnector or AsyncSetConnector")
-        self._session = session
-        self._owns_session = session is None
-        self._timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
-        self._base = self.config.base_url
-        # Request targets carry the base URL's path prefix; this is what goes before them.
-        self._origin = urllib.parse.urlsplit(self._base)._replace(path="").geturl()
-        # A member found through DNS: connected at its address, TLS checks its name.
-        self._tls_name = {"server_hostname": self.config.server_name} if (
-            self.config.server_name and self._base.startswith("https")) else {}  # fmt: skip
+        self._http = Transport(self.config, self._core.headers, session)
+        self._exchange = self._http.exchange
         self._probes: set[asyncio.Future[None]] = set()
 
     @classmethod
@@ -156,65 +143,7 @@ class AsyncServerConnector(OneServer):
         """Close the session if this connector opened it. Idempotent."""
         self._closed = True
         self._core.local.close()
-        if self._owns_session and self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._closed:
-            raise RemoteError("the connector is closed")
-        if self._session is None:
-            ssl_arg: Any = None if self.config.verify_tls else False
-            connector = aiohttp.TCPConnector(limit=self.config.max_connections, ssl=ssl_arg)
-            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        return self._session
-
-    async def _exchange(
-        self,
-        method: str,
-        target: str,
-        on_response: Callable[[aiohttp.ClientResponse], Awaitable[T]],
-        *,
-        body: Parts | bytes | None = None,
-        headers: dict[str, str] | None = None,
-        timeout_s: float | None = None,
-    ) -> T:
-        """One request; ``on_response`` reads and checks the final answer. Raises on error.
-
-        A request that changes nothing (:func:`~eg_kv.client.rules.may_resend`) is sent once
-        more when a pooled connection turns out closed; a PUT or DELETE never is.
-        ``timeout_s``: this exchange's deadline, when shorter than the config's.
-        """
-        session = self._get_session()
-        resend = may_resend(method, target)
-        expect = isinstance(body, Parts) and wants_continue(method, body.size or 0)
-        kw: dict[str, Any] = {
-            "headers": {**self._core.headers, **headers} if headers else self._core.headers,
-            "timeout": aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self._timeout,
-            "allow_redirects": False,
-            "auto_decompress": False,
-            "expect100": expect,
-            **self._tls_name,
-        }
-        if not resend:
-            kw["middlewares"] = (never_resend,)
-        for attempt in (0, 1):
-            try:
-                async with session.request(method, self._origin + target, data=body, **kw) as resp:
-                    try:
-                        result = await on_response(resp)
-                    except BaseException:
-                        resp.close()  # an answer left unread or unusable: framing in doubt
-                        raise
-                    if isinstance(body, Parts) and not body.started:
-                        # A final answer came before 100 Continue: the body was never sent
-                        # and whether the server waits for it is unknown.
-                        resp.close()
-                    return result
-            except aiohttp.ServerDisconnectedError:
-                if attempt or not resend:
-                    raise
-        raise RemoteError("unreachable")  # pragma: no cover
+        await self._http.close()
 
     async def _local(self, probe: bool = True) -> LocalSlab | None:
         """The server's slab mapped here, when this client is on its host (else None).
@@ -255,7 +184,6 @@ class AsyncServerConnector(OneServer):
         :meth:`eg_kv.client.sync.ServerConnector.fetch`).
         """
         address = to_address(key)
-        limit = self.config.max_block_size
         local = await self._local_block(address)
         slab = self._core.local.slab
         if local is not OVER_HTTP:
@@ -264,23 +192,11 @@ class AsyncServerConnector(OneServer):
             return local  # type: ignore[no-any-return]
         release_header = self._core.release_header(slab, address, release_lease)
 
-        async def on_response(resp: aiohttp.ClientResponse) -> bytes | None:
-            length = resp.content_length
-            encoding = resp.headers.get("Content-Encoding")
-            if not block_to_read(resp.status, length, encoding, limit):
-                await read_small(resp)
-                return None
-            body = await resp.read()
-            if len(body) != length:
-                raise Miss(f"body of {len(body)} bytes, {length} announced")
-            self._core.check_body(resp.headers.get(CHECKSUM_HEADER), body)
-            return self._core.opened(address, body)
-
         try:
             return await self._exchange(
                 "GET",
                 self._core.block_path(address),
-                on_response,
+                partial(whole_block, self._core, address),
                 headers=_RELEASE if release_header else None,
             )
         except Exception as exc:  # asyncio.TimeoutError included
@@ -325,9 +241,7 @@ class AsyncServerConnector(OneServer):
         ``may_start`` is for a server set's second request; one server is asked once.
         Never raises on a transport or protocol error.
         """
-        address = to_address(key)
-        limit = self.config.max_block_size
-        core = self._core
+        address, core = to_address(key), self._core
         local = await self._local_block(address)
         slab = core.local.slab
         if local is not OVER_HTTP and release_lease:
@@ -342,56 +256,11 @@ class AsyncServerConnector(OneServer):
         if local is not OVER_HTTP:
             return None  # a miss
 
-        async def on_response(resp: aiohttp.ClientResponse) -> T | None:
-            length = resp.content_length
-            if not block_to_read(resp.status, length, resp.headers.get("Content-Encoding"), limit):
-                await read_small(resp)
-                return None
-            left = length or 0
-            verifier = core.verifier(resp.headers.get(CHECKSUM_HEADER))
-            key = core.config.block_key
-            if key is not None and left < TAG:
-                raise ForgedBlock(f"a block of {left} bytes holds no {TAG}-byte tag")
-            mac = None if key is None else key.mac(address)
-
-            async def read_exact(view: memoryview) -> None:
-                nonlocal left
-                view = memoryview(view).cast("B")
-                if len(view) > left:
-                    raise Miss("the sink read past the block")
-                done = 0
-                while done < len(view):
-                    chunk = await resp.content.read(len(view) - done)
-                    if not chunk:
-                        raise Miss(f"body cut short: {left - done} of {length} bytes missing")
-                    view[done : done + len(chunk)] = chunk
-                    if verifier is not None:
-                        verifier.add(chunk)  # hashed as it arrives, while in cache
-                    done += len(chunk)
-                left -= done
-
-            async def read_data(view: memoryview) -> None:
-                await read_exact(view)
-                mac.update(view)  # type: ignore[union-attr]
-
-            if mac is None:
-                result = await sink(length or 0, read_exact)
-            else:
-                result = await sink((length or 0) - TAG, read_data)
-                tag = bytearray(TAG)
-                await read_exact(memoryview(tag))
-                key.check(mac, tag)  # type: ignore[union-attr]
-            if left:
-                raise Miss("sink left part of the body unread")
-            if verifier is not None:
-                verifier.check()
-            return result
-
         try:
             return await self._exchange(
                 "GET",
                 core.block_path(address),
-                on_response,
+                partial(block_body, core, address, sink),
                 headers=_RELEASE if release_header else None,
             )
         except Exception as exc:  # asyncio.TimeoutError included

@@ -1,29 +1,35 @@
-"""The async client's side of aiohttp: request bodies, reading answers within their
-bounds, and the middleware that keeps a PUT or DELETE from being sent twice. Used by
+"""The async client's side of aiohttp: its transport (a session, the one resend a request
+that changes nothing may get), request bodies, reading answers within their bounds, and the
+middleware that keeps a PUT or DELETE from being sent twice. Used by
 :class:`~eg_kv.client.aio.AsyncServerConnector`; no rule of the contract lives here (they
 are in :mod:`eg_kv.client.rules`)."""
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp.payload import Payload
 
-from ..wire import (
-    LEASE_REFUSED_HEADER,
-)
-from .core import BLOCK_TYPE
+from ..blockkey import TAG, ForgedBlock
+from ..errors import RemoteError
+from ..wire import CHECKSUM_HEADER, LEASE_REFUSED_HEADER
+from .core import BLOCK_TYPE, ClientCore
 from .events import SNAPSHOT_ANSWER_MAX, Snapshot, SnapshotReader
 from .interface import AsyncSink
 from .rules import (
     SMALL_ANSWER_MAX,
     Miss,
+    block_to_read,
     check_final,
     compact_answer,
     json_answer,
+    may_resend,
+    wants_continue,
 )
+from .settings import KvCacheConfig
 
 T = TypeVar("T")
 
@@ -105,12 +111,6 @@ async def small_body(resp: aiohttp.ClientResponse) -> tuple[int, bytes]:
     return resp.status, await read_small(resp)
 
 
-def into_bytes(length: int, read_exact: Callable[[memoryview], None]) -> bytes:
-    buf = bytearray(length)
-    read_exact(memoryview(buf))
-    return bytes(buf)
-
-
 async def json_body(resp: aiohttp.ClientResponse) -> Any:
     check_final(resp.status)
     return json_answer(resp.status, await read_small(resp))
@@ -168,3 +168,164 @@ async def snapshot_body(resp: aiohttp.ClientResponse) -> Snapshot:
             raise Miss(f"answer of more than {SNAPSHOT_ANSWER_MAX} bytes")
         reader.feed(piece)
     return reader.result()
+
+
+class Transport:
+    """One server's aiohttp session (the caller's, or one opened on first use in the
+    running loop) and the exchange of one request on it."""
+
+    def __init__(
+        self, config: KvCacheConfig, headers: dict[str, str], session: aiohttp.ClientSession | None
+    ) -> None:
+        """Args:
+        config: the connector's settings (server, timeout, connections, TLS).
+        headers: the fields every request carries (the token among them).
+        session: a caller-owned session (left open by :meth:`close`), or None.
+        """
+        self.config, self.headers = config, headers
+        self.session, self.owns_session = session, session is None
+        self.closed = False
+        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        # Request targets carry the base URL's path prefix; this is what goes before them.
+        self._origin = urllib.parse.urlsplit(config.base_url)._replace(path="").geturl()
+        # A member found through DNS: connected at its address, TLS checks its name.
+        self._tls_name = {"server_hostname": config.server_name} if (
+            config.server_name and config.base_url.startswith("https")) else {}  # fmt: skip
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self.closed:
+            raise RemoteError("the connector is closed")
+        if self.session is None:
+            ssl_arg: Any = None if self.config.verify_tls else False
+            connector = aiohttp.TCPConnector(limit=self.config.max_connections, ssl=ssl_arg)
+            self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        return self.session
+
+    async def close(self) -> None:
+        """Close the session if this transport opened it. Idempotent."""
+        self.closed = True
+        if self.owns_session and self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def exchange(
+        self,
+        method: str,
+        target: str,
+        on_response: Callable[[aiohttp.ClientResponse], Awaitable[T]],
+        *,
+        body: Parts | bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> T:
+        """One request; ``on_response`` reads and checks the final answer. Raises on error.
+
+        A request that changes nothing (:func:`~eg_kv.client.rules.may_resend`) is sent once
+        more when a pooled connection turns out closed; a PUT or DELETE never is.
+        ``timeout_s``: this exchange's deadline, when shorter than the config's.
+        """
+        session = self._session()
+        resend = may_resend(method, target)
+        expect = isinstance(body, Parts) and wants_continue(method, body.size or 0)
+        kw: dict[str, Any] = {
+            "headers": {**self.headers, **headers} if headers else self.headers,
+            "timeout": aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self._timeout,
+            "allow_redirects": False,
+            "auto_decompress": False,
+            "expect100": expect,
+            **self._tls_name,
+        }
+        if not resend:
+            kw["middlewares"] = (never_resend,)
+        for attempt in (0, 1):
+            try:
+                async with session.request(method, self._origin + target, data=body, **kw) as resp:
+                    try:
+                        result = await on_response(resp)
+                    except BaseException:
+                        resp.close()  # an answer left unread or unusable: framing in doubt
+                        raise
+                    if isinstance(body, Parts) and not body.started:
+                        # A final answer came before 100 Continue: the body was never sent
+                        # and whether the server waits for it is unknown.
+                        resp.close()
+                    return result
+            except aiohttp.ServerDisconnectedError:
+                if attempt or not resend:
+                    raise
+        raise RemoteError("unreachable")  # pragma: no cover
+
+
+async def whole_block(core: ClientCore, address: str, resp: aiohttp.ClientResponse) -> bytes | None:
+    """A block answer read whole, its checksum and block-key tag checked; None for an
+    answer that is not a block to read (read to its end first).
+
+    Raises:
+        Miss: a body shorter than announced. ChecksumMismatch, ForgedBlock.
+    """
+    length = resp.content_length
+    encoding = resp.headers.get("Content-Encoding")
+    if not block_to_read(resp.status, length, encoding, core.config.max_block_size):
+        await read_small(resp)
+        return None
+    body = await resp.read()
+    if len(body) != length:
+        raise Miss(f"body of {len(body)} bytes, {length} announced")
+    core.check_body(resp.headers.get(CHECKSUM_HEADER), body)
+    return core.opened(address, body)
+
+
+async def block_body(
+    core: ClientCore, address: str, sink: AsyncSink[T], resp: aiohttp.ClientResponse
+) -> T | None:
+    """A block answer handed to ``await sink(length, read_exact)`` as it arrives, its
+    checksum and block-key tag checked; None for an answer that is not a block to read.
+
+    Raises:
+        Miss: the sink read past the block or left part of it unread, or the body was cut
+        short. ChecksumMismatch, ForgedBlock, and what ``sink`` raises.
+    """
+    length = resp.content_length
+    limit = core.config.max_block_size
+    if not block_to_read(resp.status, length, resp.headers.get("Content-Encoding"), limit):
+        await read_small(resp)
+        return None
+    left = length or 0
+    verifier = core.verifier(resp.headers.get(CHECKSUM_HEADER))
+    key = core.config.block_key
+    if key is not None and left < TAG:
+        raise ForgedBlock(f"a block of {left} bytes holds no {TAG}-byte tag")
+    mac = None if key is None else key.mac(address)
+
+    async def read_exact(view: memoryview) -> None:
+        nonlocal left
+        view = memoryview(view).cast("B")
+        if len(view) > left:
+            raise Miss("the sink read past the block")
+        done = 0
+        while done < len(view):
+            chunk = await resp.content.read(len(view) - done)
+            if not chunk:
+                raise Miss(f"body cut short: {left - done} of {length} bytes missing")
+            view[done : done + len(chunk)] = chunk
+            if verifier is not None:
+                verifier.add(chunk)  # hashed as it arrives, while in cache
+            done += len(chunk)
+        left -= done
+
+    async def read_data(view: memoryview) -> None:
+        await read_exact(view)
+        mac.update(view)  # type: ignore[union-attr]
+
+    if mac is None:
+        result = await sink(length or 0, read_exact)
+    else:
+        result = await sink((length or 0) - TAG, read_data)
+        tag = bytearray(TAG)
+        await read_exact(memoryview(tag))
+        key.check(mac, tag)  # type: ignore[union-attr]
+    if left:
+        raise Miss("sink left part of the body unread")
+    if verifier is not None:
+        verifier.check()
+    return result

@@ -3,7 +3,7 @@ error for a value that is not bytes (every client, sync and async, one server or
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -24,3 +24,10 @@ def byte_views(parts: Iterable[Any]) -> list[memoryview]:
                 f"contiguous array), not {type(part).__name__}"
             ) from None
     return views
+
+
+def into_bytes(length: int, read_exact: Callable[[memoryview], None]) -> bytes:
+    """A load's sink that returns the block as ``bytes`` (:meth:`get`'s)."""
+    buf = bytearray(length)
+    read_exact(memoryview(buf))
+    return bytes(buf)

@@ -21,94 +21,54 @@ The public name, :class:`eg_kv.client.connectors.RemoteKVConnector`, is this cla
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 from ..engine import NO_ENGINE, EngineName, engine_header_lines
-from ..errors import RemoteError
 from ..slab.local import LocalSlab
-from ..wire import (
-    ADDRESSES_TYPE,
-    BATCH_EXISTS_MAX,
-    BATCH_EXISTS_PATH,
-    BATCH_RELEASE_PATH,
-    CHECKSUM_HEADER,
-    LEASE_HEADER,
-    LEASE_REFUSED_HEADER,
-    RELEASE_HEADER,
-    encode_addresses,
-)
+from ..wire import BATCH_EXISTS_PATH, BATCH_RELEASE_PATH, encode_addresses
 from . import plans
-from .bodies import byte_views
-from .core import BLOCK_TYPE, JSON_TYPE, OVER_HTTP, OneServer
+from .bodies import byte_views, into_bytes
+from .core import OVER_HTTP, OneServer
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
-from .events import (
-    SNAPSHOT_ANSWER_MAX,
-    EventBatch,
-    Snapshot,
-    parse_snapshot,
-)
-from .http11 import Deadline, Response, StaleConnection
-from .interface import MayStart, Sink, Unreachable
+from .events import EventBatch, Snapshot, parse_snapshot
+from .interface import MayStart, ReadExact, Sink, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
 from .plans import drive
-from .pool import Pool
 from .rules import (
-    SMALL_ANSWER_MAX,
     KvCacheStats,
     Miss,
-    batch_answer,
     batch_body,
-    block_to_read,
-    check_final,
     checksum_line,
-    compact_answer,
     exists_answer,
-    json_answer,
-    may_resend,
     to_address,
     to_addresses,
-    wants_continue,
 )
 from .setstats import MemberStats, member_line
-from .settings import (
-    CONFIG_KEYWORDS,
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_NUM_WORKERS,
-    DEFAULT_TIMEOUT_S,
-    KvCacheConfig,
-    resolve_config,
+from .settings import KvCacheConfig
+from .sync_http import (
+    COMPACT_HEAD,
+    JSON_HEAD,
+    PUT_HEAD,
+    RELEASE_HEAD,
+    Transport,
+    block_body,
+    checked_status,
+    drained,
+    flag_body,
+    json_body,
+    lease_line,
+    small_body,
+    snapshot_body,
+    with_refusal,
 )
 
-__all__ = [
-    "BATCH_EXISTS_MAX",
-    "CONFIG_KEYWORDS",
-    "DEFAULT_MAX_CONNECTIONS",
-    "DEFAULT_NUM_WORKERS",
-    "DEFAULT_TIMEOUT_S",
-    "KvCacheConfig",
-    "KvCacheStats",
-    "ServerConnector",
-    "batch_answer",
-    "resolve_config",
-    "to_address",
-]
+__all__ = ["ServerConnector", "member_connector"]
 
 T = TypeVar("T")
 C = TypeVar("C", bound="ServerConnector")
-
-
-#: The header of a leasing lookup answered unleased, as the sync client reads headers.
-_REFUSED = LEASE_REFUSED_HEADER.lower().encode()
-_CHECKSUM = CHECKSUM_HEADER.lower().encode()
-
-
-def _with_refusal(parse: Callable[[Response], T], resp: Response) -> tuple[T, bool]:
-    """``parse``'s answer, and whether the server answered a leasing lookup's hits
-    unleased (a lease cap: :data:`~eg_kv.wire.LEASE_REFUSED_HEADER`)."""
-    return parse(resp), resp.headers.get(_REFUSED) is not None
 
 
 class ServerConnector(OneServer):
@@ -141,16 +101,8 @@ class ServerConnector(OneServer):
             ConfigError: a setting cannot be used, or it names a server set.
         """
         self._start(config, settings, on_unreachable, "RemoteKVConnector or SetConnector")
-        self._pool = Pool(self.config)
-        # The header lines every request carries (the token among them), encoded once.
-        self._head = b"".join(
-            b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1"))
-            for k, v in self._core.headers.items()
-        )
-        self._put_head = b"Content-Type: %s\r\n" % BLOCK_TYPE.encode()
-        self._batch_head = b"Content-Type: %s\r\n" % JSON_TYPE.encode()
-        self._compact_head = b"Content-Type: %s\r\n" % ADDRESSES_TYPE.encode()
-        self._release_head = b"%s: 1\r\n" % RELEASE_HEADER.encode()
+        self._http = Transport(self.config, self._core.headers)
+        self._exchange = self._http.exchange
 
     @classmethod
     def from_env(cls: type[C], **settings: Any) -> C:
@@ -170,76 +122,8 @@ class ServerConnector(OneServer):
     def close(self) -> None:
         """Close every idle connection. Idempotent; later calls are misses."""
         self._closed = True
-        self._pool.close()
+        self._http.close()
         self._core.local.close()
-
-    # ------------------------------------------------------------------ the engine
-
-    def _exchange(
-        self,
-        method: str,
-        target: str,
-        on_response: Callable[[Response], T],
-        body: Sequence[Any] = (),
-        headers: bytes = b"",
-        timeout_s: float | None = None,
-    ) -> T:
-        """Send one request and hand the final response to ``on_response``.
-
-        ``on_response`` must read the body fully (the connection is then kept) or raise
-        (the connection is closed: its framing is in doubt). A kept-alive connection the
-        server closed fails before any answer; a request that changes nothing
-        (:func:`~eg_kv.client.rules.may_resend`) is then sent once more on a fresh one.
-
-        Raises:
-            Any transport error, TimeoutError, PoolWaitTimeout (no pooled connection
-            freed up), ProtocolError, or what ``on_response``
-            raises.
-
-        ``timeout_s``: this exchange's deadline, when shorter than the config's.
-        """
-        if self._closed:
-            raise RemoteError("the connector is closed")
-        deadline = Deadline(timeout_s or self.config.timeout_s)
-        parts = [memoryview(b).cast("B") for b in body]
-        head = self._head + headers
-        expect = False
-        if method in ("PUT", "POST"):
-            size = sum(len(p) for p in parts)
-            head += b"Content-Length: %d\r\n" % size
-            if wants_continue(method, size):
-                expect = True
-                head += b"Expect: 100-continue\r\n"
-        resend = may_resend(method, target)
-        for attempt in (0, 1):
-            conn = self._pool.acquire(deadline)
-            keep = False
-            try:
-                resp = conn.request(
-                    method, target, head, parts, deadline, may_resend=resend, expect_continue=expect
-                )
-                result = on_response(resp)
-                keep = conn.reusable(resp)
-                return result
-            except StaleConnection:
-                # The server closed this idle connection; a fresh one gets a real answer.
-                if attempt == 0:
-                    continue
-                raise
-            finally:
-                self._pool.release(conn, keep)
-        raise RemoteError("unreachable")  # pragma: no cover
-
-    @staticmethod
-    def _drained(resp: Response) -> int:
-        """Read a small body to its end (so the connection can be kept); its status."""
-        resp.read_all(SMALL_ANSWER_MAX)
-        return resp.status
-
-    @staticmethod
-    def _json(resp: Response) -> Any:
-        check_final(resp.status)
-        return json_answer(resp.status, resp.read_all(SMALL_ANSWER_MAX))
 
     def fetch(
         self,
@@ -267,7 +151,6 @@ class ServerConnector(OneServer):
         Never raises on a transport or protocol error.
         """
         address = to_address(key)
-        limit = self.config.max_block_size
         core, slab = self._core, self._local()
         sink = core.keyed(address, sink)
         local = core.local_fetch(slab, address, sink)
@@ -276,29 +159,12 @@ class ServerConnector(OneServer):
                 self.release([address])  # here, if the lease was taken here
             return local  # type: ignore[no-any-return]
         release_header = core.release_header(slab, address, release_lease)
-
-        def on_response(resp: Response) -> T | None:
-            raw = resp.headers.get(b"content-encoding")
-            encoding = None if raw is None else raw.decode("latin-1")
-            if not block_to_read(resp.status, resp.length, encoding, limit):
-                resp.read_all(SMALL_ANSWER_MAX)
-                return None
-
-            def read_exact(view: memoryview) -> None:
-                resp.read_exact(memoryview(view).cast("B"))
-
-            checksum = resp.headers.get(_CHECKSUM)
-            result = core.checked(checksum, sink, resp.length or 0, read_exact)
-            if not resp.complete:
-                raise Miss("sink left part of the body unread")
-            return result
-
         try:
             return self._exchange(
                 "GET",
                 core.block_path(address),
-                on_response,
-                headers=self._release_head if release_header else b"",
+                partial(block_body, core, sink),
+                headers=RELEASE_HEAD if release_header else b"",
             )
         except Exception as exc:
             core.miss("GET", address, exc)
@@ -333,15 +199,11 @@ class ServerConnector(OneServer):
     def _probe(self) -> None:
         """Ask the server where its slab is (``GET /kv/local/slab``) and map it if it can."""
         try:
-            answer = self._exchange("GET", self._core.path(LOCAL_ROUTE), self._small)
+            answer = self._exchange("GET", self._core.path(LOCAL_ROUTE), small_body)
         except Exception as exc:
             self._core.miss("GET", LOCAL_ROUTE, exc)
         else:
             self._core.local.adopt(*answer)
-
-    @staticmethod
-    def _small(resp: Response) -> tuple[int, bytes]:
-        return resp.status, resp.read_all(SMALL_ANSWER_MAX)
 
     # ------------------------------------------------------------------ the API
 
@@ -350,13 +212,7 @@ class ServerConnector(OneServer):
 
         ``release_lease``: the load ends one of this client's leases on it (see
         :meth:`fetch`)."""
-
-        def sink(length: int, read_exact: Callable[[memoryview], None]) -> bytes:
-            buf = bytearray(length)
-            read_exact(memoryview(buf))
-            return bytes(buf)
-
-        return self.fetch(key, sink, release_lease=release_lease)
+        return self.fetch(key, into_bytes, release_lease=release_lease)
 
     def get_into(self, key: str | bytes, buffer: Any, release_lease: bool = False) -> int | None:
         """``GET /kv/<addr>`` straight into ``buffer`` (a writable buffer, no extra copy).
@@ -370,7 +226,7 @@ class ServerConnector(OneServer):
         """
         view = memoryview(buffer).cast("B")
 
-        def sink(length: int, read_exact: Callable[[memoryview], None]) -> int:
+        def sink(length: int, read_exact: ReadExact) -> int:
             if length > len(view):
                 raise Miss(f"block of {length} bytes does not fit a {len(view)}-byte buffer")
             read_exact(view[:length])
@@ -415,9 +271,9 @@ class ServerConnector(OneServer):
             status = self._exchange(
                 "PUT",
                 self._core.block_path(address),
-                self._drained,
+                drained,
                 body=views,
-                headers=self._put_head + checksum_line(views) + engine_header_lines(engine),
+                headers=PUT_HEAD + checksum_line(views) + engine_header_lines(engine),
             )
         except Exception as exc:
             self._core.miss("PUT", address, exc)
@@ -427,12 +283,8 @@ class ServerConnector(OneServer):
         return status
 
     def _status(self, method: str, address: str) -> int | None:
-        def on_response(resp: Response) -> int:
-            check_final(resp.status)
-            return self._drained(resp)
-
         try:
-            return self._exchange(method, self._core.block_path(address), on_response)
+            return self._exchange(method, self._core.block_path(address), checked_status)
         except Exception as exc:
             self._core.miss(method, address, exc)
             return None
@@ -461,17 +313,11 @@ class ServerConnector(OneServer):
         if found is not None:
             return found
         try:
-            doc = self._exchange("GET", self._core.block_path(address, "/exists"), self._json)
+            doc = self._exchange("GET", self._core.block_path(address, "/exists"), json_body)
             return exists_answer(doc)
         except Exception as exc:
             self._core.miss("exists", address, exc)
             return False
-
-    @staticmethod
-    def _flags(n: int, resp: Response) -> list[bool]:
-        check_final(resp.status)
-        body = resp.read_all(SMALL_ANSWER_MAX)
-        return compact_answer(resp.status, resp.headers.get(b"content-type"), body, n)
 
     def exists_many(self, keys: Sequence[str | bytes], lease_ms: int | None = None) -> list[bool]:
         """Which keys are resident: one batch request per 1024 keys.
@@ -538,37 +384,26 @@ class ServerConnector(OneServer):
         if isinstance(step, plans.Mapped):
             return self._local(probe=step.probe)
         if isinstance(step, plans.Batch):
-            n, lease = len(step.addresses), b""
-            if step.lease_ms and step.lease_ms > 0:
-                lease = b"%s: %d\r\n" % (LEASE_HEADER.encode(), step.lease_ms)
-            parse = partial(self._flags, n) if step.compact else self._json
-            body = encode_addresses(step.addresses) if step.compact else batch_body(step.addresses)
+            n, compact = len(step.addresses), step.compact
             return self._exchange(
                 "POST",
                 self._core.path(BATCH_EXISTS_PATH),
-                partial(_with_refusal, parse),
-                body=(body,),
-                headers=(self._compact_head if step.compact else self._batch_head) + lease,
+                partial(with_refusal, partial(flag_body, n) if compact else json_body),
+                body=(encode_addresses(step.addresses) if compact else batch_body(step.addresses),),
+                headers=(COMPACT_HEAD if compact else JSON_HEAD) + lease_line(step.lease_ms),
                 timeout_s=step.timeout_s,
             )
         if isinstance(step, plans.Release):
             return self._exchange(
                 "POST",
                 self._core.path(BATCH_RELEASE_PATH),
-                partial(self._flags, len(step.addresses)),
+                partial(flag_body, len(step.addresses)),
                 body=(encode_addresses(step.addresses),),
-                headers=self._compact_head,
+                headers=COMPACT_HEAD,
             )
         if isinstance(step, plans.GetSnapshot):
-            return parse_snapshot(self._exchange("GET", step.target, self._snapshot_body))
-        return self._exchange("GET", step.target, self._json, timeout_s=step.timeout_s)
-
-    @staticmethod
-    def _snapshot_body(resp: Response) -> bytes:
-        check_final(resp.status)
-        if resp.status != 200:
-            raise Miss(f"HTTP {resp.status}")
-        return resp.read_all(SNAPSHOT_ANSWER_MAX)
+            return parse_snapshot(self._exchange("GET", step.target, snapshot_body))
+        return self._exchange("GET", step.target, json_body, timeout_s=step.timeout_s)
 
     def stats(self) -> KvCacheStats:
         """``GET /kv/stats``.

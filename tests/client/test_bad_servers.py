@@ -120,7 +120,7 @@ def test_a_connection_the_server_closed_while_idle_is_not_used():
     ):  # connections counted: no probe for the slab
         assert kv.get("a") == b"hello"
         # The server closed that connection right after its answer: wait for its FIN.
-        wait_for(lambda: kv._pool._idle[0].dropped(), timeout=5, what="the FIN")
+        wait_for(lambda: kv._http.pool._idle[0].dropped(), timeout=5, what="the FIN")
         assert kv.put("a", b"value") is True
         assert srv.accepted == 2 and len(srv.requests) == 2
 

@@ -8,6 +8,7 @@ What the methods answer, sync against async on real servers, is test_async_parit
 from __future__ import annotations
 
 import inspect
+import pathlib
 
 import pytest
 
@@ -116,3 +117,17 @@ def test_the_checker_sees_a_method_on_one_side_only():
     assert "only_here" in set(public_methods(Extra)) - set(public_methods(AsyncServerConnector))
     assert not inspect.iscoroutinefunction(public_methods(NotAsync)["get"])
     assert protocol_methods(interface.KvConnector) >= {"get", "fetch", "member_stats"}
+
+
+def test_every_client_module_stays_small_and_the_shells_hold_no_http_of_their_own():
+    """The rules live once (core, rules, plans) and each transport in its own module
+    (sync_http, aio_http): a client file past ~500 lines, or a connector that speaks HTTP
+    itself again, is the mirrored code this layout removed coming back."""
+    import eg_kv.client as pkg
+
+    folder = pkg.__path__[0]
+    sizes = {p.name: len(p.read_text().splitlines()) for p in pathlib.Path(folder).glob("*.py")}
+    assert max(sizes.values()) <= 500, {n: s for n, s in sizes.items() if s > 500}
+    for shell in ("sync.py", "aio.py"):
+        text = (pathlib.Path(folder) / shell).read_text()
+        assert "def _exchange" not in text and "aiohttp.ClientSession(" not in text, shell

@@ -310,12 +310,12 @@ def test_sync_client_keeps_one_connection_alive(server_factory):
     srv = server_factory(workers=2, capacity="16MiB")
     kv = RemoteKVConnector(base_url=srv.url, timeout_s=10)
     assert kv.put("k", b"v")
-    sock = kv._pool._idle[0].sock
+    sock = kv._http.pool._idle[0].sock
     for _ in range(50):
         assert kv.get("k") == b"v"
         assert kv.contains("k")
         assert kv.get("missing") is None  # a 404 keeps the connection too
-    assert len(kv._pool._idle) == 1 and kv._pool._idle[0].sock is sock
+    assert len(kv._http.pool._idle) == 1 and kv._http.pool._idle[0].sock is sock
     kv.close()
 
 
@@ -339,7 +339,7 @@ def test_sync_client_is_thread_safe(server_factory):
     for t in threads:
         t.join(60)
     assert errors == []
-    assert 1 <= len(kv._pool._idle) <= 4  # never more connections than allowed
+    assert 1 <= len(kv._http.pool._idle) <= 4  # never more connections than allowed
     assert kv.stats().unique_blocks == 200
     kv.close()
 

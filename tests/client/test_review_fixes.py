@@ -160,7 +160,7 @@ def test_the_async_set_closes_the_session_of_a_member_that_left(server_factory, 
                 assert await kv.put(k, b"x")  # both members get a session
             conns = dict(kv._members._conns)
             assert len(conns) == 2
-            sessions = {c.config.base_url.rstrip("/"): c._session for c in conns.values()}
+            sessions = {c.config.base_url.rstrip("/"): c._http.session for c in conns.values()}
             assert all(s is not None and not s.closed for s in sessions.values())
             zone.set(srv={SRV_NAME: [(0, 1, servers[0].port, pod(0))]})
             left = sessions[servers[1].url]
