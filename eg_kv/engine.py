@@ -133,11 +133,19 @@ def engine_from_headers(get: Callable[[str], str | None]) -> EngineName:
         BadRequest: a header that is not what the table above says, or engine fields
             without the engine hash they describe.
     """
+    h, parent, size, lora = (
+        get(HASH_HEADER),
+        get(PARENT_HEADER),
+        get(BLOCK_SIZE_HEADER),
+        get(LORA_HEADER),
+    )
+    if h is None and parent is None and size is None and lora is None:
+        return NO_ENGINE  # most PUTs: no name to parse or compare
     name = EngineName(
-        _hash(HASH_HEADER, get(HASH_HEADER)),
-        _hash(PARENT_HEADER, get(PARENT_HEADER)),
-        _number(BLOCK_SIZE_HEADER, get(BLOCK_SIZE_HEADER), 1, _BLOCK_SIZE_MAX),
-        _number(LORA_HEADER, get(LORA_HEADER), 0, _LORA_MAX),
+        _hash(HASH_HEADER, h),
+        _hash(PARENT_HEADER, parent),
+        _number(BLOCK_SIZE_HEADER, size, 1, _BLOCK_SIZE_MAX),
+        _number(LORA_HEADER, lora, 0, _LORA_MAX),
     )
     if not name.hash and name != NO_ENGINE:
         raise BadRequest(f"{PARENT_HEADER}, {BLOCK_SIZE_HEADER} and {LORA_HEADER} need "
