@@ -60,7 +60,7 @@ from ..binding import EngineBinding, current_binding, declared_binding
 from ..client.connectors import connect
 from ..client.interface import KvConnector
 from .addresses import BlockFormat, block_address
-from .tier_copies import CopyJobs, FinishedJob
+from .tier_copies import CopyJobs, FinishedJob, Overdue
 from .tier_events import RemovalRelay
 from .tier_lookups import StepLookups
 from .tier_settings import TierSettings, tier_settings_from
@@ -130,6 +130,11 @@ def tier_format(
     )
 
 
+#: Whether this vLLM's JobResult can hand a failed load's slots back later (0.34 on): only
+#: then is a load past ``load_deadline_s`` reported early (:meth:`EgKvTier._cut`).
+DEFERS_RELEASE = "deferred_release" in {f.name for f in dataclasses.fields(JobResult)}
+
+
 def _takes_leases(client: Any) -> bool:
     """Whether ``client``'s batch exists can take leases (``lease_ms``)."""
     try:
@@ -155,6 +160,11 @@ class EgKvTier(SecondaryTierManager):
 
     medium: ClassVar[Medium] = Medium.CPU  # eg-kv holds blocks in (shared) memory
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+    # vLLM 0.34's manager may poll this tier from its own thread between steps (a load
+    # that ends is reported then, not at the next step). Safe: vLLM calls every method
+    # under its manager lock, and the tier's state keeps no thread of its own (the
+    # copies, lookups and releases run on the tier's threads, behind their own locks).
+    tolerates_off_thread_polling: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -210,6 +220,7 @@ class EgKvTier(SecondaryTierManager):
             "store_failed_blocks": 0,
             "loaded_blocks": 0,
             "load_failed_blocks": 0,
+            "loads_cut": 0,
             "leases_released": 0,
         }
         log.info(
@@ -292,8 +303,36 @@ class EgKvTier(SecondaryTierManager):
         self._copies.submit(job_metadata.job_id, True, addresses, list(job_metadata.chunk_ids))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        """The jobs whose copies have all ended since the last call."""
-        return [self._result(done) for done in self._copies.finished()]
+        """The jobs whose copies have all ended since the last call, and (vLLM 0.34 on)
+        the loads running past ``load_deadline_s``, failed early (:meth:`_cut`)."""
+        results = [self._result(done) for done in self._copies.finished()]
+        deadline = self.settings.load_deadline_s
+        if DEFERS_RELEASE and deadline:
+            results += [self._cut(late) for late in self._copies.overdue(deadline)]
+        return results
+
+    def _cut(self, late: Overdue) -> JobResult:
+        """A load past its deadline, reported now: the blocks copied whole are loaded, the
+        others failed (vLLM recomputes them rather than wait), their slots handed back
+        when the copies still writing them end (``deferred_release``, each copy bounded
+        by the client's timeout; ``drain_jobs`` waits for them)."""
+        _, keys = self._job_keys.pop(late.job_id)
+        ok_keys = [k for k, ok in zip(keys, late.ok, strict=True) if ok]
+        failed = [k for k, ok in zip(keys, late.ok, strict=True) if not ok]
+        with self._lock:
+            self.counters["loaded_blocks"] += len(ok_keys)
+            self.counters["load_failed_blocks"] += len(failed)
+            self.counters["loads_cut"] += 1
+        self._release(self._load_leases.pop(late.job_id, []))
+        self._lookups.mark_miss(failed)  # not promoted again while this server is slow
+        log.info("EgKvTier: a load of %d blocks ran past %.1f s: %d failed early",
+                 len(keys), self.settings.load_deadline_s, len(failed))  # fmt: skip
+        return JobResult(
+            job_id=late.job_id,
+            success=False,
+            successful_keys=tuple(ok_keys) or None,
+            deferred_release=late.released,
+        )
 
     def _result(self, done: FinishedJob) -> JobResult:
         is_load, keys = self._job_keys.pop(done.job_id)

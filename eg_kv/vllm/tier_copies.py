@@ -23,8 +23,10 @@ holds moves no body.
 
 :class:`CopyJobs` runs each job's blocks on ``threads`` threads and reports a job only
 once every one of its copies has ended (so a slot is never written after its job was
-reported); :meth:`CopyJobs.drain` waits until no copy is running or queued. Every copy
-ends within the client's timeout (twice it for a server set's retry).
+reported), except a load past its deadline (:meth:`CopyJobs.overdue`), reported early with
+an event set once its copies end (vLLM 0.34 keeps those slots until then);
+:meth:`CopyJobs.drain` waits until no copy is running or queued. Every copy ends within
+the client's timeout (twice it for a server set's retry).
 """
 
 from __future__ import annotations
@@ -87,12 +89,30 @@ class FinishedJob:
 
 
 @dataclasses.dataclass
+class Overdue:
+    """A load reported failed before its copies ended (:meth:`CopyJobs.overdue`).
+
+    Attributes:
+        job_id: the caller's job id.
+        ok: per block, whether its copy had ended whole by then (those slots are done);
+            the others may still be written.
+        released: set once no copy of the job can write a slot any more.
+    """
+
+    job_id: int
+    ok: list[bool]
+    released: threading.Event
+
+
+@dataclasses.dataclass
 class _Job:
     job_id: int
     is_load: bool
     ok: list[bool]
     left: int
     started: float
+    #: Set when the job was reported overdue: its end sets it instead of reporting.
+    released: threading.Event | None = None
 
 
 class CopyJobs:
@@ -174,6 +194,10 @@ class CopyJobs:
                 job.left -= 1
             if job.left <= 0:
                 del self._jobs[job.job_id]
+                if job.released is not None:  # reported already: its slots are free now
+                    job.released.set()
+                    self._cond.notify_all()
+                    return
                 self._finished.append(
                     FinishedJob(
                         job.job_id,
@@ -211,6 +235,18 @@ class CopyJobs:
         with self._cond:
             out = list(self._finished)
             self._finished.clear()
+        return out
+
+    def overdue(self, deadline_s: float) -> list[Overdue]:
+        """The loads running for ``deadline_s`` or more, not reported before: each is
+        reported here once, never by :meth:`finished`; its ``released`` is set when its
+        last copy ends (each copy is bounded by the client's timeout)."""
+        now, out = time.monotonic(), []
+        with self._cond:
+            for job in self._jobs.values():
+                if job.is_load and job.released is None and now - job.started >= deadline_s:
+                    job.released = threading.Event()
+                    out.append(Overdue(job.job_id, list(job.ok), job.released))
         return out
 
     def drain(self, timeout_s: float | None = None) -> bool:

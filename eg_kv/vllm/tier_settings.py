@@ -31,6 +31,10 @@ TIER_KEYS: dict[str, Any] = {
     "lease_ms": 5000,
     # A lookup batch still unanswered after this long is a miss (None: 2 x timeout_s + 1).
     "lookup_deadline_s": None,
+    # A load (promotion) still running after this long is reported failed at once, its
+    # slots handed back when its copies end (vLLM 0.34's deferred release; None: 2 x
+    # timeout_s + 1; 0: never early). Older vLLM waits for the copies, each bounded.
+    "load_deadline_s": None,
     # Lookup batches in flight at once; past it a step's lookups are misses.
     "max_lookup_batches": 4,
     # Relay the tier's stores (and the server's removals, when it keeps an event log) on
@@ -55,6 +59,7 @@ class TierSettings:
     io_threads: int = 4
     lease_ms: int = 5000
     lookup_deadline_s: float = 1.0
+    load_deadline_s: float = 0.0
     max_lookup_batches: int = 4
     enable_kv_events: bool = False
     locality: str | None = None
@@ -73,6 +78,25 @@ def _int(name: str, raw: Any, low: int) -> int:
     return number
 
 
+def _seconds(own: Mapping[str, Any], name: str, default: float, *, zero: bool) -> float:
+    """Option ``name`` in seconds (``default`` when absent or None).
+
+    Raises:
+        ConfigError: not a number, negative, or 0 where ``zero`` is False.
+    """
+    raw = own.get(name)
+    if raw is None:
+        return default
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"EgKvTier: {name} must be seconds, got {raw!r}") from None
+    if not (seconds >= 0 if zero else seconds > 0) or isinstance(raw, bool):
+        least = "0 or more" if zero else "over 0"
+        raise ConfigError(f"EgKvTier: {name} must be {least}, got {raw!r}")
+    return seconds
+
+
 def tier_settings_from(
     options: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
 ) -> TierSettings:
@@ -86,18 +110,9 @@ def tier_settings_from(
     client_kw, own = split_options(options, TIER_KEYS, "EgKvTier")
     client = KvCacheConfig.from_env(env, **client_kw)
     say_once(client.block_key)  # what this engine's loads can detect, once
-    deadline_raw = own.get("lookup_deadline_s")
-    if deadline_raw is None:
-        deadline = 2 * client.timeout_s + 1.0  # a set's fall-through can take two timeouts
-    else:
-        try:
-            deadline = float(deadline_raw)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"EgKvTier: lookup_deadline_s must be seconds, got {deadline_raw!r}"
-            ) from None
-        if not deadline > 0:
-            raise ConfigError(f"EgKvTier: lookup_deadline_s must be over 0, got {deadline_raw!r}")
+    # A set's fall-through can take two timeouts.
+    lookup_deadline = _seconds(own, "lookup_deadline_s", 2 * client.timeout_s + 1.0, zero=False)
+    load_deadline = _seconds(own, "load_deadline_s", 2 * client.timeout_s + 1.0, zero=True)
     locality = own.get("locality")
     if locality is not None and locality not in ("LOCAL", "REMOTE"):
         raise ConfigError(f"EgKvTier: locality must be LOCAL or REMOTE, got {locality!r}")
@@ -108,7 +123,8 @@ def tier_settings_from(
         client=client,
         io_threads=_int("io_threads", own.get("io_threads", TIER_KEYS["io_threads"]), 1),
         lease_ms=_int("lease_ms", own.get("lease_ms", TIER_KEYS["lease_ms"]), 0),
-        lookup_deadline_s=deadline,
+        lookup_deadline_s=lookup_deadline,
+        load_deadline_s=load_deadline,
         max_lookup_batches=_int(
             "max_lookup_batches",
             own.get("max_lookup_batches", TIER_KEYS["max_lookup_batches"]),

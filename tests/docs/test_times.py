@@ -27,7 +27,7 @@ QUOTES = [
     ("suite", "docs/development.md", r"the whole suite: about (\S+) minutes on 2 cores"),
     ("suite", "scripts/test", r"processes: about (\S+) minutes on 2 cores"),
     ("setup_venv", "scripts/setup", r"building \.venv .*: about (\S+) minutes, once"),
-    ("setup_vllm", "scripts/setup-vllm", r"building \.venv-vllm .*: about (\S+) minutes, once"),
+    ("setup_vllm", "scripts/setup-vllm", r"building \$V .*: about (\S+) minutes, once"),
     ("e2e_vllm", "scripts/e2e_vllm", r"What it does \(about (\S+) minutes on 2 cores"),
     ("e2e_vllm", "docs/benchmarks.md", r"`scripts/e2e_vllm` \(about (\S+) minutes on 2 cores"),
     ("e2e_vllm", "docs/lmcache-vllm.md", r"the script takes about (\S+) minutes\s+on 2 cores"),

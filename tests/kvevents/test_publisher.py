@@ -1,11 +1,12 @@
 """Issue 34: eg-kv's event log as vLLM's KV events, consumed as routers consume it.
 
-Real servers with a publisher (``--kv-events-endpoint``), real PUTs carrying engine
-hashes, and a real subscriber process (tests/kvevents/subscriber.py): decoding with vLLM's
-own ``KVEventBatch`` (.venv-vllm) or the positional form as llm-d's indexer does. After
-churn (stores, evictions, DELETEs, a worker SIGKILLed, the publisher SIGKILLed while the
-log moves on: replay, then a resync once the log lapped it, a ``--fresh`` restart:
-``AllBlocksCleared``), the subscriber's set of hashes is the server's, exactly.
+Real servers with a publisher (``--kv-events-endpoint``), real PUTs carrying engine hashes,
+and a real subscriber process (tests/kvevents/subscriber.py): decoding with vLLM's own
+``KVEventBatch`` (vLLM 0.32 and 0.34: tests/helpers/vllm_envs.py) or the positional form as
+llm-d's indexer does. After churn (stores, evictions, DELETEs, a worker SIGKILLed, the
+publisher SIGKILLed while the log moves on: replay, then a resync once the log lapped it, a
+``--fresh`` restart: ``AllBlocksCleared``), the subscriber's set of hashes is the server's,
+exactly.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from helpers.common import ROOT, free_port, wait_for
 from helpers.server_http import request
 from helpers.server_procs import workers_of
 from helpers.tenants import token_of, write_tokens
+from helpers.vllm_envs import vllm_py_fixture
 
 from eg_kv.client.sync import ServerConnector
 from eg_kv.engine import EngineName, engine_headers
 
 pytestmark = pytest.mark.timeout(240)
 
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+vllm_py = vllm_py_fixture()
 SUBSCRIBER = ROOT / "tests" / "kvevents" / "subscriber.py"
 BLOCK = b"k" * 4096
 
@@ -99,12 +101,11 @@ def kv_events_flags(ports: tuple[int, int], *more: str) -> tuple[str, ...]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (scripts/setup-vllm)")
-def test_a_vllm_subscriber_rebuilds_what_the_server_holds_through_churn(server_factory):
+def test_a_vllm_subscriber_rebuilds_what_the_server_holds_through_churn(server_factory, vllm_py):
     ports = (free_port(), free_port())
     extra = kv_events_flags(ports, "--events", "256")  # a short log: a resync is reachable
     srv = server_factory(workers=2, capacity="4MiB", extra=extra)
-    sub = Subscriber(VLLM_PY, ports, "kv@pool:node:test@tiny", "vllm")
+    sub = Subscriber(vllm_py, ports, "kv@pool:node:test@tiny", "vllm")
     n = [0]
 
     def store(count: int) -> None:
@@ -158,7 +159,7 @@ def test_a_vllm_subscriber_rebuilds_what_the_server_holds_through_churn(server_f
     finally:
         sub.close()
     # A --fresh restart: a new log, AllBlocksCleared, then only the new blocks.
-    sub = Subscriber(VLLM_PY, ports, "kv@pool:node:test@tiny", "vllm")
+    sub = Subscriber(vllm_py, ports, "kv@pool:node:test@tiny", "vllm")
     try:
         before = sub.dump()
         srv.stop()

@@ -34,6 +34,7 @@ def main() -> None:
     weights.write_bytes(b"weights v1")
     from vllm.config import (
         CacheConfig,
+        DeviceConfig,
         KVTransferConfig,
         ModelConfig,
         ParallelConfig,
@@ -68,6 +69,8 @@ def main() -> None:
             model_config=model, cache_config=CacheConfig(block_size=16),
             parallel_config=ParallelConfig(tensor_parallel_size=engine.get("tp", 1)),
             kv_transfer_config=transfer,
+            # Named: vLLM 0.34's CUDA wheel finds no device to infer on a CPU-only host.
+            device_config=DeviceConfig(device="cpu"),
         )  # fmt: skip
         attn = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=model.dtype)
         layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]

