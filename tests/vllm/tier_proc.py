@@ -31,7 +31,9 @@ counters. Every loop is bounded in steps and seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -79,8 +81,31 @@ def build(args: argparse.Namespace, events: bool = False):
             is_parallelism_agnostic=True,
         ),
     )  # fmt: skip
-    manager = TieringOffloadingSpec(cfg).get_manager()
+    manager = Locked(TieringOffloadingSpec(cfg).get_manager())
     return manager, manager.secondary_tiers[0], row
+
+
+class Locked:
+    """The manager as vLLM's scheduler uses it: each call under ``manager.lock`` (vLLM
+    0.34's poll thread services the tier between calls, under the same lock; 0.32 has
+    none). A generator's items are taken under it too; ``shutdown`` is not locked (it
+    joins the poll thread, which takes the lock)."""
+
+    def __init__(self, manager) -> None:
+        self.inner = manager
+        self.lock = getattr(manager, "lock", None) or contextlib.nullcontext()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if not callable(attr) or name == "shutdown":
+            return attr
+
+        def call(*args, **kwargs):
+            with self.lock:
+                out = attr(*args, **kwargs)
+                return list(out) if inspect.isgenerator(out) else out
+
+        return call
 
 
 def keys_of(args: argparse.Namespace) -> list[bytes]:
@@ -113,7 +138,11 @@ def store(args: argparse.Namespace) -> dict:
     manager.complete_store(keys, ctx)  # cascades to EgKvTier: PUTs from the slots
     end_step(manager, [ctx.req_id])
     steps = 0
-    while manager.has_pending_work() and time.monotonic() - t0 < 30 and steps < 10_000:
+    # vLLM 0.34's manager leaves out of has_pending_work what its poll thread finishes (the
+    # tier opts in): the tier's own says whether a store job is still unreported.
+    while (manager.has_pending_work() or tier.has_pending_work()) and (
+        time.monotonic() - t0 < 30 and steps < 10_000
+    ):
         time.sleep(0.005)
         end_step(manager)  # polls the finished jobs, as each scheduler step does
         steps += 1
@@ -135,7 +164,8 @@ def store(args: argparse.Namespace) -> dict:
     same = sorted(removed) == sorted(keys[: args.remove])
     manager.on_request_finished(ctx)
     flat.release()
-    result = {"stats": tier.stats(), "pending": manager.has_pending_work(), "events": events,
+    pending = manager.has_pending_work() or tier.has_pending_work()
+    result = {"stats": tier.stats(), "pending": pending, "events": events,
               "removed": len(removed), "removed_match": same,
               "seconds": time.monotonic() - t0, "format": tier.describe()}  # fmt: skip
     manager.shutdown()
@@ -202,13 +232,15 @@ def peek(args: argparse.Namespace) -> dict:
     answers: list[LookupResult] = []
     t0 = time.monotonic()
     while time.monotonic() - t0 < args.budget_s:
-        answers = [tier.lookup(k, ctx) for k in keys_of(args)]
-        tier.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+        with manager.lock:  # the tier alone, called as the manager would call it
+            answers = [tier.lookup(k, ctx) for k in keys_of(args)]
+            tier.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
         if LookupResult.RETRY not in answers:
             break
         time.sleep(0.002)
-    tier.on_request_finished(ctx)
-    tier.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+    with manager.lock:
+        tier.on_request_finished(ctx)
+        tier.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
     manager.shutdown()
     return {"hits": answers.count(LookupResult.HIT), "stats": tier.stats()}
 
