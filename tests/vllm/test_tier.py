@@ -44,16 +44,21 @@ def drive(vllm_py: Path, *steps: dict, timeout: float = 150) -> list[dict]:
     """Run a plan in one process of ``vllm_py`` (a vLLM venv's); the RESULT of each step."""
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONPATH": str(ROOT)}
     env.pop("EPISTEMIC_GRAPH_KVCACHE_TOKEN", None)
-    proc = subprocess.run(
+    with subprocess.Popen(
         [str(vllm_py), str(DRIVER), json.dumps(list(steps))],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    out = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and len(out) == len(steps), (proc.stdout + proc.stderr)[-4000:]
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        finally:
+            proc.kill()
+            proc.wait()
+            # vLLM's primary tier is a file in /dev/shm named by the driver's engine id
+            # (its pid): a driver that failed before its manager's shutdown leaves it.
+            for left in Path("/dev/shm").glob(f"vllm_offload_eg-kv-tier-test-{proc.pid}-*"):
+                left.unlink(missing_ok=True)
+    out = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(out) == len(steps), (stdout + stderr)[-4000:]
     return out
 
 
