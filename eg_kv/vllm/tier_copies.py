@@ -181,7 +181,10 @@ class CopyJobs:
     ) -> None:
         ok = False
         try:
-            ok = copy(address, row)
+            # A load reported overdue failed its unfinished blocks already: one not begun
+            # yet is not copied (its slot comes back sooner, no I/O is spent on it).
+            if job.released is None:
+                ok = copy(address, row)
         except Exception:  # a client that raises is a failed block, never a lost job
             ok = False
         finally:

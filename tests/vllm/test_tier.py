@@ -284,29 +284,33 @@ def test_drain_jobs_outlasts_a_slow_copy_and_nothing_writes_after_it(vllm_py):
     assert got["stats"]["loaded_blocks"] == 1 and got["stats"]["load_failed_blocks"] == 0
 
 
-def test_a_load_past_its_deadline_fails_early_and_its_slot_waits_for_the_copy(vllm_py):
-    """A server drips a load's body over 2 s and the tier's load_deadline_s is 0.3 s. On
-    vLLM 0.34 the load is reported failed at the deadline (the key a MISS well before the
-    body ends: the request recomputes instead of waiting) with a deferred release: vLLM
-    holds the slot back while the copy still writes it and gets it back once the copy
-    ended; and vLLM's own poll thread asks the tier for finished jobs between steps (the
-    tier sets tolerates_off_thread_polling). On 0.32, which cannot defer a release, the
-    tier waits for the copy (a HIT)."""
+def test_a_load_past_its_deadline_fails_early_and_its_slots_wait_for_the_copies(vllm_py):
+    """A server drips each of 3 blocks over 2 s, the tier copies one at a time
+    (``io_threads`` 1) and its load_deadline_s is 0.3 s. On vLLM 0.34 the load is reported
+    failed at the deadline (the keys MISS well before the first body ends: the request
+    recomputes instead of waiting) with a deferred release: vLLM holds the 3 slots back
+    while a copy may still write them, the 2 copies not begun are never made (1 GET in
+    all), and the slots come back once the one running ended. vLLM's own poll thread asks
+    the tier for finished jobs between steps (the tier sets tolerates_off_thread_polling).
+    On 0.32, which cannot defer a release, the tier waits for the copies (3 HITs)."""
     with SlowServer(seconds=2.0) as slow:
         (got,) = drive(
             vllm_py,
-            {"scenario": "cut", "url": slow.url, "keys": 1,
-             "options": {"timeout_s": 10.0, "local_reads": False, "load_deadline_s": 0.3}},
+            {"scenario": "cut", "url": slow.url, "keys": 3,
+             "options": {"timeout_s": 10.0, "local_reads": False, "load_deadline_s": 0.3,
+                         "io_threads": 1}},
         )  # fmt: skip
+        gets = len(slow.sent_done)
     stats = got["stats"]
     if got["defers"]:
-        assert got["answer"] == "MISS" and got["final_s"] < 1.2, got
-        assert got["running_at_answer"] == 1  # failed while the copy still ran
-        assert stats["loads_cut"] == 1 and stats["load_failed_blocks"] == 1, stats
-        assert got["most_held"] == 1 and got["held_after"] == 0, got  # held, then back
-        # The tier opted in to 0.34's poll thread: it is asked between steps too.
+        assert got["answers"] == ["MISS"] and got["final_s"] < 1.2, got
+        assert got["running_at_answer"] == 1  # failed while a copy still ran
+        assert stats["loads_cut"] == 1 and stats["load_failed_blocks"] == 3, stats
+        assert got["most_held"] == 3 and got["held_after"] == 0, got  # held, then back
+        assert gets == 1  # the copies not begun were skipped
         assert "vllm_offload_tier_poll" in got["pollers"], got["pollers"]
     else:
         assert got["vllm"].startswith("0.32"), got
-        assert got["answer"] == "HIT" and got["final_s"] >= 1.5, got
-        assert stats["loads_cut"] == 0 and stats["loaded_blocks"] == 1, stats
+        assert got["answers"] == ["HIT"] and got["final_s"] >= 5.0, got
+        assert stats["loads_cut"] == 0 and stats["loaded_blocks"] == 3, stats
+        assert gets == 3

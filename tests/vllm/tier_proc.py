@@ -303,15 +303,15 @@ def drain(args: argparse.Namespace) -> dict:
 
 
 def cut(args: argparse.Namespace) -> dict:
-    """One load a slow server drips, with a short ``load_deadline_s``: vLLM 0.34 has it
-    failed at the deadline (the key a MISS), its slot held back until the copy ends and
-    handed back after; older vLLM waits for the copy (a HIT)."""
+    """A load of ``keys`` blocks a slow server drips, with a short ``load_deadline_s``:
+    vLLM 0.34 has it failed at the deadline (the keys MISS), their slots held back until
+    the copies end and handed back after; older vLLM waits for the copies (HITs)."""
     import vllm
 
     from eg_kv.vllm.tier import DEFERS_RELEASE
 
     manager, tier, _ = build(args)
-    (key,) = keys_of(args)[:1]
+    keys = keys_of(args)
     primary = manager.primary_tier
     pollers: set[str] = set()  # the threads that asked the tier for finished jobs
     finished = tier.get_finished_jobs
@@ -328,24 +328,29 @@ def cut(args: argparse.Namespace) -> dict:
     ctx = ReqContext(req_id="cut")
     manager.on_new_request(ctx)
     t0 = time.monotonic()
-    answer, pending_at, most_held = LookupResult.RETRY, None, 0
-    while answer in (LookupResult.RETRY, LookupResult.HIT_PENDING) and time.monotonic() - t0 < 15:
-        answer = manager.lookup(key, ctx)
-        if answer is LookupResult.HIT_PENDING and pending_at is None:
+    waiting = (LookupResult.RETRY, LookupResult.HIT_PENDING)
+    answers, pending_at, most_held = [LookupResult.RETRY] * len(keys), None, 0
+    while any(a in waiting for a in answers) and time.monotonic() - t0 < 30:
+        answers = [
+            manager.lookup(k, ctx) if a in waiting else a
+            for k, a in zip(keys, answers, strict=True)
+        ]
+        if LookupResult.HIT_PENDING in answers and pending_at is None:
             pending_at = time.monotonic()
         end_step(manager)
         most_held = max(most_held, held())
         time.sleep(0.01)
     final_s = time.monotonic() - (pending_at or t0)
     running_at_answer = tier._copies.running
-    for _ in range(1500):  # the slow server finishes the body: the copy ends
+    for _ in range(3000):  # the slow server finishes the bodies: the copies end
         if not tier._copies.running:
             break
         most_held = max(most_held, held())
         time.sleep(0.01)
     end_step(manager)  # the step's poll hands the held slot back
     result = {
-        "vllm": vllm.__version__, "defers": DEFERS_RELEASE, "answer": answer.name,
+        "vllm": vllm.__version__, "defers": DEFERS_RELEASE,
+        "answers": sorted({a.name for a in answers}),
         "final_s": final_s, "running_at_answer": running_at_answer,
         "most_held": most_held, "held_after": held(), "stats": tier.stats(),
         "pollers": sorted(pollers),
