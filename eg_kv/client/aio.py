@@ -19,7 +19,7 @@ otherwise.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -141,7 +141,6 @@ class AsyncServerConnector(OneServer):
 
     async def close(self) -> None:
         """Close the session if this connector opened it. Idempotent."""
-        self._closed = True
         self._core.local.close()
         await self._http.close()
 
@@ -190,17 +189,29 @@ class AsyncServerConnector(OneServer):
             if release_lease:
                 await self.release([address])
             return local  # type: ignore[no-any-return]
-        release_header = self._core.release_header(slab, address, release_lease)
+        read = partial(whole_block, self._core, address)
+        return await self._over_http(address, read, slab, release_lease)
 
+    async def _over_http(
+        self,
+        address: str,
+        read: Callable[[aiohttp.ClientResponse], Awaitable[T | None]],
+        slab: LocalSlab | None,
+        release_lease: bool,
+    ) -> T | None:
+        """``GET /kv/<addr>`` with ``read`` taking the answer (:meth:`get`'s, :meth:`fetch`'s);
+        None on any error. ``release_lease``: as :meth:`get`'s."""
+        core = self._core
+        release_header = core.release_header(slab, address, release_lease)
         try:
             return await self._exchange(
                 "GET",
-                self._core.block_path(address),
-                partial(whole_block, self._core, address),
+                core.block_path(address),
+                read,
                 headers=_RELEASE if release_header else None,
             )
         except Exception as exc:  # asyncio.TimeoutError included
-            self._core.miss("GET", address, exc)
+            core.miss("GET", address, exc)
             return None
         finally:
             if release_lease and not release_header:
@@ -246,7 +257,6 @@ class AsyncServerConnector(OneServer):
         slab = core.local.slab
         if local is not OVER_HTTP and release_lease:
             await self.release([address])
-        release_header = core.release_header(slab, address, release_lease)
         if isinstance(local, bytes):
             try:
                 return await sink_from_memory(local, sink)
@@ -255,20 +265,9 @@ class AsyncServerConnector(OneServer):
                 return None
         if local is not OVER_HTTP:
             return None  # a miss
-
-        try:
-            return await self._exchange(
-                "GET",
-                core.block_path(address),
-                partial(block_body, core, address, sink),
-                headers=_RELEASE if release_header else None,
-            )
-        except Exception as exc:  # asyncio.TimeoutError included
-            core.miss("GET", address, exc)
-            return None
-        finally:
-            if release_lease and not release_header:
-                await self.release([address])  # this client's local lease: no request
+        return await self._over_http(
+            address, partial(block_body, core, address, sink), slab, release_lease
+        )
 
     async def get_into(
         self, key: str | bytes, buffer: Any, release_lease: bool = False

@@ -383,7 +383,6 @@ class OneServer:
 
     config: KvCacheConfig
     _core: ClientCore
-    _closed: bool
 
     def _start(
         self, config: KvCacheConfig | None, settings: dict[str, Any],
@@ -402,7 +401,6 @@ class OneServer:
             )
         self._core = ClientCore(self.config)
         self._core.on_unreachable = on_unreachable
-        self._closed = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.base_url!r})"

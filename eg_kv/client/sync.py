@@ -121,7 +121,6 @@ class ServerConnector(OneServer):
 
     def close(self) -> None:
         """Close every idle connection. Idempotent; later calls are misses."""
-        self._closed = True
         self._http.close()
         self._core.local.close()
 

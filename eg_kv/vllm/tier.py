@@ -60,7 +60,7 @@ from ..binding import EngineBinding, current_binding, declared_binding
 from ..client.connectors import connect
 from ..client.interface import KvConnector
 from .addresses import BlockFormat, block_address
-from .tier_copies import CopyJobs, FinishedJob, Overdue
+from .tier_copies import CopyJobs, FinishedJob
 from .tier_events import RemovalRelay
 from .tier_lookups import StepLookups
 from .tier_settings import TierSettings, tier_settings_from
@@ -131,7 +131,7 @@ def tier_format(
 
 
 #: Whether this vLLM's JobResult can hand a failed load's slots back later (0.34 on): only
-#: then is a load past ``load_deadline_s`` reported early (:meth:`EgKvTier._cut`).
+#: then is a load past ``load_deadline_s`` reported early (:meth:`EgKvTier.get_finished_jobs`).
 DEFERS_RELEASE = "deferred_release" in {f.name for f in dataclasses.fields(JobResult)}
 
 
@@ -304,35 +304,15 @@ class EgKvTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """The jobs whose copies have all ended since the last call, and (vLLM 0.34 on)
-        the loads running past ``load_deadline_s``, failed early (:meth:`_cut`)."""
-        results = [self._result(done) for done in self._copies.finished()]
+        the loads running past ``load_deadline_s``: reported failed now (vLLM recomputes
+        them rather than wait), the blocks copied whole as loaded, the others' slots
+        handed back when the copies still writing them end (``deferred_release``, each
+        copy bounded by the client's timeout; ``drain_jobs`` waits for them)."""
+        done = self._copies.finished()
         deadline = self.settings.load_deadline_s
         if DEFERS_RELEASE and deadline:
-            results += [self._cut(late) for late in self._copies.overdue(deadline)]
-        return results
-
-    def _cut(self, late: Overdue) -> JobResult:
-        """A load past its deadline, reported now: the blocks copied whole are loaded, the
-        others failed (vLLM recomputes them rather than wait), their slots handed back
-        when the copies still writing them end (``deferred_release``, each copy bounded
-        by the client's timeout; ``drain_jobs`` waits for them)."""
-        _, keys = self._job_keys.pop(late.job_id)
-        ok_keys = [k for k, ok in zip(keys, late.ok, strict=True) if ok]
-        failed = [k for k, ok in zip(keys, late.ok, strict=True) if not ok]
-        with self._lock:
-            self.counters["loaded_blocks"] += len(ok_keys)
-            self.counters["load_failed_blocks"] += len(failed)
-            self.counters["loads_cut"] += 1
-        self._release(self._load_leases.pop(late.job_id, []))
-        self._lookups.mark_miss(failed)  # not promoted again while this server is slow
-        log.info("EgKvTier: a load of %d blocks ran past %.1f s: %d failed early",
-                 len(keys), self.settings.load_deadline_s, len(failed))  # fmt: skip
-        return JobResult(
-            job_id=late.job_id,
-            success=False,
-            successful_keys=tuple(ok_keys) or None,
-            deferred_release=late.released,
-        )
+            done += self._copies.overdue(deadline)
+        return [self._result(job) for job in done]
 
     def _result(self, done: FinishedJob) -> JobResult:
         is_load, keys = self._job_keys.pop(done.job_id)
@@ -342,6 +322,8 @@ class EgKvTier(SecondaryTierManager):
             if is_load:
                 self.counters["loaded_blocks"] += len(ok_keys)
                 self.counters["load_failed_blocks"] += len(failed)
+                if done.released is not None:  # reported before its copies ended
+                    self.counters["loads_cut"] += 1
             else:
                 self.counters["stored_blocks"] += len(ok_keys)
                 self.counters["store_failed_blocks"] += len(failed)
@@ -364,6 +346,11 @@ class EgKvTier(SecondaryTierManager):
                     ownership=self.tier_type,
                 )
             )
+        # A load past its deadline (vLLM 0.34's deferred release: only then is it set).
+        late = {} if done.released is None else {"deferred_release": done.released}
+        if late:
+            log.info("EgKvTier: a load of %d blocks ran past %.1f s: %d failed early",
+                     len(keys), self.settings.load_deadline_s, len(failed))  # fmt: skip
         success = all(done.ok)
         return JobResult(
             job_id=done.job_id,
@@ -372,6 +359,7 @@ class EgKvTier(SecondaryTierManager):
             successful_keys=tuple(ok_keys) if is_load and not success and ok_keys else None,
             transfer_time=done.seconds,
             transfer_bytes=done.nbytes,
+            **late,
         )
 
     def has_pending_work(self) -> bool:

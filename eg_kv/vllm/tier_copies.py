@@ -79,6 +79,9 @@ class FinishedJob:
             checked; a store: the server holds it, 201 or 200).
         seconds: from submission to the last copy's end.
         nbytes: the rows' bytes copied.
+        released: None, or for a load reported before its copies ended
+            (:meth:`CopyJobs.overdue`): set once no copy of it can write a slot any more
+            (``ok`` then says which had ended whole; the others may still be written).
     """
 
     job_id: int
@@ -86,22 +89,7 @@ class FinishedJob:
     ok: list[bool]
     seconds: float
     nbytes: int
-
-
-@dataclasses.dataclass
-class Overdue:
-    """A load reported failed before its copies ended (:meth:`CopyJobs.overdue`).
-
-    Attributes:
-        job_id: the caller's job id.
-        ok: per block, whether its copy had ended whole by then (those slots are done);
-            the others may still be written.
-        released: set once no copy of the job can write a slot any more.
-    """
-
-    job_id: int
-    ok: list[bool]
-    released: threading.Event
+    released: threading.Event | None = None
 
 
 @dataclasses.dataclass
@@ -240,7 +228,7 @@ class CopyJobs:
             self._finished.clear()
         return out
 
-    def overdue(self, deadline_s: float) -> list[Overdue]:
+    def overdue(self, deadline_s: float) -> list[FinishedJob]:
         """The loads running for ``deadline_s`` or more, not reported before: each is
         reported here once, never by :meth:`finished`; its ``released`` is set when its
         last copy ends (each copy is bounded by the client's timeout)."""
@@ -249,7 +237,9 @@ class CopyJobs:
             for job in self._jobs.values():
                 if job.is_load and job.released is None and now - job.started >= deadline_s:
                     job.released = threading.Event()
-                    out.append(Overdue(job.job_id, list(job.ok), job.released))
+                    ok = list(job.ok)
+                    out.append(FinishedJob(job.job_id, True, ok, now - job.started,
+                                           sum(ok) * self.row_bytes, job.released))  # fmt: skip
         return out
 
     def drain(self, timeout_s: float | None = None) -> bool:
