@@ -19,7 +19,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from .errors import ConfigError
+from .errors import ConfigError, SlabError
+from .shm import segment_name
 
 # Re-exported (``as`` says so to strict mypy): sizes are part of the settings' grammar.
 from .units import DEFAULT_MAX_BLOCK_SIZE as DEFAULT_MAX_BLOCK_SIZE
@@ -227,8 +228,11 @@ class Settings:
     disk_capacity: int = DEFAULT_DISK_CAPACITY
 
     def __post_init__(self) -> None:
-        if not self.slab_name:
-            object.__setattr__(self, "slab_name", f"/eg-kv-{self.port}")
+        try:  # one spelling everywhere (logs, /dev/shm paths, clients' local reads)
+            name = segment_name(self.slab_name or f"/eg-kv-{self.port}")
+        except SlabError as e:
+            raise ConfigError(str(e)) from None
+        object.__setattr__(self, "slab_name", name)
         if self.workers < 1:
             raise ConfigError("--workers must be at least 1")
         room = self.capacity // self.page_size * self.page_size if self.page_size > 0 else 0
@@ -411,7 +415,8 @@ SERVER_SETTINGS: tuple[ServerSetting, ...] = (
        help="discard a slab left by a previous server instead of re-attaching (only a "
        "segment that carries eg-kv's magic)"),
     _S("slab_name", "--slab-name", None, "text", metavar="NAME",
-       help="POSIX shared-memory name of the slab", default_text="`/eg-kv-<port>`"),
+       help="POSIX shared-memory name of the slab (`foo` is `/foo`: the file `/dev/shm/foo`)",
+       default_text="`/eg-kv-<port>`"),
     _S("drain_timeout_s", "--drain-timeout", None, "float", metavar="S", unit="s",
        help="seconds in-flight requests get on `SIGTERM`"),
     _S("access_log", "--access-log", None, "switch",

@@ -37,12 +37,11 @@ from typing import Any, TypeVar
 
 from ..checksum import ChecksumMismatch, Verifier
 from ..errors import SlabError
+from ..shm import SHM_DIR
 from . import layout as L
 from .local_leases import LocalLeases
 from .view import LOCKFREE_READS, BlockGone, BlockReader, SlabView, full_fence
 
-#: Where Linux keeps POSIX shared memory: segment ``/name`` is the file ``/dev/shm/name``.
-SHM_DIR = "/dev/shm"
 #: Lock-free attempts at one lookup before it goes over HTTP instead (a writer kept the
 #: slot table busy through all of them; each attempt is a few microseconds).
 LOOKUP_ATTEMPTS = 64

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 import posix_ipc
 
 from ..errors import SlabError
+from ..shm import SHM_DIR, segment_name
 from ..units import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, MiB, human_size
 from . import layout as L
 from .lock import OWNER_LOCK_WAIT_S, Held, SlabLocking
@@ -48,8 +49,6 @@ def readers_name(slab_name: str) -> str:
     return slab_name + L.READERS_SUFFIX
 
 
-#: Where Linux keeps POSIX shared memory (``posix_ipc`` segment ``/x`` is ``/dev/shm/x``).
-SHM_DIR = "/dev/shm"
 #: A segment's identity, ``(st_dev, st_ino)``: what a name pointed to when it was opened.
 Inode = tuple[int, int]
 
@@ -243,6 +242,7 @@ class SlabSegment(SlabLocking):
             SlabError: bad geometry, a segment of that name exists, or no room.
             ForeignSegment: a readers segment of that name is another user's.
         """
+        name = segment_name(name)
         _check_page_size(page_size)
         if capacity < page_size:
             raise SlabError(f"capacity {capacity} is smaller than one page ({page_size})")
@@ -307,6 +307,7 @@ class SlabSegment(SlabLocking):
             ForeignSegment: the slab or its readers segment is another user's, or has
                 group/other mode bits (checked before either is mapped).
         """
+        name = segment_name(name)
         try:
             shm = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:
@@ -535,6 +536,7 @@ class SlabSegment(SlabLocking):
         Returns:
             Whether the slab's name was removed.
         """
+        name = segment_name(name)
         ours = False
         with contextlib.suppress(OSError, posix_ipc.Error):
             shm = posix_ipc.SharedMemory(name)

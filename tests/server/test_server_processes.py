@@ -235,6 +235,14 @@ def test_sigint_stops_like_sigterm(server_factory):
     assert not Slab.exists_named(srv.slab_name)
 
 
+def test_a_slab_name_without_its_slash_is_removed_at_exit(server_factory):
+    name = unique_slab_name("bare")
+    srv = server_factory(workers=1, slab_name=name.lstrip("/"))
+    assert request(srv, "PUT", "/kv/b0", b"x" * 100).status == 201
+    assert srv.stop() == 0
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(name[1:])], srv.log()
+
+
 @pytest.mark.slow
 def test_warm_restart_with_keep(server_factory):
     name = unique_slab_name("warm")
@@ -345,7 +353,8 @@ def test_sigterm_during_startup_still_cleans_up(server_factory):
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [(("--capacity", "64TiB"), "free but the slab needs"), (("--workers", "0"), "at least 1"),
-     (("--capacity", "lots"), "not a size"), (("--tls-cert", "only-a-cert.pem"), "both")],
+     (("--capacity", "lots"), "not a size"), (("--tls-cert", "only-a-cert.pem"), "both"),
+     (("--slab-name", "a/b"), "bad slab name")],
 )  # fmt: skip
 def test_bad_settings_exit_1_with_reason(extra, reason):
     cmd = [sys.executable, "-m", "workers", "serve", "--addr", f"127.0.0.1:{free_port()}",

@@ -52,6 +52,26 @@ def test_create_attach_share_close_unlink(slab_name):
         Slab.attach(slab_name)
 
 
+def test_a_name_without_its_slash_is_the_same_segment_and_unlinks(slab_name):
+    # shm_open drops the leading slash, but /dev/shm paths need it: a slash-less name was
+    # created and never unlinked (the server left its three segments after every stop).
+    bare = slab_name.lstrip("/")
+    a = Slab.create(bare, 2 * MiB, page_size=PAGE, max_block_size=MiB)
+    assert a.name == slab_name
+    with Slab.attach(bare) as b:
+        assert b.slab_id == a.slab_id
+    a.close()
+    assert a.unlink() is True
+    assert not os.path.exists("/dev/shm" + slab_name)
+    assert not os.path.exists("/dev/shm" + slab_module.readers_name(slab_name))
+
+
+@pytest.mark.parametrize("name", ["", "/", "a/b", "/a/b", "/..", "x" * 300])
+def test_a_bad_name_is_refused_before_anything_is_created(name):
+    with pytest.raises(SlabError, match="bad slab name"):
+        Slab.create(name, 2 * MiB, page_size=PAGE)
+
+
 def test_create_refuses_existing_name(slab):
     with pytest.raises(SlabError, match=r"exists already.*--fresh"):
         Slab.create(slab.name, 2 * MiB)
