@@ -349,8 +349,9 @@ class EgKvTier(SecondaryTierManager):
         # A load past its deadline (vLLM 0.34's deferred release: only then is it set).
         late = {} if done.released is None else {"deferred_release": done.released}
         if late:
-            log.info("EgKvTier: a load of %d blocks ran past %.1f s: %d failed early",
-                     len(keys), self.settings.load_deadline_s, len(failed))  # fmt: skip
+            log.info("EgKvTier: a load of %d blocks still copying after %.1f s (load_deadline_s "
+                     "%g): %d failed early", len(keys), done.seconds,
+                     self.settings.load_deadline_s, len(failed))  # fmt: skip
         success = all(done.ok)
         return JobResult(
             job_id=done.job_id,

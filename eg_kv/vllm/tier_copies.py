@@ -99,6 +99,8 @@ class _Job:
     ok: list[bool]
     left: int
     started: float
+    #: Copies begun (decided under the jobs' lock) and not ended yet.
+    running: int = 0
     #: Set when the job was reported overdue: its end sets it instead of reporting.
     released: threading.Event | None = None
 
@@ -167,12 +169,13 @@ class CopyJobs:
     def _run(
         self, job: _Job, i: int, copy: Callable[[str, int], bool], address: str, row: int
     ) -> None:
+        with self._cond:  # begun or not is decided with overdue(), under one lock
+            if job.released is not None:
+                return  # reported overdue before it began: settled then, never copied
+            job.running += 1
         ok = False
         try:
-            # A load reported overdue failed its unfinished blocks already: one not begun
-            # yet is not copied (its slot comes back sooner, no I/O is spent on it).
-            if job.released is None:
-                ok = copy(address, row)
+            ok = copy(address, row)
         except Exception:  # a client that raises is a failed block, never a lost job
             ok = False
         finally:
@@ -183,6 +186,7 @@ class CopyJobs:
             if i >= 0:
                 job.ok[i] = ok
                 job.left -= 1
+                job.running -= 1
             if job.left <= 0:
                 del self._jobs[job.job_id]
                 if job.released is not None:  # reported already: its slots are free now
@@ -230,16 +234,20 @@ class CopyJobs:
 
     def overdue(self, deadline_s: float) -> list[FinishedJob]:
         """The loads running for ``deadline_s`` or more, not reported before: each is
-        reported here once, never by :meth:`finished`; its ``released`` is set when its
-        last copy ends (each copy is bounded by the client's timeout)."""
+        reported here once, never by :meth:`finished`. Its copies not begun are settled
+        now (failed; never made, and not waited for behind other jobs' copies in the
+        queue); its ``released`` is set when the copies begun end, at once if none runs
+        (each is bounded by the client's timeout)."""
         now, out = time.monotonic(), []
         with self._cond:
-            for job in self._jobs.values():
+            for job in list(self._jobs.values()):
                 if job.is_load and job.released is None and now - job.started >= deadline_s:
                     job.released = threading.Event()
                     ok = list(job.ok)
                     out.append(FinishedJob(job.job_id, True, ok, now - job.started,
                                            sum(ok) * self.row_bytes, job.released))  # fmt: skip
+                    job.left = job.running  # the rest never begin: _run returns at once
+                    self._done(job, -1, False)  # ends it now when none is running
         return out
 
     def drain(self, timeout_s: float | None = None) -> bool:

@@ -12,6 +12,7 @@ best left to ``EPISTEMIC_GRAPH_KVCACHE_TOKEN``), and the tier's own keys in
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -94,6 +95,10 @@ def _seconds(own: Mapping[str, Any], name: str, default: float, *, zero: bool) -
     if not (seconds >= 0 if zero else seconds > 0) or isinstance(raw, bool):
         least = "0 or more" if zero else "over 0"
         raise ConfigError(f"EgKvTier: {name} must be {least}, got {raw!r}")
+    if not math.isfinite(seconds):  # inf is no deadline: where there may be none, 0 says it
+        never = " (0: never)" if zero else ""
+        raise ConfigError(f"EgKvTier: {name} must be a finite number of seconds{never}, "
+                          f"got {raw!r}")  # fmt: skip
     return seconds
 
 

@@ -51,7 +51,8 @@ def test_settings_take_client_keys_and_refuse_unknown_ones():
     for bad in ({"io_threads": 0}, {"lease_ms": -1}, {"locality": "MARS"},
                 {"enable_kv_events": "yes"}, {"lookup_deadline_s": 0},
                 {"load_deadline_s": -1}, {"load_deadline_s": "soon"},
-                {"load_deadline_s": True}):  # fmt: skip
+                {"load_deadline_s": True}, {"load_deadline_s": "inf"},
+                {"lookup_deadline_s": float("inf")}):  # fmt: skip
         with pytest.raises(ConfigError, match="EgKvTier"):
             tier_settings_from({"url": "http://127.0.0.1:9", **bad}, env={})
     env = {"EPISTEMIC_GRAPH_KVCACHE_TOKEN": "t0k3n", "EPISTEMIC_GRAPH_KVCACHE_URL": "http://h:1"}
@@ -212,6 +213,28 @@ def test_stores_ask_100_continue_and_drain_waits_for_copies():
         waiter.join(5)
         assert not waiter.is_alive() and 0.5 < time.monotonic() - t0 < 3  # the timeout
         assert [j.ok for j in copies.finished()] == [[False, False]]
+        copies.close()
+        slow.close()
+
+
+@pytest.mark.slow
+def test_a_load_cut_behind_a_queue_of_copies_hands_its_slots_back_at_once():
+    """A load past its deadline whose copies have not begun is settled when it is cut: its
+    slots do not wait for the copies queued ahead of it (before, they came back only when
+    the stores ahead had timed out and a thread reached the load's copy to skip it)."""
+    with RawServer("silent") as silent:
+        slow = connect(KvCacheConfig.from_env({}, base_url=silent.url, timeout_s=1.0))
+        copies = CopyJobs(slow, _view(3), ROW, threads=1)
+        copies.submit(1, False, [_address(1), _address(2)], [0, 1])  # 2 x 1 s on 1 thread
+        copies.submit(2, True, [_address(3)], [2])  # queued behind them
+        (cut,) = copies.overdue(0)
+        assert (cut.job_id, cut.ok) == (2, [False]) and cut.released is not None
+        assert cut.released.wait(0.5), "the cut load's slot waited for the queue"
+        assert copies.overdue(0) == []  # reported once; stores are never cut
+        (stores,) = _wait_finished(copies, 1)
+        assert (stores.job_id, stores.ok) == (1, [False, False])
+        assert copies.drain(5) and copies.finished() == []
+        assert len(silent.heads) == 2  # the load's GET was never sent
         copies.close()
         slow.close()
 
