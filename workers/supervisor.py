@@ -43,6 +43,7 @@ from eg_kv.procs import pid_alive
 from eg_kv.server import runstate, tenants
 from eg_kv.server.hints import tick as tick_hints
 from eg_kv.server.metrics import forget_process
+from eg_kv.shm import SHM_DIR
 from eg_kv.slab import layout as L
 from eg_kv.slab.lock import LockTimeout
 from eg_kv.slab.segment import ForeignSegment
@@ -173,7 +174,7 @@ def shown_size(n: int) -> str:
 def _segment_size(name: str) -> int | None:
     """The size of shared-memory segment ``name`` in /dev/shm, if it can be read."""
     try:
-        return os.stat(f"/dev/shm{name}").st_size
+        return os.stat(SHM_DIR + name).st_size
     except OSError:
         return None
 
@@ -230,14 +231,14 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                 raise
             if not Slab.is_eg_kv_segment(name):  # another program's memory: never remove it
                 raise SlabError(
-                    f"shared-memory segment {name} (/dev/shm{name}) is not an eg-kv slab, so "
+                    f"shared-memory segment {name} ({SHM_DIR}{name}) is not an eg-kv slab, so "
                     "--fresh leaves it alone: give this server another --slab-name, or remove "
                     "the segment yourself once you know nothing uses it"
                 ) from None
             owner = Slab.segment_owner_pid(name)
             if owner != os.getpid() and pid_alive(owner):  # a running eg-kv of another version
                 raise SlabError(
-                    f"slab {name} (/dev/shm{name}) belongs to a running eg-kv (pid {owner}) "
+                    f"slab {name} ({SHM_DIR}{name}) belongs to a running eg-kv (pid {owner}) "
                     "of another layout version, so --fresh leaves it alone: stop that server "
                     "first, or give this server another --slab-name"
                 ) from None
