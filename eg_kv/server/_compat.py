@@ -12,9 +12,11 @@ in production.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
-from aiohttp import web, web_protocol, web_server, web_urldispatcher
+from aiohttp import streams, web, web_protocol, web_server, web_urldispatcher
+from aiohttp.http_parser import RawRequestMessage
 
 #: The aiohttp versions the assumptions below were checked against (pyproject.toml).
 AIOHTTP_TESTED = ">=3.14.5,<3.15"
@@ -27,8 +29,32 @@ PIPELINE_QUEUE_MAX: int | None = getattr(web_protocol, "MAX_MSG_QUEUE_SIZE", Non
 #: The private attributes of a ``RequestHandler`` read here (checked by the tests).
 HANDLER_PRIVATE = (
     "_loop", "_request_count", "_waiter", "_next_keepalive_close_time",
-    "_keepalive_timeout", "_current_request", "_reading_paused",
+    "_keepalive_timeout", "_current_request", "_reading_paused", "_messages", "_parser",
+    "_buffer_paused", "_msg_queue_resume_size", "_keepalive", "_keepalive_handle",
+    "_process_keepalive", "_manager", "_force_close", "_close",
 )  # fmt: skip
+
+
+def _c_message_type() -> type:
+    try:
+        from aiohttp._http_parser import RawRequestMessage as CMessage  # type: ignore[import-not-found]
+    except ImportError:  # no C parser (AIOHTTP_NO_EXTENSIONS, or a pure-Python build)
+        return RawRequestMessage
+    return CMessage
+
+
+#: A parsed request as aiohttp's parser hands it over (method, path, version, headers...).
+Message = RawRequestMessage
+#: The most requests the lane answers from one read: aiohttp's queue of parsed requests
+#: (32), about 1.5 ms of a worker's loop at 4 KiB PUTs.
+LANE_BURST = PIPELINE_QUEUE_MAX or 32
+#: The classes a parsed request comes as: the C parser's (when aiohttp has it) has the
+#: same fields as the Python one; anything else on the queue is a parse error's report.
+MESSAGE_TYPES: frozenset[type] = frozenset({RawRequestMessage, _c_message_type()})
+#: A connection's fast lane (:mod:`eg_kv.server.lane`): given a parsed request and its
+#: body's reader, answer it at once and return True, or return False (untouched) and
+#: aiohttp's request machinery handles it.
+Lane = Callable[["StampedHandler", Message, streams.StreamReader], bool]
 
 
 # ---------------------------------------------------------------------------- responses
@@ -116,12 +142,13 @@ class StampedHandler(web_protocol.RequestHandler):
     """
 
     __slots__ = (
-        "body_at", "body_req", "body_seen", "head_at", "head_of", "held_at", "rx_at",
-        "wpaused_at", "wpaused_size",
+        "body_at", "body_req", "body_seen", "head_at", "head_of", "held_at", "in_lane", "lane",
+        "rx_at", "wpaused_at", "wpaused_size",
     )  # fmt: skip
 
-    def __init__(self, manager: web_server.Server, **kwargs) -> None:
+    def __init__(self, manager: web_server.Server, *, lane: Lane | None = None, **kwargs) -> None:
         super().__init__(manager, **kwargs)
+        self.lane, self.in_lane = lane, False
         self.rx_at = self.head_at = self.wpaused_at = self.held_at = -math.inf
         self.head_of = -1
         self.wpaused_size = 0
@@ -136,7 +163,66 @@ class StampedHandler(web_protocol.RequestHandler):
             # waiting(), inlined: this runs for every read from the socket
             if self.head_of != parsed and (self._waiter is not None or not parsed):
                 self.head_of, self.head_at = parsed, now  # the first bytes of a head
-        _data_received(self, data)
+        # The lane looks only while start() waits for the next request (or has not run:
+        # no request was parsed yet); otherwise one is queued or handled: aiohttp's turn.
+        waiter, lane = self._waiter, self.lane
+        if (
+            lane is None or self.in_lane or self._messages
+            or (waiter.done() if waiter is not None else self._request_count)
+        ):  # fmt: skip
+            _data_received(self, data)
+            return
+        self._lane(data, waiter, lane)
+
+    def _lane(self, data: bytes, waiter: Any, lane: Lane) -> None:
+        """Parse ``data`` while ``start()`` waits for the next request (``waiter``; None:
+        it has not run yet), and let the lane answer what it can, in order; wake
+        ``start()`` only for what is left.
+
+        aiohttp's ``data_received`` wakes ``start()`` through ``_waiter`` as soon as it
+        parsed a request: it is held back (None) while the parser runs, and set again
+        after. A request the lane declines stops it: that one and every one behind it
+        go to ``start()``, so answers leave in the order their requests came; so do the
+        requests after the first :data:`LANE_BURST` of one read (a client that pipelines
+        thousands of small PUTs in one write holds the event loop for one burst, and
+        ``start()`` answers the rest a request per loop turn). Taking a
+        request off the queue frees its parser slot, and reading paused on a full queue
+        resumes as ``start()`` would (its re-parse of what was buffered comes back here,
+        plain, while ``in_lane`` is set, and the loop answers what it queued).
+        """
+        self._waiter, self.in_lane = None, True
+        try:
+            _data_received(self, data)
+            messages, answered = self._messages, 0
+            while messages and not (self._force_close or self._close):
+                message, payload = messages[0]
+                if (
+                    answered == LANE_BURST
+                    or type(message) not in MESSAGE_TYPES
+                    or not lane(self, cast(Message, message), payload)
+                ):
+                    break
+                answered += 1
+                messages.popleft()
+                if self._parser is not None:  # None only once the connection is lost
+                    self._parser.message_consumed()
+                if self._buffer_paused and len(messages) <= self._msg_queue_resume_size:
+                    self._resume_reading_if_drained()
+        finally:
+            self._waiter, self.in_lane = waiter, False
+        if self._messages and waiter is not None and not waiter.done():
+            waiter.set_result(None)  # (one that has not run finds them when it does)
+
+    def lane_answered(self) -> None:
+        """What ``start()`` does after a kept-alive answer, for one the lane wrote: count
+        the request, and restart the keep-alive clock from now."""
+        if self._manager is not None:  # None only once the connection is lost
+            self._manager.requests_count += 1
+        self._keepalive = True
+        close_time = self._loop.time() + self._keepalive_timeout
+        self._next_keepalive_close_time = close_time
+        if self._keepalive_handle is None:
+            self._keepalive_handle = self._loop.call_at(close_time, self._process_keepalive)
 
     def pause_writing(self) -> None:
         # The sweeper restarts this clock whenever the write buffer shrank since its last

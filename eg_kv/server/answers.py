@@ -13,6 +13,7 @@ import json
 
 from aiohttp import web
 
+from ..errors import EgKvError
 from ..wire import WORKER_HEADER
 from . import replies
 from .connections import RETRY_AFTER_S
@@ -31,6 +32,18 @@ def error_response(status: int, reason: str, headers: dict[str, str] | None = No
     if status == 503 and not (headers and "Retry-After" in headers):
         headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
     return web.Response(status=status, text=one_line(reason), headers=headers)
+
+
+def error_answer(e: EgKvError) -> tuple[int, bytes, bytes]:
+    """:func:`error_response`'s answer to ``e`` as bytes, for an answer written straight
+    to the connection (the fast lane's): (status, one-line body, extra header lines)."""
+    extra = b"Retry-After: %d\r\n" % RETRY_AFTER_S if e.status == 503 else b""
+    return e.status, one_line(str(e)).encode(), extra
+
+
+def internal_reason(e: BaseException) -> str:
+    """The one line a 500 says: the kind of error, never its text (the log has it)."""
+    return f"internal error ({type(e).__name__}); see the server log"
 
 
 def json_answer(value: object) -> web.Response:

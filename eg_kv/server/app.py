@@ -60,7 +60,7 @@ from ..wire import (
 )
 from . import replies, runstate
 from ._compat import replace_default_expect_handler
-from .answers import error_response, label, unauthorized
+from .answers import error_response, internal_reason, label, unauthorized
 from .auth import auth_from, authorize, roles_refused
 from .blocks import delete_block, get_block, head_block
 from .connections import Connections, Limits, resolve_max_connections
@@ -155,7 +155,7 @@ def _endpoint(
             raise
         except Exception as e:  # a bug: answer 500 with one line, keep the worker alive
             log.exception("internal error on %s %s", request.method, request.path[:200])
-            resp = error_response(500, f"internal error ({type(e).__name__}); see the server log")
+            resp = error_response(500, internal_reason(e))
         if not resp.prepared:  # an aiohttp response: replies.Written carries its own
             label(resp)
             if drain.draining:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-
-from aiohttp import web
+from collections.abc import Mapping
+from typing import Protocol
 
 from ..config import Settings
 from ..errors import ConfigError, EgKvError, Forbidden
@@ -26,6 +26,14 @@ log = logging.getLogger("eg_kv.server.auth")
 
 #: Spellings of a tenant's Authorization header a worker remembers (see Auth.authenticate).
 SEEN_HEADERS_PER_TENANT = 4
+
+
+class Headed(Protocol):
+    """What authentication reads of a request: its headers (a request, or a parsed
+    message)."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
 
 
 class Auth:
@@ -55,8 +63,11 @@ class Auth:
         self._seen: dict[str, Tenant] = {}
         self._seen_max = SEEN_HEADERS_PER_TENANT * (len(table.by_digest) if table else 0)
 
-    def authenticate(self, request: web.BaseRequest) -> Tenant | str:
+    def authenticate(self, request: Headed) -> Tenant | str:
         """The request's tenant, or why there is none (never the token).
+
+        ``request``: a request, or a parsed message (the fast lane's): only its headers
+        are read.
 
         A token is found by its sha256 digest: the lookup compares digests, so how long
         it takes tells nothing about any token. An ``Authorization`` header that has

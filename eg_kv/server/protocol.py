@@ -18,6 +18,7 @@ from ._compat import HandlerRunner, response_started
 from .answers import error_response, label
 from .connections import Connection
 from .keys import CONNECTIONS
+from .lane import FastLane
 
 log = logging.getLogger("eg_kv.server.protocol")
 
@@ -107,4 +108,5 @@ class AppRunner(HandlerRunner):
         super().__init__(app, **kwargs)
 
     def handler_kwargs(self) -> dict[str, Any]:
-        return {"registry": self.app[CONNECTIONS]}
+        # Called once the app has started (its slab attached): the lane needs it.
+        return {"registry": self.app[CONNECTIONS], "lane": FastLane.of(self.app)}

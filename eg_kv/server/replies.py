@@ -130,14 +130,33 @@ def head(
         checksum: a block's checksum, sent as :data:`~eg_kv.wire.CHECKSUM_HEADER`.
     """
     keep = not close and request.keep_alive
-    prefix = _head(request.version, status, content_type, keep)
+    return head_for(request.version, keep, status, content_type, length, checksum), keep
+
+
+def head_for(
+    version: tuple[int, int],
+    keep: bool,
+    status: int,
+    content_type: str,
+    length: int | None,
+    checksum: int | None = None,
+    extra: bytes = b"",
+) -> bytes:
+    """The response head for a request of HTTP ``version`` (:func:`head`'s, without the
+    request: the fast lane's answers, :mod:`eg_kv.server.lane`).
+
+    Args:
+        keep: the connection stays open after this answer.
+        extra: header lines to add, each ending ``\r\n`` (an error's ``Retry-After``).
+    """
+    prefix = _head(version, status, content_type, keep)
     if length is None:
-        return prefix + _date(), keep
+        return prefix + extra + _date()
     if checksum is not None:
-        return b"%sContent-Length: %d\r\n%s: %016x\r\n%s" % (
-            prefix, length, _CHECKSUM, checksum, _date()
-        ), keep  # fmt: skip
-    return b"%sContent-Length: %d\r\n%s" % (prefix, length, _date()), keep
+        return b"%sContent-Length: %d\r\n%s: %016x\r\n%s%s" % (
+            prefix, length, _CHECKSUM, checksum, extra, _date()
+        )  # fmt: skip
+    return b"%sContent-Length: %d\r\n%s%s" % (prefix, length, extra, _date())
 
 
 def reply(
