@@ -12,7 +12,7 @@ import os
 import socket
 
 import pytest
-from helpers.server_http import WORKER_HEADER
+from helpers.server_http import WORKER_HEADER, Conn
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,50 +22,6 @@ def srv(module_server_factory):
     """One server for the module: each test writes its own addresses (or rewrites the same
     bytes) and checks replies, never counters."""
     return module_server_factory(workers=1)
-
-
-class Conn:
-    """One raw connection and a strict reader of the responses that come back on it."""
-
-    def __init__(self, srv):
-        self.sock = socket.create_connection((srv.host, srv.port), timeout=10)
-        self.buf = b""
-
-    def __enter__(self) -> Conn:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.sock.close()
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def _fill(self) -> bool:
-        chunk = self.sock.recv(1 << 20)
-        self.buf += chunk
-        return bool(chunk)
-
-    def response(self, method: str = "GET") -> tuple[str, dict[str, str], bytes]:
-        """The next response: (status line, headers by lower-case name, body)."""
-        while b"\r\n\r\n" not in self.buf:
-            assert self._fill(), f"connection closed before a response head: {self.buf!r}"
-        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
-        status_line, *lines = head.decode("ascii").split("\r\n")
-        headers: dict[str, str] = {}
-        for line in lines:
-            name, sep, value = line.partition(":")
-            assert sep and name.lower() not in headers, f"bad or repeated header {line!r}"
-            headers[name.lower()] = value.strip()
-        status = int(status_line.split()[1])
-        length = 0 if method == "HEAD" or status == 204 else int(headers["content-length"])
-        while len(self.buf) < length:
-            assert self._fill(), "connection closed inside a body"
-        body, self.buf = self.buf[:length], self.buf[length:]
-        return status_line, headers, body
-
-    def closed_by_server(self) -> bool:
-        """True once the server has closed its end (and sent nothing more)."""
-        return not self.buf and not self._fill()
 
 
 def _put(conn: Conn, address: str, body: bytes, extra: str = "") -> None:
