@@ -18,7 +18,7 @@ from aiohttp.abc import AbstractStreamWriter
 
 from ..disk.tier import Loaded
 from ..errors import NotFound
-from ..slab.store import BlockGone
+from ..slab.store import BlockGone, Slab
 from ..slab.view import BlockReader
 from ..wire import BLOCK_TYPE, RELEASE_HEADER
 from . import replies, tiers
@@ -57,7 +57,7 @@ async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
         if found is None:
             loaded = await tiers.load(request, tenant, address)
             if loaded is None:
-                raise NotFound(f"no block {address}")
+                raise absent(address)
             if isinstance(loaded, Loaded):
                 return reply(request, 200, loaded.data, BLOCK_TYPE, checksum=loaded.checksum)
             if isinstance(loaded, tiers.Promoting):
@@ -66,14 +66,12 @@ async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
             if found is None:
                 raise NotFound(f"no block {address} (evicted as soon as it was promoted)")
         checksum, reader = found
-        if isinstance(reader, bytes):  # one page, copied: the fast path for small blocks
-            return reply(request, 200, reader, BLOCK_TYPE, checksum=checksum)
+        if isinstance(reader, bytes) or reader.length <= READ_SLICE:
+            # One copy, one write (a one-page block's bytes are copied already).
+            return reply(request, 200, one_copy(reader), BLOCK_TYPE, checksum=checksum)
         n = reader.length
-        if n <= READ_SLICE:
-            # One copy, one write, for blocks of a few pages too.
-            return reply(request, 200, reader.read(), BLOCK_TYPE, checksum=checksum)
     except BlockGone:
-        raise NotFound(f"no block {address} (evicted while read)") from None
+        raise gone(address) from None
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away before the response")
@@ -97,6 +95,38 @@ async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
         return written(200, False, 0)
     replies.sent(request, n)
     return written(200, keep, n)
+
+
+def absent(address: str) -> NotFound:
+    """The 404 of a block that is not there."""
+    return NotFound(f"no block {address}")
+
+
+def gone(address: str) -> NotFound:
+    """The 404 of a block evicted or released while it was read."""
+    return NotFound(f"no block {address} (evicted while read)")
+
+
+def one_copy(reader: bytes | BlockReader) -> bytes:
+    """A small block's bytes: a one-page block's come copied already."""
+    return reader if isinstance(reader, bytes) else reader.read()
+
+
+def read_small(slab: Slab, address: str, ns: int) -> tuple[int, bytes] | None:
+    """A GET's one-copy answer, for the fast lane (:mod:`eg_kv.server.lane`): the block's
+    (checksum, bytes) when it is at most :data:`READ_SLICE`; None if absent (a counted
+    miss).
+
+    Raises:
+        Longer: a longer block (nothing read or counted): it is streamed, by
+            :func:`get_block`.
+        NotFound: the block was evicted or released while it was read.
+    """
+    try:
+        found = slab.read_or_open(address, ns, READ_SLICE)
+        return None if found is None else (found[0], one_copy(found[1]))
+    except BlockGone:
+        raise gone(address) from None
 
 
 async def _send_promoting(request: web.Request, p: tiers.Promoting) -> web.StreamResponse:
@@ -219,7 +249,7 @@ async def head_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
     if found is None:
         (on_disk,) = await tiers.find(request, tenant, [address])
         if on_disk is None:
-            raise NotFound(f"no block {address}")
+            raise absent(address)
         found = (on_disk.length, on_disk.checksum)
     return reply(request, 200, b"", BLOCK_TYPE, length=found[0], checksum=found[1])
 
@@ -228,5 +258,5 @@ async def delete_block(request: web.Request, tenant: Tenant) -> web.StreamRespon
     """``DELETE /kv/<hash>``: release one reference; 204, or 404 if absent."""
     address = request.match_info["hash"]
     if not await tiers.delete(request, tenant, address):
-        raise NotFound(f"no block {address}")
+        raise absent(address)
     return reply(request, 204)

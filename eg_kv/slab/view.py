@@ -77,6 +77,15 @@ class BlockGone(NotFound):
     """The block was evicted or released while it was being read: a miss."""
 
 
+class Longer(Exception):
+    """The block is longer than the read asked for (:meth:`SlabView.read_or_open`'s
+    ``limit``): nothing was read or counted."""
+
+
+#: No limit on the length of a block read (:meth:`SlabView.read_or_open`).
+UNLIMITED = 1 << 62
+
+
 class SlabView:
     """Lookups and block reads over a mapping of a slab (see the module docstring).
 
@@ -276,29 +285,43 @@ class SlabView:
             return i, None, 0
         return i, s, _unpack_checksum(self._mm, self._slots_off + i * _SLOT_SIZE + _META)[0]
 
-    def _look(self, address: str, ns: int) -> tuple[L.SlotFields, int] | None:
+    def _look(
+        self, address: str, ns: int, limit: int = UNLIMITED
+    ) -> tuple[L.SlotFields, int] | None:
         """The block's slot fields and checksum, its use recorded (a counted hit); None: a
-        counted miss."""
+        counted miss.
+
+        Raises:
+            Longer: the block is longer than ``limit`` bytes (nothing counted).
+        """
         raw, fp = self._key(address, ns)
         i, s, checksum = self._read(self._find_summed, raw, fp, ns)
         if s is None:
             self._count_read(0, 1, ns)
             return None
+        if s[F_LENGTH] > limit:
+            raise Longer
         self._touch(i)
         self._count_read(1, 0, ns)
         return s, checksum
 
-    def read_or_open(self, address: str, ns: int = 0) -> tuple[int, bytes | BlockReader] | None:
+    def read_or_open(
+        self, address: str, ns: int = 0, limit: int = UNLIMITED
+    ) -> tuple[int, bytes | BlockReader] | None:
         """The block's checksum, and a one-page block's bytes, copied, or a
         :class:`BlockReader` for a longer block; None (a counted miss) if absent.
 
         :meth:`open_block` and :meth:`BlockReader.read` in one call, for the server's GET:
         the reader object and its four calls were a tenth of a small GET's slab time.
 
+        Args:
+            limit: the longest block to read (the fast lane's: a longer one is streamed).
+
         Raises:
             BlockGone: the one-page block was evicted or released while it was copied.
+            Longer: the block is longer than ``limit`` (nothing read or counted).
         """
-        found = self._look(address, ns)
+        found = self._look(address, ns, limit)
         if found is None:
             return None
         s, checksum = found

@@ -33,12 +33,18 @@ def srv(module_server_factory):
 
 
 def _put(address: str, body: bytes, extra: str = "") -> bytes:
-    return (f"PUT /kv/{address} HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\n"
-            f"{extra}\r\n").encode() + body  # fmt: skip
+    return _req("PUT", address, body, extra)
 
 
-def _both_ways(srv, address: str, body: bytes, extra: str = "", setup: bytes = b""):
-    """The answer to one PUT through the lane, and to the same PUT declined (closing).
+def _req(method: str, address: str, body: bytes = b"", extra: str = "") -> bytes:
+    length = f"Content-Length: {len(body)}\r\n" if method == "PUT" else ""
+    return f"{method} /kv/{address} HTTP/1.1\r\nHost: t\r\n{length}{extra}\r\n".encode() + body
+
+
+def _both_ways(srv, address: str, body: bytes, extra: str = "", setup: bytes = b"",
+               method: str = "PUT"):  # fmt: skip
+    """The answer to one request through the lane, and to the same request declined
+    (closing).
 
     ``setup``: a request sent first on each connection. With ``address`` ending ``{}``,
     each way gets its own (formatted with 0 and 1).
@@ -49,8 +55,8 @@ def _both_ways(srv, address: str, body: bytes, extra: str = "", setup: bytes = b
             if setup:
                 conn.send(setup)
                 conn.response()
-            conn.send(_put(address.format(i), body, extra + close))
-            line, headers, answer = conn.response()
+            conn.send(_req(method, address.format(i), body, extra + close))
+            line, headers, answer = conn.response(method)
             answers.append((line, {k: v for k, v in headers.items() if k not in _VARYING},
                             answer))  # fmt: skip
             if close:
@@ -88,6 +94,29 @@ def test_a_created_block_is_answered_alike_and_stored_with_its_checksum(srv):
         got = request(srv, "GET", f"/kv/ln-new-{i}")
         assert got.body == body
         assert got.headers["X-Eg-Kv-Checksum"] == encode_checksum(checksum_of(body))
+
+
+@pytest.mark.parametrize("size", [3, 200 * 1024, 2 * 1024 * 1024])
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_reads_are_answered_alike(srv, method, size):
+    """One page, several pages (one copy), and a block streamed from the slab (longer
+    than the lane reads: declined, untouched)."""
+    body = os.urandom(size)
+    lane, declined = _both_ways(srv, f"ln-r-{method}-{size}", b"", method=method,
+                                setup=_put(f"ln-r-{method}-{size}", body))  # fmt: skip
+    assert lane == declined
+    line, headers, answer = lane
+    assert (line, headers["content-length"]) == ("HTTP/1.1 200 OK", str(size))
+    assert headers["x-eg-kv-checksum"] == encode_checksum(checksum_of(body))
+    assert answer == (body if method == "GET" else b"")
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_a_miss_is_answered_alike(srv, method):
+    lane, declined = _both_ways(srv, "ln-absent", b"", method=method)
+    assert lane == declined
+    assert lane[0] == "HTTP/1.1 404 Not Found"
+    assert lane[2] == (b"no block ln-absent\n" if method == "GET" else b"")
 
 
 def test_pipelined_puts_past_a_burst_and_around_declined_requests_keep_their_order(srv):
