@@ -9,7 +9,7 @@ each request it parses to :class:`FastLane` first
 (:class:`eg_kv.server._compat.StampedHandler`); the lane answers it at once when it is
 the plain case, and declines it, untouched, otherwise.
 
-The plain case is a request to ``/kv/<address>`` over HTTP/1.1, kept alive, without
+The plain case is a request to ``/kv/<address>`` over HTTP/1.1 or 1.0, kept alive, without
 ``Expect``, whose whole body arrived with its head, on a worker that is not draining, has
 no disk tier and keeps no access log, to a client that reads its answers, and:
 
@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from aiohttp import HttpVersion11, streams, web
+from aiohttp import HttpVersion10, HttpVersion11, streams, web
 
 from ..errors import EgKvError, NotFound
 from ..slab.store import SMALL_PUT
@@ -95,7 +95,7 @@ class FastLane:
             method not in _METHODS
             or not payload.is_eof()
             or message.should_close
-            or message.version != HttpVersion11
+            or message.version not in _VERSIONS
             or message.upgrade
             or not message.path.startswith(BLOCK_PREFIX)
             or "Expect" in message.headers  # every route answers it alike, before the body
@@ -131,7 +131,7 @@ class FastLane:
             log.exception("internal error on %s %s", method, message.path[:200])
             body, extra = one_line(internal_reason(e)).encode(), b""
             status, content_type, length, checksum = 500, TEXT, len(body), None
-        head = head_for(HttpVersion11, True, status, content_type, length, checksum, extra)
+        head = head_for(message.version, True, status, content_type, length, checksum, extra)
         transport.writelines((head, body) if body else (head,))
         conn.lane_answered()
         self._metrics.observe("block", method, status, time.perf_counter() - start)
@@ -190,5 +190,6 @@ def _fail(e: EgKvError) -> _Answer:
 
 #: An answer: (status, content type, Content-Length, checksum or None, body).
 _Answer = tuple[int, str, int, "int | None", bytes]
+_VERSIONS = frozenset({HttpVersion10, HttpVersion11})  # kept alive (HTTP/1.0: if it asked)
 _ANSWERS = {"PUT": FastLane._put, "GET": FastLane._get, "HEAD": FastLane._head}
 _METHODS = frozenset(_ANSWERS)
