@@ -420,7 +420,8 @@ SERVER_SETTINGS: tuple[ServerSetting, ...] = (
     _S("drain_timeout_s", "--drain-timeout", None, "float", metavar="S", unit="s",
        help="seconds in-flight requests get on `SIGTERM`"),
     _S("access_log", "--access-log", None, "switch",
-       help="log every request (it costs throughput)"),
+       help="log every request (it costs throughput: small block requests then skip the "
+            "fast lane)"),
     _S("upload_share", "--upload-share", None, "float", metavar="F",
        help="fraction of the slab that uploads in flight may reserve together; a new upload "
        "beyond it gets `503` + `Retry-After`",

@@ -4,7 +4,7 @@ aiohttp's request machinery.
 aiohttp turns every parsed request into a ``Request``, a task, a route lookup and a
 finished response, and that machinery cost more than a 4 KiB PUT's own work: a worker
 spent 69 µs of CPU on one, where a bare aiohttp handler that only drains the body spent
-34 (docs/design.md, "The fast lane"). A connection that waits for its next request hands
+34 (docs/design.md, "Serving"). A connection that waits for its next request hands
 each request it parses to :class:`FastLane` first
 (:class:`eg_kv.server._compat.StampedHandler`); the lane answers it at once when it is
 the plain case, and declines it, untouched, otherwise.
@@ -132,7 +132,8 @@ class FastLane:
             body, extra = one_line(internal_reason(e)).encode(), b""
             status, content_type, length, checksum = 500, TEXT, len(body), None
         head = head_for(message.version, True, status, content_type, length, checksum, extra)
-        transport.writelines((head, body) if body else (head,))
+        # A HEAD's answer says the length of the body a GET would get, and sends none.
+        transport.writelines((head, body) if body and method != "HEAD" else (head,))
         conn.lane_answered()
         self._metrics.observe("block", method, status, time.perf_counter() - start)
         return True

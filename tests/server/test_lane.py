@@ -61,6 +61,9 @@ def _both_ways(srv, address: str, body: bytes, extra: str = "", setup: bytes = b
                             answer))  # fmt: skip
             if close:
                 assert conn.closed_by_server()
+            else:  # nothing more came with the answer: the next one is whole
+                conn.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+                assert conn.response()[0] == "HTTP/1.1 200 OK"
     return answers
 
 
