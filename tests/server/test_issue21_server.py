@@ -28,6 +28,8 @@ from helpers.server_procs import workers_of
 from helpers.tenants import token_of, write_tokens
 
 from eg_kv.server import runstate
+from eg_kv.slab.lock import LockTimeout
+from eg_kv.slab.store import Slab
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -176,6 +178,29 @@ def _reload_lines(srv, path: Path) -> int:
     return srv.log().count(f"tokens file {path}: ")
 
 
+def _stop_outside_the_lock(slab: Slab, pid: int) -> None:
+    """SIGSTOP ``pid`` at a moment it does not hold the slab lock.
+
+    The supervisor installs a reloaded file under that lock: a worker held inside it (it
+    binds its namespaces right after reading the file) would keep the install waiting
+    until the watchdog ends it, and the round would wait for the install in vain. A
+    stopped worker that holds the lock keeps it: one that still holds it after 0.2 s is
+    let run until it has left, and stopped again.
+    """
+    for _ in range(50):
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                 == "T", timeout=10, what=f"worker {pid} stopped")  # fmt: skip
+        try:
+            with slab._locked(timeout=0.2, write=False):
+                return
+        except LockTimeout:
+            os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: slab.lock_state()[0] != pid, timeout=10,
+                     what=f"worker {pid} out of the slab lock")  # fmt: skip
+    raise AssertionError(f"worker {pid} was inside the slab lock at every stop")
+
+
 @pytest.mark.timeout(120)
 def test_a_reload_reaches_workers_that_are_booting(server_factory, tmp_path):
     """A token removed by a reload is refused by every worker within 1 s, however the
@@ -193,6 +218,7 @@ def test_a_reload_reaches_workers_that_are_booting(server_factory, tmp_path):
     srv = server_factory(workers=2, capacity="8MiB",
                          extra=("--tokens", str(path), "--lock-timeout", "30"))  # fmt: skip
     opens = _Opens(_run_dir_of(srv))
+    slab = Slab.attach(srv.slab_name)
     try:
         kinds = ("at_read", "at_fork", "at_read", "booted", "at_read", "at_read")
         for i, kind in enumerate(kinds):
@@ -206,10 +232,10 @@ def test_a_reload_reaches_workers_that_are_booting(server_factory, tmp_path):
             held = False
             if kind == "at_read":
                 assert opens.wait_open(runstate.TOKENS_COPY, timeout=20), "tokens never read"
-                os.kill(pid, signal.SIGSTOP)
+                _stop_outside_the_lock(slab, pid)
                 held = True
             elif kind == "at_fork":
-                os.kill(pid, signal.SIGSTOP)
+                _stop_outside_the_lock(slab, pid)
                 held = True
             else:
                 wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=20,
@@ -236,6 +262,7 @@ def test_a_reload_reaches_workers_that_are_booting(server_factory, tmp_path):
             kept = _answers_by_worker(srv, token_of("keep"), pids)
             assert set(kept) >= pids and set(kept.values()) == {200}, kept
     finally:
+        slab.close()
         opens.close()
 
 
