@@ -262,7 +262,8 @@ def test_a_subscriber_that_never_reads_costs_the_others_nothing(server_factory):
     stuck.connect(f"tcp://127.0.0.1:{ports[0]}")
     sub = Subscriber(sys.executable, ports, "kv@pool:node:test@tiny", "llm-d")
     try:
-        publisher = publisher_of(srv, ports[0])
+        # The publisher binds once its worker serves: /healthz may answer before it has.
+        publisher = wait_for(lambda: publisher_of(srv, ports[0]), what="the publisher bound")
         for k in range(1500):
             assert put(srv, f"s{k}") == 201
         got = sub.dump()
