@@ -7,7 +7,10 @@ llm-d's indexer does, reducing each bytes hash to its last 8 bytes as an int.
 
 Commands on stdin, one per line: ``dump`` takes what was sent (and asks the replay socket
 for anything after its last seq), then prints one JSON line: the hashes held (hex), the last seq,
-and how many clears, replays and resyncs it went through; ``quit`` ends it.
+and how many clears, replays and resyncs it went through, how many messages the SUB
+delivered (``live``) and the holes in that stream (a gap before its first message is a
+``join_gaps``: joining late loses nothing);
+``quit`` ends it.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ def main() -> None:
     sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
     sub.connect(args.endpoint)
     held: set[str] = set()
-    state = {"last": -1, "cleared": 0, "replays": 0, "resyncs": 0, "holes": 0, "media": set()}
+    state = {"last": -1, "cleared": 0, "replays": 0, "resyncs": 0, "holes": 0, "join_gaps": 0,
+             "live": 0, "media": set()}  # fmt: skip
 
     def apply(payload: bytes) -> None:
         for kind, hashes, medium in events(payload):
@@ -118,12 +122,17 @@ def main() -> None:
         seq = int.from_bytes(seq_b, "big")
         last = state["last"]
         if last >= 0 and seq > last + 1:  # missed some (or a new log began): replay
-            state["holes"] += 1
+            # The SUB's first message may come after a gap that is no loss: what was
+            # published between the first replay and the subscription reaching the publisher.
+            state["holes" if state["live"] else "join_gaps"] += 1
+            state["live"] += 1
             replay(last + 1)
         elif last < 0 or seq == last + 1:
+            state["live"] += 1
             apply(payload)
             state["last"] = seq
-        # seq <= last: replayed already
+        else:  # seq <= last: replayed already
+            state["live"] += 1
 
     replay(0)  # what was published before this subscriber joined
     poller = zmq.Poller()

@@ -264,11 +264,19 @@ def test_a_subscriber_that_never_reads_costs_the_others_nothing(server_factory):
     try:
         # The publisher binds once its worker serves: /healthz may answer before it has.
         publisher = wait_for(lambda: publisher_of(srv, ports[0]), what="the publisher bound")
+        probes = iter(range(100))
+
+        def live() -> bool:  # the reading SUB's subscription has reached the publisher
+            assert put(srv, f"probe{next(probes)}") == 201
+            return sub.dump()["live"] > 0
+
+        wait_for(live, what="the subscriber's SUB delivering")
         for k in range(1500):
             assert put(srv, f"s{k}") == 201
         got = sub.dump()
         want = sorted(str(int.from_bytes(engine_hash(a)[-8:], "big")) for a in held_by(srv))
-        assert got["held"] == want and got["holes"] == 0 and got["resyncs"] == 1  # on joining
+        assert got["held"] == want and got["resyncs"] == 1  # on joining
+        assert got["holes"] == 0 and got["live"] > 1000, got["live"]
         assert publisher_of(srv, ports[0]) == publisher
     finally:
         sub.close()
