@@ -11,9 +11,9 @@ in production.
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from aiohttp import streams, web, web_protocol, web_server, web_urldispatcher
 from aiohttp.http_parser import RawRequestMessage
@@ -31,7 +31,7 @@ HANDLER_PRIVATE = (
     "_loop", "_request_count", "_waiter", "_next_keepalive_close_time",
     "_keepalive_timeout", "_current_request", "_reading_paused", "_messages", "_parser",
     "_buffer_paused", "_msg_queue_resume_size", "_keepalive", "_keepalive_handle",
-    "_process_keepalive", "_manager", "_force_close", "_close",
+    "_process_keepalive", "_manager", "_force_close", "_close", "_max_msg_queue_size",
 )  # fmt: skip
 
 
@@ -51,10 +51,71 @@ LANE_BURST = PIPELINE_QUEUE_MAX or 32
 #: The classes a parsed request comes as: the C parser's (when aiohttp has it) has the
 #: same fields as the Python one; anything else on the queue is a parse error's report.
 MESSAGE_TYPES: frozenset[type] = frozenset({RawRequestMessage, _c_message_type()})
-#: A connection's fast lane (:mod:`eg_kv.server.lane`): given a parsed request and its
-#: body's reader, answer it at once and return True, or return False (untouched) and
-#: aiohttp's request machinery handles it.
-Lane = Callable[["StampedHandler", Message, streams.StreamReader], bool]
+
+
+class Lane(Protocol):
+    """A connection's fast lane (:mod:`eg_kv.server.lane`)."""
+
+    def __call__(
+        self, conn: StampedHandler, message: Message, payload: streams.StreamReader,
+        unfed: int = 0,
+    ) -> bool:  # fmt: skip
+        """Given a parsed request and its body's reader, answer it at once, or take its
+        body (:meth:`StampedHandler.take_body`), and return True; or return False
+        (untouched) and aiohttp's request machinery handles it. ``unfed``: bytes of the
+        body that arrived but were not handed to the parser yet."""
+        ...
+
+
+class Intake(Protocol):
+    """The protocol a connection's transport reads a request body into
+    (:class:`eg_kv.server.intake.BodyIntake`): what :class:`StampedHandler` asks of it."""
+
+    #: Whether the whole body arrived (or never will).
+    done: bool
+
+    @property
+    def received(self) -> int:
+        """Body bytes received so far."""
+        ...
+
+    def feed(self, data: Any) -> None:
+        """Body bytes that arrived before the transport was handed over."""
+        ...
+
+
+#: A large PUT's head arrives with more of its body than this in one read: the head is
+#: parsed alone, so the body can go straight to the slab (:meth:`StampedHandler.take_body`)
+#: rather than through the parser's copies. At most aiohttp's reader's low limit, so a
+#: body fed to the parser never pauses it (which would leave bytes inside the parser).
+SPLIT_READS_OVER = 64 * 1024
+#: How far into a read the end of a PUT's head is looked for.
+HEAD_SCAN = 16 * 1024
+_PUT, _HEAD_END = b"PUT ", b"\r\n\r\n"
+_LENGTH_HEADERS = (b"\r\nContent-Length:", b"\r\ncontent-length:")
+#: The arguments of aiohttp's request parser that a connection handler takes, with its
+#: defaults: a handler whose parser is replaced builds the new one alike.
+_PARSER_ARGS = {
+    name: inspect.signature(web_protocol.RequestHandler.__init__).parameters[name].default
+    for name in ("read_bufsize", "max_line_size", "max_field_size", "max_headers",
+                 "auto_decompress")
+}  # fmt: skip
+
+
+def peek_length(data: bytes, end: int) -> int:
+    """A hint of a PUT's body length from its raw head (``data[:end]``): the
+    Content-Length in its usual spelling, or -1. The parser stays the judge of the head;
+    a wrong hint only sends the body the slower way."""
+    for name in _LENGTH_HEADERS:
+        i = data.find(name, 0, end)
+        if i >= 0:
+            i += len(name)
+            j = data.find(b"\r\n", i, end + 2)
+            try:
+                return int(data[i:j])
+            except ValueError:
+                return -1
+    return -1
 
 
 # ---------------------------------------------------------------------------- responses
@@ -142,17 +203,20 @@ class StampedHandler(web_protocol.RequestHandler):
     """
 
     __slots__ = (
-        "body_at", "body_req", "body_seen", "head_at", "head_of", "held_at", "in_lane", "lane",
-        "rx_at", "wpaused_at", "wpaused_size",
+        "body_at", "body_req", "body_seen", "head_at", "head_of", "held_at", "in_lane",
+        "intake", "lane", "parser_args", "rx_at", "wpaused_at", "wpaused_size",
     )  # fmt: skip
 
     def __init__(self, manager: web_server.Server, *, lane: Lane | None = None, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self.lane, self.in_lane = lane, False
+        #: The body being read past the parser (:meth:`take_body`), if any.
+        self.intake: Intake | None = None
+        self.parser_args = {k: kwargs.get(k, v) for k, v in _PARSER_ARGS.items()}
         self.rx_at = self.head_at = self.wpaused_at = self.held_at = -math.inf
         self.head_of = -1
         self.wpaused_size = 0
-        self.body_req: web.BaseRequest | None = None
+        self.body_req: object = None  # a request, or an intake (take_body)
         self.body_at = self.body_seen = -math.inf
 
     def data_received(self, data: bytes) -> None:
@@ -172,7 +236,31 @@ class StampedHandler(web_protocol.RequestHandler):
         ):  # fmt: skip
             _data_received(self, data)
             return
+        if len(data) > SPLIT_READS_OVER and data.startswith(_PUT):
+            end = data.find(_HEAD_END, 0, HEAD_SCAN)
+            if end > 0 and peek_length(data, end) > len(data) - end - 4:
+                self._lane_split(data, end + 4, waiter, lane)
+                return
         self._lane(data, waiter, lane)
+
+    def _lane_split(self, data: bytes, end: int, waiter: Any, lane: Lane) -> None:
+        """A large PUT's head, and part of its body, in one read (``data[:end]`` the head):
+        the lane sees the head alone, and may take the body (:meth:`take_body`);
+        otherwise the rest goes to the parser, and on as :meth:`_lane` goes."""
+        self._waiter, self.in_lane = None, True
+        try:
+            _data_received(self, data[:end])
+            messages = self._messages
+            if len(messages) == 1 and type(messages[0][0]) in MESSAGE_TYPES:
+                message, payload = messages[0]
+                if lane(self, cast(Message, message), payload, len(data) - end):
+                    messages.popleft()  # its body taken (or the connection closing)
+                    if self.intake is not None:
+                        self.intake.feed(memoryview(data)[end:])
+                    return
+        finally:
+            self._waiter, self.in_lane = waiter, False
+        self._lane(data[end:], waiter, lane)  # declined: it stays first in the queue
 
     def _lane(self, data: bytes, waiter: Any, lane: Lane) -> None:
         """Parse ``data`` while ``start()`` waits for the next request (``waiter``; None:
@@ -204,6 +292,8 @@ class StampedHandler(web_protocol.RequestHandler):
                     break
                 answered += 1
                 messages.popleft()
+                if self.intake is not None:  # its body is read past the parser: nothing follows
+                    break
                 if self._parser is not None:  # None only once the connection is lost
                     self._parser.message_consumed()
                 if self._buffer_paused and len(messages) <= self._msg_queue_resume_size:
@@ -212,6 +302,45 @@ class StampedHandler(web_protocol.RequestHandler):
             self._waiter, self.in_lane = waiter, False
         if self._messages and waiter is not None and not waiter.done():
             waiter.set_result(None)  # (one that has not run finds them when it does)
+
+    def take_body(self, intake: Intake) -> None:
+        """Read the rest of the request body being parsed into ``intake`` (a
+        ``BufferedProtocol``: the socket reads straight into its buffers), until
+        :meth:`give_body_back`.
+
+        The parser, midway through that body, is replaced by a fresh one for the requests
+        after it (aiohttp's parser cannot skip a body). aiohttp's keep-alive timer is
+        off meanwhile: the connection is busy, and the sweeper times the body
+        (:meth:`body_stalled_since`). The transport takes the new protocol between two
+        reads: stopping and restarting reading makes uvloop pick its buffered reads.
+        """
+        transport = self.transport
+        assert transport is not None and self._parser is not None
+        self._parser = type(self._parser)(
+            self, self._loop, self.parser_args["read_bufsize"],
+            max_line_size=self.parser_args["max_line_size"],
+            max_field_size=self.parser_args["max_field_size"],
+            max_headers=self.parser_args["max_headers"],
+            payload_exception=web_protocol.RequestPayloadError,
+            auto_decompress=self.parser_args["auto_decompress"],
+            max_msg_queue_size=self._max_msg_queue_size,
+        )  # fmt: skip
+        self.intake, self._keepalive = intake, False
+        self.body_req = None
+        _switch_protocol(transport, intake)
+
+    def give_body_back(self, read_on: bool = True) -> None:
+        """The body :meth:`take_body` handed over is in, or never will be: this handler
+        is the transport's protocol again, and reads on if ``read_on`` (else the
+        connection is ending)."""
+        self.intake = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if read_on:
+            _switch_protocol(transport, self)
+        else:
+            transport.set_protocol(self)
 
     def lane_answered(self) -> None:
         """What ``start()`` does after a kept-alive answer, for one the lane wrote: count
@@ -238,7 +367,12 @@ class StampedHandler(web_protocol.RequestHandler):
         aiohttp's ``start()`` loop awaits ``_waiter`` between requests only; it is None
         while a request is queued, handled, or its unread body drained (lingering).
         """
-        return self._waiter is not None or not self._request_count
+        return self.intake is None and (self._waiter is not None or not self._request_count)
+
+    def reading_held(self) -> bool:
+        """Whether aiohttp holds reading: a full buffer or message queue (the parser may
+        keep bytes back then)."""
+        return self._reading_paused or self._buffer_paused
 
     def head_arriving(self) -> bool:
         """Whether a head has begun and not been parsed yet (while :meth:`waiting`)."""
@@ -261,6 +395,8 @@ class StampedHandler(web_protocol.RequestHandler):
         from the later of the last byte and the last time the hold was seen (so at most
         one sweep early after a hold ends).
         """
+        if self.intake is not None:  # read past aiohttp (take_body): never held
+            return None if self.intake.done else self.rx_at
         req = self._current_request
         if req is None or req.content.is_eof():
             return None
@@ -287,16 +423,30 @@ class StampedHandler(web_protocol.RequestHandler):
         Returns:
             False when no handler runs or its whole body arrived.
         """
-        req = self._current_request
-        if req is None or req.content.is_eof():
+        intake = self.intake
+        body: Any = intake if intake is not None else self._current_request
+        if body is None or (intake.done if intake is not None else body.content.is_eof()):
             self.body_req = None  # no reference kept to a finished request
             return False
-        if req is not self.body_req:
-            self.body_req, self.body_at = req, now
-        elif self._reading_paused:
+        if body is not self.body_req:
+            self.body_req, self.body_at = body, now
+        elif self._reading_paused and intake is None:
             self.body_at += now - self.body_seen  # the server held reading since the last look
         self.body_seen = now
-        return now - self.body_at > grace + req.content.total_bytes / rate
+        got = intake.received if intake is not None else body.content.total_bytes
+        return now - self.body_at > grace + got / rate
+
+
+def _switch_protocol(transport: Any, protocol: Any) -> None:
+    """Make ``protocol`` the one ``transport`` reads into, from its next read on.
+
+    asyncio's transports choose between ``data_received`` and a ``BufferedProtocol``'s
+    ``get_buffer`` in ``set_protocol``; uvloop's when reading starts, so reading is
+    stopped and started again (between two reads: this runs inside one's callback).
+    """
+    transport.set_protocol(protocol)
+    transport.pause_reading()
+    transport.resume_reading()
 
 
 class HandlerRunner(web.AppRunner):

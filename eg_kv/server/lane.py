@@ -38,17 +38,19 @@ import logging
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from aiohttp import HttpVersion10, HttpVersion11, streams, web
 
-from ..errors import EgKvError, NotFound
-from ..slab.store import SMALL_PUT
+from ..errors import BadRequest, EgKvError, NotFound
+from ..slab.store import SMALL_PUT, PutHandle
 from ..slab.view import Longer
 from ..wire import BLOCK_PREFIX, BLOCK_TYPE, RELEASE_HEADER
 from ._compat import Message, StampedHandler
 from .answers import error_answer, internal_reason, one_line
 from .auth import authorize, roles_refused
 from .blocks import absent, read_small
+from .intake import BodyIntake
 from .keys import AUTH, DISK, DRAIN, METRICS, SETTINGS, SLAB
 from .replies import TEXT, head_for
 from .uploads import put_fields
@@ -57,6 +59,7 @@ log = logging.getLogger("eg_kv.server.lane")
 
 _PREFIX_LEN = len(BLOCK_PREFIX)
 _CREATED, _DEDUP = b"created\n", b"dedup\n"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class FastLane:
@@ -66,11 +69,11 @@ class FastLane:
         app: the worker's application, started (its slab attached).
     """
 
-    __slots__ = ("_auth", "_checked", "_drain", "_metrics", "_slab")
+    __slots__ = ("_auth", "_checked", "_drain", "_metrics", "_share", "_slab")
 
     def __init__(self, app: web.Application) -> None:
         self._auth, self._slab, self._drain = app[AUTH], app[SLAB], app[DRAIN]
-        self._metrics = app[METRICS]
+        self._metrics, self._share = app[METRICS], app[SETTINGS].upload_share
         # The roles authorize() may refuse on the block route: others skip the call.
         self._checked = roles_refused("block", self._auth.tenants_mode)
 
@@ -84,24 +87,32 @@ class FastLane:
         return cls(app)
 
     def __call__(
-        self, conn: StampedHandler, message: Message, payload: streams.StreamReader
-    ) -> bool:
-        """Answer ``message`` if it is the plain case; True if it was answered.
+        self, conn: StampedHandler, message: Message, payload: streams.StreamReader,
+        unfed: int = 0,
+    ) -> bool:  # fmt: skip
+        """Answer ``message`` if it is the plain case, or take its body (a large PUT's:
+        :mod:`eg_kv.server.intake`); True if it did.
 
         False leaves it untouched (nothing read, counted or stored) for aiohttp's way.
+
+        Args:
+            unfed: bytes of the body that arrived but were not handed to the parser.
         """
         method = message.method
         if (
             method not in _METHODS
-            or not payload.is_eof()
             or message.should_close
             or message.version not in _VERSIONS
             or message.upgrade
             or not message.path.startswith(BLOCK_PREFIX)
-            or "Expect" in message.headers  # every route answers it alike, before the body
             or self._drain.draining
             or conn.writing_paused
         ):
+            return False
+        # A body still arriving, or asked for (every other route answers Expect alike,
+        # before the body), is taken only for a large PUT.
+        whole = payload.is_eof() and "Expect" not in message.headers
+        if not whole and method != "PUT":
             return False
         transport = conn.transport
         if transport is None or transport.is_closing():
@@ -115,6 +126,8 @@ class FastLane:
             if tenant.role in self._checked:
                 authorize("block", method, tenant, self._auth.tenants_mode)
             self._slab.check_address(address, tenant.ns)
+            if not whole:
+                return self._take_body(conn, message, payload, unfed, address, tenant.ns, start)
             answer = _ANSWERS[method](self, message, payload, address, tenant.ns)
         except Exception:  # an EgKvError, or a bug: aiohttp's way answers it (a bug: a 500
             return False  # and its traceback), from the one place that does
@@ -131,12 +144,108 @@ class FastLane:
             log.exception("internal error on %s %s", method, message.path[:200])
             body, extra = one_line(internal_reason(e)).encode(), b""
             status, content_type, length, checksum = 500, TEXT, len(body), None
-        head = head_for(message.version, True, status, content_type, length, checksum, extra)
-        # A HEAD's answer says the length of the body a GET would get, and sends none.
-        transport.writelines((head, body) if body and method != "HEAD" else (head,))
-        conn.lane_answered()
-        self._metrics.observe("block", method, status, time.perf_counter() - start)
+        self._send(conn, message.version, method, status, content_type, length, checksum,
+                   body, extra, start)  # fmt: skip
         return True
+
+    def _send(
+        self, conn: StampedHandler, version: Any, method: str, status: int, content_type: str,
+        length: int, checksum: int | None, body: bytes, extra: bytes, start: float,
+        keep: bool = True,
+    ) -> None:  # fmt: skip
+        """Write an answer, count it, and keep the connection for the next request (or
+        close it once the answer is out: ``keep`` False)."""
+        head = head_for(version, keep, status, content_type, length, checksum, extra)
+        transport = conn.transport
+        if transport is not None:
+            # A HEAD's answer says the length of the body a GET would get, and sends none.
+            transport.writelines((head, body) if body and method != "HEAD" else (head,))
+        if keep:
+            conn.lane_answered()
+        else:
+            conn.force_close()
+        self._metrics.observe("block", method, status, time.perf_counter() - start)
+
+    def _take_body(
+        self, conn: StampedHandler, message: Message, payload: streams.StreamReader,
+        unfed: int, address: str, ns: int, start: float,
+    ) -> bool:  # fmt: skip
+        """A PUT whose body has not all arrived (or waits for ``100 Continue``): over
+        :data:`~eg_kv.slab.store.SMALL_PUT`, its body goes straight into the pages it
+        reserves (:mod:`eg_kv.server.intake`), and True; otherwise False, untouched.
+
+        Raises (before anything is done, so aiohttp's way answers it): what
+        :func:`~eg_kv.server.uploads.put_fields` and
+        :meth:`~eg_kv.slab.store.Slab.begin_put` raise.
+        """
+        expect = message.headers.get("Expect")
+        if message.chunked or conn.reading_held():  # (held: the parser kept bytes back)
+            return False
+        if expect is not None and (
+            expect.lower() != "100-continue" or message.version != HttpVersion11
+            or payload.total_bytes or unfed  # a body sent before it was asked for
+        ):  # fmt: skip
+            return False
+        length, checksum, engine = put_fields(message.headers, self._slab.max_block_size)
+        if length is None or length <= SMALL_PUT or length <= payload.total_bytes + unfed:
+            return False  # a small body, or a whole one: answered once it is all in
+        version = message.version
+        if expect is not None and self._slab.add_ref(address, length, ns):
+            # A dedup hit from the head (the address names the content): answered before
+            # the body, and the connection closes, whether or not the client sends it.
+            self._send(conn, version, "PUT", 200, TEXT, len(_DEDUP), None, _DEDUP, b"", start,
+                       keep=False)  # fmt: skip
+            return True
+        handle = self._slab.begin_put(address, length, self._share, ns, checksum, engine)
+        # The request is the lane's from here: answered when its body is in.
+        self._drain.enter()
+        intake = BodyIntake(conn, handle, partial(self._put_ended, conn, handle, version, start))
+        try:
+            if expect is not None and conn.transport is not None:
+                conn.transport.write(_CONTINUE)
+            conn.take_body(intake)
+            if payload.total_bytes:
+                intake.feed(payload.read_nowait(-1))
+        except Exception as e:  # a bug: answer 500 with one line, keep the worker alive
+            log.exception("internal error taking the body of PUT %s", message.path[:200])
+            if not intake.done:
+                intake.done = True
+                conn.give_body_back(read_on=False)
+                self._drain.leave()
+                handle.abort()
+                body = one_line(internal_reason(e)).encode()
+                self._send(conn, version, "PUT", 500, TEXT, len(body), None, body, b"", start,
+                           keep=False)  # fmt: skip
+            else:  # answered already: whatever failed after, the connection ends
+                conn.force_close()
+        return True
+
+    def _put_ended(
+        self, conn: StampedHandler, handle: PutHandle, version: Any, start: float,
+        why: str | None, lost: bool,
+    ) -> None:  # fmt: skip
+        """A taken body is in (``why`` None), cut short (``why``), or its connection was
+        lost: commit or abort the put, and answer."""
+        self._drain.leave()
+        if lost:
+            handle.abort()
+            self._metrics.observe("block", "PUT", "cancelled", time.perf_counter() - start)
+            return
+        extra = b""
+        try:
+            if why is not None:
+                raise BadRequest(why)
+            created = handle.commit()
+            body, status = (_CREATED, 201) if created else (_DEDUP, 200)
+        except EgKvError as e:
+            status, body, extra = error_answer(e)
+        except Exception as e:  # a bug: answer 500 with one line, keep the worker alive
+            log.exception("internal error on PUT of %s", handle.address[:200])
+            status, body = 500, one_line(internal_reason(e)).encode()
+        finally:
+            handle.abort()  # no-op after commit; frees the pages (or the dedup reference)
+        keep = why is None and not self._drain.draining
+        self._send(conn, version, "PUT", status, TEXT, len(body), None, body, extra, start, keep)
 
     # Each route's part: from the request, None (declined, nothing done) or the answer to
     # make once the request is the lane's: (status, type, length, checksum, body).

@@ -997,6 +997,29 @@ class PutHandle:
             self._hash.update(src)  # type: ignore[union-attr]
         self.pos += n
 
+    def room(self, most: int) -> memoryview | None:
+        """A writable view of the block's pages at the current position: at most ``most``
+        bytes, within one contiguous run, not past the block's end. A socket reads the next
+        bytes of the body straight into it; then call :meth:`wrote`. None for a dedup hit
+        (its bytes are dropped) or once every byte was written."""
+        if self._runs is None or self.pos >= self.length:
+            return None
+        runs, r, cur = self._runs, self._run, self.pos
+        start, off, size = runs[r]
+        while cur >= start + size:  # this run is full: move on
+            r += 1
+            start, off, size = runs[r]
+        self._run = r
+        at = off + cur - start
+        return self._slab._mv[at : at + min(most, start + size - cur)]
+
+    def wrote(self, view: memoryview | None, n: int) -> None:
+        """The first ``n`` bytes of ``view`` (from :meth:`room`) were filled: hash them
+        (while they are in cache) and move on. For a dedup hit (no view), count them."""
+        if self._hash is not None and view is not None:
+            self._hash.update(view[:n])
+        self.pos += n
+
     def page_views(self, align: int) -> list[memoryview] | None:
         """Writable views of the reserved pages in order, for a read straight into them
         (the disk tier's promotion: O_DIRECT ``preadv``): starts and sizes multiples of

@@ -139,3 +139,39 @@ class Conn:
     def closed_by_server(self) -> bool:
         """True once the server has closed its end (and sent nothing more)."""
         return not self.buf and not self._fill()
+
+
+#: Header lines that may differ between the fast lane's answer and aiohttp's: the clock,
+#: and the close.
+VARYING = {"date", "connection"}
+
+
+def both_ways(srv, send, setup: bytes = b"", method: str = "PUT") -> list:
+    """The answer to one request on a kept-alive connection (the fast lane's,
+    eg_kv/server/lane.py), and to the same request with ``Connection: close`` (which the
+    lane declines: aiohttp's way): ``[(status line, headers but VARYING, body)] * 2``.
+
+    Args:
+        send: ``send(conn, i, close)`` sends the request on ``conn``, with the header line
+            ``close`` added (empty the first time); ``i``: 0, then 1, for its own address.
+        setup: a request sent first on each connection (its answer read and dropped).
+
+    After the kept-alive answer nothing more may have come, and the next request is
+    answered whole; the closing one must close.
+    """
+    answers = []
+    for i, close in enumerate(("", "Connection: close\r\n")):
+        with Conn(srv) as conn:
+            if setup:
+                conn.send(setup)
+                conn.response()
+            send(conn, i, close)
+            line, headers, answer = conn.response(method)
+            answers.append((line, {k: v for k, v in headers.items() if k not in VARYING},
+                            answer))  # fmt: skip
+            if close:
+                assert conn.closed_by_server()
+            else:
+                conn.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+                assert conn.response()[0] == "HTTP/1.1 200 OK"
+    return answers

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import os
 import re
 import sys
 
@@ -18,6 +19,8 @@ from helpers.common import ROOT
 from prometheus_client import Histogram
 
 from eg_kv.server import _compat
+from eg_kv.server.intake import BodyIntake
+from eg_kv.slab.store import Slab
 
 
 def test_installed_versions_are_the_tested_ones():
@@ -195,3 +198,102 @@ def test_handler_runner_builds_our_handlers_on_uvloop_too():
             loop.run_until_complete(_exercise_a_connection())
         finally:
             loop.close()
+
+
+class _Taker(_compat.StampedHandler):
+    """A handler whose lane takes every PUT's body into a real slab (eg_kv/server/intake.py)
+    and answers 201 when it is in: what :meth:`StampedHandler.take_body` assumes of
+    aiohttp's parser and of the loop's transports, checked on each loop."""
+
+    __slots__ = ()
+    slab: Slab
+    reads: list[int] = []
+
+    def __init__(self, manager, **kwargs) -> None:
+        super().__init__(manager, lane=self._take, **kwargs)
+
+    def _take(self, conn, message, payload, unfed: int = 0) -> bool:
+        if message.method != "PUT" or payload.is_eof():
+            return False
+        length = int(message.headers["Content-Length"])
+        handle = self.slab.begin_put(message.path[1:], length)
+
+        def ended(why, lost) -> None:
+            assert why is None and not lost
+            handle.commit()
+            conn.transport.write(b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n")
+            conn.lane_answered()
+
+        intake = _CountingIntake(conn, handle, ended)
+        conn.take_body(intake)
+        intake.feed(payload.read_nowait(-1))
+        return True
+
+
+class _CountingIntake(BodyIntake):
+    __slots__ = ()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        _Taker.reads.append(nbytes)  # the socket read into the intake's own buffer
+        super().buffer_updated(nbytes)
+
+
+class _TakerRunner(_compat.HandlerRunner):
+    handler_class = _Taker
+
+
+async def _take_bodies() -> None:
+    async def echo_length(request: web.Request) -> web.Response:
+        return web.Response(text=str(len(await request.read())))
+
+    app = web.Application()
+    app.router.add_post("/echo", echo_length)
+    app.router.add_get("/x", echo_length)
+    runner = _TakerRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = os.urandom(3 * 1024 * 1024 + 5)
+    try:
+        # The head alone, then the body in pieces, and a request right behind its last
+        # byte: the body lands in the slab, the request after it reaches aiohttp whole.
+        writer.write(b"PUT /b1 HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+        await writer.drain()
+        for at in range(0, len(body), 700_000):
+            writer.write(body[at : at + 700_000])
+            await writer.drain()
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        assert await _response(reader) == (201, b"")
+        assert await _response(reader) == (200, b"3")
+        assert _Taker.slab.get("b1") == body and sum(_Taker.reads) == len(body)
+        # The head and 200 KiB of the body in one read: the head is parsed alone
+        # (SPLIT_READS_OVER), the rest fed to the intake. The parser that replaced the one
+        # midway through the body keeps aiohttp's limits: a header line over 8190 bytes.
+        writer.write(b"PUT /b2 HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body[:200_000])  # fmt: skip
+        writer.write(body[200_000:] + b"GET /x HTTP/1.1\r\nHost: x\r\nX-Long: %s\r\n\r\n"
+                     % (b"y" * 9000))  # fmt: skip
+        assert await _response(reader) == (201, b"")
+        assert _Taker.slab.get("b2") == body
+        assert (await _response(reader))[0] == 400
+    finally:
+        writer.close()
+        await runner.cleanup()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_body_taken_past_the_parser_lands_and_the_connection_goes_on(loop, slab_name):
+    factory = asyncio.new_event_loop
+    if loop == "uvloop":
+        factory = pytest.importorskip("uvloop").new_event_loop
+    _Taker.slab = Slab.create(slab_name, 32 * 1024 * 1024, max_block_size=8 * 1024 * 1024)
+    _Taker.reads = []
+    event_loop = factory()
+    try:
+        event_loop.run_until_complete(_take_bodies())
+    finally:
+        event_loop.close()
+        _Taker.slab.close()

@@ -15,16 +15,13 @@ import time
 
 import pytest
 from helpers.common import wait_for
-from helpers.server_http import Conn, request
+from helpers.server_http import Conn, both_ways, request
 
 from eg_kv.checksum import encode as encode_checksum
 from eg_kv.checksum import of as checksum_of
 from eg_kv.engine import BLOCK_SIZE_HEADER
 
 pytestmark = pytest.mark.timeout(60)
-
-#: Header lines that may differ between the two ways: the clock, and the close.
-_VARYING = {"date", "connection"}
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +41,13 @@ def _req(method: str, address: str, body: bytes = b"", extra: str = "") -> bytes
 def _both_ways(srv, address: str, body: bytes, extra: str = "", setup: bytes = b"",
                method: str = "PUT"):  # fmt: skip
     """The answer to one request through the lane, and to the same request declined
-    (closing).
+    (closing): :func:`helpers.server_http.both_ways`. With ``address`` ending ``{}``, each
+    way gets its own (formatted with 0 and 1)."""
 
-    ``setup``: a request sent first on each connection. With ``address`` ending ``{}``,
-    each way gets its own (formatted with 0 and 1).
-    """
-    answers = []
-    for i, close in enumerate(("", "Connection: close\r\n")):
-        with Conn(srv) as conn:
-            if setup:
-                conn.send(setup)
-                conn.response()
-            conn.send(_req(method, address.format(i), body, extra + close))
-            line, headers, answer = conn.response(method)
-            answers.append((line, {k: v for k, v in headers.items() if k not in _VARYING},
-                            answer))  # fmt: skip
-            if close:
-                assert conn.closed_by_server()
-            else:  # nothing more came with the answer: the next one is whole
-                conn.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
-                assert conn.response()[0] == "HTTP/1.1 200 OK"
-    return answers
+    def send(conn: Conn, i: int, close: str) -> None:
+        conn.send(_req(method, address.format(i), body, extra + close))
+
+    return both_ways(srv, send, setup, method)
 
 
 CASES = {
