@@ -86,8 +86,9 @@ class Intake(Protocol):
 
 #: A large PUT's head arrives with more of its body than this in one read: the head is
 #: parsed alone, so the body can go straight to the slab (:meth:`StampedHandler.take_body`)
-#: rather than through the parser's copies. At most aiohttp's reader's low limit, so a
-#: body fed to the parser never pauses it (which would leave bytes inside the parser).
+#: rather than through the parser's copies. Under the body reader's limit (aiohttp's
+#: default 64 KiB; eg-kv's 1 MiB), so what reaches the parser never pauses it (a paused
+#: parser keeps bytes back: :meth:`StampedHandler.reading_held` declines then).
 SPLIT_READS_OVER = 64 * 1024
 #: How far into a read the end of a PUT's head is looked for.
 HEAD_SCAN = 16 * 1024
@@ -251,7 +252,8 @@ class StampedHandler(web_protocol.RequestHandler):
         try:
             _data_received(self, data[:end])
             messages = self._messages
-            if len(messages) == 1 and type(messages[0][0]) in MESSAGE_TYPES:
+            parsed = len(messages) == 1 and type(messages[0][0]) in MESSAGE_TYPES
+            if parsed:
                 message, payload = messages[0]
                 if lane(self, cast(Message, message), payload, len(data) - end):
                     messages.popleft()  # its body taken (or the connection closing)
@@ -260,7 +262,10 @@ class StampedHandler(web_protocol.RequestHandler):
                     return
         finally:
             self._waiter, self.in_lane = waiter, False
-        self._lane(data[end:], waiter, lane)  # declined: it stays first in the queue
+        if parsed or not self._messages:
+            self._lane(data[end:], waiter, lane)  # declined: it stays first in the queue
+        elif waiter is not None and not waiter.done():
+            waiter.set_result(None)  # a head that did not parse: answered, then closed
 
     def _lane(self, data: bytes, waiter: Any, lane: Lane) -> None:
         """Parse ``data`` while ``start()`` waits for the next request (``waiter``; None:

@@ -21,6 +21,7 @@ pages back.
 from __future__ import annotations
 
 import asyncio
+import mmap
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +29,9 @@ from ..checksum import SOCKET_PIECE
 from ..slab.store import PutHandle
 from ._compat import StampedHandler
 
-#: Where a dedup hit's bytes are read and dropped (one per worker: the loop is one thread).
-_SCRATCH = memoryview(bytearray(SOCKET_PIECE))
+#: Where a dedup hit's bytes are read and dropped (one per worker: the loop is one
+#: thread). Anonymous memory: its pages take room only once a dedup hit's body used them.
+_SCRATCH = memoryview(mmap.mmap(-1, SOCKET_PIECE))
 
 
 class BodyIntake(asyncio.BufferedProtocol):

@@ -18,7 +18,10 @@ no disk tier and keeps no access log, to a client that reads its answers, and:
   streamed from the slab), without a lease to release;
 - ``HEAD``.
 
-Everything else, and every request after a declined one on its connection, takes
+A kept-alive ``PUT`` over ``SMALL_PUT`` whose body has not all arrived (or that asks
+``Expect: 100-continue``) is taken too: its pages are reserved, its body read by the
+socket straight into them (:mod:`eg_kv.server.intake`), and it is answered when the body
+is in. Everything else, and every request after a declined one on its connection, takes
 aiohttp's way.
 
 The lane runs the same rules as that way, from the same functions: the token

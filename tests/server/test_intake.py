@@ -135,3 +135,16 @@ def test_a_client_gone_mid_body_gives_its_pages_back(srv):
     assert request(srv, "GET", "/kv/in-gone").status == 404
     assert request(srv, "PUT", "/kv/in-gone", BODY).status == 201
     assert request(srv, "GET", "/healthz").worker == worker  # the same worker, alive
+
+
+def test_a_malformed_head_with_a_large_body_behind_it_gets_one_400_and_is_closed(srv):
+    """A read that holds a PUT's head and 200 KiB of its body is parsed head first; a
+    head that does not parse is answered once, in one line, and nothing of the body is
+    read as a request."""
+    with Conn(srv) as conn:
+        conn.send(b"PUT /kv/in-bad-head HTTP/1.1\r\nHost: t\r\nContent-Length: 900000\r\n"
+                  b"Not a header\r\n\r\n" + b"GET /healthz HTTP/1.1\r\n\r\n" * 8000)  # fmt: skip
+        line, _, answer = conn.response("PUT")
+        assert line.split()[1] == "400" and answer.count(b"\n") == 1, answer
+        assert conn.closed_by_server()
+    assert stats(srv)["reserved_pages"] == 0
