@@ -94,8 +94,10 @@ class BodyIntake(asyncio.BufferedProtocol):
         return False  # the transport closes once the answer is written
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._end("the connection was lost", lost=True)
-        self.conn.connection_lost(exc)
+        try:
+            self._end("the connection was lost", lost=True)
+        finally:  # the connection's own bookkeeping, whatever the put's end raised
+            self.conn.connection_lost(exc)
 
     def pause_writing(self) -> None:
         self.conn.pause_writing()
@@ -108,6 +110,8 @@ class BodyIntake(asyncio.BufferedProtocol):
             return
         self.done = True
         self._view = _SCRATCH
-        # A body cut short ends its connection: no more reads to switch.
-        self.conn.give_body_back(read_on=why is None)
-        self.ended(why, lost)
+        try:
+            # A body cut short ends its connection: no more reads to switch.
+            self.conn.give_body_back(read_on=why is None)
+        finally:  # the put is finished or aborted, whatever the switch raised
+            self.ended(why, lost)
