@@ -334,6 +334,10 @@ class StampedHandler(web_protocol.RequestHandler):
         self.body_req = None
         _switch_protocol(transport, intake)
 
+    def stamp_rx(self) -> None:
+        """Bytes arrived now (for a body read past :meth:`data_received`: take_body)."""
+        self.rx_at = self._loop.time()
+
     def give_body_back(self, read_on: bool = True) -> None:
         """The body :meth:`take_body` handed over is in, or never will be: this handler
         is the transport's protocol again, and reads on if ``read_on`` (else the

@@ -47,7 +47,7 @@ class BodyIntake(asyncio.BufferedProtocol):
             was lost (nobody to answer). It finishes or aborts ``handle``.
     """
 
-    __slots__ = ("_clock", "_view", "conn", "done", "ended", "handle")
+    __slots__ = ("_view", "conn", "done", "ended", "handle")
 
     def __init__(
         self, conn: StampedHandler, handle: PutHandle,
@@ -55,7 +55,6 @@ class BodyIntake(asyncio.BufferedProtocol):
     ) -> None:  # fmt: skip
         self.conn, self.handle, self.ended = conn, handle, ended
         self.done = False
-        self._clock = conn._loop.time
         self._view: memoryview = _SCRATCH
 
     @property
@@ -82,7 +81,7 @@ class BodyIntake(asyncio.BufferedProtocol):
         return room
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.conn.rx_at = self._clock()
+        self.conn.stamp_rx()
         handle = self.handle
         handle.wrote(self._view, nbytes)
         if handle.pos >= handle.length:
