@@ -205,7 +205,7 @@ class StampedHandler(web_protocol.RequestHandler):
 
     __slots__ = (
         "body_at", "body_req", "body_seen", "head_at", "head_of", "held_at", "in_lane",
-        "intake", "lane", "parser_args", "rx_at", "wpaused_at", "wpaused_size",
+        "intake", "lane", "rx_at", "wpaused_at", "wpaused_size",
     )  # fmt: skip
 
     def __init__(self, manager: web_server.Server, *, lane: Lane | None = None, **kwargs) -> None:
@@ -213,7 +213,6 @@ class StampedHandler(web_protocol.RequestHandler):
         self.lane, self.in_lane = lane, False
         #: The body being read past the parser (:meth:`take_body`), if any.
         self.intake: Intake | None = None
-        self.parser_args = {k: kwargs.get(k, v) for k, v in _PARSER_ARGS.items()}
         self.rx_at = self.head_at = self.wpaused_at = self.held_at = -math.inf
         self.head_of = -1
         self.wpaused_size = 0
@@ -319,17 +318,19 @@ class StampedHandler(web_protocol.RequestHandler):
         (:meth:`body_stalled_since`). The transport takes the new protocol between two
         reads: stopping and restarting reading makes uvloop pick its buffered reads.
         """
-        transport = self.transport
-        assert transport is not None and self._parser is not None
+        transport, manager = self.transport, self._manager
+        assert transport is not None and self._parser is not None and manager is not None
+        # The server's handler arguments, as this handler was built with (once per large
+        # PUT, not per connection).
+        args = {k: manager._kwargs.get(k, v) for k, v in _PARSER_ARGS.items()}
         self._parser = type(self._parser)(
-            self, self._loop, self.parser_args["read_bufsize"],
-            max_line_size=self.parser_args["max_line_size"],
-            max_field_size=self.parser_args["max_field_size"],
-            max_headers=self.parser_args["max_headers"],
+            self,
+            self._loop,
+            args.pop("read_bufsize"),
+            **args,
             payload_exception=web_protocol.RequestPayloadError,
-            auto_decompress=self.parser_args["auto_decompress"],
             max_msg_queue_size=self._max_msg_queue_size,
-        )  # fmt: skip
+        )
         self.intake, self._keepalive = intake, False
         self.body_req = None
         _switch_protocol(transport, intake)

@@ -981,21 +981,16 @@ class PutHandle:
         n = len(chunk)
         if self.pos + n > self.length:
             raise BadRequest(f"body is longer than its announced length {self.length}")
-        if self._runs is not None and n:
-            src, mv = memoryview(chunk).cast("B"), self._slab._mv
-            cur, end, runs, r = self.pos, self.pos + n, self._runs, self._run
-            while cur < end:
-                start, off, size = runs[r]
-                if cur >= start + size:  # this run is full: move on
-                    r += 1
-                    continue
-                a = cur - start
-                k = min(size - a, end - cur)
-                mv[off + a : off + a + k] = src[cur - self.pos : cur - self.pos + k]
-                cur += k
-            self._run = r
-            self._hash.update(src)  # type: ignore[union-attr]
-        self.pos += n
+        src = memoryview(chunk).cast("B")
+        while src:
+            room = self.room(len(src))
+            if room is None:  # a dedup hit: its bytes are counted and dropped
+                self.pos += len(src)
+                return
+            k = len(room)
+            room[:] = src[:k]
+            self.wrote(room, k)
+            src = src[k:]
 
     def room(self, most: int) -> memoryview | None:
         """A writable view of the block's pages at the current position: at most ``most``
