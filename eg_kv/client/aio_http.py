@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp.payload import Payload
 
-from ..blockkey import TAG, ForgedBlock
 from ..errors import RemoteError
 from ..wire import CHECKSUM_HEADER, LEASE_REFUSED_HEADER
 from .core import BLOCK_TYPE, ClientCore
@@ -293,9 +292,7 @@ async def block_body(
     left = length or 0
     verifier = core.verifier(resp.headers.get(CHECKSUM_HEADER))
     key = core.config.block_key
-    if key is not None and left < TAG:
-        raise ForgedBlock(f"a block of {left} bytes holds no {TAG}-byte tag")
-    mac = None if key is None else key.mac(address)
+    opening = None if key is None else key.opening(address, left)
 
     async def read_exact(view: memoryview) -> None:
         nonlocal left
@@ -315,15 +312,16 @@ async def block_body(
 
     async def read_data(view: memoryview) -> None:
         await read_exact(view)
-        mac.update(view)  # type: ignore[union-attr]
+        opening.update(view)  # type: ignore[union-attr]
 
-    if mac is None:
+    if opening is None:
         result = await sink(length or 0, read_exact)
     else:
-        result = await sink((length or 0) - TAG, read_data)
-        tag = bytearray(TAG)
-        await read_exact(memoryview(tag))
-        key.check(mac, tag)  # type: ignore[union-attr]
+        await read_exact(memoryview(opening.salt))
+        opening.begin()
+        result = await sink(opening.data_length, read_data)
+        await read_exact(memoryview(opening.tag))
+        opening.check()
     if left:
         raise Miss("sink left part of the body unread")
     if verifier is not None:

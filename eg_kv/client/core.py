@@ -88,13 +88,17 @@ class ClientCore:
         self.on_unreachable: Callable[[BaseException], None] | None = None
         #: Reads from the server's slab when this client is on its host.
         self.local = LocalReads(config.local_reads)
+        #: Whether block answers' checksums are checked: off to measure them
+        #: (``verify_checksums``), and with a block key, whose tag checks every byte the
+        #: checksum would (and the address): one check per block, not two.
+        self.checks_checksums = config.verify_checksums and config.block_key is None
         #: Blocks whose bytes failed their checksum (a miss each), logged once per address.
         self.checksum_failures = Failures("client")
         #: Blocks whose block-key tag failed (forged: a miss each), logged once per address.
         self.forged_blocks = Failures(
             "client", "failed its block-key tag",
             "not stored by a holder of this engine's block key (a forger, a lying server, "
-            "or an engine with another key)",
+            "an engine with another key), or changed since",
         )  # fmt: skip
         #: Batch lookups go in the compact format until a server refuses it (then JSON).
         self.compact_batches = True
@@ -138,7 +142,7 @@ class ClientCore:
     ) -> T:  # fmt: skip
         """``sink(length, read_exact)``, its bytes checked against ``checksum`` (a block
         answer's :data:`~eg_kv.wire.CHECKSUM_HEADER`; None: a server that sends none, whose
-        bytes go unchecked) unless ``verify_checksums`` is off.
+        bytes go unchecked) unless :attr:`checks_checksums` is off.
 
         Raises:
             ChecksumMismatch: the bytes are not the block's (the caller's miss).
@@ -165,7 +169,8 @@ class ClientCore:
         key = self.config.block_key
         if key is None:
             return views
-        return [*views, memoryview(key.tag(address, views))]
+        salt, tag = key.seal(address, views)
+        return [memoryview(salt), *views, memoryview(tag)]
 
     def opened(self, address: str, block: bytes) -> bytes:
         """A whole block read, its block-key tag checked and cut off (with a key).
@@ -179,7 +184,7 @@ class ClientCore:
     def verifier(self, checksum: bytes | str | None) -> Verifier | None:
         """A :class:`~eg_kv.checksum.Verifier` of a block answer's bytes, from its
         :data:`~eg_kv.wire.CHECKSUM_HEADER`; None: nothing to check (no header: a server
-        that sends none; or ``verify_checksums`` off).
+        that sends none; or :attr:`checks_checksums` off).
 
         Raises:
             BadRequest: the header is not a checksum (the caller's miss).
@@ -189,12 +194,12 @@ class ClientCore:
 
     def _expected(self, checksum: bytes | str | None) -> int | None:
         """The checksum a block answer's header gives, None when there is nothing to
-        check (no header, or ``verify_checksums`` off).
+        check (no header, or :attr:`checks_checksums` off).
 
         Raises:
             BadRequest: the header is not a checksum.
         """
-        if checksum is None or not self.config.verify_checksums:
+        if checksum is None or not self.checks_checksums:
             return None
         return decode_checksum(checksum)
 
@@ -232,7 +237,7 @@ class ClientCore:
     ) -> Any:
         """``sink``'s result for ``reader`` (from :meth:`local_open`), None on a miss, or
         :data:`OVER_HTTP`. Any thread may run it; never raises."""
-        return self._locally(address, slab.copy_out, reader, sink, self.config.verify_checksums)
+        return self._locally(address, slab.copy_out, reader, sink, self.checks_checksums)
 
     def _locally(self, address: str, step: Callable[..., Any], *args: Any) -> Any:
         try:

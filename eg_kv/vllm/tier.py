@@ -197,7 +197,11 @@ class EgKvTier(SecondaryTierManager):
             max_batches=self.settings.max_lookup_batches,
         )
         self._copies = CopyJobs(
-            self._client, primary_kv_view, row_bytes, threads=self.settings.io_threads
+            self._client,
+            primary_kv_view,
+            row_bytes,
+            threads=self.settings.io_threads,
+            keyed=self.settings.client.block_key is not None,
         )
         self._job_keys: dict[int, tuple[bool, list[OffloadKey]]] = {}
         self._load_leases: dict[int, list[str]] = {}

@@ -3,8 +3,8 @@ eg-kv: stores PUT from primary slots, loads GET into them (no vLLM import).
 
 One primary slot (a row of the primary tier's memoryview, ``row_bytes`` long) is ONE
 eg-kv block: the row followed by a 16-byte trailer, XXH3-128 of the address and the row
-(and, with the engines' block key, the client's 16-byte MAC after it:
-:mod:`eg_kv.blockkey`). So a load knows what it got:
+(and, with the engines' block key, the client's 16-byte salt before it all and 16-byte
+tag after: :mod:`eg_kv.blockkey`). So a load knows what it got:
 
 * a block of any other length (missing, cut short, too long, a server that answers
   garbage or hangs past the client's timeout) fails before or while it is read;
@@ -12,7 +12,9 @@ eg-kv block: the row followed by a 16-byte trailer, XXH3-128 of the address and 
   checks it: :mod:`eg_kv.checksum`), and one stored under another address (a server bug
   that serves one block for another) fails the trailer;
 * with a block key, a block not stored by a holder of the key (another token holder's
-  forgery, a server that lies) fails the MAC. Without one, such a forger can have the tier
+  forgery, a server that lies), or changed since, fails the MAC (which binds the address
+  and every byte: the client checks it instead of the checksum, and a load does not check
+  the trailer again). Without one, such a forger can have the tier
   load its bytes: the trailer is public (docs/security.md says what holds);
 
 and a failed key is reported as such (vLLM frees its slot and recomputes it). Loads use
@@ -114,6 +116,9 @@ class CopyJobs:
             bytes ``[i * row_bytes, (i + 1) * row_bytes)``.
         row_bytes: a slot's length (the view's row stride).
         threads: copies running at once.
+        keyed: the client checks the engines' block key (:mod:`eg_kv.blockkey`), whose
+            tag binds the address and every byte: a load does not check the trailer again
+            (a store still writes it, so keyed and unkeyed rows keep one layout).
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class CopyJobs:
         row_bytes: int,
         *,
         threads: int = 4,
+        keyed: bool = False,
     ) -> None:
         if threads < 1 or row_bytes < 1:
             raise ValueError("threads and row_bytes must be at least 1")
@@ -130,6 +136,7 @@ class CopyJobs:
         # One flat byte view: a 2-D memoryview has no row sub-views.
         self._view = view.cast("B") if view.ndim != 1 or view.format != "B" else view
         self.row_bytes = row_bytes
+        self._check_trailer = not keyed
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="eg-kv-tier-io")
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}
@@ -214,7 +221,7 @@ class CopyJobs:
             read_exact(slot)
             tail = bytearray(TRAILER)
             read_exact(memoryview(tail))
-            if trailer(address, slot) != tail:
+            if self._check_trailer and trailer(address, slot) != tail:
                 raise Mismatch("digest differs: not the bytes stored at this address")
             return True
 

@@ -14,8 +14,9 @@ import threading
 import pytest
 import xxhash
 from helpers.kvcache import lm_keys, wait_completions
+from helpers.slab_bytes import change_one_byte
 
-from eg_kv.blockkey import ENV_BLOCK_KEY, TAG, BlockKey, from_env
+from eg_kv.blockkey import ENV_BLOCK_KEY, OVERHEAD, SALT, TAG, BlockKey, ForgedBlock, from_env
 from eg_kv.client.aio import AsyncServerConnector
 from eg_kv.client.settings import KvCacheConfig
 from eg_kv.client.sync import ServerConnector
@@ -46,7 +47,9 @@ def test_the_key_is_read_checked_and_never_shown(tmp_path):
     path = tmp_path / "key"
     path.write_text(SECRET + "\n")
     from_file = KvCacheConfig.from_env({}, block_key_file=str(path)).block_key
-    assert from_file is not None and from_file.tag("a", [b"x"]) == key.tag("a", [b"x"])
+    assert from_file is not None
+    salt, tag = key.seal("a", [b"x"])
+    assert from_file.open("a", salt + b"x" + tag) == b"x"
     with pytest.raises(ConfigError, match="at least 16 bytes"):
         from_env({ENV_BLOCK_KEY: "short"})
     with pytest.raises(ConfigError, match="cannot read the block key file"):
@@ -62,8 +65,17 @@ def test_a_keyed_engine_round_trips_what_it_stores(server, local_reads):
         buf = bytearray(len(data))
         assert engine.get_into("kv-1", buf) == len(data) and buf == data
     with ServerConnector(KvCacheConfig(base_url=server.url)) as plain:
-        stored = plain.get("kv-1")  # what the server holds: the bytes, then the tag
-    assert stored[:-TAG] == data and stored[-TAG:] == BlockKey(SECRET.encode()).tag("kv-1", [data])
+        stored = plain.get("kv-1")
+    # What the server holds: a salt, the bytes, then the tag.
+    assert len(stored) == SALT + len(data) + TAG and stored[SALT:-TAG] == data
+    assert BlockKey(SECRET.encode()).open("kv-1", stored) == data
+    with pytest.raises(ForgedBlock):  # the tag binds the address...
+        BlockKey(SECRET.encode()).open("kv-2", stored)
+    for at in (0, SALT, len(stored) - 1):  # ...the salt, the bytes and itself
+        bent = bytearray(stored)
+        bent[at] ^= 1
+        with pytest.raises(ForgedBlock):
+            BlockKey(SECRET.encode()).open("kv-1", bytes(bent))
 
     async def aio() -> bytes | None:
         async with AsyncServerConnector(keyed(server.url, local_reads=local_reads)) as engine:
@@ -75,11 +87,35 @@ def test_a_keyed_engine_round_trips_what_it_stores(server, local_reads):
     assert asyncio.run(aio()) == data
 
 
+def test_a_byte_changed_in_the_slab_fails_a_keyed_engines_tag_on_every_path(server):
+    # With a key, the tag is the one check of a block's bytes (it covers every byte the
+    # checksum would): a changed byte is a miss over HTTP and by local reads, counted as
+    # a failed tag, never loaded.
+    data = os.urandom(2 * MiB)
+    with ServerConnector(keyed(server.url)) as engine:
+        assert engine.put("kv-bent", data) and engine.get("kv-bent") == data
+    assert change_one_byte(server, data, len(data) // 2)
+    for local_reads in (False, True):
+        with ServerConnector(keyed(server.url, local_reads=local_reads)) as engine:
+            buf = bytearray(len(data))
+            assert engine.get("kv-bent") is None and engine.get_into("kv-bent", buf) is None
+            assert engine.forged_blocks == 2 and engine.checksum_failures == 0
+            assert (engine._core.local.slab is not None) == local_reads
+
+    async def aio() -> int:
+        async with AsyncServerConnector(keyed(server.url, local_reads=False)) as engine:
+            assert await engine.get("kv-bent") is None
+            assert await engine.get_into("kv-bent", bytearray(len(data))) is None
+            return engine.forged_blocks
+
+    assert asyncio.run(aio()) == 2
+
+
 @pytest.mark.parametrize("local_reads", [False, True])
 def test_blocks_forged_by_another_token_holder_load_zero_times(server, local_reads):
     # The forger holds the token, not the key: it stores first, under the addresses an
     # engine will load, bytes of the right length (with a tag of its own making).
-    forged = {f"fk-{i}": os.urandom(64 * KiB + TAG) for i in range(4)}
+    forged = {f"fk-{i}": os.urandom(64 * KiB + OVERHEAD) for i in range(4)}
     with ServerConnector(KvCacheConfig(base_url=server.url)) as forger:
         for address, data in forged.items():
             assert forger.put(address, data)
@@ -95,7 +131,7 @@ def test_blocks_forged_by_another_token_holder_load_zero_times(server, local_rea
 class _LyingHandler(http.server.BaseHTTPRequestHandler):
     """Answers every GET of a block with bytes of its own, their checksum correct."""
 
-    size = 64 * KiB + TAG
+    size = 64 * KiB + OVERHEAD
 
     def do_GET(self) -> None:  # http.server calls it by this name
         body = os.urandom(self.size)
@@ -152,7 +188,7 @@ def test_the_lmcache_l2_adapter_loads_no_forged_chunk(server, tmp_path):
 
         with ServerConnector(KvCacheConfig(base_url=server.url)) as forger:
             for key in keys[2:]:
-                assert forger.put(address_for_key(key), os.urandom(256 * KiB + TAG))
+                assert forger.put(address_for_key(key), os.urandom(256 * KiB + OVERHEAD))
         outs = [bytearray(256 * KiB) for _ in keys]
         got = conn.submit_batch_get(keys, [memoryview(o) for o in outs])
         assert wait_completions(conn, {got})[got][3] == [True, True, False, False]
@@ -169,7 +205,8 @@ def test_the_vllm_tier_loads_no_forged_row(server):
     with ServerConnector(KvCacheConfig(base_url=server.url)) as forger:
         for address in addresses[2:]:
             row = os.urandom(row_bytes)
-            assert forger.put_parts(address, [row, trailer(address, row), os.urandom(TAG)])
+            parts = [os.urandom(SALT), row, trailer(address, row), os.urandom(TAG)]
+            assert forger.put_parts(address, parts)
     with ServerConnector(keyed(server.url)) as client:
         jobs = CopyJobs(client, memoryview(primary), row_bytes, threads=2)
         try:

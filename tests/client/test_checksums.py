@@ -11,7 +11,6 @@ import asyncio
 import http.client
 import json
 import logging
-import mmap
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from helpers.slab_bytes import change_one_byte
 
 from eg_kv.client.aio import AsyncServerConnector
 from eg_kv.client.sets import SetConnector
@@ -50,20 +50,6 @@ def call(srv, method: str, address: str, body=None, headers=None):
 def stats(srv) -> dict:
     with urllib.request.urlopen(srv.url + "/kv/stats", timeout=10) as r:
         return json.loads(r.read())
-
-
-def change_one_byte(srv, data: bytes, at: int) -> bool:
-    """Flip the bits of byte ``at`` of the block holding ``data``, in the slab's file in
-    /dev/shm (as the server's user: this test's). False if ``srv`` does not hold it."""
-    path = Path("/dev/shm") / srv.slab_name.lstrip("/")
-    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
-        head = data[: 4 * KiB]
-        pos = mm.find(head)
-        if pos < 0:
-            return False
-        assert mm.find(head, pos + 1) == -1, "the block's bytes are not unique"
-        mm[pos + at] ^= 0xFF
-        return True
 
 
 def check(srv, *flags: str) -> subprocess.CompletedProcess:

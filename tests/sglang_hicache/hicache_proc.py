@@ -227,6 +227,7 @@ def scenario_corrupt() -> dict:
 def scenario_block_key() -> dict:
     """With a block key, pages another token holder stored first (of the right length,
     with a tag made up) are misses, counted; pages a keyed engine stored load."""
+    from eg_kv.blockkey import OVERHEAD
     from eg_kv.kvcache import RemoteKVConnector
 
     keys = keys_of("forged", 3)
@@ -234,7 +235,7 @@ def scenario_block_key() -> dict:
     fmt = forger.backend.format
     with RemoteKVConnector(base_url=URL) as kv:
         for key in keys[:2]:
-            assert kv.put(fmt.address(key), os.urandom(fmt.page_bytes + 16))
+            assert kv.put(fmt.address(key), os.urandom(fmt.page_bytes + OVERHEAD))
     os.environ["EPISTEMIC_GRAPH_KVCACHE_BLOCK_KEY"] = "k" * 32
     try:
         keyed = Engine(False, "page_first")
