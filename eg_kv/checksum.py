@@ -67,6 +67,25 @@ def decode(text: str | bytes | None) -> int | None:
     return int(text, 16)
 
 
+def read_hashed(
+    read_exact: Callable[[memoryview], None],
+    update: Callable[[Any], Any],
+    view: memoryview,
+    piece: int,
+) -> None:
+    """Fill ``view`` with ``read_exact`` and hash it with ``update``, ``piece`` bytes at a
+    time (0: whole), each piece hashed right after it is filled, while in cache."""
+    if not piece or len(view) <= piece:
+        read_exact(view)
+        update(view)
+        return
+    view = memoryview(view).cast("B")
+    for at in range(0, len(view), piece):
+        part = view[at : at + piece]
+        read_exact(part)
+        update(part)
+
+
 class Verifier:
     """Checks a block's bytes against its checksum as a sink fills them.
 
@@ -95,16 +114,7 @@ class Verifier:
         self._hash = Running()
 
     def read_exact(self, view: memoryview) -> None:
-        inner, update, piece = self._inner, self._hash.update, self._piece
-        if not piece or len(view) <= piece:
-            inner(view)  # type: ignore[misc]
-            update(view)
-            return
-        view = memoryview(view).cast("B")
-        for at in range(0, len(view), piece):
-            part = view[at : at + piece]
-            inner(part)  # type: ignore[misc]
-            update(part)
+        read_hashed(self._inner, self._hash.update, view, self._piece)  # type: ignore[arg-type]
 
     def add(self, piece: Any) -> None:
         """Hash the next piece of the block (any buffer)."""

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp.payload import Payload
 
+from ..blockkey import Opening
 from ..errors import RemoteError
 from ..wire import CHECKSUM_HEADER, LEASE_REFUSED_HEADER
 from .core import BLOCK_TYPE, ClientCore
@@ -274,6 +275,15 @@ async def whole_block(core: ClientCore, address: str, resp: aiohttp.ClientRespon
     return core.opened(address, body)
 
 
+def _served(opening: Opening) -> Callable[[memoryview], Awaitable[None]]:
+    """A small keyed block's ``read_exact`` for an async sink, once its tag is checked."""
+
+    async def read_exact(view: memoryview) -> None:
+        opening.serve(view)
+
+    return read_exact
+
+
 async def block_body(
     core: ClientCore, address: str, sink: AsyncSink[T], resp: aiohttp.ClientResponse
 ) -> T | None:
@@ -293,6 +303,7 @@ async def block_body(
     verifier = core.verifier(resp.headers.get(CHECKSUM_HEADER))
     key = core.config.block_key
     opening = None if key is None else key.opening(address, left)
+    mac: Callable[[Any], None] | None = None  # a large keyed block's bytes, as they arrive
 
     async def read_exact(view: memoryview) -> None:
         nonlocal left
@@ -307,21 +318,33 @@ async def block_body(
             view[done : done + len(chunk)] = chunk
             if verifier is not None:
                 verifier.add(chunk)  # hashed as it arrives, while in cache
+            if mac is not None:
+                mac(chunk)
             done += len(chunk)
         left -= done
 
-    async def read_data(view: memoryview) -> None:
-        await read_exact(view)
-        opening.update(view)  # type: ignore[union-attr]
-
     if opening is None:
         result = await sink(length or 0, read_exact)
-    else:
+    else:  # as BlockKey.keyed, awaited
         await read_exact(memoryview(opening.salt))
         opening.begin()
-        result = await sink(opening.data_length, read_data)
-        await read_exact(memoryview(opening.tag))
-        opening.check()
+        if opening.whole is not None:
+            await read_exact(memoryview(opening.whole))
+            opening.check()
+            result = await sink(opening.data_length, _served(opening))
+            opening.served_all()
+        else:
+
+            async def read_data(view: memoryview) -> None:
+                opening.advance(view)
+                await read_exact(view)
+
+            mac = opening.update
+            result = await sink(opening.data_length, read_data)
+            mac = None
+            opening.served_all()
+            await read_exact(memoryview(opening.tag))
+            opening.check()
     if left:
         raise Miss("sink left part of the body unread")
     if verifier is not None:

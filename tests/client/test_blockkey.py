@@ -16,7 +16,16 @@ import xxhash
 from helpers.kvcache import lm_keys, wait_completions
 from helpers.slab_bytes import change_one_byte
 
-from eg_kv.blockkey import ENV_BLOCK_KEY, OVERHEAD, SALT, TAG, BlockKey, ForgedBlock, from_env
+from eg_kv.blockkey import (
+    ENV_BLOCK_KEY,
+    ONE_CALL_MAX,
+    OVERHEAD,
+    SALT,
+    TAG,
+    BlockKey,
+    ForgedBlock,
+    from_env,
+)
 from eg_kv.client.aio import AsyncServerConnector
 from eg_kv.client.settings import KvCacheConfig
 from eg_kv.client.sync import ServerConnector
@@ -58,12 +67,28 @@ def test_the_key_is_read_checked_and_never_shown(tmp_path):
 
 
 @pytest.mark.parametrize("local_reads", [False, True])
-def test_a_keyed_engine_round_trips_what_it_stores(server, local_reads):
-    data = os.urandom(3 * MiB + 3)
+@pytest.mark.parametrize("size", [3 * MiB + 3, ONE_CALL_MAX, ONE_CALL_MAX + 1, 1])
+def test_a_keyed_engine_round_trips_what_it_stores(server, local_reads, size):
+    # Small blocks are read whole and checked in one call, large ones as they arrive.
+    data = os.urandom(size)
     with ServerConnector(keyed(server.url, local_reads=local_reads)) as engine:
         assert engine.put("kv-1", data) and engine.get("kv-1") == data
         buf = bytearray(len(data))
         assert engine.get_into("kv-1", buf) == len(data) and buf == data
+        # A sink may read in pieces; one that leaves bytes unread or reads past them misses.
+        pieces: list[bytes] = []
+
+        def in_pieces(n: int, read) -> int:
+            for at in range(0, n, 7777):
+                piece = bytearray(min(7777, n - at))
+                read(memoryview(piece))
+                pieces.append(bytes(piece))
+            return n
+
+        assert engine.fetch("kv-1", in_pieces) == len(data) and b"".join(pieces) == data
+        assert engine.fetch("kv-1", lambda n, read: read(memoryview(bytearray(n - 1)))) is None
+        assert engine.fetch("kv-1", lambda n, read: read(memoryview(bytearray(n + 1)))) is None
+        assert engine.forged_blocks == 0
     with ServerConnector(KvCacheConfig(base_url=server.url)) as plain:
         stored = plain.get("kv-1")
     # What the server holds: a salt, the bytes, then the tag.
@@ -82,6 +107,17 @@ def test_a_keyed_engine_round_trips_what_it_stores(server, local_reads):
             assert await engine.put("kv-2", data)
             got = bytearray(len(data))
             assert await engine.get_into("kv-2", got) == len(data) and got == data
+            pieces: list[bytes] = []
+
+            async def in_pieces(n: int, read) -> int:
+                for at in range(0, n, 7777):
+                    piece = bytearray(min(7777, n - at))
+                    await read(memoryview(piece))
+                    pieces.append(bytes(piece))
+                return n
+
+            assert await engine.fetch("kv-2", in_pieces) == len(data)
+            assert b"".join(pieces) == data
             return await engine.get("kv-1")
 
     assert asyncio.run(aio()) == data
