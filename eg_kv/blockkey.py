@@ -75,12 +75,12 @@ class ForgedBlock(NotFound):
 
 
 class Opening:
-    """One keyed block being read: :attr:`salt` first (read into it), then :meth:`begin`;
-    then either (a block of at most :data:`ONE_CALL_MAX` bytes) :attr:`whole`, its bytes
-    and tag, read into it, :meth:`check`, and the sink fed from it by :meth:`serve`; or
-    its bytes through :meth:`streamed` as they arrive, :attr:`tag`, and :meth:`check`."""
+    """One keyed block being read. A block of at most :data:`ONE_CALL_MAX` bytes is read
+    whole into :attr:`whole`, then :meth:`check`, then the sink is fed from it by
+    :meth:`serve`. A larger one: :attr:`salt` (read into it), :meth:`begin`, its bytes
+    through :meth:`streamed` (or :meth:`update`) as they arrive, :attr:`tag`, :meth:`check`."""
 
-    __slots__ = ("_address", "_at", "_key", "_mac", "_own", "data_length", "salt", "tag", "whole")
+    __slots__ = ("_address", "_at", "_key", "_mac", "data_length", "salt", "tag", "whole")
 
     def __init__(self, key: BlockKey, address: str, length: int) -> None:
         """Args:
@@ -91,21 +91,19 @@ class Opening:
         """
         self.data_length = _data_length(length)
         self._key, self._address = key, address
-        self._own = b""
         self._mac: Any = None
         self._at = 0
-        self.salt = bytearray(SALT)
         self.whole: bytearray | None = None
+        self.salt: Any = bytearray(SALT)
         self.tag: Any = bytearray(TAG)
         if self.data_length <= ONE_CALL_MAX:
-            self.whole = bytearray(self.data_length + TAG)
-            self.tag = memoryview(self.whole)[self.data_length :]
+            self.whole = bytearray(length)  # salt, bytes and tag: one read
+            self.salt = memoryview(self.whole)[:SALT]
+            self.tag = memoryview(self.whole)[SALT + self.data_length :]
 
     def begin(self) -> None:
-        """The salt is in: draw the block's key (and start its MAC for a large block)."""
-        self._own = self._key.own_key(self._address, self.salt)
-        if self.whole is None:
-            self._mac = _running(self._own)
+        """A large block's salt is in: draw its key and start its MAC."""
+        self._mac = _running(self._key.own_key(self._address, self.salt))
 
     def streamed(self, read_exact: Callable[[memoryview], None]) -> Callable[[memoryview], None]:
         """``read_exact`` for a large block's bytes: each piece MACed once it is filled."""
@@ -136,7 +134,8 @@ class Opening:
         """Raises:
         ForgedBlock: the tag is not the tag of the salt, address and bytes read."""
         if self.whole is not None:
-            got = _one_call(self._own, memoryview(self.whole)[: self.data_length])
+            own = self._key.own_key(self._address, self.salt)
+            got = _one_call(own, memoryview(self.whole)[SALT : SALT + self.data_length])
         else:
             self._mac.finalize()
             got = self._mac.tag
@@ -150,7 +149,7 @@ class Opening:
         """
         at = self.advance(view)
         view = memoryview(view).cast("B")
-        view[:] = memoryview(self.whole)[at : at + len(view)]  # type: ignore[arg-type]
+        view[:] = memoryview(self.whole)[SALT + at : SALT + at + len(view)]  # type: ignore[arg-type]
 
     def served_all(self) -> None:
         """Raises:
@@ -250,14 +249,14 @@ class BlockKey:
 
         def keyed_sink(length: int, read_exact: Callable[[memoryview], None]) -> _T:
             opening = self.opening(address, length)
-            read_exact(memoryview(opening.salt))
-            opening.begin()
             if opening.whole is not None:
                 read_exact(memoryview(opening.whole))
                 opening.check()
                 result = sink(opening.data_length, opening.serve)
                 opening.served_all()
                 return result
+            read_exact(memoryview(opening.salt))
+            opening.begin()
             result = sink(opening.data_length, opening.streamed(read_exact))
             opening.served_all()
             read_exact(memoryview(opening.tag))

@@ -326,14 +326,14 @@ async def block_body(
     if opening is None:
         result = await sink(length or 0, read_exact)
     else:  # as BlockKey.keyed, awaited
-        await read_exact(memoryview(opening.salt))
-        opening.begin()
         if opening.whole is not None:
             await read_exact(memoryview(opening.whole))
             opening.check()
             result = await sink(opening.data_length, _served(opening))
             opening.served_all()
         else:
+            await read_exact(memoryview(opening.salt))
+            opening.begin()
 
             async def read_data(view: memoryview) -> None:
                 opening.advance(view)
