@@ -13,6 +13,7 @@ import signal
 
 from eg_kv.config import Settings
 from eg_kv.kvevents.publisher import Publisher, PublisherOptions
+from eg_kv.server.extras import extras_endpoint
 from eg_kv.slab.store import Slab
 
 from .worker import BOOT_ERROR, _die_with_parent
@@ -20,16 +21,18 @@ from .worker import BOOT_ERROR, _die_with_parent
 log = logging.getLogger("eg_kv.kvevents")
 
 
-def options_of(s: Settings) -> PublisherOptions:
-    """The publisher's options from the server's settings."""
+def options_of(s: Settings, run_dir: str = "") -> PublisherOptions:
+    """The publisher's options from the server's settings (and its run directory, where
+    the workers hand it PUTs' token ids: :mod:`eg_kv.server.extras`)."""
     return PublisherOptions(
         endpoint=s.kv_events_endpoint, replay_endpoint=s.kv_events_replay_endpoint,
         medium=s.kv_events_medium, locality=s.kv_events_locality, pool=s.kv_events_pool,
         model=s.kv_events_model, form="arrays" if s.kv_events_arrays else "maps",
+        extras_endpoint=extras_endpoint(run_dir) if run_dir else "",
     )  # fmt: skip
 
 
-def run(settings: Settings, parent: int) -> int:
+def run(settings: Settings, parent: int, run_dir: str = "") -> int:
     """Publish until SIGTERM. Returns the exit status (0, or BOOT_ERROR: a socket that
     cannot be bound, which a new process would not bind either)."""
     _die_with_parent(parent)
@@ -39,7 +42,7 @@ def run(settings: Settings, parent: int) -> int:
     slab = Slab.attach(settings.slab_name)
     try:
         try:
-            publisher = Publisher(slab, options_of(settings))
+            publisher = Publisher(slab, options_of(settings, run_dir))
         except Exception as e:  # zmq.ZMQError: the address is taken or not ours
             log.error("eg-kv: the KV-events publisher cannot start: %s", e)
             return BOOT_ERROR

@@ -765,7 +765,7 @@ class Supervisor:
             log.error("eg-kv: the KV-events publisher cannot start: %s (pip install pyzmq "
                       "msgspec)", e)  # fmt: skip
             return BOOT_ERROR
-        return publisher.run(self.settings, self._parent)
+        return publisher.run(self.settings, self._parent, self._run_dir)
 
     def _run_keeper(self) -> int:
         from . import disk

@@ -37,7 +37,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine import NO_ENGINE, EngineName
-from ..slab.events import R_DELETE, R_DISK, STORED
+from ..slab.events import (
+    R_DELETE,
+    R_DISK,
+    STORED,
+    W_HASH,
+    W_HLEN,
+    W_LORA,
+    W_PARENT,
+    W_PLEN,
+    W_SIZE,
+)
 from ..slab.layout import NS_COUNT
 from ..slab.store import BlockGone, Slab
 from . import layout as D
@@ -112,9 +122,10 @@ class Keeper:
                 continue
             key = (name, addr[:alen].decode("ascii", "replace"))
             if kind == STORED:
-                engine = EngineName(e[14][: e[12]], e[15][: e[13]], e[11], e[10]) if e[12] else (
-                    NO_ENGINE
-                )  # fmt: skip
+                engine = NO_ENGINE
+                if e[W_HLEN]:
+                    engine = EngineName(e[W_HASH][: e[W_HLEN]], e[W_PARENT][: e[W_PLEN]],
+                                        e[W_SIZE], e[W_LORA])  # fmt: skip
                 try:
                     self.spills.put_nowait((ns, key, e[1], e[2], engine))
                 except queue.Full:

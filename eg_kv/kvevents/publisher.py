@@ -27,8 +27,16 @@ order, they give the blocks held at the last ``seq`` sent. A requester that stop
 is dropped after :data:`REPLAY_SEND_TIMEOUT_MS`; resyncs come at most once a
 :data:`RESYNC_INTERVAL_S` (a request in between gets the end marker alone).
 
+Token ids and LoRA names (:mod:`eg_kv.engine`'s extras, which the slab does not keep):
+the workers hand them over on the extras socket (``extras_endpoint``, a PULL socket in the
+server's run directory: :mod:`eg_kv.server.extras`) as they store the block, and mark its
+entry (:data:`~eg_kv.slab.events.E_EXTRAS`). A store whose entry is marked waits for them,
+at most :data:`EXTRAS_WAIT_MS` a step (then it goes without, counted); the last
+:data:`EXTRAS_KEPT` blocks' are held for replays and resyncs too.
+
 Bounds: the PUB socket's high-water mark (a slow subscriber loses messages, never slows
-the publisher); one replay at a time, its messages bounded by the log and the slot table.
+the publisher); one replay at a time, its messages bounded by the log and the slot table;
+the extras held, by count (each at most 4 KiB of token ids).
 """
 
 from __future__ import annotations
@@ -36,13 +44,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.backend
 
-from ..slab.events import HOPS_MAX, STORED, SnapshotVoid
+from ..engine import read_extras_message
+from ..slab.events import E_EXTRAS, HOPS_MAX, STORED, SnapshotVoid
 from ..slab.store import Slab
 from .wire import END_SEQ, Wire, seq_bytes
 
@@ -60,6 +70,12 @@ REPLAY_SEND_TIMEOUT_MS = 1000
 #: for more gets the end marker alone and asks again (ZMQ has no authentication: anyone
 #: who reaches the socket may ask).
 RESYNC_INTERVAL_S = 1.0
+#: Blocks whose token ids and LoRA name the publisher holds (the newest stores').
+EXTRAS_KEPT = 16_384
+#: The longest one step waits for the extras of entries marked as having them (a worker
+#: sends them before it stores the block: they are late only when its socket is, as while
+#: it reconnects to a publisher that just started).
+EXTRAS_WAIT_MS = 200
 #: The socket's send without pyzmq's Python layer: 1.3 µs a frame against 6.8 for a
 #: ``send_multipart`` of three (measured here), most of a published event's cost.
 _send_frame = zmq.backend.Socket.send
@@ -78,6 +94,7 @@ class PublisherOptions:
     model: str = "default"
     form: str = "maps"  #: eg_kv.kvevents.wire.MAPS or ARRAYS
     hwm: int = 100_000  #: messages the PUB socket queues per subscriber
+    extras_endpoint: str = ""  #: the workers' extras socket (a PULL: bound); "": none
 
 
 #: A log's seqs start at its creation time in ms shifted by this: 4 million events a
@@ -150,7 +167,21 @@ class Publisher:
         self.since = ring.head  # what came before is in the log, for replay
         self.base = seq_base(ring.created_ms)
         self.counters = {"published": 0, "skipped": 0, "replays": 0, "resyncs": 0,
-                         "resyncs_put_off": 0, "replays_dropped": 0}  # fmt: skip
+                         "resyncs_put_off": 0, "replays_dropped": 0, "extras_late": 0,
+                         "extras_bad": 0}  # fmt: skip
+        #: (namespace id, address) -> (packed token ids, LoRA name), newest last.
+        self.extras: OrderedDict[tuple[int, bytes], tuple[bytes, str]] = OrderedDict()
+        self.extras_in = None
+        if options.extras_endpoint:
+            extras_in = ctx.socket(zmq.PULL)
+            extras_in.setsockopt(zmq.LINGER, 0)
+            try:
+                extras_in.bind(options.extras_endpoint)
+                self.extras_in = extras_in
+            except zmq.ZMQError as e:  # e.g. a run directory too deep for a socket's path
+                extras_in.close(linger=0)
+                log.warning("KV events: blocks go without token ids or LoRA names: cannot "
+                            "listen on %s: %s", options.extras_endpoint, e)  # fmt: skip
         self._resynced_at = -RESYNC_INTERVAL_S
         if ring.ns_position(0)[0] == 0:  # a fresh log: consumers forget the last one's
             self._send_cleared(0)
@@ -172,7 +203,9 @@ class Publisher:
         # frames sent without pyzmq's Python layer.
         pub, base, wire, topics = self.pub, self.base, self.wire, self.topics
         batch, stored, removed = wire.batch, wire.stored, wire.removed
-        expect, sent = self.since, 0
+        expect, sent, waited_until = self.since, 0, 0.0
+        if self.extras_in is not None:
+            self._take_extras()
         for (
             seq,
             _,
@@ -188,6 +221,7 @@ class Publisher:
             size,
             hlen,
             plen,
+            flags,
             h,
             parent,
         ) in entries:
@@ -200,7 +234,15 @@ class Publisher:
             if nseq == 1:
                 self._send_cleared(ns)
             block = h[:hlen] if hlen else addr[:alen]
-            event = stored(block, parent[:plen], size, lora) if kind == STORED else removed(block)
+            if kind != STORED:
+                event = removed(block)
+            elif flags & E_EXTRAS:
+                if not waited_until:
+                    waited_until = time.monotonic() + EXTRAS_WAIT_MS / 1000
+                extras = self._extras_of(ns, addr[:alen], waited_until)
+                event = stored(block, parent[:plen], size, lora, extras)
+            else:
+                event = stored(block, parent[:plen], size, lora)
             _send_frame(pub, topic, _MORE)
             _send_frame(pub, (base + nseq).to_bytes(8, "big"), _MORE)
             _send_frame(pub, batch([event]), 0)
@@ -209,6 +251,41 @@ class Publisher:
         looked = nxt - self.since
         self.since = nxt
         return looked
+
+    def _take_extras(self) -> None:
+        """Hold every block's extras the workers have sent (the oldest go past
+        :data:`EXTRAS_KEPT`)."""
+        sock, held = self.extras_in, self.extras
+        assert sock is not None
+        while True:
+            try:
+                msg = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                ns, address, tokens, lora_name = read_extras_message(msg)
+            except ValueError:  # not a worker's (the socket is the server user's)
+                self.counters["extras_bad"] += 1
+                continue
+            key = (ns, address)
+            held[key] = (tokens, lora_name)
+            held.move_to_end(key)
+            if len(held) > EXTRAS_KEPT:
+                held.popitem(last=False)
+
+    def _extras_of(self, ns: int, address: bytes, until: float) -> tuple[bytes, str] | None:
+        """A marked store's extras, waited for until ``until`` (monotonic s)."""
+        key = (ns, address)
+        found = self.extras.get(key)
+        sock = self.extras_in
+        while found is None and sock is not None:
+            left = until - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                self.counters["extras_late"] += 1
+                return None
+            self._take_extras()
+            found = self.extras.get(key)
+        return found
 
     def _send_cleared(self, ns: int) -> None:
         topic = self.topics.of(ns)
@@ -232,6 +309,8 @@ class Publisher:
     def close(self) -> None:
         """Close the sockets (at once: nothing lingers)."""
         self.pub.close(linger=0)
+        if self.extras_in is not None:
+            self.extras_in.close(linger=0)
         if self.replay is not None:
             self.replay.close(linger=0)
 
@@ -263,6 +342,10 @@ class Publisher:
             self.counters["replays_dropped"] += 1
             log.info("KV events: a replay requester was dropped: %s", e)
 
+    def _event(self, ev: Any) -> Any:
+        """A replayed entry as an event, with its extras while they are held."""
+        return self.wire.event(ev, self.extras.get((ev.ns, bytes(ev.address))))
+
     def _ns_by_topic(self, topic: bytes) -> int | None:
         """A topic not yet seen: a namespace with no event since the publisher started."""
         for ns in range(4096):
@@ -287,7 +370,7 @@ class Publisher:
                     self._send(client, topic, 0, [self.wire.cleared()])
                 for ev in events:
                     if ev.seq >= start:
-                        self._send(client, topic, ev.seq, [self.wire.event(ev)])
+                        self._send(client, topic, ev.seq, [self._event(ev)])
                 return
         self._resync(client, ns, topic)
 
@@ -306,14 +389,15 @@ class Publisher:
                 for part in self.slab.snapshot_stream(ns, timeout=5.0, engines=True):
                     if part.kind == "blocks":
                         stored = [self.wire.stored(e.hash or bytes(raw), e.parent,
-                                                   e.block_size, e.lora_id)
+                                                   e.block_size, e.lora_id,
+                                                   self.extras.get((ns, bytes(raw))))
                                   for _, raw, _, e in part.blocks]  # fmt: skip
                         for k in range(0, len(stored), 1024):
                             self._send(client, topic, at, stored[k : k + 1024])
                     elif part.kind == "events":
                         for ev in part.events:
                             if ev.ns == ns and ev.nseq:
-                                self._send(client, topic, ev.nseq, [self.wire.event(ev)])
+                                self._send(client, topic, ev.nseq, [self._event(ev)])
                 return
             except SnapshotVoid:
                 continue

@@ -16,8 +16,9 @@ What a subscriber of vLLM's ``ZmqEventPublisher`` reads (``vllm/distributed/kv_e
   ``["AllBlocksCleared"]``.
 
 A block's hash is the engine's (:mod:`eg_kv.engine`) as bytes; a block stored without one
-is named by its eg-kv address (ASCII bytes). eg-kv keeps no token ids: ``token_ids`` is
-empty. Encoded with msgspec's msgpack encoder (the one vLLM uses).
+is named by its eg-kv address (ASCII bytes). ``token_ids`` and ``lora_name`` are what the
+block's PUT carried, while the publisher holds them (:mod:`eg_kv.kvevents.publisher`);
+else ``[]`` and ``None``. Encoded with msgspec's msgpack encoder (the one vLLM uses).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from ..engine import EngineName
+from ..engine import EngineName, token_list
 from ..slab.events import STORED, Event
 
 __all__ = ["ARRAYS", "MAPS", "Wire"]
@@ -57,12 +58,13 @@ class Wire:
         self.medium, self.locality, self.form = medium, locality, form
         self._encode = msgspec.msgpack.Encoder().encode
 
-    def event(self, ev: Event) -> Any:
-        """One log entry as a vLLM event (``BlockStored`` or ``BlockRemoved``)."""
+    def event(self, ev: Event, extras: tuple[bytes, str] | None = None) -> Any:
+        """One log entry as a vLLM event (``BlockStored`` or ``BlockRemoved``);
+        ``extras``: a store's packed token ids and LoRA name, if known."""
         e: EngineName = ev.engine
         block = e.hash or bytes(ev.address)
         if ev.kind == STORED:
-            return self.stored(block, e.parent, e.block_size, e.lora_id)
+            return self.stored(block, e.parent, e.block_size, e.lora_id, extras)
         return self.removed(block)
 
     def removed(self, block: bytes) -> Any:
@@ -75,16 +77,20 @@ class Wire:
             out["locality"] = self.locality
         return out
 
-    def stored(self, block: bytes, parent: bytes, block_size: int, lora_id: int) -> Any:
+    def stored(
+        self, block: bytes, parent: bytes, block_size: int, lora_id: int,
+        extras: tuple[bytes, str] | None = None,
+    ) -> Any:  # fmt: skip
         """A ``BlockStored`` of one block named ``block`` (``parent`` b"", ``lora_id`` 0:
-        none)."""
+        none; ``extras``: its packed token ids and LoRA name, None: not known)."""
+        tokens, lora_name = (token_list(extras[0]), extras[1] or None) if extras else ([], None)
         if self.form == ARRAYS:
-            return ["BlockStored", [block], parent or None, [], block_size, lora_id or None,
-                    self.medium, None]  # fmt: skip
+            return ["BlockStored", [block], parent or None, tokens, block_size, lora_id or None,
+                    self.medium, lora_name]  # fmt: skip
         out: dict[str, Any] = {
             "type": "BlockStored", "block_hashes": [block], "parent_block_hash": parent or None,
-            "token_ids": [], "block_size": block_size, "lora_id": lora_id or None,
-            "medium": self.medium, "lora_name": None,
+            "token_ids": tokens, "block_size": block_size, "lora_id": lora_id or None,
+            "medium": self.medium, "lora_name": lora_name,
         }  # fmt: skip
         if self.locality:
             out["locality"] = self.locality

@@ -65,6 +65,7 @@ from .auth import auth_from, authorize, roles_refused
 from .blocks import delete_block, get_block, head_block
 from .connections import Connections, Limits, resolve_max_connections
 from .events import event_gates, get_events, get_snapshot
+from .extras import ExtrasRelay, extras_endpoint
 from .inflight import Drain, SpoolBudget
 from .keys import (
     AUTH,
@@ -73,6 +74,7 @@ from .keys import (
     DRAIN,
     EVENT_READS,
     EVENT_WAITERS,
+    EXTRAS,
     FLUSH_TASK,
     HEALTH,
     METRICS,
@@ -243,6 +245,7 @@ def make_app(
     connections = app[CONNECTIONS] = Connections(limits_from(settings))
     app[METRICS].watch_connections(lambda: (len(connections), connections.closed_by))
     app.cleanup_ctx.append(_slab_ctx)
+    app.cleanup_ctx.append(partial(_extras_ctx, run_dir))
     if settings.disk:
         app.cleanup_ctx.append(_disk_ctx)
     app.on_startup.append(_start_background)
@@ -334,6 +337,17 @@ async def _disk_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await tier.close()
+
+
+async def _extras_ctx(run_dir: str | None, app: web.Application) -> AsyncIterator[None]:
+    """The hand-off of PUTs' engine extras to the KV-events publisher (one with a
+    publisher and a run directory; else one that drops them)."""
+    publishing = run_dir is not None and app[SETTINGS].kv_events_endpoint
+    relay = app[EXTRAS] = ExtrasRelay(extras_endpoint(run_dir) if run_dir and publishing else "")
+    try:
+        yield
+    finally:
+        relay.close()
 
 
 async def _slab_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -16,6 +16,7 @@ from ..disk.tier import DiskTier
 from ..slab.store import Slab
 from .auth import Auth
 from .connections import Connections
+from .extras import ExtrasRelay
 from .gates import Gate
 from .inflight import Drain, SpoolBudget
 from .metrics import Metrics
@@ -39,3 +40,5 @@ EVENT_WAITERS = web.AppKey("event_waiters", Gate)
 SNAPSHOTS = web.AppKey("snapshots", Gate)
 #: The disk tier's client (:mod:`eg_kv.disk.tier`), with ``--disk`` only.
 DISK = web.AppKey("disk", DiskTier)
+#: Hands a PUT's engine extras to the KV-events publisher (:mod:`eg_kv.server.extras`).
+EXTRAS = web.AppKey("extras", ExtrasRelay)

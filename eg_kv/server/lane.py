@@ -54,7 +54,7 @@ from .answers import error_answer, internal_reason, one_line
 from .auth import authorize, roles_refused
 from .blocks import absent, read_small
 from .intake import BodyIntake
-from .keys import AUTH, DISK, DRAIN, METRICS, SETTINGS, SLAB
+from .keys import AUTH, DISK, DRAIN, EXTRAS, METRICS, SETTINGS, SLAB
 from .replies import TEXT, head_for
 from .uploads import put_fields
 
@@ -72,11 +72,12 @@ class FastLane:
         app: the worker's application, started (its slab attached).
     """
 
-    __slots__ = ("_auth", "_checked", "_drain", "_metrics", "_share", "_slab")
+    __slots__ = ("_auth", "_checked", "_drain", "_extras", "_metrics", "_share", "_slab")
 
     def __init__(self, app: web.Application) -> None:
         self._auth, self._slab, self._drain = app[AUTH], app[SLAB], app[DRAIN]
         self._metrics, self._share = app[METRICS], app[SETTINGS].upload_share
+        self._extras = app[EXTRAS]
         # The roles authorize() may refuse on the block route: others skip the call.
         self._checked = roles_refused("block", self._auth.tenants_mode)
 
@@ -199,6 +200,7 @@ class FastLane:
             self._send(conn, version, "PUT", 200, TEXT, len(_DEDUP), None, _DEDUP, b"", start,
                        keep=False)  # fmt: skip
             return True
+        engine = self._extras(ns, address, engine)  # token ids: to the publisher
         handle = self._slab.begin_put(address, length, self._share, ns, checksum, engine)
         # The request is the lane's from here: answered when its body is in.
         self._drain.enter()
@@ -265,7 +267,8 @@ class FastLane:
 
         def store() -> _Answer:
             body = payload.read_nowait(-1)
-            created = self._slab.put(address, body, ns, checksum, engine)
+            named = self._extras(ns, address, engine)  # token ids: to the publisher
+            created = self._slab.put(address, body, ns, checksum, named)
             answer = _CREATED if created else _DEDUP
             return (201 if created else 200), TEXT, len(answer), None, answer
 

@@ -33,7 +33,7 @@ from . import tiers
 from ._compat import forget_interim
 from .answers import error_response, label, reply, unauthorized, why
 from .auth import authorize
-from .keys import AUTH, METRICS, SETTINGS, SLAB, SPOOL
+from .keys import AUTH, EXTRAS, METRICS, SETTINGS, SLAB, SPOOL
 from .tenants import Tenant
 
 #: A request's headers, or a parsed message's (case-insensitive in both).
@@ -176,6 +176,7 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     slab, ns = request.app[SLAB], tenant.ns
     slab.check_address(address, ns)
     length, checksum, engine = put_fields(request.headers, slab.max_block_size)
+    engine = request.app[EXTRAS](ns, address, engine)  # token ids: to the publisher
     # A Busy (503: upload share or spool full) gets its Retry-After where errors become
     # answers (error_response).
     if length is None:

@@ -103,9 +103,16 @@ ENTRY = struct.Struct("<QQQIBBHQQ")
 ENGINE = struct.Struct("<qIBB2x32s32s")
 ENGINE_OFFSET = ENTRY.size + ADDRESS_MAX
 ENTRY_SIZE = ENGINE_OFFSET + ENGINE.size  # 384
-#: A whole entry in one format (the KV-events publisher's fast read): ENTRY's fields, the
-#: address (padded), then ENGINE's.
-WHOLE_ENTRY = struct.Struct(ENTRY.format + f"{ADDRESS_MAX}s" + ENGINE.format.lstrip("<"))
+#: The byte after ENGINE's lengths (a pad byte before 2026-12-06): E_EXTRAS when the
+#: worker handed the block's token ids or LoRA name to the KV-events publisher as it stored
+#: it (eg_kv.engine.extras_message): the publisher waits for them before it publishes.
+ENGINE_FLAGS_OFFSET = ENGINE_OFFSET + 14
+E_EXTRAS = 1
+#: A whole entry in one format (the KV-events publisher's and the disk keeper's fast
+#: read): ENTRY's fields, the address (padded), then ENGINE's with its flags byte: LoRA
+#: id, block size, hash length, parent length, flags, hash, parent (W_* below).
+WHOLE_ENTRY = struct.Struct(ENTRY.format + f"{ADDRESS_MAX}s" + "qIBBBx32s32s")
+(W_LORA, W_SIZE, W_HLEN, W_PLEN, W_FLAGS, W_HASH, W_PARENT) = range(10, 17)
 assert WHOLE_ENTRY.size == ENTRY_SIZE
 #: Namespaces the table after the entries has room for (the slab's namespace ids).
 EVENTS_NAMESPACES = L.NS_COUNT
@@ -127,6 +134,8 @@ assert ENTRY.unpack(bytes(32) + (5).to_bytes(8, "little") + (9).to_bytes(8, "lit
 
 #: An entry's ENGINE head when it carries no engine name (checked before unpacking).
 _NO_ENGINE_HEAD = bytes(14)
+#: ... and its flags byte, written with it (a ring's entry is written over).
+_NO_ENGINE_FLAGGED = bytes(15)
 
 STORED, REMOVED = 1, 2
 R_PUT, R_EVICT, R_DELETE, R_REPAIR, R_QUOTA, R_DISK = 1, 2, 3, 4, 5, 6
@@ -211,11 +220,13 @@ class EventRing:
         )
         self._mm[off + ENTRY.size : off + ENTRY.size + len(raw)] = raw
         if engine is NO_ENGINE:  # the usual case: zero the head (what _entry checks)
-            self._mm[off + ENGINE_OFFSET : off + ENGINE_OFFSET + 14] = _NO_ENGINE_HEAD
+            self._mm[off + ENGINE_OFFSET : off + ENGINE_FLAGS_OFFSET + 1] = _NO_ENGINE_FLAGGED
         else:
             h, parent = engine.hash, engine.parent
             ENGINE.pack_into(self._mm, off + ENGINE_OFFSET, engine.lora_id, engine.block_size,
                              len(h), len(parent), h, parent)  # fmt: skip
+            if engine.token_ids or engine.lora_name:  # handed to the publisher (the server
+                self._mm[off + ENGINE_FLAGS_OFFSET] = E_EXTRAS  # sends only what it handed)
         self._staged = (seq, ns, nseq)
         w[W_PENDING] = seq  # after the entry: a pending seq always names a whole entry
 

@@ -375,7 +375,13 @@ class EgKvConnector(KVConnectorBase_V1):
             tracked.chain = self._chain(request, tracked.extras, complete)
             start = tracked.saved_upto
             hashes = request.block_hashes  # vLLM's names for the blocks, chained
-            names = chained_names(hashes[start:complete], bs, hashes[start - 1] if start else None)
+            lora = getattr(request, "lora_request", None)
+            names = chained_names(
+                hashes[start:complete], bs, hashes[start - 1] if start else None,
+                tokens=request.all_token_ids[start * bs : complete * bs],
+                lora_id=getattr(lora, "lora_int_id", 0) or 0,
+                lora_name=getattr(lora, "lora_name", "") or "",
+            )  # fmt: skip
             meta.saves.append(
                 BlockTransfer(
                     request.request_id,

@@ -12,7 +12,6 @@ exactly.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import threading
 import psutil
 import pytest
 from helpers.common import ROOT, free_port, wait_for
+from helpers.kv_publisher import engine_hash, kv_events_flags, publisher_of
 from helpers.server_http import request
 from helpers.server_procs import workers_of
 from helpers.tenants import token_of, write_tokens
@@ -35,11 +35,6 @@ pytestmark = pytest.mark.timeout(240)
 vllm_py = vllm_py_fixture()
 SUBSCRIBER = ROOT / "tests" / "kvevents" / "subscriber.py"
 BLOCK = b"k" * 4096
-
-
-def engine_hash(address: str) -> bytes:
-    """The engine hash the test's "engine" gives each block: SHA-256, as vLLM's."""
-    return hashlib.sha256(address.encode()).digest()
 
 
 def put(srv, address: str, token: str | None = None, parent: bytes = b"") -> int:
@@ -80,24 +75,6 @@ def held_by(srv, token: str | None = None) -> set[str]:
     finally:
         c.close()
     return {b.hash for b in snap.blocks}
-
-
-def publisher_of(srv, port: int) -> int | None:
-    """The child of the server that listens on the publisher's port."""
-    for pid in workers_of(srv):
-        try:
-            conns = psutil.Process(pid).net_connections(kind="tcp")
-        except psutil.NoSuchProcess:
-            continue
-        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns):
-            return pid
-    return None
-
-
-def kv_events_flags(ports: tuple[int, int], *more: str) -> tuple[str, ...]:
-    return ("--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}",
-            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{ports[1]}",
-            "--kv-events-pool", "node:test", "--kv-events-model", "tiny", *more)  # fmt: skip
 
 
 @pytest.mark.slow

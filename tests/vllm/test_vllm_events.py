@@ -170,6 +170,18 @@ def test_vllm_gets_its_own_event_objects(vllm_py):
     ]
 
 
+def run_driver(vllm_py, tmp_path, code: str) -> dict:
+    """Run a driver in the vLLM venv; what it printed after ``RESULT``, as JSON."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(vllm_py), str(driver)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=80)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][7:])
+
+
 #: In a vLLM venv: a real vLLM Request (its own block hasher), the connector's scheduler
 #: state without an engine, a save of blocks 1 and 2 remembered, eg-kv events applied.
 _CONNECTOR_DRIVER = """
@@ -208,17 +220,55 @@ print("RESULT " + json.dumps({"events": out, "hashes": hashes,
 
 @pytest.mark.slow
 def test_the_connector_relays_with_vllms_own_block_hashes(tmp_path, vllm_py):
-    driver = tmp_path / "driver.py"
-    driver.write_text(_CONNECTOR_DRIVER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([str(vllm_py), str(driver)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=80)  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    got = json.loads(lines[-1][7:])
+    got = run_driver(vllm_py, tmp_path, _CONNECTOR_DRIVER)
     h = got["hashes"]  # vLLM's hashes of the request's 4 blocks, as its events carry them
     assert got["events"] == [
         ["BlockStored", [h[1], h[2]], "SHARED_STORAGE", 16],  # the blocks this engine saved
         ["BlockRemoved", [h[2]], "SHARED_STORAGE", None],
     ]
     assert got["unmapped"] == 2  # blocks 0 and 3: never computed by this engine
+
+
+#: In a vLLM venv: a real vLLM Request with a LoRA, the connector's scheduler state
+#: without an engine, and the saves its plan names (what each block's PUT carries).
+_SAVES_DRIVER = """
+import json
+from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from eg_kv.engine import engine_headers, token_list
+from eg_kv.vllm.addresses import BlockFormat
+from eg_kv.vllm.connector import EgKvConnector, EgKvConnectorMetadata, _Tracked
+from eg_kv.vllm.events import EventRelay
+
+init_none_hash(sha256)
+tokens = list(range(100, 164))
+req = Request("r1", tokens, SamplingParams(max_tokens=1), None,
+              lora_request=LoRARequest("sql-lora", 3, "/nowhere"),
+              block_hasher=get_request_block_hasher(16, sha256))
+conn = EgKvConnector.__new__(EgKvConnector)  # the scheduler side's state, no engine
+conn._relay, conn._block_size, conn._tracked = EventRelay(1), 16, {}
+conn._formats = [BlockFormat(model="m", dtype="bfloat16", block_size=16, layout="l")]
+tracked = _Tracked(req, ("lora:3",), block_ids=[10, 11, 12, 13])
+conn._tracked["r1"] = tracked
+meta = EgKvConnectorMetadata()
+conn._plan(tracked, 0, 64, meta)  # the step computes all four blocks: they are saved
+names = meta.saves[0].names
+print("RESULT " + json.dumps({
+    "tokens": [token_list(n.token_ids) for n in names],
+    "lora": [[n.lora_id, n.lora_name] for n in names],
+    "headers": sorted(engine_headers(names[1])),
+}))
+"""
+
+
+@pytest.mark.slow
+def test_the_connectors_saves_carry_each_blocks_tokens_and_the_lora(tmp_path, vllm_py):
+    got = run_driver(vllm_py, tmp_path, _SAVES_DRIVER)
+    assert got["tokens"] == [list(range(100 + 16 * i, 116 + 16 * i)) for i in range(4)]
+    assert got["lora"] == [[3, "sql-lora"]] * 4
+    assert "X-Eg-Kv-Engine-Tokens" in got["headers"]
+    assert "X-Eg-Kv-Engine-Lora-Name" in got["headers"]
