@@ -27,8 +27,10 @@ like the readers segment, created by the server's supervisor, removed with the s
     entry:   ENTRY: seq, block id, block length, namespace id, kind, reason, address
              length, nseq, prev; then the address (ASCII, padded to 256); then ENGINE:
              the block's engine name (:mod:`eg_kv.engine`: LoRA id, block size, hash and
-             parent lengths, hash, parent; zeros: none), so a removal names the block
-             as its store did, for the KV-events publisher (:mod:`eg_kv.kvevents`).
+             parent lengths, a flags byte, hash, parent; zeros: none), so a removal names
+             the block as its store did, for the KV-events publisher
+             (:mod:`eg_kv.kvevents`). Flags: E_EXTRAS, the worker handed the publisher
+             the store's token ids or LoRA name (:mod:`eg_kv.server.extras`).
              Entry ``seq`` lies at index ``(seq - 1) % N``.
     namespaces: per namespace id, two int64: NS_LAST, the seq of its newest entry (0:
              none), and NS_COUNT_WORD, its nseq.
