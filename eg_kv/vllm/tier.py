@@ -52,6 +52,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    get_offload_block_hash,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -59,6 +60,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ..binding import EngineBinding, current_binding, declared_binding
 from ..client.connectors import connect
 from ..client.interface import KvConnector
+from ..engine import EngineName, hash_bytes
 from .addresses import BlockFormat, block_address
 from .tier_copies import CopyJobs, FinishedJob
 from .tier_events import RemovalRelay
@@ -294,7 +296,13 @@ class EgKvTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         self._job_keys[job_metadata.job_id] = (False, keys)
         addresses = [self.address(k) for k in keys]
-        self._copies.submit(job_metadata.job_id, False, addresses, list(job_metadata.chunk_ids))
+        # vLLM's block hash is the key less its group: the server's KV events name the
+        # block by it, as the engine's own stream does.
+        names = [EngineName(hash_bytes(get_offload_block_hash(k)), b"", self.format.block_size)
+                 for k in keys]  # fmt: skip
+        self._copies.submit(
+            job_metadata.job_id, False, addresses, list(job_metadata.chunk_ids), names
+        )
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Copy the job's blocks into its primary slots (the loads end their leases)."""

@@ -39,9 +39,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Protocol
 
 import xxhash
+
+from ..engine import NO_ENGINE, EngineName
 
 __all__ = ["TRAILER", "CopyJobs", "FinishedJob", "trailer"]
 
@@ -67,7 +70,9 @@ class CopyClient(Protocol):
     """What the copies need of a client (every eg-kv sync client has it)."""
 
     def fetch(self, key: str | bytes, sink: Any, may_start: Any = None) -> Any: ...
-    def put_status(self, key: str | bytes, parts: Any) -> int | None: ...
+    def put_status(
+        self, key: str | bytes, parts: Any, engine: EngineName = NO_ENGINE
+    ) -> int | None: ...
 
 
 @dataclasses.dataclass
@@ -155,9 +160,11 @@ class CopyJobs:
         return self._view[start : start + self.row_bytes]
 
     def submit(
-        self, job_id: int, is_load: bool, addresses: Sequence[str], rows: Sequence[int]
-    ) -> None:
-        """Start a job: block ``i`` goes between ``addresses[i]`` and slot ``rows[i]``.
+        self, job_id: int, is_load: bool, addresses: Sequence[str], rows: Sequence[int],
+        names: Sequence[EngineName] | None = None,
+    ) -> None:  # fmt: skip
+        """Start a job: block ``i`` goes between ``addresses[i]`` and slot ``rows[i]``
+        (a store's PUT names it ``names[i]``, the engine's name: :mod:`eg_kv.engine`).
         Returns at once; the job shows up in :meth:`finished` once every copy ended."""
         if len(addresses) != len(rows):
             raise ValueError(f"{len(addresses)} addresses for {len(rows)} slots")
@@ -169,8 +176,11 @@ class CopyJobs:
         if not rows:
             self._done(job, -1, False)
             return
-        copy = self._load_one if is_load else self._store_one
         for i, (address, row) in enumerate(zip(addresses, rows, strict=True)):
+            if is_load:
+                copy = self._load_one
+            else:
+                copy = partial(self._store_one, name=names[i] if names else NO_ENGINE)
             self._pool.submit(self._run, job, i, copy, address, int(row))
 
     def _run(
@@ -227,9 +237,9 @@ class CopyJobs:
 
         return self._client.fetch(address, sink) is True
 
-    def _store_one(self, address: str, row: int) -> bool:
+    def _store_one(self, address: str, row: int, name: EngineName = NO_ENGINE) -> bool:
         slot = self._row(row)
-        status = self._client.put_status(address, (slot, trailer(address, slot)))
+        status = self._client.put_status(address, (slot, trailer(address, slot)), name)
         return status in (200, 201)
 
     def finished(self) -> list[FinishedJob]:

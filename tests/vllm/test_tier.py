@@ -12,6 +12,7 @@ a copy a slow server drips, and the slot does not change after it returned.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -83,6 +84,12 @@ def test_two_managers_in_two_processes_share_one_server(server_factory, vllm_py)
     )  # fmt: skip
     assert stored["stats"]["stored_blocks"] == 10 and stored["stats"]["store_failed_blocks"] == 0
     assert not stored["pending"]
+    # Each PUT named its block by vLLM's block hash (the key less its group), so the
+    # server's KV events name it as the engine's own stream does.
+    with urllib.request.urlopen(srv.url + "/kv/events?since=0", timeout=10) as answer:
+        logged = json.loads(answer.read())["events"]
+    named = {e.get("engine_hash") for e in logged if e["kind"] == "stored"}
+    assert {hashlib.sha256(f"s/{i}".encode()).hexdigest() for i in range(10)} <= named
     assert stored["events"] == [[10, False, "CPU"]]  # the tier's stores, relayed
     # Another client deleted 2 of them: the server's event log told the tier, which relayed
     # exactly those keys as removed; 8 are left to load.
