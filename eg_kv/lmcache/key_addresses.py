@@ -20,6 +20,7 @@ import xxhash
 
 from ..address import AddressCache, address_for_key
 from ..binding import declared_binding
+from ..engine import ENGINE_HASH_MAX, NO_ENGINE, EngineName
 from ..errors import ConfigError
 
 #: The ``adapter_params`` that declare the binding (all optional strings).
@@ -29,6 +30,19 @@ BINDING_PARAMS = ("revision", "weights", "kv_dtype", "quantization")
 MAX_DIGESTS = 65536
 #: Models whose binding is remembered (a server serves a few): cleared when full.
 MAX_MODELS = 64
+
+
+def chunk_name(key: str) -> EngineName:
+    """The engine's name of the chunk an LMCache key names: its chunk hash (the key's
+    fourth field, hex), for the server's KV events (:mod:`eg_kv.engine`); none when the
+    key has no such field."""
+    parts = key.split("@")
+    if len(parts) < 4 or not 2 <= len(parts[3]) <= 2 * ENGINE_HASH_MAX or len(parts[3]) % 2:
+        return NO_ENGINE
+    try:
+        return EngineName(bytes.fromhex(parts[3]))
+    except ValueError:
+        return NO_ENGINE
 
 
 def binding_params(adapter_params: dict[str, Any]) -> dict[str, str]:

@@ -63,7 +63,7 @@ from ..client.connectors import connect
 from ..client.lease_record import LeaseRecord
 from ..client.settings import KvCacheConfig, resolve_config
 from ..errors import ConfigError
-from .key_addresses import KeyAddresses, binding_params
+from .key_addresses import KeyAddresses, binding_params, chunk_name
 from .store_warnings import StoreWarnings
 from .write_gate import GateSet, WriteGate, read_through
 
@@ -224,13 +224,13 @@ class RemoteKVL2Connector:
 
     def _store(self, key: str, data: Any) -> bool:
         size = memoryview(data).nbytes
-        address = self.addresses.address(key)
-        status = self._client.put_status(address, (data,))
+        address, name = self.addresses.address(key), chunk_name(key)
+        status = self._client.put_status(address, (data,), name)
         if status == 409:
             self._warn.conflict(size, "Its chunks go to addresses that also hold their "
                                       "length, so both keep their own copies.")  # fmt: skip
             address = self.addresses.sized(key, size)
-            status = self._client.put_status(address, (data,))
+            status = self._client.put_status(address, (data,), name)
         if status == 413:
             self._warn.too_large(size)
         if status not in (200, 201):

@@ -6,13 +6,16 @@ LMCache's ``NativeConnectorL2Adapter`` does and check each promise of the contra
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.request
 
 from helpers.kvcache import RawServer, lm_keys, wait_completions
 
+from eg_kv.engine import NO_ENGINE
 from eg_kv.kvcache import RemoteKVConnector, RemoteKVL2Connector
-from eg_kv.lmcache.key_addresses import KeyAddresses, binding_params
+from eg_kv.lmcache.key_addresses import KeyAddresses, binding_params, chunk_name
 
 
 def test_l2_connector_store_lookup_load_delete(server_factory):
@@ -153,3 +156,20 @@ def test_l2_copies_the_key_and_view_lists_at_submit(server_factory):
     assert wait_completions(conn, {f_get})[f_get][3] == [True] * 8
     assert outs == blocks and not any(any(s) for s in spare)
     conn.close()
+
+
+def test_l2_stores_name_each_chunk_by_lmcaches_chunk_hash(server_factory):
+    # The key's fourth field is LMCache's chunk hash: the server's KV events name the
+    # chunk by it (eg_kv.engine), not by eg-kv's address.
+    srv = server_factory(workers=1, capacity="16MiB")
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=10)
+    try:
+        keys = lm_keys(3, start=40)
+        f_set = conn.submit_batch_set(keys, [memoryview(bytearray(b"c" * 1000))] * 3)
+        assert wait_completions(conn, {f_set})[f_set][3] == [True] * 3
+    finally:
+        conn.close()
+    with urllib.request.urlopen(srv.url + "/kv/events?since=0", timeout=10) as answer:
+        logged = json.loads(answer.read())["events"]
+    assert sorted(e.get("engine_hash") for e in logged) == [k.split("@")[3] for k in keys]
+    assert chunk_name("model@0@0@not-hex") == NO_ENGINE == chunk_name("no-fields")
