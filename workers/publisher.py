@@ -14,6 +14,7 @@ import signal
 from eg_kv.config import Settings
 from eg_kv.kvevents.publisher import Publisher, PublisherOptions
 from eg_kv.server.extras import extras_endpoint
+from eg_kv.server.runstate import kv_events_stats
 from eg_kv.slab.store import Slab
 
 from .worker import BOOT_ERROR, _die_with_parent
@@ -29,6 +30,7 @@ def options_of(s: Settings, run_dir: str = "") -> PublisherOptions:
         medium=s.kv_events_medium, locality=s.kv_events_locality, pool=s.kv_events_pool,
         model=s.kv_events_model, form="arrays" if s.kv_events_arrays else "maps",
         extras_endpoint=extras_endpoint(run_dir) if run_dir else "",
+        stats_path=kv_events_stats(run_dir) if run_dir else "",
     )  # fmt: skip
 
 

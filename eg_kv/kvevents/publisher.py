@@ -42,7 +42,9 @@ the extras held, by count (each at most 4 KiB of token ids).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -70,6 +72,8 @@ REPLAY_SEND_TIMEOUT_MS = 1000
 #: for more gets the end marker alone and asks again (ZMQ has no authentication: anyone
 #: who reaches the socket may ask).
 RESYNC_INTERVAL_S = 1.0
+#: How often the counters are written for /metrics, in seconds.
+STATS_EVERY_S = 1.0
 #: Blocks whose token ids and LoRA name the publisher holds (the newest stores').
 EXTRAS_KEPT = 16_384
 #: The longest one step waits for the extras of entries marked as having them (a worker
@@ -95,6 +99,9 @@ class PublisherOptions:
     form: str = "maps"  #: eg_kv.kvevents.wire.MAPS or ARRAYS
     hwm: int = 100_000  #: messages the PUB socket queues per subscriber
     extras_endpoint: str = ""  #: the workers' extras socket (a PULL: bound); "": none
+    #: where its counters are written, as JSON, about once a second (the workers' /metrics
+    #: reads them); "": nowhere
+    stats_path: str = ""
 
 
 #: A log's seqs start at its creation time in ms shifted by this: 4 million events a
@@ -298,6 +305,7 @@ class Publisher:
         poller = zmq.Poller()
         if self.replay is not None:
             poller.register(self.replay, zmq.POLLIN)
+        written = 0.0
         while not stopped():
             busy = self.step() >= STEP
             if self.replay is not None:
@@ -305,6 +313,21 @@ class Publisher:
                     self.serve_replay()
             elif not busy:
                 time.sleep(IDLE_MS / 1000)
+            if self.options.stats_path and time.monotonic() - written >= STATS_EVERY_S:
+                written = time.monotonic()
+                self.write_stats()
+
+    def write_stats(self) -> None:
+        """Write the counters to ``stats_path`` (a temporary file, then a rename: a reader
+        never sees half of it). A failure is logged at debug: the next one tries again."""
+        path = self.options.stats_path
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.counters, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.debug("KV events: cannot write %s: %s", path, e)
 
     def close(self) -> None:
         """Close the sockets (at once: nothing lingers)."""

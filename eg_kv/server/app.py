@@ -235,7 +235,8 @@ def make_app(
     app[SETTINGS] = settings
     app[AUTH] = auth_from(settings, run_dir)
     metrics_path = runstate.metrics_dir(run_dir) if run_dir else None
-    app[METRICS] = Metrics(metrics_path)
+    events_path = runstate.kv_events_stats(run_dir) if run_dir else None
+    app[METRICS] = Metrics(metrics_path, events_path if settings.kv_events_endpoint else None)
     app[DRAIN] = Drain()
     app[SPOOL] = SpoolBudget(settings.chunked_spool)
     app[EVENT_READS], app[EVENT_WAITERS], app[SNAPSHOTS] = event_gates()
@@ -343,7 +344,10 @@ async def _extras_ctx(run_dir: str | None, app: web.Application) -> AsyncIterato
     """The hand-off of PUTs' engine extras to the KV-events publisher (one with a
     publisher and a run directory; else one that drops them)."""
     publishing = run_dir is not None and app[SETTINGS].kv_events_endpoint
-    relay = app[EXTRAS] = ExtrasRelay(extras_endpoint(run_dir) if run_dir and publishing else "")
+    relay = app[EXTRAS] = ExtrasRelay(
+        extras_endpoint(run_dir) if run_dir and publishing else "",
+        on_drop=app[METRICS].extras_dropped.inc,
+    )
     try:
         yield
     finally:

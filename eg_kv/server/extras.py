@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import zmq
 
@@ -46,10 +47,12 @@ class ExtrasRelay:
     Args:
         endpoint: the publisher's socket (:func:`extras_endpoint`); "" for none: every
             name is :func:`stripped`.
+        on_drop: called once for each block's extras dropped (a metrics counter).
     """
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, on_drop: Callable[[], object] = lambda: None) -> None:
         self.dropped = 0
+        self._on_drop = on_drop
         self._sock: zmq.Socket[bytes] | None = None
         if endpoint:
             sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
@@ -71,6 +74,7 @@ class ExtrasRelay:
                 return name
             except zmq.ZMQError:
                 self.dropped += 1
+                self._on_drop()
                 if self.dropped == 1:
                     log.warning("KV events: the publisher is not taking blocks' token ids "
                                 "(down or behind): blocks are published without them")  # fmt: skip

@@ -10,6 +10,7 @@ are read straight from the slab at scrape time rather than copied into per-proce
 from __future__ import annotations
 
 import bisect
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -53,8 +54,10 @@ class Metrics:
             this process only (a single-process app, e.g. in a test).
     """
 
-    def __init__(self, multiproc_dir: str | None = None):
+    def __init__(self, multiproc_dir: str | None = None, kv_events_path: str | None = None):
         self.multiproc_dir = multiproc_dir
+        #: The KV-events publisher's counters file (eg_kv.kvevents.publisher); None: none.
+        self.kv_events_path = kv_events_path
         if multiproc_dir:
             # prometheus_client picks its value class when it is first imported; the
             # supervisor imports it before it knows the directory, so switch explicitly.
@@ -89,6 +92,11 @@ class Metrics:
             "eg_kv_connection_timeouts",
             "Connections closed by a time limit: header, body, send (answers not read), "
             "keepalive, rate (a body under --min-upload-rate)", ["limit"], registry=None,
+        )  # fmt: skip
+        self.extras_dropped = Counter(
+            "eg_kv_kv_events_extras_dropped",
+            "Blocks whose token ids or LoRA name a worker dropped: the KV-events publisher "
+            "was down or behind (the blocks were published without them)", registry=None,
         )  # fmt: skip
         self._connections: Callable[[], tuple[int, dict[str, int]]] | None = None
         self._closed_flushed: dict[str, int] = {}
@@ -167,13 +175,18 @@ class Metrics:
         else:
             registry.register(self.requests)
             registry.register(self.latency)
-            for metric in (self.connections_open, self.connections_shed, self.connection_timeouts):
+            for metric in (self.connections_open, self.connections_shed,
+                           self.connection_timeouts, self.extras_dropped):  # fmt: skip
                 registry.register(metric)
         registry.register(_Snapshot(lambda: _slab_families(slab_stats, workers_up, workers)))
         if namespaces:
             registry.register(_Snapshot(lambda: _namespace_families(namespaces)))
         if disk is not None:
             registry.register(_Snapshot(lambda: _disk_families(disk)))
+        if self.kv_events_path:
+            published = _read_counters(self.kv_events_path)
+            if published:
+                registry.register(_Snapshot(lambda: _kv_events_families(published)))
         return generate_latest(registry)
 
 
@@ -244,6 +257,38 @@ def _disk_families(disk: dict[str, Any]) -> list:
 _NS_SERIES = ("resident_bytes", "unique_blocks", "evictions", "evicted_bytes", "quota_bytes",
               "quota_used_bytes", "reserved_bytes", "get_hits", "get_misses",
               "dedup_hits")  # fmt: skip
+
+
+#: The KV-events publisher's counters, as eg_kv_kv_events_<name>_total.
+_KV_EVENTS = {
+    "published": "Events the KV-events publisher sent (one a message)",
+    "skipped": "Log entries the publisher fell behind and skipped (subscribers saw a hole)",
+    "replays": "Replay requests answered",
+    "resyncs": "Replays answered by a resync (a walk of the slot table)",
+    "extras_late": "Stores published without the token ids their worker sent (late)",
+}
+
+
+def _read_counters(path: str) -> dict[str, int] | None:
+    """A JSON object of counters from ``path``; None when there is none yet (or it
+    cannot be read: the publisher writes it again within a second)."""
+    try:
+        with open(path) as f:
+            got = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def _kv_events_families(counters: dict[str, Any]) -> list:
+    out = []
+    for name, doc in _KV_EVENTS.items():
+        value = counters.get(name)
+        if isinstance(value, int):
+            family = CounterMetricFamily(f"eg_kv_kv_events_{name}", doc)
+            family.add_metric([], value)
+            out.append(family)
+    return out
 
 
 def _namespace_families(namespaces: dict[str, dict[str, int | str]]) -> list:

@@ -31,6 +31,7 @@ from ..procs import pid_alive
 
 STATE_FILE = "workers.json"
 METRICS_DIR = "metrics"
+KV_EVENTS_STATS = "kv-events.json"
 OWNER_FILE = "owner"
 HEARTBEAT_FILE = "heartbeats"
 _SLOT_WORDS = 2  # pid, monotonic ns of the last beat
@@ -150,6 +151,11 @@ class Heartbeats:
 
 def metrics_dir(run_dir: str) -> str:
     return os.path.join(run_dir, METRICS_DIR)
+
+
+def kv_events_stats(run_dir: str) -> str:
+    """Where the KV-events publisher writes its counters for /metrics."""
+    return os.path.join(run_dir, KV_EVENTS_STATS)
 
 
 def write_state(run_dir: str, configured: int, ready_pids: list[int]) -> None:

@@ -166,3 +166,24 @@ def test_without_a_publisher_token_ids_are_checked_and_dropped(server_factory):
     name = named("np-1", [1, 2, 3], "l")
     assert request(srv, "PUT", "/kv/np-1", b"n" * 4096, engine_headers(name)).status == 201
     assert request(srv, "GET", "/kv/np-1").body == b"n" * 4096
+
+
+def test_the_publishers_counters_reach_metrics(publishing):
+    srv = publishing[0]
+
+    def counters() -> dict[str, float]:
+        text = request(srv, "GET", "/metrics").body.decode()
+        return {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in text.splitlines()
+            if line.startswith("eg_kv_kv_events_")
+        }
+
+    for k in range(20):
+        assert request(srv, "PUT", f"/kv/m{k}", b"m" * 100).status == 201
+    # The publisher writes its counters about once a second; every worker shows them.
+    wait_for(lambda: counters().get("eg_kv_kv_events_published_total", 0) >= 20,
+             what="the publisher's counters in /metrics")  # fmt: skip
+    got = counters()
+    for quiet in ("skipped", "extras_late", "extras_dropped"):
+        assert got[f"eg_kv_kv_events_{quiet}_total"] == 0, quiet
