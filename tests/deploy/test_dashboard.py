@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.common import ROOT, wait_for
+from helpers.common import ROOT, free_port, wait_for
 from helpers.server_http import request
 from helpers.tenants import token_of, write_tokens
 
@@ -106,7 +106,8 @@ def scraped(tmp_path_factory) -> set[str]:
     srv = start_server(
         tmp, workers=2, capacity="4MiB",
         extra=("--tokens", str(tokens), "--header-timeout", "0.5", "--disk", str(tmp / "disk"),
-               "--disk-capacity", "64MiB"),
+               "--disk-capacity", "64MiB",
+               "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}"),
     )  # fmt: skip
     try:
         team = token_of("team-a")
@@ -128,6 +129,8 @@ def scraped(tmp_path_factory) -> set[str]:
                  what="the header timeout in /metrics")  # fmt: skip
         wait_for(lambda: re.search(r"^eg_kv_disk_spills_total [1-9]", text(), re.M), timeout=15,
                  what="the disk tier's spills in /metrics")  # fmt: skip
+        wait_for(lambda: re.search(r"^eg_kv_kv_events_published_total [1-9]", text(), re.M),
+                 timeout=15, what="the KV-events publisher's counters in /metrics")  # fmt: skip
         return scraped_names(text())
     finally:
         stop_server(srv)
@@ -150,7 +153,7 @@ def test_every_expression_names_metrics_a_real_server_exposes(scraped):
         "eg_kv_request_duration_seconds_bucket", "eg_kv_reserved_pages",
         "eg_kv_connections_shed_total", "eg_kv_connection_timeouts_total",
         "eg_kv_namespace_quota_used_bytes", "eg_kv_namespace_quota_bytes",
-        "eg_kv_workers_up",
+        "eg_kv_workers_up", "eg_kv_kv_events_published_total", "eg_kv_kv_events_skipped_total",
     ):  # fmt: skip
         assert name in used, f"no panel reads {name}"
 
