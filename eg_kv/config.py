@@ -112,6 +112,12 @@ _MEDIUM = re.compile(r"[A-Z][A-Z0-9_]{0,31}")
 _TOPIC_PART = re.compile(r"[!-?A-~]{1,128}")
 
 
+def topic_part(value: object) -> bool:
+    """Whether ``value`` may be part of a KV-events topic (a pool's or a model's name):
+    1-128 printable characters without '@' or spaces."""
+    return isinstance(value, str) and _TOPIC_PART.fullmatch(value) is not None
+
+
 def parse_addr(value: str) -> tuple[str, int]:
     """Parse ``EPISTEMIC_GRAPH_KVCACHE_ADDR`` (or ``--addr``) into ``(host, port)``.
 
@@ -320,7 +326,7 @@ class Settings:
                               "REMOTE or nothing")  # fmt: skip
         for flag, value in (("--kv-events-pool", self.kv_events_pool),
                             ("--kv-events-model", self.kv_events_model)):  # fmt: skip
-            if not _TOPIC_PART.fullmatch(value):
+            if not topic_part(value):
                 raise ConfigError(f"{flag} {value!r}: want 1-128 printable characters "
                                   "without '@' or spaces (it is part of the topic)")  # fmt: skip
 

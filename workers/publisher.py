@@ -9,12 +9,17 @@ lock on its live path, so a SIGKILL or a SIGSTOP of it costs only its subscriber
 from __future__ import annotations
 
 import logging
+import os
 import signal
+from collections.abc import Mapping
 
 from eg_kv.config import Settings
+from eg_kv.errors import ConfigError
 from eg_kv.kvevents.publisher import Publisher, PublisherOptions
+from eg_kv.server.auth import tokens_path
 from eg_kv.server.extras import extras_endpoint
 from eg_kv.server.runstate import kv_events_stats
+from eg_kv.server.tenants import load
 from eg_kv.slab.store import Slab
 
 from .worker import BOOT_ERROR, _die_with_parent
@@ -34,6 +39,34 @@ def options_of(s: Settings, run_dir: str = "") -> PublisherOptions:
     )  # fmt: skip
 
 
+class NamespaceModels:
+    """The tokens file's ``model`` of each namespace, read again when the file changes
+    (the supervisor replaces its validated copy on a reload): a callable for
+    :class:`~eg_kv.kvevents.publisher.Topics`, which is asked about once a second."""
+
+    def __init__(self, settings: Settings, run_dir: str) -> None:
+        self._settings, self._run_dir = settings, run_dir
+        self._stamp: tuple[str, float] | None = None
+        self._models: Mapping[str, str] = {}
+
+    def __call__(self) -> Mapping[str, str]:
+        path = tokens_path(self._settings, self._run_dir or None)
+        if path is None:
+            return self._models
+        try:
+            stamp = (path, os.stat(path).st_mtime)
+        except OSError:
+            return self._models
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self._models = load(path, self._settings.capacity).models
+            except ConfigError as e:  # the supervisor validated it: a file being replaced
+                log.debug("KV events: the tokens file cannot be read now: %s", e)
+                self._stamp = None
+        return self._models
+
+
 def run(settings: Settings, parent: int, run_dir: str = "") -> int:
     """Publish until SIGTERM. Returns the exit status (0, or BOOT_ERROR: a socket that
     cannot be bound, which a new process would not bind either)."""
@@ -44,7 +77,8 @@ def run(settings: Settings, parent: int, run_dir: str = "") -> int:
     slab = Slab.attach(settings.slab_name)
     try:
         try:
-            publisher = Publisher(slab, options_of(settings, run_dir))
+            models = NamespaceModels(settings, run_dir)
+            publisher = Publisher(slab, options_of(settings, run_dir), models=models)
         except Exception as e:  # zmq.ZMQError: the address is taken or not ours
             log.error("eg-kv: the KV-events publisher cannot start: %s", e)
             return BOOT_ERROR

@@ -47,7 +47,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
@@ -116,12 +116,27 @@ def seq_base(created_ms: int) -> int:
 
 class Topics:
     """Namespace ids to topics and back: ``kv@pool:<pool>@<model>`` for the default
-    namespace, ``kv@pool:<pool>/<namespace>@<model>`` for a tenant's (llm-d's form)."""
+    namespace, ``kv@pool:<pool>/<namespace>@<model>`` for a tenant's (llm-d's form).
 
-    def __init__(self, pool: str, model: str, name_of: Callable[[int], str | None]) -> None:
-        self.pool, self.model, self._name_of = pool, model, name_of
+    ``<model>`` is the namespace's own when ``models()`` (namespace name -> model, from the
+    tokens file) names one, else the server's ``--kv-events-model``."""
+
+    def __init__(
+        self, pool: str, model: str, name_of: Callable[[int], str | None],
+        models: Callable[[], Mapping[str, str]] = dict,
+    ) -> None:  # fmt: skip
+        self.pool, self.model, self._name_of, self._models = pool, model, name_of, models
+        self._known = models()
         self._topic: dict[int, bytes] = {}
         self._ns: dict[bytes, int] = {}
+
+    def refresh(self) -> None:
+        """Take up a new mapping of models (a tokens file reloaded): topics anew."""
+        known = self._models()
+        if known is not self._known:
+            self._known = known
+            self._topic.clear()
+            self._ns.clear()
 
     def of(self, ns: int) -> bytes | None:
         """Namespace ``ns``'s topic (None: no such namespace)."""
@@ -131,7 +146,8 @@ class Topics:
             if name is None:
                 return None
             pool = f"{self.pool}/{name}" if name else self.pool
-            topic = f"kv@pool:{pool}@{self.model}".encode()
+            model = self._known.get(name, self.model)
+            topic = f"kv@pool:{pool}@{model}".encode()
             self._topic[ns], self._ns[topic] = topic, ns
         return topic
 
@@ -147,18 +163,23 @@ class Publisher:
         slab: an attached slab with an event log.
         options: the sockets, medium and names.
         context: the ZMQ context (None: the process's).
+        models: the namespaces' own models (name -> model), asked again about once a
+            second (:meth:`Topics.refresh`): the tokens file's ``model`` keys.
 
     Raises:
         ValueError: the slab has no event log. zmq.ZMQError: an endpoint cannot be bound.
     """
 
-    def __init__(self, slab: Slab, options: PublisherOptions, context: Any = None) -> None:
+    def __init__(
+        self, slab: Slab, options: PublisherOptions, context: Any = None,
+        models: Callable[[], Mapping[str, str]] = dict,
+    ) -> None:  # fmt: skip
         ring = slab.events
         if ring is None:
             raise ValueError("the KV-events publisher needs the event log (--events > 0)")
         self.slab, self.ring, self.options = slab, ring, options
         self.wire = Wire(options.medium, options.locality or None, options.form)
-        self.topics = Topics(options.pool, options.model, slab.namespace_name)
+        self.topics = Topics(options.pool, options.model, slab.namespace_name, models)
         ctx = context or zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, options.hwm)
@@ -313,9 +334,11 @@ class Publisher:
                     self.serve_replay()
             elif not busy:
                 time.sleep(IDLE_MS / 1000)
-            if self.options.stats_path and time.monotonic() - written >= STATS_EVERY_S:
+            if time.monotonic() - written >= STATS_EVERY_S:
                 written = time.monotonic()
-                self.write_stats()
+                self.topics.refresh()
+                if self.options.stats_path:
+                    self.write_stats()
 
     def write_stats(self) -> None:
         """Write the counters to ``stats_path`` (a temporary file, then a rename: a reader

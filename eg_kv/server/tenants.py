@@ -9,6 +9,8 @@ The tokens file is TOML, one ``[[tenant]]`` table per token::
     namespace = "team-a"        # optional, defaults to name; tokens may share one
     quota = "32GiB"             # optional: the most the namespace may hold, in whole
                                 # pages, uploads in flight included (Slab._room)
+    model = "Qwen/Qwen3-8B"     # optional: the model the namespace's KV events name
+                                # (their topic's), instead of --kv-events-model
 
 A presented token is found by its sha256 digest in a dict: the lookup compares digests,
 never the token, so it tells nothing about any token whatever the number of tenants.
@@ -24,6 +26,7 @@ import re
 import sys
 from collections.abc import Mapping
 
+from ..config import topic_part
 from ..errors import ConfigError
 from ..units import format_size, parse_size
 
@@ -39,7 +42,7 @@ DEFAULT_NAMESPACE = ""
 #: A namespace name is stored in the slab's namespace table (layout.NS_NAME_MAX bytes).
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,63}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_KEYS = {"name", "token_sha256", "role", "namespace", "quota"}
+_KEYS = {"name", "token_sha256", "role", "namespace", "quota", "model"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,8 @@ class TenantTable:
 
     by_digest: Mapping[bytes, Tenant]
     quotas: Mapping[str, int]  #: namespace name -> quota in bytes (0: none)
+    #: namespace name -> the model its KV events name (absent: ``--kv-events-model``)
+    models: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def find(self, token: bytes) -> Tenant | None:
         """The tenant whose token is ``token``, or None."""
@@ -84,6 +89,7 @@ class TenantTable:
         return TenantTable(
             {d: dataclasses.replace(t, ns=ids[t.namespace]) for d, t in self.by_digest.items()},
             self.quotas,
+            self.models,
         )
 
 
@@ -143,6 +149,7 @@ def parse(text: str, capacity: int, where: str = "tokens file") -> TenantTable:
         raise ConfigError(f"{where}: no [[tenant]] tables: add one per token")
     by_digest: dict[bytes, Tenant] = {}
     quotas: dict[str, int] = {}
+    models: dict[str, str] = {}
     names: set[str] = set()
     for k, entry in enumerate(entries):
 
@@ -196,8 +203,16 @@ def parse(text: str, capacity: int, where: str = "tokens file") -> TenantTable:
         if quotas.get(namespace, 0) and quota and quotas[namespace] != quota:
             raise fail("quota", f"tenant {name}: namespace {namespace} has two different quotas")
         quotas[namespace] = quota or quotas.get(namespace, 0)
+        if "model" in entry:
+            model = entry["model"]
+            if not topic_part(model):
+                why = "1-128 printable characters without '@' or spaces (a topic's part)"
+                raise fail("model", f"tenant {name}: model must be {why}")
+            if models.setdefault(namespace, model) != model:
+                raise fail("model", f"tenant {name}: namespace {namespace} has two models "
+                                    f"({models[namespace]!r} and {model!r})")  # fmt: skip
         by_digest[digest] = Tenant(name, role, namespace, quota)
-    return TenantTable(by_digest, quotas)
+    return TenantTable(by_digest, quotas, models)
 
 
 def load(path: str, capacity: int) -> TenantTable:

@@ -12,14 +12,14 @@ def token_of(name: str) -> str:
 
 
 def tokens_toml(tenants: list[dict[str, str]]) -> str:
-    """A tokens file for ``tenants`` (name, role, optional namespace and quota); each
+    """A tokens file for ``tenants`` (name, role, optional namespace, quota and model); each
     token is :func:`token_of` its name, written only as its sha256."""
     out = []
     for t in tenants:
         digest = hashlib.sha256(token_of(t["name"]).encode()).hexdigest()
         out.append(f'[[tenant]]\nname = "{t["name"]}"\ntoken_sha256 = "{digest}"\n')
         out.append(f'role = "{t.get("role", "readwrite")}"\n')
-        for key in ("namespace", "quota"):
+        for key in ("namespace", "quota", "model"):
             if key in t:
                 out.append(f'{key} = "{t[key]}"\n')
         out.append("\n")

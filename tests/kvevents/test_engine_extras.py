@@ -15,6 +15,7 @@ import zmq
 from helpers.common import free_port, wait_for
 from helpers.kv_publisher import engine_hash, kv_events_flags, publisher_of
 from helpers.server_http import request
+from helpers.tenants import token_of, write_tokens
 
 from eg_kv.client.aio import AsyncServerConnector
 from eg_kv.client.settings import KvCacheConfig
@@ -29,10 +30,10 @@ KiB = 1024
 class Sub:
     """A SUB socket on the publisher, decoding each message's events as vLLM's are."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, topic: bytes = TOPIC) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.stored: dict[bytes, dict] = {}
 
@@ -187,3 +188,47 @@ def test_the_publishers_counters_reach_metrics(publishing):
     got = counters()
     for quiet in ("skipped", "extras_late", "extras_dropped"):
         assert got[f"eg_kv_kv_events_{quiet}_total"] == 0, quiet
+
+
+def test_a_namespace_publishes_under_its_own_model(server_factory, tmp_path):
+    """A tokens file's ``model`` names a namespace's topic: one server, two models' engines
+    as two tenants, each router subscribed to its model's topic gets its blocks only."""
+    path = write_tokens(tmp_path / "tokens.toml", [
+        {"name": "alice", "role": "readwrite", "namespace": "team-a", "model": "org/model-a"},
+        {"name": "bob", "role": "readwrite", "namespace": "team-b"},
+    ])  # fmt: skip
+    ports = (free_port(), free_port())
+    srv = server_factory(workers=2, capacity="16MiB",
+                         extra=(*kv_events_flags(ports), "--tokens", str(path)))  # fmt: skip
+    wait_for(lambda: publisher_of(srv, ports[0]), what="the publisher bound")
+    subs = {
+        "alice": Sub(ports[0], b"kv@pool:node:test/team-a@org/model-a"),
+        "bob": Sub(ports[0], b"kv@pool:node:test/team-b@tiny"),  # --kv-events-model's
+    }
+    probes = iter(range(400))
+    try:
+
+        def live() -> bool:  # both SUBs' subscriptions have reached the publisher
+            k = next(probes)
+            for who in subs:
+                name = EngineName(engine_hash(f"probe-{who}-{k}"), b"", 16)
+                got = request(srv, "PUT", f"/kv/probe-{who}-{k}", b"p", engine_headers(name),
+                              token=token_of(who))  # fmt: skip
+                assert got.status == 201
+            return all([sub.take() > 0 for sub in subs.values()])
+
+        wait_for(live, what="both subscribers' SUBs delivering")
+        for who in subs:
+            name = EngineName(engine_hash(f"{who}-block"), b"", 16)
+            got = request(srv, "PUT", f"/kv/{who}-block", b"b" * 100, engine_headers(name),
+                          token=token_of(who))  # fmt: skip
+            assert got.status == 201
+        for who, sub in subs.items():
+            block = engine_hash(f"{who}-block")
+            wait_for(lambda sub=sub, block=block: sub.take() >= 0 and block in sub.stored,
+                     what=f"{who}'s block")  # fmt: skip
+            mine = {engine_hash(f"probe-{who}-{k}") for k in range(400)} | {block}
+            assert set(sub.stored) <= mine, f"{who}'s topic carried another's blocks"
+    finally:
+        for sub in subs.values():
+            sub.close()

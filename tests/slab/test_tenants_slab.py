@@ -281,3 +281,18 @@ def test_a_dead_writers_upload_stops_counting_once_released(small, slab_name):
     assert small.check() == [] and small.namespace_stats()["a"]["reserved_pages"] == 16
     h.abort()
     assert small.namespace_stats()["a"]["reserved_pages"] == 0 and small.check() == []
+
+
+def test_a_namespace_may_name_its_model_once():
+    with_models = [
+        {"name": "team-a", "role": "readwrite", "model": "Qwen/Qwen3-8B"},
+        {"name": "team-a-ro", "role": "readonly", "namespace": "team-a"},
+        {"name": "ops", "role": "admin"},
+    ]
+    assert tenants.parse(tokens_toml(with_models), 64 * MiB).models == {"team-a": "Qwen/Qwen3-8B"}
+    assert tenants.parse(tokens_toml(GOOD), 64 * MiB).models == {}
+    twice = [*with_models[:1], {**with_models[1], "model": "other"}]
+    assert "namespace team-a has two models" in _error(tokens_toml(twice))
+    for bad in ("has space", "a@b", "", "x" * 129):
+        one = [{**with_models[0], "model": bad}]
+        assert "model must be 1-128 printable characters" in _error(tokens_toml(one))
