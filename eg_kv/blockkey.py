@@ -134,12 +134,10 @@ class Opening:
         """Raises:
         ForgedBlock: the tag is not the tag of the salt, address and bytes read."""
         if self.whole is not None:
-            own = self._key.own_key(self._address, self.salt)
-            got = _one_call(own, memoryview(self.whole)[SALT : SALT + self.data_length])
-        else:
-            self._mac.finalize()
-            got = self._mac.tag
-        _compare(got, self.tag)
+            self._key.check_whole(self._address, memoryview(self.whole))
+            return
+        self._mac.finalize()
+        _compare(self._mac.tag, self.tag)
 
     def serve(self, view: memoryview) -> None:
         """The sink's ``read_exact`` for a small block, once checked: its next bytes.
@@ -271,10 +269,18 @@ class BlockKey:
         Raises:
             ForgedBlock: see :meth:`keyed`.
         """
-        view = memoryview(block)
+        return bytes(self.check_whole(address, memoryview(block)))
+
+    def check_whole(self, address: str, view: memoryview) -> memoryview:
+        """The bytes of a whole keyed block (``view``: salt, bytes, tag), its tag checked
+        in one call.
+
+        Raises:
+            ForgedBlock: see :meth:`keyed`.
+        """
         data = view[SALT : SALT + _data_length(len(view))]
         _compare(_one_call(self.own_key(address, view[:SALT]), data), view[-TAG:])
-        return bytes(data)
+        return data
 
 
 def from_env(env: Mapping[str, str] | None = None) -> BlockKey | None:

@@ -133,7 +133,7 @@ class Topics:
     def refresh(self) -> None:
         """Take up a new mapping of models (a tokens file reloaded): topics anew."""
         known = self._models()
-        if known is not self._known:
+        if known != self._known:
             self._known = known
             self._topic.clear()
             self._ns.clear()

@@ -235,8 +235,10 @@ def make_app(
     app[SETTINGS] = settings
     app[AUTH] = auth_from(settings, run_dir)
     metrics_path = runstate.metrics_dir(run_dir) if run_dir else None
-    events_path = runstate.kv_events_stats(run_dir) if run_dir else None
-    app[METRICS] = Metrics(metrics_path, events_path if settings.kv_events_endpoint else None)
+    # With a KV-events publisher, its counters and its extras socket are in the run dir.
+    events_dir = run_dir if run_dir and settings.kv_events_endpoint else None
+    events_stats = runstate.kv_events_stats(events_dir) if events_dir else None
+    app[METRICS] = Metrics(metrics_path, events_stats)
     app[DRAIN] = Drain()
     app[SPOOL] = SpoolBudget(settings.chunked_spool)
     app[EVENT_READS], app[EVENT_WAITERS], app[SNAPSHOTS] = event_gates()
@@ -246,7 +248,7 @@ def make_app(
     connections = app[CONNECTIONS] = Connections(limits_from(settings))
     app[METRICS].watch_connections(lambda: (len(connections), connections.closed_by))
     app.cleanup_ctx.append(_slab_ctx)
-    app.cleanup_ctx.append(partial(_extras_ctx, run_dir))
+    app.cleanup_ctx.append(partial(_extras_ctx, extras_endpoint(events_dir) if events_dir else ""))
     if settings.disk:
         app.cleanup_ctx.append(_disk_ctx)
     app.on_startup.append(_start_background)
@@ -340,14 +342,10 @@ async def _disk_ctx(app: web.Application) -> AsyncIterator[None]:
         await tier.close()
 
 
-async def _extras_ctx(run_dir: str | None, app: web.Application) -> AsyncIterator[None]:
-    """The hand-off of PUTs' engine extras to the KV-events publisher (one with a
-    publisher and a run directory; else one that drops them)."""
-    publishing = run_dir is not None and app[SETTINGS].kv_events_endpoint
-    relay = app[EXTRAS] = ExtrasRelay(
-        extras_endpoint(run_dir) if run_dir and publishing else "",
-        on_drop=app[METRICS].extras_dropped.inc,
-    )
+async def _extras_ctx(endpoint: str, app: web.Application) -> AsyncIterator[None]:
+    """The hand-off of PUTs' engine extras to the KV-events publisher at ``endpoint``
+    ("": no publisher, they are dropped)."""
+    relay = app[EXTRAS] = ExtrasRelay(endpoint, on_drop=app[METRICS].extras_dropped.inc)
     try:
         yield
     finally:
