@@ -261,8 +261,10 @@ _NS_SERIES = ("resident_bytes", "unique_blocks", "evictions", "evicted_bytes", "
 
 #: The KV-events publisher's counters, as eg_kv_kv_events_<name>_total.
 _KV_EVENTS = {
-    "published": "Events the KV-events publisher sent (one a message)",
+    "published": "Events the KV-events publisher sent",
+    "batches": "Messages the KV-events publisher sent (a batch of one namespace's events each)",
     "skipped": "Log entries the publisher fell behind and skipped (subscribers saw a hole)",
+    "burnt": "Topic seq numbers the publisher skipped, the log no longer holding their events",
     "replays": "Replay requests answered",
     "resyncs": "Replays answered by a resync (a walk of the slot table)",
     "extras_late": "Stores published without the token ids their worker sent (late)",

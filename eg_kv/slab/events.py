@@ -90,6 +90,7 @@ from .segment import ForeignSegment, Inode, Progress, SlabSegment, _check_owned,
 from .segment import _unlink_ours as unlink_ours
 
 EVENTS_SUFFIX = ".events"
+BATCHES_SUFFIX = ".kvbatches"
 EVENTS_MAGIC = b"EGKVEVT3"  # 2: per-namespace positions (nseq, prev, the namespace table);
 # 3: each entry carries the block's engine name (ENGINE)
 EVENTS_HEAD = struct.Struct("<8s16sQQQ")  # magic, slab id, entries, epoch, created (ms)
@@ -159,6 +160,12 @@ SCAN_MAX = 16384
 def events_name(slab_name: str) -> str:
     """The name of slab ``slab_name``'s events segment."""
     return slab_name + EVENTS_SUFFIX
+
+
+def batches_name(slab_name: str) -> str:
+    """The name of the KV-events publisher's batch index beside slab ``slab_name``'s log
+    (:mod:`eg_kv.kvevents.batches`): removed with the log."""
+    return slab_name + BATCHES_SUFFIX
 
 
 def events_size(entries: int) -> int:
@@ -523,6 +530,7 @@ class SlabEventLog(SlabSegment):
             self._events = None
             ring.release()
         unlink_ours(events_name(self.name), self.events_inode)
+        unlink_ours(batches_name(self.name), None)  # it numbered the old log's batches
         self.events_inode = None
         if not entries:
             with contextlib.suppress(ForeignSegment):
@@ -588,6 +596,7 @@ class SlabEventLog(SlabSegment):
         gone = super().unlink()
         if self.events_inode is not None:
             unlink_ours(events_name(self.name), self.events_inode)
+        unlink_ours(batches_name(self.name), None)
         return gone
 
     @staticmethod
@@ -599,6 +608,7 @@ class SlabEventLog(SlabSegment):
         gone = SlabSegment.unlink_named(name, inode, readers_inode)
         if inode is None:
             unlink_ours(events_name(name), None)
+            unlink_ours(batches_name(name), None)
         return gone
 
     # ------------------------------------------------------------------ under the lock

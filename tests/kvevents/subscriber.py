@@ -6,10 +6,11 @@ a DEALER when ``seq`` skips, and the set of block hashes it holds, rebuilt from 
 llm-d's indexer does, reducing each bytes hash to its last 8 bytes as an int.
 
 Commands on stdin, one per line: ``dump`` takes what was sent (and asks the replay socket
-for anything after its last seq), then prints one JSON line: the hashes held (hex), the last seq,
-and how many clears, replays and resyncs it went through, how many messages the SUB
-delivered (``live``) and the holes in that stream (a gap before its first message is a
-``join_gaps``: joining late loses nothing);
+for anything after its last seq), then prints one JSON line: the hashes held (hex), the
+last seq, and how many clears, replays and resyncs it went through, how many messages the
+SUB delivered (``live``), the events of those it applied (``live_events``) and the holes
+in that stream (a gap before its first message is a ``join_gaps``: joining late loses
+nothing);
 ``quit`` ends it.
 """
 
@@ -81,10 +82,13 @@ def main() -> None:
     sub.connect(args.endpoint)
     held: set[str] = set()
     state = {"last": -1, "cleared": 0, "replays": 0, "resyncs": 0, "holes": 0, "join_gaps": 0,
-             "live": 0, "media": set()}  # fmt: skip
+             "live": 0, "live_events": 0, "media": set()}  # fmt: skip
 
-    def apply(payload: bytes) -> None:
+    def apply(payload: bytes) -> int:
+        """Apply one batch; returns how many events it held."""
+        count = 0
         for kind, hashes, medium in events(payload):
+            count += 1
             if medium:
                 state["media"].add(medium)
             if kind == "stored":
@@ -94,6 +98,7 @@ def main() -> None:
             else:
                 held.clear()
                 state["cleared"] += 1
+        return count
 
     def replay(start: int) -> None:
         state["replays"] += 1
@@ -129,7 +134,7 @@ def main() -> None:
             replay(last + 1)
         elif last < 0 or seq == last + 1:
             state["live"] += 1
-            apply(payload)
+            state["live_events"] += apply(payload)
             state["last"] = seq
         else:  # seq <= last: replayed already
             state["live"] += 1

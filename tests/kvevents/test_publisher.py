@@ -253,7 +253,7 @@ def test_a_subscriber_that_never_reads_costs_the_others_nothing(server_factory):
         got = sub.dump()
         want = sorted(str(int.from_bytes(engine_hash(a)[-8:], "big")) for a in held_by(srv))
         assert got["held"] == want and got["resyncs"] == 1  # on joining
-        assert got["holes"] == 0 and got["live"] > 1000, got["live"]
+        assert got["holes"] == 0 and got["live_events"] > 1000, got["live_events"]
         assert publisher_of(srv, ports[0]) == publisher
     finally:
         sub.close()
