@@ -50,6 +50,7 @@ RECORDS = 65_536
 
 
 def index_size(records: int = RECORDS) -> int:
+    """The segment's bytes for ``records`` records."""
     return RECORDS_OFFSET + records * RECORD.size
 
 
@@ -67,10 +68,7 @@ class BatchIndex:
     def __init__(self, name: str, epoch: int, created_ms: int, records: int = RECORDS) -> None:
         self.name, self.records = name, records
         size = index_size(records)
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600)
-        except posix_ipc.ExistentialError:  # pragma: no cover - O_CREAT does not raise it
-            raise SlabError(f"cannot open {name}") from None
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600)
         try:
             _check_owned(shm.fd, name)
             try:
@@ -84,9 +82,7 @@ class BatchIndex:
         self._head = mv[:HEAD_SIZE].cast("Q")
         self._ns = mv[NAMESPACES_OFFSET:RECORDS_OFFSET].cast("Q")
         self._records = mv[RECORDS_OFFSET:]
-        #: Created or reset now (the log is new to it): nothing of it was published.
-        self.fresh = HEAD.unpack_from(self._mm) != (MAGIC, epoch, created_ms, records)
-        if self.fresh:
+        if HEAD.unpack_from(self._mm) != (MAGIC, epoch, created_ms, records):  # new or reset
             self._mm[:] = bytes(size)
             HEAD.pack_into(self._mm, 0, MAGIC, epoch, created_ms, records)
         #: (namespace, batch number) -> (first position, last position), as recorded.

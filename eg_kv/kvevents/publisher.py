@@ -17,9 +17,9 @@ last had not, under the next numbers) and over a warm restart (``--keep``). Batc
 topic is ``AllBlocksCleared``; a new log (``--fresh``, a new slab) starts above every seq
 of the one before, and its ``AllBlocksCleared`` (or, for a consumer that missed it, the
 jump in ``seq`` and the replay it asks for) tells consumers to forget what they held.
-Batching is what keeps a subscriber from costing PUTs: one message an event held the PUT
-rate of a 4 KiB churn to 0.79 of the rate with no subscriber, one a namespace's step to
-0.97 or more (``scripts/bench_kv_events.py``).
+Batching is what keeps a subscriber from costing PUTs: with one event a message, a
+subscriber held a 4 KiB PUT churn on 2 cores to 0.82 of its rate with none; with a batch
+a namespace's step, 0.97 (``scripts/bench_kv_events.py``, docs/benchmarks.md).
 
 Replay (``--kv-events-replay-endpoint``, a ROUTER socket, vLLM's protocol): a request is
 ``[start seq as 8 bytes big-endian]`` (the default namespace's topic) or ``[topic, start
