@@ -12,8 +12,11 @@ import logging
 import os
 import signal
 from collections.abc import Mapping
+from functools import partial
 
 from eg_kv.config import Settings
+from eg_kv.disk.layout import SOCKET_FILE
+from eg_kv.disk.wire import listing_sync
 from eg_kv.errors import ConfigError
 from eg_kv.kvevents.publisher import Publisher, PublisherOptions
 from eg_kv.server.auth import tokens_path
@@ -78,7 +81,13 @@ def run(settings: Settings, parent: int, run_dir: str = "") -> int:
     try:
         try:
             models = NamespaceModels(settings, run_dir)
-            publisher = Publisher(slab, options_of(settings, run_dir), models=models)
+            listing = None
+            if settings.disk:  # a resync names the blocks only the disk tier holds too
+                listing = partial(
+                    listing_sync, os.path.join(os.path.abspath(settings.disk), SOCKET_FILE)
+                )
+            publisher = Publisher(slab, options_of(settings, run_dir), models=models,
+                                  disk_listing=listing)  # fmt: skip
         except Exception as e:  # zmq.ZMQError: the address is taken or not ours
             log.error("eg-kv: the KV-events publisher cannot start: %s", e)
             return BOOT_ERROR

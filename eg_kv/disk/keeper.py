@@ -338,7 +338,9 @@ class Keeper:
             self._listings.pop(listing, None)
         else:
             self._listings[listing] = (rest, at, now)
-        return [listing, [[e.key[0], e.key[1], e.length] for e in page if e.live], done]
+        return [listing, [[*e.key, e.length, e.engine.hash, e.engine.parent,
+                           e.engine.block_size, e.engine.lora_id] for e in page if e.live],
+                done]  # fmt: skip
 
     def _adopt(self, key: Key, checksum: int, block: int) -> int:
         """A PUT created ``key`` in the slab as ``block``: if the disk holds it with the

@@ -172,7 +172,8 @@ class DiskTier:
 
     async def listing(self, namespace: str | None) -> AsyncIterator[list[list[Any]]]:
         """The blocks the disk holds (``namespace``'s, or all), a page at a time:
-        ``[namespace, address, length]`` each. Ends early (having said less) when the
+        ``[namespace, address, length, engine hash, parent, block size, LoRA id]``
+        each. Ends early (having said less) when the
         keeper does not answer."""
         lid = 0
         while True:

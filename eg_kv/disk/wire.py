@@ -17,7 +17,8 @@ adopt      namespace, address, checksum, block id     the refs of a copy with th
                                                       another checksum is dropped)
 stats      (none)                                     the tier's counters (a map)
 list       namespace (None: all), listing id (0: new) [listing id, [[namespace, address,
-                                                      length], ...] (LIST_PAGE at most), done]
+                                                      length, engine hash, parent, block size,
+                                                      LoRA id], ...] (LIST_PAGE at most), done]
 bad        namespace, address, seq                    (report) a record that failed its checks
 loaded     bytes, seconds                             (report) a verified read from the file
 refs       namespace, address, references             (report) a dedup PUT or a DELETE that left
@@ -28,7 +29,9 @@ refs       namespace, address, references             (report) a dedup PUT or a 
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -65,3 +68,53 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
         return _decode(await reader.readexactly(n))
     except msgspec.DecodeError as e:
         raise ValueError(f"not msgpack: {e}") from None
+
+
+def listing_sync(path: str, namespace: str | None, timeout: float = 5.0) -> Iterator[list[Any]]:
+    """The disk's blocks (``namespace``'s, or all) a ``list`` page at a time, asked on the
+    keeper's socket at ``path`` without an event loop (the KV-events publisher's resync).
+
+    Ends early (having said less) when the keeper is not there, does not answer within
+    ``timeout`` seconds, or answers what is not a page: as the workers' listing does.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            listing = 0
+            for call in range(1, 1 << 20):  # bounded: the index is, in pages
+                sock.sendall(frame([LIST, call, namespace, listing]))
+                answer = _read_frame_sync(sock)
+                if not (isinstance(answer, list) and len(answer) == 2 and answer[0] == call):
+                    return
+                got = answer[1]
+                if not (isinstance(got, list) and len(got) == 3):
+                    return
+                listing, page, done = got
+                if page:
+                    yield page
+                if done:
+                    return
+        except (OSError, ValueError):
+            return
+
+
+def _read_frame_sync(sock: socket.socket) -> Any:
+    """The next message on a blocking socket (:func:`read_frame`'s rules)."""
+    (n,) = FRAME.unpack(_read_exactly(sock, FRAME.size))
+    if n > MAX_FRAME:
+        raise ValueError(f"a frame of {n} bytes (at most {MAX_FRAME})")
+    try:
+        return _decode(_read_exactly(sock, n))
+    except msgspec.DecodeError as e:
+        raise ValueError(f"not msgpack: {e}") from None
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ConnectionResetError("the keeper closed its socket")
+        buf += chunk
+    return bytes(buf)

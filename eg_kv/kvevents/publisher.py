@@ -26,10 +26,11 @@ Replay (``--kv-events-replay-endpoint``, a ROUTER socket, vLLM's protocol): a re
 seq]``; the answer is each batch from ``start`` on, as it was sent (``[topic, seq,
 payload]``), then ``[b"", -1, b""]``. Batches the index or the log no longer holds (more
 than :data:`~eg_kv.slab.events.HOPS_MAX` entries back, lapped, or a number burnt when the
-publisher fell behind the log) are answered by a resync: ``AllBlocksCleared``, then a
-``BlockStored`` for every block the namespace holds, then the log's entries after the
-walk, all at the last seq sent live: applied in order, with the live batches after it,
-they give the blocks held. A requester that stops reading is dropped after
+publisher fell behind the log) are answered by a resync: ``AllBlocksCleared``, a
+``BlockStored`` for every block of the namespace the slab holds, the log's entries after
+that walk, then a ``BlockStored`` for every block the disk tier holds, all at the last
+seq sent live: applied in order, with the live batches after it, they give the blocks
+held. A requester that stops reading is dropped after
 :data:`REPLAY_SEND_TIMEOUT_MS`; resyncs come at most once a :data:`RESYNC_INTERVAL_S` (a
 request in between gets the end marker alone).
 
@@ -53,7 +54,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import zmq
@@ -174,6 +175,9 @@ class Publisher:
         context: the ZMQ context (None: the process's).
         models: the namespaces' own models (name -> model), asked again about once a
             second (:meth:`Topics.refresh`): the tokens file's ``model`` keys.
+        disk_listing: with a disk tier, the blocks only it may hold, by namespace name, a
+            page of ``[namespace, address, length, hash, parent, block size, LoRA id]`` at
+            a time (:func:`eg_kv.disk.wire.listing_sync`): a resync names them too.
 
     Raises:
         ValueError: the slab has no event log. zmq.ZMQError: an endpoint cannot be bound.
@@ -182,11 +186,13 @@ class Publisher:
     def __init__(
         self, slab: Slab, options: PublisherOptions, context: Any = None,
         models: Callable[[], Mapping[str, str]] = dict,
+        disk_listing: Callable[[str], Iterable[list[Any]]] | None = None,
     ) -> None:  # fmt: skip
         ring = slab.events
         if ring is None:
             raise ValueError("the KV-events publisher needs the event log (--events > 0)")
         self.slab, self.ring, self.options = slab, ring, options
+        self.disk_listing = disk_listing
         self.wire = Wire(options.medium, options.locality or None, options.form)
         self.topics = Topics(options.pool, options.model, slab.namespace_name, models)
         ctx = context or zmq.Context.instance()
@@ -533,6 +539,20 @@ class Publisher:
                 return
         self._resync(client, ns, topic)
 
+    def _disk_blocks(self, ns: int) -> Iterator[list[Any]]:
+        """The disk tier's blocks of namespace ``ns`` as ``BlockStored`` events, a listing
+        page at a time (a block also in the slab comes twice: a set, not a count). Listed
+        after the walk, so one the disk dropped meanwhile is named by neither, and any
+        change after is in the live batches that follow the resync."""
+        name = self.slab.namespace_name(ns)
+        if self.disk_listing is None or name is None:
+            return
+        stored = self.wire.stored
+        for page in self.disk_listing(name):
+            yield [stored(h or str(address).encode(), parent, size, lora,
+                          self.extras.get((ns, str(address).encode())))
+                   for _, address, _, h, parent, size, lora in page]  # fmt: skip
+
     def _resync(self, client: bytes, ns: int, topic: bytes) -> None:
         """The namespace's blocks from a walk of the slot table, then the log after it,
         all at the last batch number sent (the live batches after it apply on top)."""
@@ -553,7 +573,9 @@ class Publisher:
                                for _, raw, _, e in part.blocks]  # fmt: skip
                     elif part.kind == "events":
                         out = [self._event(ev) for ev in part.events if ev.ns == ns and ev.nseq]
-                    else:
+                    else:  # the end: the blocks the disk tier holds, listed after the walk
+                        for page in self._disk_blocks(ns):
+                            self._send(client, topic, k, page)
                         continue
                     for at in range(0, len(out), 1024):
                         self._send(client, topic, k, out[at : at + 1024])

@@ -357,7 +357,7 @@ async def _write_disk_blocks(
         lines = [
             f'{{"hash": {json.dumps(address)}, "length": {length}'
             + (f', "namespace": {json.dumps(ns)}}}' if named else "}")
-            for ns, address, length in page
+            for ns, address, length, *_ in page
         ]
         await resp.write("".join(line + "\n" for line in lines).encode())
         if client_gone(request):

@@ -8,12 +8,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
 import psutil
 import pytest
 from helpers.common import free_port, wait_for
+from helpers.kv_publisher import Subscriber, held_by, kv_events_flags
 from helpers.server_http import request, stats
 from helpers.servers import serve_cmd
 from helpers.tenants import token_of, write_tokens
@@ -365,3 +367,28 @@ def test_a_tenants_quota_bounds_its_blocks_on_disk(server_factory, disk_dir, tmp
     served = {name: sum(request(srv, "GET", f"/kv/{name}-{i}", token=token_of(name)).status == 200
                         for i in range(12)) for name in ("small", "big")}  # fmt: skip
     assert served["small"] <= 4 and served["big"] == 12, served
+
+
+def test_a_routers_resync_names_the_blocks_only_the_disk_holds(server_factory, disk_dir):
+    """A KV-events subscriber that joins after the log lapped is resynced: its set is the
+    blocks of both tiers, the disk-only ones included (the keeper lists them)."""
+    ports = (free_port(), free_port())
+    srv = _serve(server_factory, disk_dir, extra_args=kv_events_flags(ports, "--events", "16"))
+    wait_for(lambda: _disk(srv).get("ready"), what="the disk tier's scan")
+    blocks = _blocks("r", 20)  # 20 stores: the 16-entry log laps, so a joiner resyncs
+    _put_spilled(srv, blocks)
+    only_on_disk = _on_disk(srv, list(blocks))
+    assert len(only_on_disk) >= 8
+    sub = Subscriber(sys.executable, ports, "kv@pool:node:test@tiny", "llm-d")
+    try:
+        got = sub.dump()
+        assert got["resyncs"] >= 1
+        # llm-d's key: the last 8 bytes of a bytes hash (here, the address's bytes)
+        want = {str(int.from_bytes(a.encode()[-8:], "big")) for a in blocks}
+        assert (
+            set(got["held"])
+            == want
+            == {str(int.from_bytes(a.encode()[-8:], "big")) for a in held_by(srv)}
+        )
+    finally:
+        sub.close()

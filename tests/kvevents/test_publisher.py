@@ -12,7 +12,6 @@ exactly.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import subprocess
 import sys
@@ -21,60 +20,23 @@ import threading
 import psutil
 import pytest
 from helpers.common import ROOT, free_port, wait_for
-from helpers.kv_publisher import engine_hash, kv_events_flags, publisher_of
+from helpers.kv_publisher import Subscriber, engine_hash, held_by, kv_events_flags, publisher_of
 from helpers.server_http import request
 from helpers.server_procs import workers_of
 from helpers.tenants import token_of, write_tokens
 from helpers.vllm_envs import vllm_py_fixture
 
-from eg_kv.client.sync import ServerConnector
 from eg_kv.engine import EngineName, engine_headers
 
 pytestmark = pytest.mark.timeout(240)
 
 vllm_py = vllm_py_fixture()
-SUBSCRIBER = ROOT / "tests" / "kvevents" / "subscriber.py"
 BLOCK = b"k" * 4096
 
 
 def put(srv, address: str, token: str | None = None, parent: bytes = b"") -> int:
     name = EngineName(engine_hash(address), parent, 16, 0)
     return request(srv, "PUT", f"/kv/{address}", BLOCK, engine_headers(name), token=token).status
-
-
-class Subscriber:
-    """tests/kvevents/subscriber.py in a process of its own."""
-
-    def __init__(self, python, ports: tuple[int, int], topic: str, decode: str) -> None:
-        self.proc = subprocess.Popen(
-            [str(python), str(SUBSCRIBER), f"tcp://127.0.0.1:{ports[0]}",
-             f"tcp://127.0.0.1:{ports[1]}", topic, "--decode", decode],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={"LMCACHE_TRACK_USAGE": "false", "PATH": "/usr/bin:/bin"},
-        )  # fmt: skip
-
-    def dump(self) -> dict:
-        assert self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write("dump\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"the subscriber ended (status {self.proc.poll()})"
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-
-def held_by(srv, token: str | None = None) -> set[str]:
-    """The addresses the server holds now."""
-    c = ServerConnector(base_url=srv.url, local_reads=False, token=token, timeout_s=10)
-    try:
-        snap = c.snapshot()
-    finally:
-        c.close()
-    return {b.hash for b in snap.blocks}
 
 
 @pytest.mark.slow
