@@ -68,7 +68,10 @@ class BatchIndex:
     def __init__(self, name: str, epoch: int, created_ms: int, records: int = RECORDS) -> None:
         self.name, self.records = name, records
         size = index_size(records)
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600)
+        try:  # created exclusively, or the last publisher's: whose it is is checked below
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+        except posix_ipc.ExistentialError:
+            shm = posix_ipc.SharedMemory(name)
         try:
             _check_owned(shm.fd, name)
             try:

@@ -8,6 +8,7 @@ import os
 import threading
 
 import msgspec
+import posix_ipc
 import pytest
 import zmq
 from helpers.common import free_port, unique_slab_name
@@ -15,7 +16,7 @@ from helpers.common import free_port, unique_slab_name
 from eg_kv.engine import EngineName
 from eg_kv.kvevents.publisher import BATCH_EVENTS, Publisher, PublisherOptions
 from eg_kv.slab.events import batches_name
-from eg_kv.slab.segment import SHM_DIR
+from eg_kv.slab.segment import SHM_DIR, ForeignSegment
 from eg_kv.slab.store import Slab
 
 pytestmark = pytest.mark.timeout(60)
@@ -173,3 +174,14 @@ def test_the_index_goes_with_the_slab(ctx):
             else:
                 slab.unlink()
         assert not os.path.exists(SHM_DIR + batches_name(name))
+
+
+def test_an_index_another_user_could_write_is_refused(slab, ctx):
+    """A segment under the index's name with group or other bits (planted, or another
+    user's) stops the publisher: it never numbers batches in memory others can write."""
+    planted = posix_ipc.SharedMemory(batches_name(slab.name), posix_ipc.O_CREX, mode=0o666,
+                                     size=4096)  # fmt: skip
+    planted.close_fd()
+    os.chmod(SHM_DIR + batches_name(slab.name), 0o666)  # whatever the umask
+    with pytest.raises(ForeignSegment, match="mode 0666"):
+        Publisher(slab, options(), context=ctx)
