@@ -110,11 +110,13 @@ _ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,
 _MEDIUM = re.compile(r"[A-Z][A-Z0-9_]{0,31}")
 #: A topic's pool or model: llm-d splits the topic at '@'.
 _TOPIC_PART = re.compile(r"[!-?A-~]{1,128}")
+#: What :func:`topic_part` accepts, for the messages that refuse a value.
+TOPIC_PART_RULE = "1-128 printable characters without '@' or spaces"
 
 
 def topic_part(value: object) -> bool:
     """Whether ``value`` may be part of a KV-events topic (a pool's or a model's name):
-    1-128 printable characters without '@' or spaces."""
+    :data:`TOPIC_PART_RULE`."""
     return isinstance(value, str) and _TOPIC_PART.fullmatch(value) is not None
 
 
@@ -327,8 +329,8 @@ class Settings:
         for flag, value in (("--kv-events-pool", self.kv_events_pool),
                             ("--kv-events-model", self.kv_events_model)):  # fmt: skip
             if not topic_part(value):
-                raise ConfigError(f"{flag} {value!r}: want 1-128 printable characters "
-                                  "without '@' or spaces (it is part of the topic)")  # fmt: skip
+                raise ConfigError(f"{flag} {value!r}: want {TOPIC_PART_RULE} (it is part of "
+                                  "the topic)")  # fmt: skip
 
     @property
     def kv_events_open(self) -> bool:

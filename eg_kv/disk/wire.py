@@ -61,11 +61,22 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
         asyncio.IncompleteReadError: the peer closed. ValueError: a frame over
             :data:`MAX_FRAME` or not msgpack.
     """
-    (n,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+    n = _length(await reader.readexactly(FRAME.size))
+    return _message(await reader.readexactly(n))
+
+
+def _length(head: bytes) -> int:
+    """A frame's length from its head (at most :data:`MAX_FRAME`, else ValueError)."""
+    (n,) = FRAME.unpack(head)
     if n > MAX_FRAME:
         raise ValueError(f"a frame of {n} bytes (at most {MAX_FRAME})")
+    return n
+
+
+def _message(body: bytes) -> Any:
+    """A frame's message (not msgpack: ValueError)."""
     try:
-        return _decode(await reader.readexactly(n))
+        return _decode(body)
     except msgspec.DecodeError as e:
         raise ValueError(f"not msgpack: {e}") from None
 
@@ -101,13 +112,7 @@ def listing_sync(path: str, namespace: str | None, timeout: float = 5.0) -> Iter
 
 def _read_frame_sync(sock: socket.socket) -> Any:
     """The next message on a blocking socket (:func:`read_frame`'s rules)."""
-    (n,) = FRAME.unpack(_read_exactly(sock, FRAME.size))
-    if n > MAX_FRAME:
-        raise ValueError(f"a frame of {n} bytes (at most {MAX_FRAME})")
-    try:
-        return _decode(_read_exactly(sock, n))
-    except msgspec.DecodeError as e:
-        raise ValueError(f"not msgpack: {e}") from None
+    return _message(_read_exactly(sock, _length(_read_exactly(sock, FRAME.size))))
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:

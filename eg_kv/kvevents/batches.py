@@ -124,8 +124,7 @@ class BatchIndex:
     def burn(self, ns: int, last: int) -> None:
         """Skip a number of namespace ``ns`` (entries up to position ``last`` were lost to
         it): its subscribers see the hole and replay, which resyncs them."""
-        self._ns[2 * ns + 1] = last
-        self._ns[2 * ns] += 1
+        self.start_at(ns, self._ns[2 * ns] + 1, last)
 
     def start_at(self, ns: int, next_k: int, last: int) -> None:
         """Begin namespace ``ns`` at batch number ``next_k``, after position ``last`` (a

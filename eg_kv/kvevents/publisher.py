@@ -61,7 +61,15 @@ import zmq
 import zmq.backend
 
 from ..engine import read_extras_message
-from ..slab.events import E_EXTRAS, EVENTS_NAMESPACES, HOPS_MAX, STORED, SnapshotVoid, batches_name
+from ..slab.events import (
+    E_EXTRAS,
+    EVENTS_NAMESPACES,
+    HOPS_MAX,
+    STORED,
+    Event,
+    SnapshotVoid,
+    batches_name,
+)
 from ..slab.store import Slab
 from .batches import RECORDS, BatchIndex
 from .wire import END_SEQ, Wire, seq_bytes
@@ -502,7 +510,7 @@ class Publisher:
 
     def _ns_by_topic(self, topic: bytes) -> int | None:
         """A topic not yet seen: a namespace with no event since the publisher started."""
-        for ns in range(4096):
+        for ns in range(EVENTS_NAMESPACES):
             if self.slab.namespace_name(ns) is not None and self.topics.of(ns) == topic:
                 return ns
         return None
@@ -513,31 +521,38 @@ class Publisher:
         self.replay.send_multipart((client, b"", topic, seq_bytes(self.base + k), payload))
 
     def _replay(self, client: bytes, ns: int, topic: bytes, start: int) -> None:
-        """Batches ``start`` on of namespace ``ns``, as they were sent; a resync when one
-        is not recorded (burnt, or gone from the index) or its events from the log."""
+        """Batches ``start`` on of namespace ``ns``, as they were sent; a resync when
+        they cannot all be sent again (:meth:`_recorded`)."""
         next_k = self.index.position(ns)[0]
         if start >= next_k:
             return  # nothing yet at or after start
-        spans = [self.index.span(ns, k) for k in range(start, next_k)] if (
-            next_k - start <= RECORDS) else [None]  # fmt: skip
-        if None not in spans:
-            held = [span for span in spans if span and span[0]]
-            first = held[0][0] if held else 0
-            events: list[Any] = []
-            if held:
-                want = held[-1][1] - first + 1
-                events, _, gap = self.ring.read_ns(first - 1, min(want, HOPS_MAX), ns)
-                if gap or len(events) != want:
-                    events = []
-            if events or not held:
-                for k, span in enumerate(spans, start):
-                    if span is None or not span[0]:
-                        self._send(client, topic, k, [self.wire.cleared()])
-                        continue
-                    part = events[span[0] - first : span[1] - first + 1]
-                    self._send(client, topic, k, [self._event(ev) for ev in part])
-                return
-        self._resync(client, ns, topic)
+        batches = self._recorded(ns, start, next_k)
+        if batches is None:
+            self._resync(client, ns, topic)
+            return
+        for k, events in enumerate(batches, start):
+            self._send(client, topic, k, events)
+
+    def _recorded(self, ns: int, start: int, end: int) -> list[list[Any]] | None:
+        """Batches ``start`` to ``end - 1`` of namespace ``ns`` as they were sent, every
+        one checked before any is: None when one is not recorded (burnt, or gone from
+        the index) or its events are gone from the log."""
+        if end - start > RECORDS:
+            return None
+        spans = [self.index.span(ns, k) for k in range(start, end)]
+        if None in spans:
+            return None
+        held = [span for span in spans if span and span[0]]
+        events: list[Event] = []
+        first = held[0][0] if held else 0
+        if held:
+            want = held[-1][1] - first + 1
+            events, _, gap = self.ring.read_ns(first - 1, min(want, HOPS_MAX), ns)
+            if gap or len(events) != want:
+                return None
+        return [[self._event(ev) for ev in events[span[0] - first : span[1] - first + 1]]
+                if span and span[0] else [self.wire.cleared()]
+                for span in spans]  # fmt: skip
 
     def _disk_blocks(self, ns: int) -> Iterator[list[Any]]:
         """The disk tier's blocks of namespace ``ns`` as ``BlockStored`` events, a listing
@@ -549,9 +564,11 @@ class Publisher:
             return
         stored = self.wire.stored
         for page in self.disk_listing(name):
-            yield [stored(h or str(address).encode(), parent, size, lora,
-                          self.extras.get((ns, str(address).encode())))
-                   for _, address, _, h, parent, size, lora in page]  # fmt: skip
+            out = []
+            for _, address, _, h, parent, size, lora in page:
+                raw = str(address).encode()
+                out.append(stored(h or raw, parent, size, lora, self.extras.get((ns, raw))))
+            yield out
 
     def _resync(self, client: bytes, ns: int, topic: bytes) -> None:
         """The namespace's blocks from a walk of the slot table, then the log after it,

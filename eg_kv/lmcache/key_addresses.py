@@ -37,7 +37,7 @@ def chunk_name(key: str) -> EngineName:
     fourth field, hex), for the server's KV events (:mod:`eg_kv.engine`); none when the
     key has no such field."""
     parts = key.split("@")
-    if len(parts) < 4 or not 2 <= len(parts[3]) <= 2 * ENGINE_HASH_MAX or len(parts[3]) % 2:
+    if len(parts) < 4 or not 2 <= len(parts[3]) <= 2 * ENGINE_HASH_MAX:
         return NO_ENGINE
     try:
         return EngineName(bytes.fromhex(parts[3]))

@@ -26,7 +26,7 @@ import re
 import sys
 from collections.abc import Mapping
 
-from ..config import topic_part
+from ..config import TOPIC_PART_RULE, topic_part
 from ..errors import ConfigError
 from ..units import format_size, parse_size
 
@@ -206,8 +206,8 @@ def parse(text: str, capacity: int, where: str = "tokens file") -> TenantTable:
         if "model" in entry:
             model = entry["model"]
             if not topic_part(model):
-                why = "1-128 printable characters without '@' or spaces (a topic's part)"
-                raise fail("model", f"tenant {name}: model must be {why}")
+                raise fail("model", f"tenant {name}: model must be {TOPIC_PART_RULE} (a "
+                                    "topic's part)")  # fmt: skip
             if models.setdefault(namespace, model) != model:
                 raise fail("model", f"tenant {name}: namespace {namespace} has two models "
                                     f"({models[namespace]!r} and {model!r})")  # fmt: skip

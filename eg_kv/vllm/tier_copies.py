@@ -177,10 +177,8 @@ class CopyJobs:
             self._done(job, -1, False)
             return
         for i, (address, row) in enumerate(zip(addresses, rows, strict=True)):
-            if is_load:
-                copy = self._load_one
-            else:
-                copy = partial(self._store_one, name=names[i] if names else NO_ENGINE)
+            name = names[i] if names else NO_ENGINE
+            copy = self._load_one if is_load else partial(self._store_one, name=name)
             self._pool.submit(self._run, job, i, copy, address, int(row))
 
     def _run(
