@@ -6,12 +6,18 @@ survive until the engine loads them; the load then ends one lease per block, in 
 a request). Only leases this client's lookups took are released: a load that no lookup
 leased sends nothing, and a release never ends another client's lease. Shared by the
 LMCache L2 adapter and the SGLang backend.
+
+A forked child forgets what its parent's lookups leased: those leases are the parent's to
+end (on the local slab, in the parent's own lease table), and a child that sent their
+releases to the server would end other clients' leases instead.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +41,12 @@ class LeaseRecord:
         self._max = max_leased
         self._leased: Counter[str] = Counter()
         self._lock = threading.Lock()
+        _LIVE.add(self)
+
+    def _forget_at_fork(self) -> None:
+        """In a forked child: none of the leases recorded is the child's."""
+        self._leased = Counter()
+        self._lock = threading.Lock()  # a parent's thread may have held it at the fork
 
     @property
     def asked(self) -> int | None:
@@ -78,3 +90,15 @@ class LeaseRecord:
                         leased.append(address)
         if leased:
             self._client.release(leased)
+
+
+#: Every live record, for the child of a fork to forget (:meth:`LeaseRecord._forget_at_fork`).
+_LIVE: weakref.WeakSet[LeaseRecord] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for record in list(_LIVE):
+        record._forget_at_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

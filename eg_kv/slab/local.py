@@ -32,6 +32,7 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -214,6 +215,7 @@ class LocalSlab(SlabView):
         self._lock = threading.Lock()
         self._copying = 0  # fetches copying now (close() leaves the unmapping to the last)
         self._pid = os.getpid()
+        _LIVE.add(self)
         self._named_at = time.monotonic()
         # A second read-only mapping whose address ctypes knows, for bulk copies.
         self._base, self._size = 0, geometry.total_size
@@ -467,25 +469,34 @@ class LocalSlab(SlabView):
                 return None
             full_fence()
             if self._state[L.ST_SEQ] != seq:  # a writer came in: are they still there?
-                again = self.block_ids(addresses, ns)[1]
+                try:
+                    again = self.block_ids(addresses, ns)[1]
+                except BaseException:  # no answer: none of the leases is the caller's
+                    for address, block in zip(addresses, ids, strict=True):
+                        if block:
+                            leases.undo(address, block)
+                    raise
                 for i, (before, now) in enumerate(zip(ids, again, strict=True)):
                     if before and now != before:  # gone (or replaced): a miss after all
-                        leases.undo(addresses[i])
+                        leases.undo(addresses[i], before)
                         found[i] = False
         return found
 
     def holds_lease(self, address: str) -> bool:
-        """Whether this reader holds a local lease on ``address``'s block."""
-        return self.leases is not None and self.leases.holds(address)
+        """Whether this reader holds a local lease on ``address``'s block (never in a
+        forked child: the table is the parent's)."""
+        return self.leases is not None and self._pid == os.getpid() and self.leases.holds(address)
 
     def release_leases(self, addresses: list[str]) -> tuple[int, list[str]]:
         """End one of this reader's local leases on each address's block.
 
         Returns:
             How many were released, and the addresses it holds none on (release those
-            over HTTP).
+            over HTTP). A forked child releases none here: the table is its parent's, and
+            the leases the parent took are not the child's to end (a client forgets them
+            at the fork: :mod:`eg_kv.client.lease_record`).
         """
-        if self.leases is None:
+        if self.leases is None or self._pid != os.getpid():
             return 0, addresses
         return self.leases.release(addresses)
 
@@ -579,3 +590,20 @@ class _Copier:
         if self._done != self._reader.length:
             raise self._reader._gone()  # the sink left part of it unread
         self._reader.verify()
+
+
+#: Every live mapping: a forked child gets fresh locks for them (a thread of the parent
+#: may have held one at the fork, and the child would wait for it forever when it closes
+#: the mapping, which it must not use: :meth:`LocalSlab._still_mine`).
+_LIVE: weakref.WeakSet[LocalSlab] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for slab in list(_LIVE):
+        slab._lock = threading.Lock()
+        leases = getattr(slab, "leases", None)  # None before __init__ made them
+        if leases is not None:
+            leases._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -67,6 +67,9 @@ class LocalLeases:
         self._blocks, self._counts, self._ends = [0] * n, [0] * n, [0] * n
         self._addresses: list[str] = [""] * n
         self._free: list[int] = []
+        # Releases still to come for leases whose record went (ended, or reused for the
+        # address's newer block) before the client released them: address -> count.
+        self._absorb: dict[str, int] = {}
         self._lock = threading.Lock()
         # What a dead owner left: the mark first (the server reads no record past it).
         top = min(max(entries[me + L.R_LEASE_TOP], 0), n)
@@ -87,52 +90,65 @@ class LocalLeases:
         table, records, free = self._table, self._records, self._free
         blocks, counts, ends = self._blocks, self._counts, self._ends
         with self._lock:
-            # The leases held already (record index, block), and the new ones (address ->
-            # block): parallel lists, not tuples, so that a lookup's leases leave little
-            # for the garbage collector to count (LMCache's process holds torch's objects).
-            held_at: list[int] = []
-            held_ids: list[int] = []
-            new: dict[str, int] = {}
-            again = 0  # new addresses asked twice in one lookup
-            if records.keys().isdisjoint(addresses):  # (in C) a lookup of blocks new to it
-                if 0 in ids:
-                    new = {a: block for a, block in zip(addresses, ids, strict=True) if block}
-                else:  # all hits (the usual lookup of a stored prefix): in C
-                    new = dict(zip(addresses, ids, strict=True))
-                again = len(ids) - ids.count(0) - len(new)
-            else:
-                for address, block in zip(addresses, ids, strict=True):
-                    if block:
-                        i = records.get(address)
-                        if i is not None:
-                            held_at.append(i)
-                            held_ids.append(block)
-                        elif address in new:
-                            again += 1
-                        else:
-                            new[address] = block
-            if len(new) > len(free) + self._capacity - self._top and not self._room_for(
-                len(new), now
-            ):
-                return False
+            held_at, held_ids, new, again = self._sort(addresses, ids)
+            if len(new) > len(free) + self._capacity - self._top:
+                had = len(records)
+                if not self._room_for(len(new), now):
+                    return False
+                if len(records) != had:  # ended records went, maybe some held here: again
+                    held_at, held_ids, new, again = self._sort(addresses, ids)
+                    if len(new) > len(free) + self._capacity - self._top:
+                        return False
             for i, block in zip(held_at, held_ids, strict=True):
                 if blocks[i] == block and ends[i] > now:  # held: one more, and extend it
                     counts[i] += 1
                     if ends[i] < end:
                         ends[i] = table[i * _WORDS + 1] = end
                 else:  # ended, or the address names another block now: a new lease
+                    self._absorb_later(self._addresses[i], counts[i])  # the old ones' releases
                     blocks[i], counts[i], ends[i] = block, 1, end
                     table[i * _WORDS + 1] = end  # the end before the id: the server
                     table[i * _WORDS] = block  # reads an id with its end written
             if new:
                 self._add(new, end)
                 if again:  # the second asks of an address new in this lookup
-                    self._count_again(addresses, ids)
+                    self._count_again(addresses, ids, new)
             entries, me = self._entries, self._me
             entries[me + L.R_LEASE_TOP] = self._top  # after the records under it
             entries[me + L.R_LEASES_TAKEN] += len(held_at) + len(new) + again
             entries[me + L.R_LEASE_GEN] += 1  # _moved(), inline
         return True
+
+    def _sort(
+        self, addresses: Sequence[str], ids: list[int]
+    ) -> tuple[list[int], list[int], dict[str, int], int]:
+        """A lookup's hits (under the lock): the records of those held already and their
+        blocks (once per ask), the new ones (address -> block), and how many more times
+        new addresses were asked in it. Parallel lists, not tuples, so that a lookup's
+        leases leave little for the garbage collector to count (LMCache's process holds
+        torch's objects)."""
+        held_at: list[int] = []
+        held_ids: list[int] = []
+        new: dict[str, int] = {}
+        records = self._records
+        if records.keys().isdisjoint(addresses):  # (in C) a lookup of blocks new to it
+            if 0 in ids:
+                new = {a: block for a, block in zip(addresses, ids, strict=True) if block}
+            else:  # all hits (the usual lookup of a stored prefix): in C
+                new = dict(zip(addresses, ids, strict=True))
+            return held_at, held_ids, new, len(ids) - ids.count(0) - len(new)
+        again = 0
+        for address, block in zip(addresses, ids, strict=True):
+            if block:
+                i = records.get(address)
+                if i is not None:
+                    held_at.append(i)
+                    held_ids.append(block)
+                elif address in new:
+                    again += 1
+                else:
+                    new[address] = block
+        return held_at, held_ids, new, again
 
     def _add(self, new: dict[str, int], end: int) -> None:
         """Records for ``new`` (address -> block), one lease each (under the lock): freed
@@ -173,26 +189,33 @@ class LocalLeases:
         table[lo * _WORDS + 1 : hi * _WORDS : _WORDS] = array("q", [end] * len(names))
         table[lo * _WORDS : hi * _WORDS : _WORDS] = array("q", ids)
 
-    def _count_again(self, addresses: Sequence[str], ids: Sequence[int]) -> None:
-        """One more lease for every repeat of an address that was new in this lookup."""
+    def _count_again(
+        self, addresses: Sequence[str], ids: Sequence[int], new: dict[str, int]
+    ) -> None:
+        """One more lease for every repeat of an address that was new in this lookup (the
+        repeats of one held already were counted as held)."""
         seen: set[str] = set()
         for address, block in zip(addresses, ids, strict=True):
-            if block:
+            if block and address in new:
                 if address in seen:
                     self._counts[self._records[address]] += 1
                 seen.add(address)
 
-    def undo(self, address: str) -> None:
-        """Take back one lease on ``address`` that :meth:`take` took (its lookup found the
-        block gone after all): not counted as a release."""
+    def undo(self, address: str, block: int) -> None:
+        """Take back one lease on ``address`` that :meth:`take` took on ``block`` (its
+        lookup found the block gone after all): not counted as a release. A record that
+        another lookup moved to a newer block meanwhile keeps that lease; the one taken
+        back is then among those it left to absorb."""
         with self._lock:
             i = self._records.get(address)
-            if i is not None:
+            if i is not None and self._blocks[i] == block:
                 self._counts[i] -= 1
                 if self._counts[i] <= 0:
                     self._drop(i)
                     self._moved()
-                self._entries[self._me + L.R_LEASES_TAKEN] -= 1
+            elif not self._absorbed(address):
+                return  # not this reader's lease (any more): nothing to take back
+            self._entries[self._me + L.R_LEASES_TAKEN] -= 1
 
     def release(self, addresses: Sequence[str]) -> tuple[int, list[str]]:
         """End one of this reader's leases on each address's block.
@@ -211,9 +234,11 @@ class LocalLeases:
             for address in addresses:
                 i = records.get(address)
                 if i is None:
-                    rest.append(address)
+                    if not self._absorbed(address):
+                        rest.append(address)
                     continue
-                if ends[i] <= now:
+                if ends[i] <= now:  # ended: its other leases' releases are absorbed too
+                    self._absorb_later(address, counts[i] - 1)
                     self._drop(i)
                     continue
                 counts[i] -= 1
@@ -252,8 +277,9 @@ class LocalLeases:
         return True
 
     def holds(self, address: str) -> bool:
-        """Whether a lease of this reader is on ``address``'s block (ended or not)."""
-        return address in self._records
+        """Whether a lease of this reader is on ``address``'s block (ended or not, or
+        forgotten with releases still to come)."""
+        return address in self._records or address in self._absorb
 
     def close(self) -> None:
         """Let go of the table's view (the mapping is closed after it); the records stay
@@ -269,6 +295,7 @@ class LocalLeases:
             return True
         for i in list(self._records.values()):
             if self._ends[i] <= now:
+                self._absorb_later(self._addresses[i], self._counts[i])
                 self._drop(i)
         self._moved()
         return n <= len(self._free) + self._capacity - self._top
@@ -277,6 +304,30 @@ class LocalLeases:
         """Bump the table's generation, after the records it covers changed: a server
         that finds it as it last read it uses what it read then."""
         self._entries[self._me + L.R_LEASE_GEN] += 1
+
+    def _absorb_later(self, address: str, count: int) -> None:
+        """Remember that ``count`` releases of ``address`` will come for leases of this
+        reader whose record went (under the lock): they end nothing, here or at the
+        server, where a release would end another client's lease. Bounded: past
+        :attr:`_capacity` addresses the oldest are forgotten (their releases then go to
+        the server, as a lease taken over HTTP)."""
+        if count > 0:
+            absorb = self._absorb
+            absorb[address] = absorb.pop(address, 0) + count  # newest last
+            if len(absorb) > self._capacity:
+                del absorb[next(iter(absorb))]
+
+    def _absorbed(self, address: str) -> bool:
+        """Take one release of ``address`` off :meth:`_absorb_later`'s count (under the
+        lock); False if none was due."""
+        left = self._absorb.get(address)
+        if not left:
+            return False
+        if left > 1:
+            self._absorb[address] = left - 1
+        else:
+            del self._absorb[address]
+        return True
 
     def _drop(self, i: int) -> None:
         """Free record ``i`` (under the lock): its id first, which the server reads."""

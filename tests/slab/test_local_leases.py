@@ -192,3 +192,157 @@ def test_a_sigkilled_readers_leases_end_and_the_next_reader_clears_its_table(sma
     with LocalSlab.open(info(small)) as local:  # takes the dead reader's entry
         assert local._me == int(me)
         assert small._readers[int(me) + L.R_LEASE_TOP] == 0
+
+
+def _until_ended(lease_ms: int, since: int) -> None:
+    while now_ms() <= since + lease_ms:  # bounded: the lease's own length
+        time.sleep(0.001)
+
+
+def test_releases_of_leases_that_ended_end_nothing_here_or_at_the_server(small):
+    """A record whose lease ended goes at its first release (or when the table needs
+    room); the releases still to come for its other leases are this reader's, absorbed
+    here: sent to the server, each would end another client's lease on the block."""
+    keys = fill(small, "a", 2)
+    with LocalSlab.open(info(small)) as local:
+        t0 = now_ms()
+        assert local.lease_addresses([keys[0], keys[0]], 2) == [True, True]
+        _until_ended(2, t0)
+        assert local.holds_lease(keys[0])
+        assert local.release_leases(keys[:1]) == (0, [])  # ended: counts 0, as the server
+        assert local.holds_lease(keys[0])  # one release still to come
+        assert local.release_leases(keys[:1]) == (0, [])  # absorbed, not the server's
+        assert not local.holds_lease(keys[0])
+        assert local.release_leases(keys[:1]) == (0, keys[:1])  # never leased here
+
+
+def test_a_lease_on_a_record_taken_again_keeps_the_old_leases_releases_here(small):
+    keys = fill(small, "a", 1)
+    with LocalSlab.open(info(small)) as local:
+        t0 = now_ms()
+        assert local.lease_addresses(keys * 2, 2) == [True, True]  # two, ended soon
+        _until_ended(2, t0)
+        assert local.lease_addresses(keys, 60000) == [True]  # the record again: one lease
+        fill(small, "b", 400)
+        assert small.exists(keys[0])
+        assert local.release_leases(keys) == (1, [])  # the live one first
+        assert local.release_leases(keys * 2) == (0, [])  # the two that ended: absorbed
+        assert local.release_leases(keys) == (0, keys)
+
+
+def test_a_lookup_that_frees_ended_records_keeps_the_lease_of_one_it_held(small):
+    """The table is full of ended leases; a lookup of an address it held (ended) and a
+    new one must free them for room: the held address is leased anew, in a record the
+    table keeps (before, its lease went into a freed record, which the next lease
+    overwrote: the block could be evicted before its load, the release went astray)."""
+    keys = fill(small, "a", 64)
+    with LocalSlab.open(info(small)) as local:
+        t0 = now_ms()
+        assert local.lease_addresses(keys, 2) == [True] * 64  # every record of the table
+        _until_ended(2, t0)
+        assert small.delete(keys[63])
+        fresh = fill(small, "b", 1)
+        assert local.lease_addresses([keys[0], *fresh], 60000) == [True, True]
+        assert local.holds_lease(keys[0]) and local.holds_lease(fresh[0])
+        fill(small, "c", 400)
+        assert small.exists(keys[0]) and small.exists(fresh[0])
+        assert local.release_leases([keys[0], *fresh]) == (2, [])
+        assert local.release_leases(keys[:1]) == (0, [])  # its ended lease: absorbed
+
+
+def test_repeats_of_an_address_held_already_count_once_each(small):
+    keys = fill(small, "a", 2)
+    with LocalSlab.open(info(small)) as local:
+        assert local.lease_addresses(keys[:1], 60000) == [True]
+        found = local.lease_addresses([keys[0], keys[0], keys[1], keys[1]], 60000)
+        assert found == [True] * 4
+        assert local.release_leases(keys[:1] * 3) == (3, [])  # three, not four
+        assert local.release_leases(keys[1:] * 2) == (2, [])
+        assert local.release_leases(keys) == (0, keys)
+        assert counts(small) == (5, 5, 0)
+
+
+def test_taking_back_a_lease_on_a_replaced_block_leaves_the_newer_lease(small):
+    """Two lookups raced over an address whose block was replaced: the second moved the
+    record to the new block; the first, finding its block gone, takes back its own
+    lease only (before, it dropped the record and with it the second's lease)."""
+    keys = fill(small, "a", 1)
+    with LocalSlab.open(info(small)) as local:
+        leases = local.leases
+        assert leases is not None
+        old = small.block_ids(keys)[1][0]
+        assert leases.take(keys, [old], 60000)  # the first lookup's lease
+        small.delete(keys[0])
+        fill(small, "a", 1)  # the address now names another block
+        new = small.block_ids(keys)[1][0]
+        assert new != old
+        assert leases.take(keys, [new], 60000)  # the second lookup's
+        leases.undo(keys[0], old)  # the first finds its block gone
+        assert local.holds_lease(keys[0])
+        fill(small, "b", 400)
+        assert small.block_ids(keys)[1] == [new]  # still leased
+        assert local.release_leases(keys) == (1, [])
+        assert local.release_leases(keys) == (0, keys)
+
+
+def test_a_forked_child_releases_none_of_its_parents_leases(small):
+    """A child that inherited a client must not end the leases its parent's lookups took:
+    not in the parent's table (the parent would lose them), nor at the server (another
+    client's). Its lease record forgets them at the fork."""
+    from eg_kv.client.lease_record import LeaseRecord
+
+    class Sent:  # what the record hands its connector to release
+        def __init__(self) -> None:
+            self.addresses: list[str] = []
+
+        def release(self, addresses: list[str]) -> None:
+            self.addresses.extend(addresses)
+
+    keys = fill(small, "a", 4)
+    with LocalSlab.open(info(small)) as local:
+        sent = Sent()
+        record = LeaseRecord(sent, 60000)
+        record.note(keys, local.lease_addresses(keys, 60000) or [])
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if it left everything alone
+            ok = local.release_leases(keys) == (0, keys) and not local.holds_lease(keys[0])
+            record.release(keys)
+            os._exit(0 if ok and not sent.addresses else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        fill(small, "b", 400)
+        assert all(small.exists(k) for k in keys)  # the parent's leases held
+        record.release(keys)  # the parent's record kept them: its connector ends them
+        assert sent.addresses == keys
+        assert local.release_leases(keys) == (4, [])
+
+
+def test_a_lookup_that_cannot_look_again_takes_back_its_leases(small):
+    """A writer came in after the leases were taken, and the look again fails (writers
+    kept the table busy): the caller asks the server instead, so none of the leases
+    taken here may stay (the server's would be released here, these never)."""
+    from eg_kv.slab.local import LocalUnavailable
+
+    keys = fill(small, "a", 2)
+    with LocalSlab.open(info(small)) as local:
+        assert local.leases is not None
+        take, look = local.leases.take, local.block_ids
+        looks: list[int] = []
+
+        def take_then_a_writer(addresses, ids, lease_ms):
+            ok = take(addresses, ids, lease_ms)
+            small.put("other", bytes(PAGE))  # a writing section: the sequence moves
+            return ok
+
+        def block_ids(addresses, ns=0):
+            looks.append(1)
+            if len(looks) > 1:
+                raise LocalUnavailable("writers kept the slot table busy")
+            return look(addresses, ns)
+
+        local.leases.take = take_then_a_writer  # type: ignore[method-assign]
+        local.block_ids = block_ids  # type: ignore[method-assign]
+        with pytest.raises(LocalUnavailable):
+            local.lease_addresses(keys, 60000)
+        assert not local.holds_lease(keys[0]) and not local.holds_lease(keys[1])
+        assert counts(small)[2] == 0
