@@ -116,8 +116,11 @@ class BatchIndex:
             self._spans.pop((old_ns, old_k), None)
         RECORD.pack_into(self._records, off, ns, 0, k, first, last)
         self._spans[ns, k] = (first, last)
-        self._ns[2 * ns + 1] = last or self._ns[2 * ns + 1]
+        # The number before the position: a publisher killed between the two has spent
+        # a number (a hole its subscribers replay), never published positions under one
+        # the next would give again (a loss no subscriber could see).
         self._ns[2 * ns] = k + 1
+        self._ns[2 * ns + 1] = last or self._ns[2 * ns + 1]
         self._head[_W_WRITTEN] = w + 1
         return k
 
@@ -129,8 +132,8 @@ class BatchIndex:
     def start_at(self, ns: int, next_k: int, last: int) -> None:
         """Begin namespace ``ns`` at batch number ``next_k``, after position ``last`` (a
         log the index met with entries in it: those are reached by a resync)."""
+        self._ns[2 * ns] = next_k  # the number first, as in record()
         self._ns[2 * ns + 1] = last
-        self._ns[2 * ns] = next_k
 
     def close(self) -> None:
         """Unmap (the segment stays for the next publisher)."""

@@ -31,8 +31,12 @@ publisher fell behind the log) are answered by a resync: ``AllBlocksCleared``, a
 that walk, then a ``BlockStored`` for every block the disk tier holds, all at the last
 seq sent live: applied in order, with the live batches after it, they give the blocks
 held. A requester that stops reading is dropped after
-:data:`REPLAY_SEND_TIMEOUT_MS`; resyncs come at most once a :data:`RESYNC_INTERVAL_S` (a
-request in between gets the end marker alone).
+:data:`REPLAY_SEND_TIMEOUT_MS`, and one answer may take at most :data:`REPLAY_DEADLINE_S`
+(a requester that reads slowly is dropped then: the live batches wait while a replay is
+served). A dropped requester gets no end marker: it never takes part of an answer for all
+of it, and asks again. Resyncs come at most once a :data:`RESYNC_INTERVAL_S`: requests in
+between wait (at most :data:`RESYNC_WAITING` requesters) and are answered together by the
+next walk of their namespace.
 
 Token ids and LoRA names (:mod:`eg_kv.engine`'s extras, which the slab does not keep):
 the workers hand them over on the extras socket (``extras_endpoint``, a PULL socket in the
@@ -61,6 +65,7 @@ import zmq
 import zmq.backend
 
 from ..engine import read_extras_message
+from ..errors import SlabError
 from ..slab.events import (
     E_EXTRAS,
     EVENTS_NAMESPACES,
@@ -74,9 +79,19 @@ from ..slab.store import Slab
 from .batches import RECORDS, BatchIndex
 from .wire import END_SEQ, Wire, seq_bytes
 
-__all__ = ["Publisher", "PublisherOptions", "Topics"]
+__all__ = ["Publisher", "PublisherOptions", "ReplayCut", "Topics"]
 
 log = logging.getLogger("eg_kv.kvevents")
+
+
+class ReplayCut(Exception):
+    """A replay answer was cut short (too slow, or its resync could not be made): its
+    requester is dropped without the end marker, and asks again."""
+
+
+class _AllGone(ReplayCut):
+    """Every requester of an answer was dropped already (each counted as it went)."""
+
 
 #: Entries read from the log per step (one step's work between looks at the replay socket).
 STEP = 4096
@@ -86,10 +101,18 @@ BATCH_EVENTS = 256
 IDLE_MS = 5
 #: How long a replay answer may wait for its requester to read, in ms.
 REPLAY_SEND_TIMEOUT_MS = 1000
-#: The least time between two resyncs (each walks the slot table): a requester asking
-#: for more gets the end marker alone and asks again (ZMQ has no authentication: anyone
-#: who reaches the socket may ask).
+#: The longest one replay answer may take (seconds): the live batches wait meanwhile, and
+#: a requester reading one message a second would otherwise hold them for hours.
+REPLAY_DEADLINE_S = 3.0
+#: The least time between two resyncs (each walks the slot table): requests in between
+#: wait for the next walk of their namespace (ZMQ has no authentication: anyone who
+#: reaches the socket may ask).
 RESYNC_INTERVAL_S = 1.0
+#: Requesters waiting for a resync; past it a request is dropped (it asks again).
+RESYNC_WAITING = 64
+#: The largest message the sockets take in (a replay request or a subscription: a topic
+#: and a seq), so that no peer can stream a huge frame into the publisher's memory.
+MAX_MESSAGE = 16 * 1024
 #: How often the counters are written for /metrics, in seconds.
 STATS_EVERY_S = 1.0
 #: Blocks whose token ids and LoRA name the publisher holds (the newest stores').
@@ -207,6 +230,7 @@ class Publisher:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, options.hwm)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)  # subscriptions come in
         self.pub.bind(options.endpoint)
         self.replay = None
         if options.replay_endpoint:
@@ -214,6 +238,7 @@ class Publisher:
             self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self.replay.setsockopt(zmq.SNDTIMEO, REPLAY_SEND_TIMEOUT_MS)
             self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
             self.replay.bind(options.replay_endpoint)
         self.since = ring.head  # what came before is in the log, for replay
         self.base = seq_base(ring.created_ms)
@@ -239,6 +264,10 @@ class Publisher:
                 log.warning("KV events: blocks go without token ids or LoRA names: cannot "
                             "listen on %s: %s", options.extras_endpoint, e)  # fmt: skip
         self._resynced_at = -RESYNC_INTERVAL_S
+        #: Requesters waiting for the next resync of their namespace: (ns, topic) ->
+        #: their ROUTER ids, oldest first (at most RESYNC_WAITING in all).
+        self._waiting: OrderedDict[tuple[int, bytes], list[bytes]] = OrderedDict()
+        self._deadline = 0.0  # when the replay being answered must be done by
         self._follow_all()
 
     # ------------------------------------------------------------------ live
@@ -447,6 +476,8 @@ class Publisher:
             if self.replay is not None:
                 if poller.poll(0 if busy else IDLE_MS):
                     self.serve_replay()
+                if self._waiting:
+                    self.serve_waiting()
             elif not busy:
                 time.sleep(IDLE_MS / 1000)
             if time.monotonic() - written >= STATS_EVERY_S:
@@ -494,15 +525,51 @@ class Publisher:
         if ns is None and len(body) == 2:
             ns = self._ns_by_topic(body[0])
         self.counters["replays"] += 1
+        self._deadline = time.monotonic() + REPLAY_DEADLINE_S
         try:
             if ns is not None and topic is not None and len(body[-1]) == 8 and len(body) <= 2:
                 # A seq from before this log (another log's): this one from its start.
                 start = int.from_bytes(body[-1], "big") - self.base
-                self._replay(client, ns, topic, max(start, 0))
+                if not self._replay(client, ns, topic, max(start, 0)):
+                    return  # it waits for the next resync (serve_waiting)
             self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
-        except zmq.ZMQError as e:  # gone, or not reading: dropped, the publisher goes on
-            self.counters["replays_dropped"] += 1
-            log.info("KV events: a replay requester was dropped: %s", e)
+        except (zmq.ZMQError, ReplayCut) as e:  # gone, not reading, or too slow: dropped
+            if not isinstance(e, _AllGone):
+                self._dropped(e)
+
+    def serve_waiting(self) -> None:
+        """Resync the requesters of the namespace that has waited longest, once the last
+        resync is :data:`RESYNC_INTERVAL_S` past: one walk for them all, then the end
+        marker to each that took the whole of it."""
+        if time.monotonic() - self._resynced_at < RESYNC_INTERVAL_S or not self._waiting:
+            return
+        (ns, topic), clients = self._waiting.popitem(last=False)
+        self._deadline = time.monotonic() + REPLAY_DEADLINE_S
+        try:
+            self._resync(clients, ns, topic)
+            for client in clients:
+                self._send_or_drop(clients, client, (client, b"", b"", END_SEQ, b""))
+        except ReplayCut as e:
+            for _ in clients:
+                self._dropped(e)
+
+    def _dropped(self, why: Exception) -> None:
+        self.counters["replays_dropped"] += 1
+        log.info("KV events: a replay requester was dropped: %s", why)
+
+    def _send_or_drop(self, clients: list[bytes], client: bytes, frames: tuple) -> None:
+        """Send ``frames`` to one of a resync's requesters; one that is gone or not
+        reading leaves ``clients`` (dropped), the others go on."""
+        try:
+            self._check_deadline()
+            self.replay.send_multipart(frames)  # type: ignore[union-attr]
+        except zmq.ZMQError as e:
+            clients.remove(client)
+            self._dropped(e)
+
+    def _check_deadline(self) -> None:
+        if time.monotonic() > self._deadline:
+            raise ReplayCut(f"the answer took over {REPLAY_DEADLINE_S:g} s")
 
     def _event(self, ev: Any) -> Any:
         """A replayed entry as an event, with its extras while they are held."""
@@ -515,23 +582,44 @@ class Publisher:
                 return ns
         return None
 
-    def _send(self, client: bytes, topic: bytes, k: int, events: list[Any]) -> None:
-        assert self.replay is not None
-        payload = self.wire.batch(events)
-        self.replay.send_multipart((client, b"", topic, seq_bytes(self.base + k), payload))
+    def _send(self, clients: list[bytes], topic: bytes, k: int, events: list[Any]) -> None:
+        """One batch to each of ``clients`` (each that fails leaves the list).
 
-    def _replay(self, client: bytes, ns: int, topic: bytes, start: int) -> None:
+        Raises:
+            ReplayCut: the answer ran past its deadline.
+        """
+        frames = (topic, seq_bytes(self.base + k), self.wire.batch(events))
+        for client in list(clients):
+            self._send_or_drop(clients, client, (client, b"", *frames))
+        if not clients:
+            raise _AllGone("every requester was dropped")
+
+    def _replay(self, client: bytes, ns: int, topic: bytes, start: int) -> bool:
         """Batches ``start`` on of namespace ``ns``, as they were sent; a resync when
-        they cannot all be sent again (:meth:`_recorded`)."""
+        they cannot all be sent again (:meth:`_recorded`). Returns False when the resync
+        must wait (the requester is queued for :meth:`serve_waiting`).
+
+        Raises:
+            ReplayCut: the requester was dropped (its answer is not whole).
+        """
         next_k = self.index.position(ns)[0]
         if start >= next_k:
-            return  # nothing yet at or after start
+            return True  # nothing yet at or after start
         batches = self._recorded(ns, start, next_k)
+        clients = [client]
         if batches is None:
-            self._resync(client, ns, topic)
-            return
+            if time.monotonic() - self._resynced_at < RESYNC_INTERVAL_S:
+                self.counters["resyncs_put_off"] += 1
+                waiting = sum(map(len, self._waiting.values()))
+                if waiting >= RESYNC_WAITING:
+                    raise ReplayCut(f"{waiting} requesters wait for a resync already")
+                self._waiting.setdefault((ns, topic), []).append(client)
+                return False
+            self._resync(clients, ns, topic)
+            return True
         for k, events in enumerate(batches, start):
-            self._send(client, topic, k, events)
+            self._send(clients, topic, k, events)
+        return True
 
     def _recorded(self, ns: int, start: int, end: int) -> list[list[Any]] | None:
         """Batches ``start`` to ``end - 1`` of namespace ``ns`` as they were sent, every
@@ -570,19 +658,22 @@ class Publisher:
                 out.append(stored(h or raw, parent, size, lora, self.extras.get((ns, raw))))
             yield out
 
-    def _resync(self, client: bytes, ns: int, topic: bytes) -> None:
+    def _resync(self, clients: list[bytes], ns: int, topic: bytes) -> None:
         """The namespace's blocks from a walk of the slot table, then the log after it,
-        all at the last batch number sent (the live batches after it apply on top)."""
-        now = time.monotonic()
-        if now - self._resynced_at < RESYNC_INTERVAL_S:
-            self.counters["resyncs_put_off"] += 1
-            return
-        self._resynced_at = now
+        all at the last batch number sent (the live batches after it apply on top), to
+        each of ``clients`` (those that fail leave the list).
+
+        Raises:
+            ReplayCut: no walk held (three were met by a repair, or lapped by the log), or
+                the slot table stayed locked: the requesters are dropped, never told an
+                answer in part is whole.
+        """
+        self._resynced_at = time.monotonic()
         self.counters["resyncs"] += 1
         k = max(self.index.position(ns)[0] - 1, 0)
         for _ in range(3):  # a walk met by a repair or lapped by the log: again
             try:
-                self._send(client, topic, k, [self.wire.cleared()])
+                self._send(clients, topic, k, [self.wire.cleared()])
                 for part in self.slab.snapshot_stream(ns, timeout=5.0, engines=True):
                     if part.kind == "blocks":
                         out = [self.wire.stored(e.hash or bytes(raw), e.parent, e.block_size,
@@ -592,10 +683,13 @@ class Publisher:
                         out = [self._event(ev) for ev in part.events if ev.ns == ns and ev.nseq]
                     else:  # the end: the blocks the disk tier holds, listed after the walk
                         for page in self._disk_blocks(ns):
-                            self._send(client, topic, k, page)
+                            self._send(clients, topic, k, page)
                         continue
                     for at in range(0, len(out), 1024):
-                        self._send(client, topic, k, out[at : at + 1024])
+                        self._send(clients, topic, k, out[at : at + 1024])
                 return
             except SnapshotVoid:
                 continue
+            except SlabError as e:  # the lock stayed held (LockTimeout): not this time
+                raise ReplayCut(f"the walk of the slot table failed: {e}") from None
+        raise ReplayCut("three walks of the slot table were lapped or repaired")

@@ -355,7 +355,7 @@ class EventRing:
             if ev is None:
                 return [], count, True
             out.append(ev)
-        if seqs[-1] + 1 < self._w[W_HEAD] + 2 - n:  # a writer lapped the oldest meanwhile
+        if seqs[-1] < self._w[W_HEAD] + 2 - n:  # a writer lapped the oldest meanwhile
             return [], count, True
         return out, since + len(out), False
 

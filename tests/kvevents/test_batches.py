@@ -185,3 +185,46 @@ def test_an_index_another_user_could_write_is_refused(slab, ctx):
     os.chmod(SHM_DIR + batches_name(slab.name), 0o666)  # whatever the umask
     with pytest.raises(ForeignSegment, match="mode 0666"):
         Publisher(slab, options(), context=ctx)
+
+
+class _KilledAfter:
+    """The index's namespace words, as a publisher killed after ``writes`` more writes
+    to them sees them (the rest never happen)."""
+
+    def __init__(self, words, writes: int) -> None:
+        self.words, self.left = words, writes
+
+    def __getitem__(self, i):
+        return self.words[i]
+
+    def __setitem__(self, i, value) -> None:
+        if self.left == 0:
+            raise KeyboardInterrupt("killed")
+        self.left -= 1
+        self.words[i] = value
+
+
+def test_a_publisher_killed_between_its_index_words_leaves_a_hole_not_a_silent_skip(slab, ctx):
+    """A batch is recorded as its ring record, then the namespace's next number and last
+    position. Killed between those two words, the next publisher must either publish the
+    batch's positions again or give a number its subscribers see missing: never number
+    the next batch as if they had gone out."""
+    first = Publisher(slab, options(), context=ctx)
+    put(slab, 3, "a")
+    first.step()
+    assert first.index.position(0) == (2, 3)
+    put(slab, 5, "b")  # positions 4..8: the batch the kill cuts
+    words = first.index._ns
+    first.index._ns = _KilledAfter(words, 1)
+    with pytest.raises(KeyboardInterrupt):
+        first.step()
+    first.index._ns = words
+    first.close()
+    second = Publisher(slab, options(), context=ctx)
+    try:
+        spans = {k: second.index.span(0, k) for k in range(2, 5)}
+        assert (4, 8) in spans.values()  # the five went out again after the restart
+        k = next(k for k, span in spans.items() if span == (4, 8))
+        assert k == 3 and spans[2] is None  # under a new number, after a hole at 2
+    finally:
+        second.close()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import zmq
@@ -33,7 +34,12 @@ def ask(ctx, endpoint: str, start: int) -> list[int]:
     return seqs
 
 
-def test_resyncs_come_at_most_once_a_second():
+def test_resyncs_come_at_most_once_a_second_and_those_put_off_wait_for_the_next():
+    """A resync walks the slot table: at most one a second. Requests in between wait, and
+    the next walk answers them together, whole (the end marker alone, as before, looked
+    like a complete answer to a requester that had to resync)."""
+    import threading
+
     slab = Slab.create(unique_slab_name("replay"), 4 << 20, 4096)
     slab.setup_events(16)
     replay = f"tcp://127.0.0.1:{free_port()}"
@@ -44,11 +50,24 @@ def test_resyncs_come_at_most_once_a_second():
         for k in range(40):  # the 16-entry log lapped: position 1 is gone
             slab.put(f"b{k}", b"x", engine=EngineName(os.urandom(32), b"", 16))
         publisher.step()
-        first, *rest = [ask_and_serve(ctx, publisher, replay) for _ in range(3)]
+        first = ask_and_serve(ctx, publisher, replay)
         # AllBlocksCleared, one message of every block held, both at the walk's seq; the end
         assert len(first) == 3 and first[0] == first[1] > 0 and first[-1] == -1
-        assert rest == [[-1], [-1]]  # within the second: the end marker alone
-        assert publisher.counters["resyncs"] == 1 and publisher.counters["resyncs_put_off"] == 2
+        answers: list[list[int]] = []
+        askers = [threading.Thread(target=lambda: answers.append(ask(ctx, replay, 1)))
+                  for _ in range(2)]  # fmt: skip
+        for asker in askers:
+            asker.start()
+        while publisher.counters["resyncs_put_off"] < 2:  # both asked within the second
+            if publisher.replay is not None and publisher.replay.poll(50):
+                publisher.serve_replay()
+        assert publisher.counters["resyncs"] == 1 and not answers
+        while any(asker.is_alive() for asker in askers):  # the next walk, once it is due
+            publisher.serve_waiting()
+            time.sleep(0.01)
+        assert answers == [first, first]  # whole: the blocks, then the end marker
+        assert publisher.counters["resyncs"] == 2  # one walk for both
+        assert publisher.counters["replays_dropped"] == 0
     finally:
         publisher.close()
         ctx.term()
@@ -68,3 +87,110 @@ def ask_and_serve(ctx, publisher: Publisher, endpoint: str) -> list[int]:
             publisher.serve_replay()
     asker.join()
     return out[0]
+
+
+def _lapped_publisher(ctx_endpoints: tuple[str, str]) -> tuple[Slab, Publisher]:
+    slab = Slab.create(unique_slab_name("replay"), 4 << 20, 4096)
+    slab.setup_events(16)
+    live, replay = ctx_endpoints
+    publisher = Publisher(slab, PublisherOptions(endpoint=live, replay_endpoint=replay))
+    for k in range(40):  # the 16-entry log lapped: position 1 is gone, a resync answers
+        slab.put(f"b{k}", b"x", engine=EngineName(os.urandom(32), b"", 16))
+    publisher.step()
+    return slab, publisher
+
+
+def _answer_until_quiet(ctx, publisher: Publisher, endpoint: str, body: list[bytes]) -> list[int]:
+    """Send one request, serve it, and collect what came back until 0.3 s of quiet."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", *body])
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (
+            publisher.replay is not None and publisher.replay.poll(50)
+        ):
+            pass
+        publisher.serve_replay()
+        seqs: list[int] = []
+        while dealer.poll(300):
+            frames = dealer.recv_multipart()
+            seqs.append(int.from_bytes(frames[2], "big", signed=True))
+        return seqs
+    finally:
+        dealer.close()
+
+
+def test_a_resync_that_cannot_be_made_whole_sends_no_end_marker(monkeypatch):
+    """Three walks met by a repair (or lapped by the log): the requester got a clear and
+    part of the blocks; it is dropped without the end marker (before, the marker told it
+    the part was the whole) and asks again."""
+    from eg_kv.slab.events import SnapshotVoid
+
+    ends = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    slab, publisher = _lapped_publisher(ends)
+    ctx = zmq.Context()
+    walk = slab.snapshot_stream
+
+    def lapped_after_a_part(ns, timeout=None, engines=False):
+        for part in walk(ns, timeout=timeout, engines=engines):
+            yield part
+            raise SnapshotVoid("the log lapped the walk")
+
+    monkeypatch.setattr(slab, "snapshot_stream", lapped_after_a_part)
+    try:
+        seqs = _answer_until_quiet(ctx, publisher, ends[1], [(1).to_bytes(8, "big")])
+        assert seqs and -1 not in seqs  # a part, three times over, and no end marker
+        assert publisher.counters["resyncs"] == 1
+        assert publisher.counters["replays_dropped"] == 1
+    finally:
+        publisher.close()
+        ctx.term()
+        slab.close()
+        slab.unlink()
+
+
+def test_an_answer_that_runs_past_its_deadline_is_cut(monkeypatch):
+    """A requester reading one message a second would hold the live batches for as long
+    as its answer lasts: each answer has a deadline, and one cut gets no end marker."""
+    from eg_kv.kvevents import publisher as P
+
+    ends = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    slab, publisher = _lapped_publisher(ends)
+    ctx = zmq.Context()
+    monkeypatch.setattr(P, "REPLAY_DEADLINE_S", -1.0)  # every answer is past it at once
+    try:
+        seqs = _answer_until_quiet(ctx, publisher, ends[1], [(1).to_bytes(8, "big")])
+        assert seqs == []  # cut before its first message: no end marker either
+        assert publisher.counters["replays_dropped"] == 1
+        monkeypatch.setattr(P, "REPLAY_DEADLINE_S", 3.0)
+        publisher._resynced_at = -P.RESYNC_INTERVAL_S  # the next resync is due
+        seqs = _answer_until_quiet(ctx, publisher, ends[1], [(1).to_bytes(8, "big")])
+        assert seqs[-1] == -1 and len(seqs) == 3  # the same request, whole
+    finally:
+        publisher.close()
+        ctx.term()
+        slab.close()
+        slab.unlink()
+
+
+def test_a_huge_request_frame_is_refused_by_the_socket():
+    """No peer can stream a huge frame into the publisher's memory: the replay socket
+    takes messages of at most MAX_MESSAGE bytes (a larger one drops the connection)."""
+    from eg_kv.kvevents.publisher import MAX_MESSAGE
+
+    ends = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    slab, publisher = _lapped_publisher(ends)
+    ctx = zmq.Context()
+    try:
+        huge = _answer_until_quiet(ctx, publisher, ends[1], [b"x" * (4 * MAX_MESSAGE)])
+        assert huge == []  # never taken in, never answered
+        later = (publisher.base + 10**6).to_bytes(8, "big")
+        fine = _answer_until_quiet(ctx, publisher, ends[1], [later])
+        assert fine == [-1]  # the publisher goes on: nothing at or after that seq
+    finally:
+        publisher.close()
+        ctx.term()
+        slab.close()
+        slab.unlink()
