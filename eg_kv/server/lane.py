@@ -185,9 +185,14 @@ class FastLane:
         expect = message.headers.get("Expect")
         if message.chunked or conn.reading_held():  # (held: the parser kept bytes back)
             return False
+        transport = conn.transport
         if expect is not None and (
             expect.lower() != "100-continue" or message.version != HttpVersion11
             or payload.total_bytes or unfed  # a body sent before it was asked for
+            # Answers still queued: the interim answer could pause writing, and a paused
+            # connection is swept for its answers, not its body (aiohttp's way drains
+            # first and reserves only then).
+            or (transport is not None and transport.get_write_buffer_size())
         ):  # fmt: skip
             return False
         length, checksum, engine = put_fields(message.headers, self._slab.max_block_size)
@@ -206,8 +211,8 @@ class FastLane:
         self._drain.enter()
         intake = BodyIntake(conn, handle, partial(self._put_ended, conn, handle, version, start))
         try:
-            if expect is not None and conn.transport is not None:
-                conn.transport.write(_CONTINUE)
+            if expect is not None and transport is not None:
+                transport.write(_CONTINUE)
             conn.take_body(intake)
             if payload.total_bytes:
                 intake.feed(payload.read_nowait(-1))

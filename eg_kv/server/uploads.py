@@ -90,8 +90,15 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
     announced length: the address names the content) is answered 200 with its reference
     taken, all before the body is sent. Every such final answer closes the connection:
     the client may send the body anyway, and those bytes must never be read as its next
-    request. Otherwise the client gets ``100 Continue`` and :func:`put_block` runs.
+    request. Otherwise the client gets ``100 Continue`` and :func:`put_block` runs. Its
+    headers are checked as a PUT's without ``Expect`` (:func:`put_fields`): a malformed
+    one is a 400, never a dedup that takes a reference.
+
+    HTTP/1.0 has no interim answers and no expectations (as aiohttp's own handler):
+    :func:`put_block` answers it after the body.
     """
+    if request.version < HttpVersion11:
+        return None
     app, start = request.app, time.perf_counter()
     try:
         tenant = app[AUTH].authenticate(request)
@@ -101,7 +108,7 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
         address = request.match_info["hash"]
         slab = app[SLAB]
         slab.check_address(address, tenant.ns)
-        length = announced_length(request.headers, slab.max_block_size)
+        length = put_fields(request.headers, slab.max_block_size)[0]
         if request.headers.get("Expect", "").lower() != "100-continue":
             return await _final_answer(request, _expect_refused(), start)
         if length and slab.add_ref(address, length, tenant.ns):

@@ -454,3 +454,31 @@ def test_fresh_leaves_a_live_eg_kv_slab_of_another_version_alone(server_factory)
     finally:
         shm.close_fd()
         Slab.unlink_named(name)
+
+
+def test_expect_with_a_malformed_checksum_is_a_400_and_takes_no_reference(server_factory):
+    """The headers of a PUT with ``Expect`` are checked as those of one without: a bad
+    checksum header is refused before the dedup (it was a 200 that took a reference)."""
+    srv = server_factory(workers=1)
+    block = os.urandom(200_000)
+    assert request(srv, "PUT", "/kv/held", block).status == 201
+    with _connect(srv) as s:
+        head = _put_head("held", len(block), expect=True)
+        s.sendall(head.replace(b"\r\n\r\n", b"\r\nX-Eg-Kv-Checksum: zzzz-not-hex\r\n\r\n"))
+        reply = _response(s)
+        assert status_of(reply) == 400, reply[:300]
+        assert b"checksum" in reply
+    st = stats(srv)
+    assert (st["total_refs"], st["dedup_hits"]) == (1, 0)
+
+
+def test_an_http10_put_with_expect_gets_no_interim_answer(server_factory):
+    """HTTP/1.0 has no 100 Continue (RFC 9110 15.2): its body is read and answered."""
+    srv = server_factory(workers=1)
+    with _connect(srv) as s:
+        head = _put_head("h10", 5, expect=True).replace(b"HTTP/1.1", b"HTTP/1.0")
+        s.sendall(head + b"hello")
+        reply = _response(s)
+        assert reply.startswith(b"HTTP/1.") and status_of(reply) == 201, reply[:300]
+        assert b"100 Continue" not in reply
+    assert request(srv, "GET", "/kv/h10").body == b"hello"
