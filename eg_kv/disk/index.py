@@ -56,24 +56,30 @@ class DiskIndex:
     def find(self, key: Key) -> Entry | None:
         return self.entries.get(key)
 
-    def claim(self, length: int) -> tuple[int, list[Entry]] | None:
-        """Room for the record of a ``length``-byte block at the head: returns its offset
-        and the live entries it overwrites (dropped from the index here), or None when
-        the record could never fit the file."""
+    def claim(self, length: int) -> tuple[int, list[Entry], list[Entry]] | None:
+        """Room for the record of a ``length``-byte block at the head: returns its offset,
+        the live entries it overwrites or gives up (dropped from the index here), and
+        the records a wrap gave up (the tail past the head, live or not): their bytes stay
+        on disk until the head comes round again, so their headers must be zeroed, or a
+        scan after a restart would bring back a block deleted or dropped meanwhile.
+        None when the record could never fit the file."""
         size = D.record_size(length)
         if size > self.capacity - D.FIRST:
             return None
         lost: list[Entry] = []
+        given_up: list[Entry] = []
         ring, head = self.ring, self.head
         if head + size > self.capacity:  # wrap: the tail past the head is given up
             while ring and ring[0].offset >= head:
-                self._pass(ring.popleft(), lost)
+                e = ring.popleft()
+                self._pass(e, lost)
+                given_up.append(e)
             head = D.FIRST
         end = head + size
         while ring and head <= ring[0].offset < end:
             self._pass(ring.popleft(), lost)
         self.head = end
-        return head, lost
+        return head, lost, given_up
 
     def _pass(self, e: Entry, lost: list[Entry]) -> None:
         e.in_ring = False

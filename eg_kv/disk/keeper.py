@@ -74,6 +74,11 @@ LISTING_IDLE_S = 60.0
 #: Connections (workers) the keeper serves, and requests each may have in flight.
 MAX_CONNECTIONS = 256
 MAX_INFLIGHT = 64
+#: Answers a connection may leave unread (bytes): past it, or when its answers do not
+#: drain within ANSWER_DRAIN_S, the keeper drops it (a worker reads its answers at once;
+#: a peer that asks without reading would grow the keeper's memory without bound).
+MAX_UNREAD = 8 * 1024 * 1024
+ANSWER_DRAIN_S = 5.0
 
 
 class Keeper:
@@ -264,7 +269,14 @@ class Keeper:
             op, rid, *args = msg
             result = await self._do(op, args)
             if rid and not writer.is_closing():
+                if writer.transport.get_write_buffer_size() > MAX_UNREAD:
+                    raise ConnectionError(f"over {MAX_UNREAD} bytes of answers left unread")
                 writer.write(wire.frame([rid, result]))
+                await asyncio.wait_for(writer.drain(), ANSWER_DRAIN_S)
+        except (ConnectionError, TimeoutError) as e:  # not reading: dropped
+            why = str(e) or f"its answers did not drain in {ANSWER_DRAIN_S:g} s"
+            log.warning("disk tier: a connection to the keeper was dropped: %s", why)
+            writer.transport.abort()
         except Exception as e:  # a malformed request: the worker's bug, not the keeper's end
             log.warning("disk tier: a request failed: %s", e)
         finally:
@@ -312,7 +324,7 @@ class Keeper:
             return None
         raise ValueError(f"unknown op {op!r}")
 
-    def _list(self, ns: str | None, listing: int) -> list[Any]:
+    def _list(self, ns: str | None, listing: int) -> list[Any] | None:
         """A page of the blocks the disk holds (namespace ``ns``'s, or all): the first
         call takes a snapshot of the index (references, not copies), later ones page
         through it. Bounded: the oldest listing goes when :data:`MAX_LISTINGS` are open,
@@ -320,7 +332,10 @@ class Keeper:
         now = time.monotonic()
         for lid in [k for k, (_, _, t) in self._listings.items() if now - t > LISTING_IDLE_S]:
             del self._listings[lid]
-        if listing not in self._listings:
+        if listing and listing not in self._listings:
+            return None  # expired (idle, or past MAX_LISTINGS): its caller ends, never
+            # starts over (a restart per call let more than MAX_LISTINGS go on for good)
+        if not listing:
             with self.store.lock:  # one C-level copy under the lock, the filter outside
                 rest = list(self.store.index.entries.values())
             if ns is not None:

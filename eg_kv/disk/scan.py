@@ -42,12 +42,19 @@ def rebuild(store: DiskStore) -> int:
             if n <= 0:
                 break
             step, entries = _records(buf, n, key, off, cap)
+            stale: list[Entry] = []
             with store.lock:
                 for entry in entries:
                     if entry.key not in store.deleted_in_scan:
-                        store.index.add(entry)
+                        old = store.index.add(entry)
+                        if not entry.live:  # older than the copy indexed: only space
+                            stale.append(entry)
+                        elif old is not None:  # this newer copy supersedes it
+                            stale.append(old)
                     else:
                         entry.live = False
+            for e in stale:  # a copy a newer one superseded: its header goes (later)
+                store.zero_later(e)
             for entry in entries:
                 found.append(entry)
                 if newest is None or entry.seq > newest.seq:

@@ -105,11 +105,12 @@ class DiskStore:
                     claimed = self.index.claim(length)
                     if claimed is None:
                         return None
-                    offset, lost = claimed
+                    offset, lost, given_up = claimed
                     dropped = self.index.trim_namespace(key[0], quota, length)
                 self.counters["disk_evictions"] += len(lost)
                 self.counters["quota_drops"] += len(dropped)
                 self._zero_headers(dropped)
+                self._zero_given_up(given_up)
                 self._dropped(lost + dropped)
                 end = offset + D.record_size(length)
                 if end > self.sb.high_water:
@@ -132,7 +133,9 @@ class DiskStore:
                     return None
                 with self.lock:
                     self.index.ring.append(entry)
-                    self.index.add(entry)
+                    old = self.index.add(entry)
+                if old is not None:  # a copy of the block's older bytes: never again
+                    self._zero_headers([old])
                 self.counters["spilled_bytes"] += length  # "spills": the caller's, once done
                 return entry
         finally:
@@ -151,7 +154,15 @@ class DiskStore:
             if e.in_ring:
                 os.pwritev(self.fd, [self.zero], e.offset)
 
-    def _zero_later(self, e: Entry) -> None:
+    def _zero_given_up(self, entries: list[Entry]) -> None:
+        """Zero the headers of records a wrap of the head gave up (under ``io``): their
+        bytes are intact until the head comes round, and a scan would index them again."""
+        for e in entries:
+            os.pwritev(self.fd, [self.zero], e.offset)
+
+    def zero_later(self, e: Entry) -> None:
+        """Zero ``e``'s header on the store's own thread (under ``io``)."""
+
         def zero() -> None:
             with self.io:
                 self._zero_headers([e])
@@ -172,7 +183,7 @@ class DiskStore:
                 return True
             self.index.remove(key)
         self.counters["deletes"] += 1
-        self._zero_later(e)
+        self.zero_later(e)
         self._dropped([e], deleted=True)
         return True
 
@@ -191,7 +202,7 @@ class DiskStore:
         if e is None:
             return False
         self.counters["deletes"] += 1
-        self._zero_later(e)
+        self.zero_later(e)
         return True
 
     def forget(self, key: Key, seq: int) -> bool:
@@ -203,7 +214,7 @@ class DiskStore:
                 return False
             self.index.remove(key)
         self.counters["checksum_failures"] += 1
-        self._zero_later(e)
+        self.zero_later(e)
         self._dropped([e])
         return True
 

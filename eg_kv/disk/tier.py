@@ -31,6 +31,9 @@ log = logging.getLogger("eg_kv.disk")
 
 CALL_TIMEOUT_S = 0.5
 MAX_PENDING = 256
+#: Bytes of reports and requests a worker leaves unsent to a keeper that does not read
+#: (SIGSTOPped): past it, reports are dropped.
+MAX_UNSENT = 1024 * 1024
 RETRY_S = 0.5
 SLOW_S = 0.05
 
@@ -213,8 +216,15 @@ class DiskTier:
         self._fd, self._file = fd, (sb.created_ms, sb.key)
 
     def _report(self, *msg: Any) -> None:
-        if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(wire.frame([msg[0], 0, *msg[1:]]))
+        """Send a report (no answer), unless the keeper is down or not reading: then it
+        is dropped (counted as unreachable), never queued without bound."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            return
+        if self._down or writer.transport.get_write_buffer_size() > MAX_UNSENT:
+            self.unreachable += 1
+            return
+        writer.write(wire.frame([msg[0], 0, *msg[1:]]))
 
     async def _call(self, op: str, *args: Any, probe: bool = False) -> Any:
         if (not probe and (self._down or self._stalled())) or len(

@@ -160,7 +160,7 @@ def test_the_index_claims_in_order_and_wraps():
     idx = DiskIndex(D.FIRST + 10 * D.ALIGN)
     got = []
     for i in range(6):  # records of 2 aligned blocks (header + up to 4 KiB)
-        offset, lost = idx.claim(100)
+        offset, lost, _given_up = idx.claim(100)
         e = Entry(("", f"r{i}"), offset, 100, i + 1, 0)
         idx.ring.append(e)
         idx.add(e)
@@ -195,3 +195,68 @@ def test_a_disk_without_room_is_refused_at_start(disk_dir):
     with pytest.raises(ConfigError, match=r"cannot reserve .*lower --disk-capacity"):
         files.make_data(str(disk_dir), 1 << 60)
     assert not os.path.exists(os.path.join(disk_dir, D.DATA_FILE))
+
+
+def test_a_copy_superseded_by_newer_bytes_never_comes_back(disk_dir):
+    """A block spilled twice (its bytes changed): the older record's header goes when
+    the newer is indexed. Before, a DELETE zeroed the newer one only, and the scan after
+    a restart served the older bytes of a deleted block."""
+    store = _store(disk_dir)
+    _put(store, "", "k", b"A" * 5000)
+    _put(store, "", "k", b"B" * 5000)
+    assert _read(store, "", "k") == b"B" * 5000
+    assert store.delete(("", "k"))
+    store.close()
+    again = _store(disk_dir)
+    assert again.index.find(("", "k")) is None
+    again.close()
+
+
+def test_records_a_wrap_gives_up_stay_gone_after_a_restart(disk_dir):
+    """A wrap of the head gives up the tail past it: those records leave the index with
+    their bytes still on disk. Their headers go too, or a scan would bring back a block
+    deleted (or dropped) meanwhile."""
+    store = _store(disk_dir, capacity=1 * MiB, max_block=1 * MiB)
+    for i in range(5):  # the first lap: records 0-4 end near the end of the file
+        assert _put(store, "", f"r{i}", os.urandom(200 * KiB)) is not None
+    tail = store.index.find(("", "r4"))
+    assert tail is not None
+    assert _put(store, "", "wrap", os.urandom(200 * KiB)) is not None  # over r0
+    assert _put(store, "", "big", os.urandom(600 * KiB)) is not None  # up to before r4
+    assert store.index.head <= tail.offset and store.index.find(("", "r4")) is not None
+    assert _put(store, "", "over", os.urandom(300 * KiB)) is not None  # wraps: r4 given up
+    assert store.index.find(("", "r4")) is None
+    assert not store.discard(("", "r4"))  # a DELETE now finds nothing to drop
+    store.close()
+    again = _store(disk_dir, capacity=1 * MiB, max_block=1 * MiB)
+    assert again.index.find(("", "r4")) is None
+    assert _read(again, "", "over") is not None
+    again.close()
+
+
+def test_a_listing_that_expired_ends_its_caller_and_never_starts_over(disk_dir, monkeypatch):
+    """Past MAX_LISTINGS open listings the oldest goes; its next page is answered None
+    (its caller ends, having said less). Before, it started a new snapshot from page 0:
+    nine listers taking turns never finished, each sent the index again and again."""
+    from eg_kv.disk import keeper as K
+    from eg_kv.disk import wire
+    from eg_kv.slab.store import Slab
+
+    monkeypatch.setattr(wire, "LIST_PAGE", 1)
+    slab = Slab.create(f"/eg-kv-test-listing-{os.getpid()}", 4 * MiB, 64 * KiB)
+    slab.setup_events(1024)
+    store = _store(disk_dir)
+    try:
+        for i in range(3):
+            _put(store, "", f"b{i}", b"x" * 100)
+        keeper = K.Keeper(slab, store)
+        first = keeper._list(None, 0)
+        assert first is not None and not first[2]  # one page of three: open
+        for _ in range(K.MAX_LISTINGS):  # as many more: the first is the oldest, it goes
+            assert keeper._list(None, 0) is not None
+        assert keeper._list(None, first[0]) is None
+        assert len(keeper._listings) == K.MAX_LISTINGS
+    finally:
+        store.close()
+        slab.close()
+        slab.unlink()

@@ -392,3 +392,28 @@ def test_a_routers_resync_names_the_blocks_only_the_disk_holds(server_factory, d
         )
     finally:
         sub.close()
+
+
+def test_a_peer_that_asks_the_keeper_without_reading_is_dropped(server_factory, disk_dir):
+    """The keeper's answers to a peer that never reads do not pile up in its memory: it
+    drops the connection (answers left unread past a cap, or not drained in time), and
+    goes on serving the workers."""
+    import socket
+
+    from eg_kv.disk import wire
+
+    srv = _serve(server_factory, disk_dir, workers=1)
+    keeper = _disk(srv)["pid"]
+    asks = b"".join(wire.frame([wire.STATS, i + 1]) for i in range(2000))  # ~1 KiB each back
+    dropped = False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(disk_dir / D.SOCKET_FILE))
+        s.settimeout(30)
+        try:
+            for _ in range(200):  # 400,000 asks, never a read: ~400 MB of answers
+                s.sendall(asks)
+        except (BrokenPipeError, ConnectionResetError):
+            dropped = True
+    assert dropped, "the keeper took every ask and kept their answers"
+    assert "a connection to the keeper was dropped" in srv.log()
+    assert _disk(srv)["pid"] == keeper and psutil.Process(keeper).memory_info().rss < 300 << 20
