@@ -299,10 +299,12 @@ class Keeper:
         # (the writes they cause, a zeroed header, go to the store's own thread). ADOPT
         # comes with every PUT that creates a block: a thread hop each cost the keeper,
         # whose writer thread shares its GIL, more than the change.
-        if op == wire.DELETE:
+        if op == wire.DELETE:  # (past its deadline the worker answered 503: not applied)
+            if len(args) > 2 and time.monotonic() * 1000 > int(args[2]):
+                return None
             return store.delete((args[0], args[1]))
-        if op == wire.DISCARD:
-            return store.discard((args[0], args[1]))
+        if op == wire.DISCARD:  # (a block id bounds it: a copy of a later block stays)
+            return store.discard((args[0], args[1]), int(args[2]) if len(args) > 2 else 0)
         if op == wire.ADOPT:
             return self._adopt((args[0], args[1]), args[2], args[3])
         if op == wire.STATS:

@@ -192,10 +192,15 @@ class DiskStore:
             for e in entries:
                 self.on_drop(e, deleted)
 
-    def discard(self, key: Key) -> bool:
+    def discard(self, key: Key, upto_block: int = 0) -> bool:
         """Drop ``key``'s record whatever its refs (the slab's last reference went, or
-        the copy is stale); returns whether there was one."""
+        the copy is stale); returns whether there was one. ``upto_block`` (0: any): only
+        a copy spilled from that slab block or an earlier one (a later block is a later
+        PUT of the address, whose copy stays)."""
         with self.lock:
+            e = self.index.find(key)
+            if e is not None and upto_block and e.block > upto_block:
+                return False
             e = self.index.remove(key)
             if e is None and not self.ready.is_set():
                 self.deleted_in_scan.add(key)

@@ -31,6 +31,9 @@ log = logging.getLogger("eg_kv.disk")
 
 CALL_TIMEOUT_S = 0.5
 MAX_PENDING = 256
+#: Discards a worker keeps for a keeper that did not answer (the oldest go first): each
+#: is sent again once it answers, or a deleted block would come back from the disk.
+MAX_UNDONE = 4096
 #: Bytes of reports and requests a worker leaves unsent to a keeper that does not read
 #: (SIGSTOPped): past it, reports are dropped.
 MAX_UNSENT = 1024 * 1024
@@ -77,10 +80,15 @@ class DiskTier:
         self._file = (0, b"")  # (file id: its creation ms, its MAC key)
         self._answers: asyncio.Future[None] | None = None
         self.unreachable = 0  #: calls answered as misses because the keeper was not there
+        #: Discards the keeper did not answer: (namespace, address) -> the newest slab
+        #: block id whose copy goes (a copy of a later block is another PUT's, and stays).
+        self._undone: dict[tuple[str, str], int] = {}
+        self._flushing: asyncio.Future[None] | None = None
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
+        for task in (self._probe, self._flushing):
+            if task is not None:
+                task.cancel()
         if self._writer is not None:
             self._writer.close()
         if self._fd >= 0:
@@ -160,13 +168,44 @@ class DiskTier:
         log.warning("disk tier: the record of %s failed its checks; dropped", address)
         self._report(wire.BAD, namespace, address, found.seq)
 
-    async def delete(self, namespace: str, address: str) -> bool:
-        """Release one reference of a block only the disk holds."""
-        return bool(await self._call(wire.DELETE, namespace, address))
+    async def delete(self, namespace: str, address: str) -> bool | None:
+        """Release one reference of a block only the disk holds: whether it was there
+        (None: the keeper did not answer)."""
+        # The keeper ignores it after this worker gives up on it (monotonic ms, one clock
+        # for the host): a stopped keeper that wakes must not apply a DELETE answered 503
+        # here, or the client's retry would end a second reference.
+        deadline = int((time.monotonic() + CALL_TIMEOUT_S) * 1000)
+        got = await self._call(wire.DELETE, namespace, address, deadline)
+        return None if got is None else bool(got)
 
-    async def discard(self, namespace: str, address: str) -> bool:
-        """The slab's last reference of ``address`` went: drop the disk's copy too."""
-        return bool(await self._call(wire.DISCARD, namespace, address))
+    async def discard(self, namespace: str, address: str, block: int = 0) -> bool:
+        """The slab's last reference of ``address`` (slab block ``block``; 0: unknown)
+        went: drop the disk's copy too. A keeper that does not answer gets it again once
+        it does (:meth:`_send_undone`): a new keeper follows the event log from its head,
+        and would never learn of the ``DELETE``."""
+        got = await self._call(wire.DISCARD, namespace, address, block)
+        if got is None:
+            key = (namespace, address)
+            self._undone[key] = max(block, self._undone.pop(key, 0))  # newest last
+            if len(self._undone) > MAX_UNDONE:
+                del self._undone[next(iter(self._undone))]
+                log.warning("disk tier: over %d discards wait for the keeper; the oldest "
+                            "is forgotten (its block may come back from the disk)",
+                            MAX_UNDONE)  # fmt: skip
+        return bool(got)
+
+    async def _send_undone(self) -> None:
+        """Send the discards the keeper did not answer, while it answers."""
+        while self._undone:
+            key, block = next(iter(self._undone.items()))
+            if await self._call(wire.DISCARD, key[0], key[1], block) is None:
+                return
+            if self._undone.get(key) == block:
+                del self._undone[key]
+
+    def _resend_undone(self) -> None:
+        if self._undone and (self._flushing is None or self._flushing.done()):
+            self._flushing = asyncio.ensure_future(self._send_undone())
 
     async def adopt(self, namespace: str, address: str, checksum: int, block: int) -> int:
         """A PUT created ``address`` as slab block ``block``: the refs of the disk's copy
@@ -259,6 +298,7 @@ class DiskTier:
             if await self._call(wire.STATS, probe=True) is not None:
                 self._down = False
                 log.warning("disk tier: the keeper answers again")
+                self._resend_undone()
 
     def _stalled(self) -> bool:
         """Whether the oldest call in flight has waited over :data:`SLOW_S`."""
@@ -291,6 +331,7 @@ class DiskTier:
             self._warned = False
             self._writer = writer
             self._answers = asyncio.ensure_future(self._read_answers(reader, writer))
+            self._resend_undone()  # a new keeper (or the same, back)
             return True
 
     def _sock_id(self) -> tuple[int, int] | None:

@@ -10,8 +10,10 @@ op         args                                       result
 =========  =========================================  ===========================================
 find       namespace, [address, ...], load (bool)     [file id, [[offset, length, seq, checksum,
                                                       refs] or None, ...]]
-delete     namespace, address                         whether it was there (one reference goes)
-discard    namespace, address                         whether it was there (the copy goes)
+delete     namespace, address, deadline (monotonic   whether it was there (one reference goes);
+           ms: past it, not applied)                  None past its deadline
+discard    namespace, address, slab block (0: any)    whether it was there (the copy goes; not
+                                                      a copy of a later block)
 adopt      namespace, address, checksum, block id     the refs of a copy with that checksum not
                                                       spilled from that block, or 0 (a copy with
                                                       another checksum is dropped)

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from ..disk.layout import ALIGN
 from ..disk.tier import Found, Loaded
-from ..errors import EgKvError
+from ..errors import Busy, EgKvError
 from ..slab.store import PutHandle, Slab
 from .keys import DISK, SETTINGS, SLAB
 from .tenants import Tenant
@@ -129,17 +129,28 @@ async def delete(request: web.Request, tenant: Tenant, address: str) -> bool:
     """``DELETE``: release one reference, in the slab if it holds the block, else on disk.
     The slab's last reference takes the disk's copy with it before the answer (the event
     the keeper follows would too, but later: a GET meanwhile would find the copy).
-    Returns False when neither tier holds it."""
+    Returns False when neither tier holds it.
+
+    Raises:
+        Busy: the slab does not hold it and the disk tier did not answer (a 503: the
+            disk may hold it, so it is not a 404).
+    """
     slab, tier = request.app[SLAB], request.app.get(DISK)
+    block = slab.block_ids([address], tenant.ns)[1][0] if tier is not None else 0
     if slab.delete(address, tenant.ns):
         if tier is not None:
             refs = slab.refs(address, tenant.ns)
             if not refs:
-                await tier.discard(tenant.namespace, address)
+                await tier.discard(tenant.namespace, address, block)
             else:
                 tier.count_refs(tenant.namespace, address, refs)
         return True
-    return tier is not None and await tier.delete(tenant.namespace, address)
+    if tier is None:
+        return False
+    on_disk = await tier.delete(tenant.namespace, address)
+    if on_disk is None:  # not "not there": the disk may hold it
+        raise Busy("the disk tier did not answer (its keeper is down or busy); retry")
+    return on_disk
 
 
 def count_dedup(request: web.Request, tenant: Tenant, address: str) -> None:

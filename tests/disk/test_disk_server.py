@@ -417,3 +417,50 @@ def test_a_peer_that_asks_the_keeper_without_reading_is_dropped(server_factory, 
     assert dropped, "the keeper took every ask and kept their answers"
     assert "a connection to the keeper was dropped" in srv.log()
     assert _disk(srv)["pid"] == keeper and psutil.Process(keeper).memory_info().rss < 300 << 20
+
+
+def test_a_delete_the_keeper_did_not_answer_reaches_the_next_keeper(server_factory, disk_dir):
+    """A DELETE of a spilled block while the keeper is stopped: its discard times out,
+    and the keeper is SIGKILLed before it reads the delete from the event log (a new one
+    follows the log from its head). The worker sends the discard again once a keeper
+    answers: the deleted block does not come back from the disk, before or after a
+    restart (it did: the new keeper's scan indexed its record)."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    blocks = _blocks("d", 2)
+    _put_spilled(srv, blocks)
+    gone, kept = list(blocks)
+    keeper = _disk(srv)["pid"]
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        assert request(srv, "DELETE", f"/kv/{gone}").status == 204  # the slab's last ref
+    finally:
+        os.kill(keeper, signal.SIGKILL)
+    wait_for(lambda: _disk(srv).get("pid") not in (None, keeper) and _disk(srv)["ready"],
+             timeout=30, what="a new keeper")  # fmt: skip
+    wait_for(lambda: _disk(srv)["blocks"] == 1, timeout=30, what="the discard sent again")
+    assert request(srv, "GET", f"/kv/{gone}").status == 404
+    assert srv.stop(signal.SIGTERM) == 0
+    again = _serve(server_factory, disk_dir, workers=1)
+    assert request(again, "GET", f"/kv/{gone}").status == 404
+    assert request(again, "GET", f"/kv/{kept}").body == blocks[kept]
+
+
+def test_a_delete_of_a_block_only_the_disk_holds_is_a_503_while_the_keeper_is_stopped(
+    server_factory, disk_dir
+):
+    """Not a 404: the disk may hold the block, and a client told it is gone would not
+    ask again. Once the keeper answers, the same DELETE is a 204."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    blocks = _blocks("q", 12)  # three times the slab: the first ones only on disk
+    _put_spilled(srv, blocks)
+    on_disk = _on_disk(srv, list(blocks))[0]
+    keeper = _disk(srv)["pid"]
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        answer = request(srv, "DELETE", f"/kv/{on_disk}")
+        assert answer.status == 503 and b"disk tier did not answer" in answer.body
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    wait_for(lambda: request(srv, "DELETE", f"/kv/{on_disk}").status == 204, timeout=30,
+             what="the keeper to answer the DELETE")  # fmt: skip
+    assert request(srv, "GET", f"/kv/{on_disk}").status == 404
