@@ -119,7 +119,7 @@ class Keeper:
                         "spilled", head - self.since)  # fmt: skip
             self.since = head
             return 0
-        deletes: list[Key] = []
+        deletes: list[tuple[Key, int]] = []  # (key, its block id)
         for e in entries:
             ns, kind, reason, alen, addr = e[3], e[4], e[5], e[6], e[9]
             name = self._name(ns)
@@ -136,9 +136,9 @@ class Keeper:
                 except queue.Full:
                     counters["spill_drops"] += 1
             elif reason == R_DELETE:
-                deletes.append(key)
-        for key in deletes:
-            self.discard(key)
+                deletes.append((key, e[1]))
+        for gone, block in deletes:
+            self.discard(gone, block)
         looked = nxt - self.since
         self.since = nxt
         return looked
@@ -167,9 +167,10 @@ class Keeper:
             self.slab.disk_dropped(e.key[1], ns, e.length, R_DELETE if deleted else R_DISK,
                                    e.engine)  # fmt: skip
 
-    def discard(self, key: Key) -> None:
-        """The slab's last reference of ``key`` went: its disk copy goes too."""
-        self.store.discard(key)
+    def discard(self, key: Key, block: int = 0) -> None:
+        """The slab's last reference of ``key`` (its block ``block``; 0: unknown) went:
+        its disk copy goes too, and a spill of that block written now is not indexed."""
+        self.store.discard(key, block)
 
     def write_spills(self) -> None:
         """The writer thread: spill queued blocks until a None is queued."""

@@ -32,6 +32,8 @@ Fill = Callable[[memoryview], None]
 #: (one 4 KiB write per step): a scan after a crash reads at most this far past the last
 #: record for nothing.
 HIGH_WATER_STEP = 256 * 1024 * 1024
+#: Addresses whose discard is remembered for spills in flight (the newest kept).
+DISCARDED_KEPT = 4096
 
 COUNTERS = ("spills", "spill_drops", "spill_skips", "spilled_bytes", "write_seconds",
             "write_errors", "disk_evictions", "quota_drops", "deletes", "disk_hits",
@@ -60,6 +62,9 @@ class DiskStore:
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self.ready = threading.Event()  # the scan has rebuilt the index
         self.deleted_in_scan: set[Key] = set()
+        #: The newest slab block of each address discarded lately (its last reference
+        #: went): a spill of it, or of an older block, written meanwhile is not indexed.
+        self._discarded: dict[Key, int] = {}
         # Zeroes the headers of records that left the index, off the caller's thread (it
         # waits for a spill's write): one task per record removed, so bounded by the index.
         self._zeroer = ThreadPoolExecutor(1, "disk-zero")
@@ -131,9 +136,15 @@ class DiskStore:
                 if still_there is not None and not still_there():
                     self._zero_headers([entry])  # the pages changed hands meanwhile
                     return None
+                old: Entry | None = None
                 with self.lock:
-                    self.index.ring.append(entry)
-                    old = self.index.add(entry)
+                    gone = 0 < block <= self._discarded.get(key, 0)
+                    if not gone:
+                        self.index.ring.append(entry)
+                        old = self.index.add(entry)
+                if gone:  # its block was deleted while it was written: never indexed
+                    self._zero_headers([entry])
+                    return None
                 if old is not None:  # a copy of the block's older bytes: never again
                     self._zero_headers([old])
                 self.counters["spilled_bytes"] += length  # "spills": the caller's, once done
@@ -198,6 +209,10 @@ class DiskStore:
         a copy spilled from that slab block or an earlier one (a later block is a later
         PUT of the address, whose copy stays)."""
         with self.lock:
+            if upto_block:  # a spill of that block being written now must not be indexed
+                self._discarded[key] = max(upto_block, self._discarded.pop(key, 0))
+                if len(self._discarded) > DISCARDED_KEPT:
+                    del self._discarded[next(iter(self._discarded))]
             e = self.index.find(key)
             if e is not None and upto_block and e.block > upto_block:
                 return False

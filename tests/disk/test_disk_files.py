@@ -260,3 +260,27 @@ def test_a_listing_that_expired_ends_its_caller_and_never_starts_over(disk_dir, 
         store.close()
         slab.close()
         slab.unlink()
+
+
+def test_a_spill_of_a_block_deleted_while_it_was_written_is_not_indexed(disk_dir):
+    """The DELETE's discard came while the spill of that block was being written (it
+    found nothing to drop): the record must not be indexed after it, or the deleted
+    block would be served from the disk. A later block of the address is spilled."""
+    store = _store(disk_dir)
+
+    def fill_while_deleted(view: memoryview) -> None:
+        assert not store.discard(("", "k"), 7)  # slab block 7's last reference went
+        view[:] = b"A" * 5000
+
+    got = store.append(("", "k"), 5000, checksum_of(b"A" * 5000), fill_while_deleted, block=7)
+    assert got is None and store.index.find(("", "k")) is None
+
+    def fill(view: memoryview) -> None:
+        view[:] = b"B" * 5000
+
+    assert store.append(("", "k"), 5000, checksum_of(b"B" * 5000), fill, block=8) is not None
+    assert _read(store, "", "k") == b"B" * 5000  # a later PUT of the address: kept
+    store.close()
+    again = _store(disk_dir)
+    assert _read(again, "", "k") == b"B" * 5000
+    again.close()
