@@ -51,9 +51,10 @@ def rebuild(store: DiskStore) -> int:
                             stale.append(entry)
                         elif old is not None:  # this newer copy supersedes it
                             stale.append(old)
-                    else:
+                    else:  # deleted while the scan ran: it goes for good
                         entry.live = False
-            for e in stale:  # a copy a newer one superseded: its header goes (later)
+                        stale.append(entry)
+            for e in stale:  # superseded or deleted: its header goes (on the store's thread)
                 store.zero_later(e)
             for entry in entries:
                 found.append(entry)

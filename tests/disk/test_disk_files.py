@@ -284,3 +284,20 @@ def test_a_spill_of_a_block_deleted_while_it_was_written_is_not_indexed(disk_dir
     again = _store(disk_dir)
     assert _read(again, "", "k") == b"B" * 5000
     again.close()
+
+
+def test_a_delete_during_the_scan_stays_deleted_after_the_next_restart(disk_dir):
+    """A DELETE that reaches the keeper while its scan runs drops the record when the
+    scan finds it, and its header goes too (before, the next restart's scan found it)."""
+    store = _store(disk_dir)
+    _put(store, "", "gone", b"g" * 5000)
+    _put(store, "", "kept", b"k" * 5000)
+    store.close()
+    scanning = DiskStore(str(disk_dir), 4 * MiB, 256 * KiB)  # not scanned yet
+    assert not scanning.delete(("", "gone"))  # not indexed yet: noted for the scan
+    rebuild(scanning)
+    assert scanning.index.find(("", "gone")) is None
+    scanning.close()  # waits for the header's zeroing
+    again = _store(disk_dir)
+    assert again.index.find(("", "gone")) is None and _read(again, "", "kept") == b"k" * 5000
+    again.close()
