@@ -464,3 +464,23 @@ def test_a_delete_of_a_block_only_the_disk_holds_is_a_503_while_the_keeper_is_st
     wait_for(lambda: request(srv, "DELETE", f"/kv/{on_disk}").status == 204, timeout=30,
              what="the keeper to answer the DELETE")  # fmt: skip
     assert request(srv, "GET", f"/kv/{on_disk}").status == 404
+
+
+def test_reports_to_a_stopped_keeper_are_dropped_not_queued(server_factory, disk_dir):
+    """A worker's reports (a dedup PUT's reference count, here) to a keeper that does not
+    read are dropped and counted, never queued without bound in the worker."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    blocks = _blocks("s", 12)
+    _put_spilled(srv, blocks)
+    resident, on_disk = list(blocks)[-1], _on_disk(srv, list(blocks))[0]
+    before = _disk(srv)["unreachable"]
+    keeper = _disk(srv)["pid"]
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        assert request(srv, "GET", f"/kv/{on_disk}").status == 404  # it times out: down
+        for _ in range(50):
+            assert request(srv, "PUT", f"/kv/{resident}", blocks[resident]).status == 200
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    wait_for(lambda: _disk(srv).get("ready"), what="the keeper to answer again")
+    assert _disk(srv)["unreachable"] - before >= 51  # the GET's call and 50 reports
