@@ -274,10 +274,11 @@ class Keeper:
                     raise ConnectionError(f"over {MAX_UNREAD} bytes of answers left unread")
                 writer.write(wire.frame([rid, result]))
                 await asyncio.wait_for(writer.drain(), ANSWER_DRAIN_S)
-        except (ConnectionError, TimeoutError) as e:  # not reading: dropped
-            why = str(e) or f"its answers did not drain in {ANSWER_DRAIN_S:g} s"
-            log.warning("disk tier: a connection to the keeper was dropped: %s", why)
-            writer.transport.abort()
+        except (ConnectionError, TimeoutError) as e:  # not reading: dropped (said once)
+            if not writer.transport.is_closing():
+                why = str(e) or f"its answers did not drain in {ANSWER_DRAIN_S:g} s"
+                log.warning("disk tier: a connection to the keeper was dropped: %s", why)
+                writer.transport.abort()
         except Exception as e:  # a malformed request: the worker's bug, not the keeper's end
             log.warning("disk tier: a request failed: %s", e)
         finally:

@@ -415,7 +415,7 @@ def test_a_peer_that_asks_the_keeper_without_reading_is_dropped(server_factory, 
         except (BrokenPipeError, ConnectionResetError):
             dropped = True
     assert dropped, "the keeper took every ask and kept their answers"
-    assert "a connection to the keeper was dropped" in srv.log()
+    assert srv.log().count("a connection to the keeper was dropped") == 1  # said once
     assert _disk(srv)["pid"] == keeper and psutil.Process(keeper).memory_info().rss < 300 << 20
 
 
