@@ -244,9 +244,10 @@ def test_a_listing_that_expired_ends_its_caller_and_never_starts_over(disk_dir, 
 
     monkeypatch.setattr(wire, "LIST_PAGE", 1)
     slab = Slab.create(f"/eg-kv-test-listing-{os.getpid()}", 4 * MiB, 64 * KiB)
-    slab.setup_events(1024)
-    store = _store(disk_dir)
+    store = None
     try:
+        slab.setup_events(1024)
+        store = _store(disk_dir)
         for i in range(3):
             _put(store, "", f"b{i}", b"x" * 100)
         keeper = K.Keeper(slab, store)
@@ -257,7 +258,8 @@ def test_a_listing_that_expired_ends_its_caller_and_never_starts_over(disk_dir, 
         assert keeper._list(None, first[0]) is None
         assert len(keeper._listings) == K.MAX_LISTINGS
     finally:
-        store.close()
+        if store is not None:
+            store.close()
         slab.close()
         slab.unlink()
 

@@ -89,15 +89,29 @@ def ask_and_serve(ctx, publisher: Publisher, endpoint: str) -> list[int]:
     return out[0]
 
 
-def _lapped_publisher(ctx_endpoints: tuple[str, str]) -> tuple[Slab, Publisher]:
+@pytest.fixture
+def lapped():
+    """A publisher whose 16-entry log lapped (position 1 is gone: a resync answers), its
+    replay endpoint and a ZMQ context; everything closed and unlinked after."""
     slab = Slab.create(unique_slab_name("replay"), 4 << 20, 4096)
     slab.setup_events(16)
-    live, replay = ctx_endpoints
-    publisher = Publisher(slab, PublisherOptions(endpoint=live, replay_endpoint=replay))
-    for k in range(40):  # the 16-entry log lapped: position 1 is gone, a resync answers
-        slab.put(f"b{k}", b"x", engine=EngineName(os.urandom(32), b"", 16))
-    publisher.step()
-    return slab, publisher
+    ctx = zmq.Context()
+    publisher = None
+    try:
+        replay = f"tcp://127.0.0.1:{free_port()}"
+        options = PublisherOptions(endpoint=f"tcp://127.0.0.1:{free_port()}",
+                                   replay_endpoint=replay)  # fmt: skip
+        publisher = Publisher(slab, options)
+        for k in range(40):
+            slab.put(f"b{k}", b"x", engine=EngineName(os.urandom(32), b"", 16))
+        publisher.step()
+        yield slab, publisher, replay, ctx
+    finally:
+        if publisher is not None:
+            publisher.close()
+        ctx.term()
+        slab.close()
+        slab.unlink()
 
 
 def _answer_until_quiet(ctx, publisher: Publisher, endpoint: str, body: list[bytes]) -> list[int]:
@@ -122,15 +136,13 @@ def _answer_until_quiet(ctx, publisher: Publisher, endpoint: str, body: list[byt
         dealer.close()
 
 
-def test_a_resync_that_cannot_be_made_whole_sends_no_end_marker(monkeypatch):
+def test_a_resync_that_cannot_be_made_whole_sends_no_end_marker(lapped, monkeypatch):
     """Three walks met by a repair (or lapped by the log): the requester got a clear and
     part of the blocks; it is dropped without the end marker (before, the marker told it
     the part was the whole) and asks again."""
     from eg_kv.slab.events import SnapshotVoid
 
-    ends = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-    slab, publisher = _lapped_publisher(ends)
-    ctx = zmq.Context()
+    slab, publisher, replay, ctx = lapped
     walk = slab.snapshot_stream
 
     def lapped_after_a_part(ns, timeout=None, engines=False):
@@ -139,58 +151,36 @@ def test_a_resync_that_cannot_be_made_whole_sends_no_end_marker(monkeypatch):
             raise SnapshotVoid("the log lapped the walk")
 
     monkeypatch.setattr(slab, "snapshot_stream", lapped_after_a_part)
-    try:
-        seqs = _answer_until_quiet(ctx, publisher, ends[1], [(1).to_bytes(8, "big")])
-        assert seqs and -1 not in seqs  # a part, three times over, and no end marker
-        assert publisher.counters["resyncs"] == 1
-        assert publisher.counters["replays_dropped"] == 1
-    finally:
-        publisher.close()
-        ctx.term()
-        slab.close()
-        slab.unlink()
+    seqs = _answer_until_quiet(ctx, publisher, replay, [(1).to_bytes(8, "big")])
+    assert seqs and -1 not in seqs  # a part, three times over, and no end marker
+    assert publisher.counters["resyncs"] == 1
+    assert publisher.counters["replays_dropped"] == 1
 
 
-def test_an_answer_that_runs_past_its_deadline_is_cut(monkeypatch):
+def test_an_answer_that_runs_past_its_deadline_is_cut(lapped, monkeypatch):
     """A requester reading one message a second would hold the live batches for as long
     as its answer lasts: each answer has a deadline, and one cut gets no end marker."""
     from eg_kv.kvevents import publisher as P
 
-    ends = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-    slab, publisher = _lapped_publisher(ends)
-    ctx = zmq.Context()
+    _slab, publisher, replay, ctx = lapped
     monkeypatch.setattr(P, "REPLAY_DEADLINE_S", -1.0)  # every answer is past it at once
-    try:
-        seqs = _answer_until_quiet(ctx, publisher, ends[1], [(1).to_bytes(8, "big")])
-        assert seqs == []  # cut before its first message: no end marker either
-        assert publisher.counters["replays_dropped"] == 1
-        monkeypatch.setattr(P, "REPLAY_DEADLINE_S", 3.0)
-        publisher._resynced_at = -P.RESYNC_INTERVAL_S  # the next resync is due
-        seqs = _answer_until_quiet(ctx, publisher, ends[1], [(1).to_bytes(8, "big")])
-        assert seqs[-1] == -1 and len(seqs) == 3  # the same request, whole
-    finally:
-        publisher.close()
-        ctx.term()
-        slab.close()
-        slab.unlink()
+    seqs = _answer_until_quiet(ctx, publisher, replay, [(1).to_bytes(8, "big")])
+    assert seqs == []  # cut before its first message: no end marker either
+    assert publisher.counters["replays_dropped"] == 1
+    monkeypatch.setattr(P, "REPLAY_DEADLINE_S", 3.0)
+    publisher._resynced_at = -P.RESYNC_INTERVAL_S  # the next resync is due
+    seqs = _answer_until_quiet(ctx, publisher, replay, [(1).to_bytes(8, "big")])
+    assert seqs[-1] == -1 and len(seqs) == 3  # the same request, whole
 
 
-def test_a_huge_request_frame_is_refused_by_the_socket():
+def test_a_huge_request_frame_is_refused_by_the_socket(lapped):
     """No peer can stream a huge frame into the publisher's memory: the replay socket
     takes messages of at most MAX_MESSAGE bytes (a larger one drops the connection)."""
     from eg_kv.kvevents.publisher import MAX_MESSAGE
 
-    ends = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-    slab, publisher = _lapped_publisher(ends)
-    ctx = zmq.Context()
-    try:
-        huge = _answer_until_quiet(ctx, publisher, ends[1], [b"x" * (4 * MAX_MESSAGE)])
-        assert huge == []  # never taken in, never answered
-        later = (publisher.base + 10**6).to_bytes(8, "big")
-        fine = _answer_until_quiet(ctx, publisher, ends[1], [later])
-        assert fine == [-1]  # the publisher goes on: nothing at or after that seq
-    finally:
-        publisher.close()
-        ctx.term()
-        slab.close()
-        slab.unlink()
+    _slab, publisher, replay, ctx = lapped
+    huge = _answer_until_quiet(ctx, publisher, replay, [b"x" * (4 * MAX_MESSAGE)])
+    assert huge == []  # never taken in, never answered
+    later = (publisher.base + 10**6).to_bytes(8, "big")
+    fine = _answer_until_quiet(ctx, publisher, replay, [later])
+    assert fine == [-1]  # the publisher goes on: nothing at or after that seq
