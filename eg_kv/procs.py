@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import weakref
+from typing import Any
+
 
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` runs and is not a zombie (``kill(pid, 0)`` says zombies live)."""
@@ -30,3 +34,22 @@ def private_memory(pid: int) -> int:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     raise OSError(f"no RssAnon in /proc/{pid}/status")
+
+
+#: Objects told when this process forks, in the child (while they live).
+_FORK_AWARE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def after_fork_in_child(obj: Any) -> None:
+    """Call ``obj.after_fork_in_child()`` in the child of every fork while ``obj`` lives:
+    what a parent's thread held at the fork (a lock) or owns (its leases) is not the
+    child's."""
+    _FORK_AWARE.add(obj)
+
+
+def _in_child() -> None:
+    for obj in list(_FORK_AWARE):
+        obj.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_in_child)

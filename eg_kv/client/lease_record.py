@@ -15,12 +15,12 @@ releases to the server would end other clients' leases instead.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
-import weakref
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
+
+from ..procs import after_fork_in_child
 
 #: Addresses remembered with their leases (the newest): ~100 bytes each.
 MAX_LEASED = 65536
@@ -41,9 +41,9 @@ class LeaseRecord:
         self._max = max_leased
         self._leased: Counter[str] = Counter()
         self._lock = threading.Lock()
-        _LIVE.add(self)
+        after_fork_in_child(self)
 
-    def _forget_at_fork(self) -> None:
+    def after_fork_in_child(self) -> None:
         """In a forked child: none of the leases recorded is the child's."""
         self._leased = Counter()
         self._lock = threading.Lock()  # a parent's thread may have held it at the fork
@@ -90,15 +90,3 @@ class LeaseRecord:
                         leased.append(address)
         if leased:
             self._client.release(leased)
-
-
-#: Every live record, for the child of a fork to forget (:meth:`LeaseRecord._forget_at_fork`).
-_LIVE: weakref.WeakSet[LeaseRecord] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for record in list(_LIVE):
-        record._forget_at_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -115,7 +115,7 @@ class DiskStore:
                 self.counters["disk_evictions"] += len(lost)
                 self.counters["quota_drops"] += len(dropped)
                 self._zero_headers(dropped)
-                self._zero_given_up(given_up)
+                self._zero_headers(given_up, intact=True)
                 self._dropped(lost + dropped)
                 end = offset + D.record_size(length)
                 if end > self.sb.high_water:
@@ -157,19 +157,14 @@ class DiskStore:
         self.sb = self.sb._replace(high_water=hw)
         files.write_super(self.fd, self.sb)
 
-    def _zero_headers(self, entries: list[Entry]) -> None:
+    def _zero_headers(self, entries: list[Entry], intact: bool = False) -> None:
         """Zero the headers of records that left the index (under ``io``), so a scan
         after a restart does not bring them back; one whose space the head reused is
-        left alone."""
+        left alone. ``intact``: their bytes are known to be theirs still (what a wrap of
+        the head gave up, at the wrap), though no longer in the ring."""
         for e in entries:
-            if e.in_ring:
+            if intact or e.in_ring:
                 os.pwritev(self.fd, [self.zero], e.offset)
-
-    def _zero_given_up(self, entries: list[Entry]) -> None:
-        """Zero the headers of records a wrap of the head gave up (under ``io``): their
-        bytes are intact until the head comes round, and a scan would index them again."""
-        for e in entries:
-            os.pwritev(self.fd, [self.zero], e.offset)
 
     def zero_later(self, e: Entry) -> None:
         """Zero ``e``'s header on the store's own thread (under ``io``)."""

@@ -32,12 +32,12 @@ import stat
 import struct
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..checksum import ChecksumMismatch, Verifier
 from ..errors import SlabError
+from ..procs import after_fork_in_child
 from ..shm import SHM_DIR
 from . import layout as L
 from .local_leases import LocalLeases
@@ -215,7 +215,6 @@ class LocalSlab(SlabView):
         self._lock = threading.Lock()
         self._copying = 0  # fetches copying now (close() leaves the unmapping to the last)
         self._pid = os.getpid()
-        _LIVE.add(self)
         self._named_at = time.monotonic()
         # A second read-only mapping whose address ctypes knows, for bulk copies.
         self._base, self._size = 0, geometry.total_size
@@ -241,6 +240,15 @@ class LocalSlab(SlabView):
             table = self._tables[entry * words : (entry + 1) * words]
             self.leases = LocalLeases(table, self._entries, self._me)
         self.closed = False
+        after_fork_in_child(self)
+
+    def after_fork_in_child(self) -> None:
+        """Fresh locks in a forked child: a thread of the parent may have held one at the
+        fork, and the child would wait for it forever when it closes the mapping (which
+        it must not use: :meth:`_still_mine`)."""
+        self._lock = threading.Lock()
+        if self.leases is not None:
+            self.leases._lock = threading.Lock()
 
     @classmethod
     def open(cls, info: LocalInfo, shm_dir: str = SHM_DIR) -> LocalSlab:
@@ -590,20 +598,3 @@ class _Copier:
         if self._done != self._reader.length:
             raise self._reader._gone()  # the sink left part of it unread
         self._reader.verify()
-
-
-#: Every live mapping: a forked child gets fresh locks for them (a thread of the parent
-#: may have held one at the fork, and the child would wait for it forever when it closes
-#: the mapping, which it must not use: :meth:`LocalSlab._still_mine`).
-_LIVE: weakref.WeakSet[LocalSlab] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for slab in list(_LIVE):
-        slab._lock = threading.Lock()
-        leases = getattr(slab, "leases", None)  # None before __init__ made them
-        if leases is not None:
-            leases._lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
