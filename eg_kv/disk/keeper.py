@@ -79,6 +79,9 @@ MAX_INFLIGHT = 64
 #: a peer that asks without reading would grow the keeper's memory without bound).
 MAX_UNREAD = 8 * 1024 * 1024
 ANSWER_DRAIN_S = 5.0
+#: Promotions between their ``promote`` and ``promoted`` at once (each for
+#: ``wire.COMMIT_S`` at most): past it, a promotion is declined (served, not published).
+MAX_COMMITTING = 4096
 
 
 class Keeper:
@@ -104,6 +107,8 @@ class Keeper:
         store.on_drop = self._dropped
         self._connections = 0
         self._writers: set[asyncio.StreamWriter] = set()  # the workers' connections
+        #: Promotions told their count and not yet committed: key -> (until, done).
+        self._committing: dict[Key, tuple[float, asyncio.Event]] = {}
 
     # ------------------------------------------------------------------ spills
 
@@ -217,6 +222,48 @@ class Keeper:
             except BlockGone:
                 counters["spill_drops"] += 1
 
+    # ------------------------------------------------------------------ promotions
+
+    def _promote(self, key: Key, seq: int) -> int:
+        """A worker read record ``seq`` of ``key`` into the slab, and publishes it on this
+        answer: the references to publish it with (0: do not; the record went, or is being
+        committed by another). Until it says ``promoted`` (``wire.COMMIT_S`` at most),
+        DELETEs of ``key`` wait, then find the block in the slab: the count told here
+        stays exact, whatever DELETEs came before, during or after."""
+        now, marks = time.monotonic(), self._committing
+        while marks:  # oldest first (one deadline for all): the ones past it go
+            until, done = next(iter(marks.values()))
+            if until > now:
+                break
+            del marks[next(iter(marks))]
+            done.set()
+        if key in marks or len(marks) >= MAX_COMMITTING:
+            return 0
+        with self.store.lock:
+            e = self.store.index.find(key)
+            if e is None or e.seq != seq:
+                return 0
+            refs = e.refs
+        marks[key] = (now + wire.COMMIT_S, asyncio.Event())
+        return refs
+
+    async def _delete(self, key: Key, deadline: float) -> int | None:
+        """A ``DELETE`` of ``key`` the slab did not hold when the worker looked: one
+        reference of its disk copy goes, unless the slab holds the block now (a promotion
+        or a PUT since: ``wire.IN_SLAB``, the worker deletes it there). Waits for a
+        promotion being committed. None past ``deadline`` (the worker answered 503)."""
+        mark = self._committing.get(key)
+        if mark is not None:
+            wait = min(mark[0], deadline) - time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(mark[1].wait(), max(wait, 0))
+        if time.monotonic() > deadline:
+            return None
+        ns = self._ns_id(key[0])
+        if ns is not None and self.slab.refs(key[1], ns):
+            return wire.IN_SLAB
+        return int(self.store.delete(key))
+
     def _quota(self, ns: int) -> int:
         return self.slab.namespace_quota(ns) if ns else 0
 
@@ -302,9 +349,14 @@ class Keeper:
         # comes with every PUT that creates a block: a thread hop each cost the keeper,
         # whose writer thread shares its GIL, more than the change.
         if op == wire.DELETE:  # (past its deadline the worker answered 503: not applied)
-            if len(args) > 2 and time.monotonic() * 1000 > int(args[2]):
-                return None
-            return store.delete((args[0], args[1]))
+            return await self._delete((args[0], args[1]), int(args[2]) / 1000)
+        if op == wire.PROMOTE:
+            return self._promote((args[0], args[1]), int(args[2]))
+        if op == wire.PROMOTED:
+            mark = self._committing.pop((args[0], args[1]), None)
+            if mark is not None:
+                mark[1].set()
+            return None
         if op == wire.DISCARD:  # (a block id bounds it: a copy of a later block stays)
             return store.discard((args[0], args[1]), int(args[2]) if len(args) > 2 else 0)
         if op == wire.ADOPT:

@@ -168,15 +168,31 @@ class DiskTier:
         log.warning("disk tier: the record of %s failed its checks; dropped", address)
         self._report(wire.BAD, namespace, address, found.seq)
 
-    async def delete(self, namespace: str, address: str) -> bool | None:
-        """Release one reference of a block only the disk holds: whether it was there
-        (None: the keeper did not answer)."""
+    async def delete(self, namespace: str, address: str) -> int | None:
+        """Release one reference of a block only the disk holds: 1 if it was there, 0 if
+        not, ``wire.IN_SLAB`` if the slab holds it now (delete it there); None: the keeper
+        did not answer."""
         # The keeper ignores it after this worker gives up on it (monotonic ms, one clock
         # for the host): a stopped keeper that wakes must not apply a DELETE answered 503
         # here, or the client's retry would end a second reference.
         deadline = int((time.monotonic() + CALL_TIMEOUT_S) * 1000)
         got = await self._call(wire.DELETE, namespace, address, deadline)
-        return None if got is None else bool(got)
+        return None if got is None else int(got)
+
+    async def promote(self, namespace: str, address: str, seq: int) -> int:
+        """Record ``seq`` of ``address`` was read into the slab: the references to publish
+        it with, now (0: publish nothing: the record went, or the keeper did not answer in
+        time). Publish at once (no await between), then call :meth:`promoted`: DELETEs
+        of the block wait for it meanwhile (``wire.COMMIT_S`` at most)."""
+        t0 = time.monotonic()
+        got = await self._call(wire.PROMOTE, namespace, address, seq)
+        if not got or time.monotonic() - t0 > wire.COMMIT_S / 2:  # its wait may be over
+            return 0
+        return int(got)
+
+    def promoted(self, namespace: str, address: str) -> None:
+        """The promotion :meth:`promote` answered is published, or not: DELETEs go on."""
+        self._report(wire.PROMOTED, namespace, address)
 
     async def discard(self, namespace: str, address: str, block: int = 0) -> bool:
         """The slab's last reference of ``address`` (slab block ``block``; 0: unknown)

@@ -10,8 +10,12 @@ op         args                                       result
 =========  =========================================  ===========================================
 find       namespace, [address, ...], load (bool)     [file id, [[offset, length, seq, checksum,
                                                       refs] or None, ...]]
-delete     namespace, address, deadline (monotonic   whether it was there (one reference goes);
-           ms: past it, not applied)                  None past its deadline
+delete     namespace, address, deadline (monotonic   1: it was there (one reference goes), 0: not;
+           ms: past it, not applied)                  IN_SLAB: the slab holds it now (delete it
+                                                      there); None past its deadline
+promote    namespace, address, seq                    the refs to publish record ``seq`` with (0:
+                                                      not: it went, or is being promoted); DELETEs
+                                                      of it wait for ``promoted``, COMMIT_S at most
 discard    namespace, address, slab block (0: any)    whether it was there (the copy goes; not
                                                       a copy of a later block)
 adopt      namespace, address, checksum, block id     the refs of a copy with that checksum not
@@ -25,6 +29,7 @@ bad        namespace, address, seq                    (report) a record that fai
 loaded     bytes, seconds                             (report) a verified read from the file
 refs       namespace, address, references             (report) a dedup PUT or a DELETE that left
                                                       references: the resident block's count now
+promoted   namespace, address                         (report) the promotion is committed, or not
 =========  =========================================  ===========================================
 """
 
@@ -40,6 +45,13 @@ import msgspec
 
 FIND, DELETE, DISCARD, ADOPT = "find", "delete", "discard", "adopt"
 STATS, BAD, LOADED, REFS, LIST = "stats", "bad", "loaded", "refs", "list"
+PROMOTE, PROMOTED = "promote", "promoted"
+#: A ``delete``'s answer when the slab holds the block now (promoted or PUT meanwhile).
+IN_SLAB = 2
+#: How long DELETEs of a block being promoted wait for its commit at most (a worker
+#: stopped between ``promote`` and ``promoted``); a worker whose ``promote`` answer took
+#: over half of it publishes nothing.
+COMMIT_S = 1.0
 #: Blocks one ``list`` answer holds at most.
 LIST_PAGE = 4096
 FRAME = struct.Struct("<I")

@@ -163,7 +163,7 @@ async def _send_promoting(request: web.Request, p: tiers.Promoting) -> web.Strea
         replies.sent(request, p.length)
         return written(200, keep, p.length)
     finally:
-        p.publish()
+        await p.publish()
 
 
 async def _send_zero_copy(

@@ -18,8 +18,9 @@ import logging
 
 from aiohttp import web
 
+from ..disk import wire
 from ..disk.layout import ALIGN
-from ..disk.tier import Found, Loaded
+from ..disk.tier import DiskTier, Found, Loaded
 from ..errors import Busy, EgKvError
 from ..slab.store import PutHandle, Slab
 from .keys import DISK, SETTINGS, SLAB
@@ -47,20 +48,29 @@ class Promoting:
     """
 
     def __init__(self, handle: PutHandle, views: list[memoryview], found: Found,
-                 slab: Slab, ns: int) -> None:  # fmt: skip
-        self._handle, self._found, self._slab, self._ns = handle, found, slab, ns
+                 slab: Slab, tier: DiskTier, tenant: Tenant) -> None:  # fmt: skip
+        self._handle, self._found, self._slab = handle, found, slab
+        self._tier, self._tenant = tier, tenant
         self.length, self.checksum = found.length, found.checksum
         extra = sum(len(v) for v in views) - found.length  # the alignment past the end
         self.views = [*views[:-1], views[-1][: len(views[-1]) - extra]]
 
-    def publish(self) -> None:
-        """Publish the block (once its bytes are sent, or copied); with the references its
-        disk copy holds. Its pages go back instead if that fails (a quota changed)."""
-        h, found = self._handle, self._found
+    async def publish(self) -> None:
+        """Publish the block (once its bytes are sent, or copied), with the references its
+        disk copy holds now: DELETEs that came meanwhile went to the disk's copy, and the
+        keeper holds back those that come until the block is in the slab. Nothing is
+        published when the copy went meanwhile, or when a PUT or another promotion
+        stored the block first (its references are there). Its pages go back unless the
+        block is published."""
+        h, tier, tenant = self._handle, self._tier, self._tenant
         try:
-            h.commit()
-            for _ in range(found.refs - 1):
-                self._slab.add_ref(h.address, found.length, self._ns)
+            refs = await tier.promote(tenant.namespace, h.address, self._found.seq)
+            try:
+                if refs and h.commit():
+                    for _ in range(refs - 1):
+                        self._slab.add_ref(h.address, h.length, tenant.ns)
+            finally:
+                tier.promoted(tenant.namespace, h.address)
         except EgKvError as e:
             log.info("disk tier: %s not promoted into the slab: %s", h.address, e)
         finally:
@@ -100,7 +110,7 @@ async def load(
             handle.write(got.data)
             handle.engine, handle.record = got.engine, found.seq
             handed = True
-            Promoting(handle, [memoryview(got.data)], found, slab, tenant.ns).publish()
+            await Promoting(handle, [memoryview(got.data)], found, slab, tier, tenant).publish()
             return got
         read = await tier.read_into(tenant.namespace, address, found, views, handle.filled)
         if read is None:
@@ -111,7 +121,7 @@ async def load(
             return None
         handle.engine, handle.record = rec.engine, found.seq
         handed = True
-        return Promoting(handle, views, found, slab, tenant.ns)
+        return Promoting(handle, views, found, slab, tier, tenant)
     finally:
         if not handed:
             handle.abort()  # a dedup's reference back, or the pages of a failed read
@@ -133,24 +143,27 @@ async def delete(request: web.Request, tenant: Tenant, address: str) -> bool:
 
     Raises:
         Busy: the slab does not hold it and the disk tier did not answer (a 503: the
-            disk may hold it, so it is not a 404).
+            disk may hold it, so it is not a 404), or it kept moving between the tiers.
     """
     slab, tier = request.app[SLAB], request.app.get(DISK)
-    block = slab.block_ids([address], tenant.ns)[1][0] if tier is not None else 0
-    if slab.delete(address, tenant.ns):
-        if tier is not None:
-            refs = slab.refs(address, tenant.ns)
-            if not refs:
-                await tier.discard(tenant.namespace, address, block)
-            else:
-                tier.count_refs(tenant.namespace, address, refs)
-        return True
-    if tier is None:
-        return False
-    on_disk = await tier.delete(tenant.namespace, address)
-    if on_disk is None:  # not "not there": the disk may hold it
-        raise Busy("the disk tier did not answer (its keeper is down or busy); retry")
-    return on_disk
+    for _ in range(3):  # the keeper may find it in the slab since (a promotion, a PUT)
+        block = slab.block_ids([address], tenant.ns)[1][0] if tier is not None else 0
+        if slab.delete(address, tenant.ns):
+            if tier is not None:
+                refs = slab.refs(address, tenant.ns)
+                if not refs:
+                    await tier.discard(tenant.namespace, address, block)
+                else:
+                    tier.count_refs(tenant.namespace, address, refs)
+            return True
+        if tier is None:
+            return False
+        on_disk = await tier.delete(tenant.namespace, address)
+        if on_disk is None:  # not "not there": the disk may hold it
+            raise Busy("the disk tier did not answer (its keeper is down or busy); retry")
+        if on_disk != wire.IN_SLAB:
+            return bool(on_disk)
+    raise Busy(f"block {address} moved between the slab and the disk while deleted; retry")
 
 
 def count_dedup(request: web.Request, tenant: Tenant, address: str) -> None:

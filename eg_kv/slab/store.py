@@ -750,6 +750,8 @@ class Slab(SlabLeases):
             if s is not None:
                 first, npages = self._unreserve(h.resv)
                 self._free_pages(first, npages)
+                if h.record:  # a promotion: the block stored meanwhile has its references
+                    return False
                 return self._add_ref(i, s, h.address, h.length)
             if h.ns and self._nsw[h.ns * _NS_WORDS + _NS_QUOTA]:
                 # Its pages were charged to the quota when reserved: only a quota lowered
@@ -1048,7 +1050,8 @@ class PutHandle:
         return self.resv < 0
 
     def commit(self) -> bool:
-        """Publish the block. True if this put created it, False if it was a dedup hit.
+        """Publish the block. True if this put created it, False if it was a dedup hit
+        (a promotion's, ``record`` set, adds no reference to a block stored meanwhile).
 
         Raises:
             BadRequest: fewer bytes were written than announced (nothing is published;

@@ -303,3 +303,56 @@ def test_a_delete_during_the_scan_stays_deleted_after_the_next_restart(disk_dir)
     again = _store(disk_dir)
     assert again.index.find(("", "gone")) is None and _read(again, "", "kept") == b"k" * 5000
     again.close()
+
+
+def test_a_delete_waits_for_a_promotion_being_committed_then_goes_to_the_slab(disk_dir):
+    """Between the keeper telling a promotion its count and the worker's commit, a DELETE
+    that missed the slab waits, then is sent back to the slab (the block is there now):
+    the count told stays exact. Without a promotion it releases one reference on disk;
+    a promotion never committed holds it back until the DELETE's deadline at most."""
+    import asyncio
+    import time
+
+    from eg_kv.disk import keeper as K
+    from eg_kv.disk import wire
+    from eg_kv.slab.store import Slab
+
+    slab = Slab.create(f"/eg-kv-test-promote-{os.getpid()}", 4 * MiB, 64 * KiB)
+    store = None
+    try:
+        slab.setup_events(1024)
+        store = _store(disk_dir)
+        data = b"p" * 5000
+        seq = store.append(("", "k"), len(data), checksum_of(data), lambda v: v.__setitem__(
+            slice(None), data), 3).seq  # fmt: skip
+        keeper = K.Keeper(slab, store)
+
+        async def scenario() -> None:
+            def deadline(s: float) -> float:
+                return time.monotonic() + s
+
+            assert await keeper._delete(("", "k"), deadline(1)) == 1  # no promotion: 3 -> 2
+            assert keeper._promote(("", "k"), seq + 1) == 0  # not the indexed record
+            assert keeper._promote(("", "k"), seq) == 2
+            assert keeper._promote(("", "k"), seq) == 0  # one commit at a time
+            waiting = asyncio.ensure_future(keeper._delete(("", "k"), deadline(0.9)))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not waiting.done()
+            assert slab.put("k", data)  # the worker's commit
+            await keeper._do(wire.PROMOTED, ["", "k"])
+            assert await waiting == wire.IN_SLAB
+            assert store.index.find(("", "k")).refs == 2  # untouched on disk
+            assert slab.delete("k")  # (as the worker does on IN_SLAB)
+            assert keeper._promote(("", "k"), seq) == 2  # a promotion that never commits
+            t0 = time.monotonic()
+            assert await keeper._delete(("", "k"), deadline(0.2)) is None  # a 503
+            assert time.monotonic() - t0 > 0.15
+            assert store.index.find(("", "k")).refs == 2
+
+        asyncio.run(scenario())
+    finally:
+        if store is not None:
+            store.close()
+        slab.close()
+        slab.unlink()

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -484,3 +485,102 @@ def test_reports_to_a_stopped_keeper_are_dropped_not_queued(server_factory, disk
         os.kill(keeper, signal.SIGCONT)
     wait_for(lambda: _disk(srv).get("ready"), what="the keeper to answer again")
     assert _disk(srv)["unreachable"] - before >= 51  # the GET's call and 50 reports
+
+
+BIG = 8 * 1024 * KiB  # more than a stalled client's socket buffers take
+
+
+def _serve_big(server_factory, disk_dir):
+    """A server whose blocks are larger than the kernel buffers a send to a client that
+    does not read: such a GET stays in its send, its block read from disk but not yet
+    promoted into the slab."""
+    srv = server_factory(workers=2, capacity="48MiB", extra=(
+        "--page-size", "64KiB", "--max-block-size", "8MiB", "--disk", str(disk_dir),
+        "--disk-capacity", "128MiB"))  # fmt: skip
+    wait_for(lambda: _disk(srv).get("ready"), what="the disk tier's scan")
+    return srv
+
+
+class _StalledGet:
+    """A keep-alive GET whose client reads the answer's head, then nothing until
+    :meth:`rest` (the server's send waits on it meanwhile)."""
+
+    def __init__(self, srv, address: str) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.settimeout(30)
+        self.sock.connect((srv.host, srv.port))
+        self.address = address
+        self.buf = b""
+        self._send("GET")
+        head = self._head()
+        assert head.startswith(b"HTTP/1.1 200"), head
+        self.length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+
+    def _send(self, method: str) -> None:
+        self.sock.sendall(f"{method} /kv/{self.address} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+
+    def _head(self) -> bytes:
+        while b"\r\n\r\n" not in self.buf:
+            got = self.sock.recv(65536)
+            assert got, "the server closed the connection"
+            self.buf += got
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        return head
+
+    def rest(self) -> bytes:
+        """The body, read to its end."""
+        while len(self.buf) < self.length:
+            got = self.sock.recv(1 << 20)
+            assert got, "the server cut the body short"
+            self.buf += got
+        body, self.buf = self.buf[: self.length], self.buf[self.length :]
+        return body
+
+    def head_again(self) -> bytes:
+        """The status line of a HEAD on the same connection: answered only once the GET's
+        handler has finished (after any promotion it made)."""
+        self._send("HEAD")
+        return self._head().split(b"\r\n")[0]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_delete_while_a_get_promotes_the_block_stays_deleted(server_factory, disk_dir):
+    """The GET read the block from disk before the DELETE came, and gets it; the DELETE
+    released the disk's last reference, so the promotion that follows the GET's send
+    publishes nothing (it did: the deleted block came back into the slab)."""
+    srv = _serve_big(server_factory, disk_dir)
+    blocks = {f"p{i}": os.urandom(BIG) for i in range(7)}
+    _put_spilled(srv, blocks)
+    address = _on_disk(srv, list(blocks))[0]
+    get = _StalledGet(srv, address)
+    try:
+        assert request(srv, "DELETE", f"/kv/{address}").status == 204
+        assert get.rest() == blocks[address]
+        assert get.head_again() == b"HTTP/1.1 404 Not Found"
+    finally:
+        get.close()
+    assert request(srv, "GET", f"/kv/{address}").status == 404
+    assert request(srv, "DELETE", f"/kv/{address}").status == 404
+
+
+def test_two_gets_promoting_one_block_publish_its_references_once(server_factory, disk_dir):
+    """Both GETs read the disk's copy (one reference) into pages of their own; the second
+    to publish finds the first's block and adds nothing (it added the disk's references
+    again: one DELETE left the block served)."""
+    srv = _serve_big(server_factory, disk_dir)
+    blocks = {f"w{i}": os.urandom(BIG) for i in range(7)}
+    _put_spilled(srv, blocks)
+    address = _on_disk(srv, list(blocks))[0]
+    gets = [_StalledGet(srv, address) for _ in range(2)]
+    try:
+        for get in gets:
+            assert get.rest() == blocks[address]
+            assert get.head_again() == b"HTTP/1.1 200 OK"
+    finally:
+        for get in gets:
+            get.close()
+    assert request(srv, "DELETE", f"/kv/{address}").status == 204
+    assert request(srv, "GET", f"/kv/{address}").status == 404
