@@ -36,7 +36,9 @@ held. A requester that stops reading is dropped after
 served). A dropped requester gets no end marker: it never takes part of an answer for all
 of it, and asks again. Resyncs come at most once a :data:`RESYNC_INTERVAL_S`: requests in
 between wait (at most :data:`RESYNC_WAITING` requesters) and are answered together by the
-next walk of their namespace.
+next walk of their namespace. However many ask, and however often, answers take at most
+:data:`REPLAY_SHARE` of the publisher's time (the socket queues requests meanwhile, and
+takes them from its requesters in turn).
 
 Token ids and LoRA names (:mod:`eg_kv.engine`'s extras, which the slab does not keep):
 the workers hand them over on the extras socket (``extras_endpoint``, a PULL socket in the
@@ -110,6 +112,11 @@ REPLAY_DEADLINE_S = 3.0
 RESYNC_INTERVAL_S = 1.0
 #: Requesters waiting for a resync; past it a request is dropped (it asks again).
 RESYNC_WAITING = 64
+#: The most of the publisher's time replays and resyncs may take, all requesters
+#: together: after an answer that took T, the next waits until the live stream has had
+#: T * (1 / REPLAY_SHARE - 1). Without it, requesters asking again and again held the
+#: live stream to one step (STEP entries) per answer, and it fell behind the log.
+REPLAY_SHARE = 0.5
 #: The largest message the sockets take in (a replay request or a subscription: a topic
 #: and a seq), so that no peer can stream a huge frame into the publisher's memory.
 MAX_MESSAGE = 16 * 1024
@@ -249,7 +256,8 @@ class Publisher:
         self._pending: dict[int, tuple[int, list[Any]]] = {}
         self.counters = {"published": 0, "batches": 0, "skipped": 0, "burnt": 0,
                          "replays": 0, "resyncs": 0, "resyncs_put_off": 0,
-                         "replays_dropped": 0, "extras_late": 0, "extras_bad": 0}  # fmt: skip
+                         "replays_dropped": 0, "extras_late": 0, "extras_bad": 0,
+                         "replay_ms": 0}  # fmt: skip
         #: (namespace id, address) -> (packed token ids, LoRA name), newest last.
         self.extras: OrderedDict[tuple[int, bytes], tuple[bytes, str]] = OrderedDict()
         self.extras_in = None
@@ -268,6 +276,7 @@ class Publisher:
         #: their ROUTER ids, oldest first (at most RESYNC_WAITING in all).
         self._waiting: OrderedDict[tuple[int, bytes], list[bytes]] = OrderedDict()
         self._deadline = 0.0  # when the replay being answered must be done by
+        self._replays_at = 0.0  # when the next replay may be answered (REPLAY_SHARE)
         self._follow_all()
 
     # ------------------------------------------------------------------ live
@@ -473,11 +482,11 @@ class Publisher:
         written = 0.0
         while not stopped():
             busy = self.step() >= STEP
-            if self.replay is not None:
+            if self.replay is not None and time.monotonic() >= self._replays_at:
                 if poller.poll(0 if busy else IDLE_MS):
-                    self.serve_replay()
+                    self._timed(self.serve_replay)
                 if self._waiting:
-                    self.serve_waiting()
+                    self._timed(self.serve_waiting)
             elif not busy:
                 time.sleep(IDLE_MS / 1000)
             if time.monotonic() - written >= STATS_EVERY_S:
@@ -485,6 +494,15 @@ class Publisher:
                 self.topics.refresh()
                 if self.options.stats_path:
                     self.write_stats()
+
+    def _timed(self, serve: Callable[[], None]) -> None:
+        """Answer replays with ``serve``, then leave the live stream its share of the
+        time (:data:`REPLAY_SHARE`) before the next answer."""
+        t0 = time.monotonic()
+        serve()
+        now = time.monotonic()
+        self.counters["replay_ms"] += round((now - t0) * 1000)
+        self._replays_at = max(self._replays_at, now + (now - t0) * (1 / REPLAY_SHARE - 1))
 
     def write_stats(self) -> None:
         """Write the counters to ``stats_path`` (a temporary file, then a rename: a reader

@@ -267,6 +267,8 @@ _KV_EVENTS = {
     "burnt": "Topic seq numbers the publisher skipped, the log no longer holding their events",
     "replays": "Replay requests answered",
     "resyncs": "Replays answered by a resync (a walk of the slot table)",
+    "replay_ms": "Time the publisher spent answering replays and resyncs (ms; at most half "
+    "its time, the rest is the live stream's)",
     "extras_late": "Stores published without the token ids their worker sent (late)",
 }
 

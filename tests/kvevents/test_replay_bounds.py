@@ -184,3 +184,74 @@ def test_a_huge_request_frame_is_refused_by_the_socket(lapped):
     later = (publisher.base + 10**6).to_bytes(8, "big")
     fine = _answer_until_quiet(ctx, publisher, replay, [later])
     assert fine == [-1]  # the publisher goes on: nothing at or after that seq
+
+
+#: A requester that asks for the same long replay again and again, from four sockets at
+#: once, for ``seconds``; prints how many whole answers it read.
+_HUNGRY = """
+import sys, time, zmq
+endpoint, seconds = sys.argv[1], float(sys.argv[2])
+ctx = zmq.Context()
+dealers = [ctx.socket(zmq.DEALER) for _ in range(4)]
+for d in dealers:
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(endpoint)
+    d.send_multipart([b"", (1).to_bytes(8, "big")])
+answers, until = 0, time.monotonic() + seconds
+poller = zmq.Poller()
+for d in dealers:
+    poller.register(d, zmq.POLLIN)
+while time.monotonic() < until:
+    for d, _ in poller.poll(100):
+        while d.poll(0):
+            if d.recv_multipart()[2] == (-1).to_bytes(8, "big", signed=True):
+                answers += 1
+                d.send_multipart([b"", (1).to_bytes(8, "big")])
+print(answers)
+for d in dealers:
+    d.close()
+ctx.term()
+"""
+
+
+def test_requesters_asking_again_and_again_get_at_most_half_the_publishers_time():
+    """Four requests always waiting, each for a replay of 3,000 batches: the publisher
+    answers them in at most REPLAY_SHARE of its time and gives the rest to the live
+    stream (it answered one after each step, and the live stream fell behind the log)."""
+    import subprocess
+    import sys
+    import threading
+
+    from eg_kv.kvevents import publisher as P
+
+    slab = Slab.create(unique_slab_name("replay"), 8 << 20, 4096)
+    slab.setup_events(8192)
+    ctx = zmq.Context()
+    publisher = None
+    stop = threading.Event()
+    try:
+        replay = f"tcp://127.0.0.1:{free_port()}"
+        options = P.PublisherOptions(endpoint=f"tcp://127.0.0.1:{free_port()}",
+                                     replay_endpoint=replay)  # fmt: skip
+        publisher = P.Publisher(slab, options)
+        for k in range(3000):  # a batch each
+            slab.put(f"b{k}", b"x", engine=EngineName(os.urandom(32), b"", 16))
+            publisher.step()
+        loop = threading.Thread(target=publisher.run, args=(stop.is_set,))
+        loop.start()
+        t0 = time.monotonic()
+        hungry = subprocess.run([sys.executable, "-c", _HUNGRY, replay, "3"], timeout=30,
+                                capture_output=True, text=True, check=True)  # fmt: skip
+        stop.set()
+        loop.join(10)
+        elapsed_ms = (time.monotonic() - t0) * 1000
+        assert int(hungry.stdout) >= 4  # it was answered, whole, again and again
+        spent = publisher.counters["replay_ms"]
+        assert spent <= P.REPLAY_SHARE * elapsed_ms + 300, (spent, elapsed_ms)
+    finally:
+        stop.set()
+        if publisher is not None:
+            publisher.close()
+        ctx.term()
+        slab.close()
+        slab.unlink()
