@@ -29,7 +29,10 @@ parallel with ``get_into`` into one staging buffer (a local read from the slab o
 server's host), then ``index_copy_`` s each layer's slices into the paged KV tensors; a
 block that did not arrive whole is never copied and is reported by
 :meth:`get_block_ids_with_load_errors` (vLLM recomputes it with
-``kv_load_failure_policy="recompute"``). :meth:`wait_for_save` copies the completed blocks
+``kv_load_failure_policy="recompute"``); the blocks of that step and the next computed
+after it are not saved (vLLM runs them before it hears of the failure: they attended to
+whatever the block held), and the blocks vLLM recomputes are. :meth:`wait_for_save`
+copies the completed blocks
 out of the paged tensors (``index_select``) and hands the PUTs (``put_status``; bodies over
 64 KiB ask ``Expect: 100-continue``, so a block already held moves no body) to a thread
 pool: the forward pass never waits on the network for a save; :meth:`shutdown` waits for
@@ -97,6 +100,10 @@ class BlockTransfer:
     #: A save's blocks as vLLM names them (its block hashes, parents, block size): the
     #: server's KV events publish them (eg_kv.engine); empty for loads.
     names: list[EngineName] = dataclasses.field(default_factory=list)
+    #: A save's: the request's blocks before these. One of them failed to load this step
+    #: or the last (vLLM runs the step before it hears, and plans one ahead): these
+    #: blocks were computed attending to whatever that block held, and are not saved.
+    after: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -163,6 +170,14 @@ class EgKvConnector(KVConnectorBase_V1):
         self._client: KvConnector = connect(self._settings.client)
         self._block_size: int = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
+        for knob in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            # A block then holds block_size * cp tokens, interleaved over the ranks: an
+            # address naming block_size tokens would not name what its bytes depend on.
+            if int(getattr(parallel, knob, 1) or 1) > 1:
+                raise ValueError(
+                    f"EgKvConnector does not support {knob} > 1 (a block's KV would be "
+                    f"stored under an address naming fewer tokens); run without it"
+                )
         self._tp_size = int(parallel.tensor_parallel_size)
         self._pp_size = int(parallel.pipeline_parallel_size)
         model = vllm_config.model_config
@@ -192,6 +207,8 @@ class EgKvConnector(KVConnectorBase_V1):
         self._salt: bytes | None = None
         self._handshake: EgKvHandshake | None = None
         self._load_errors: set[int] = set()
+        #: Block ids that failed to load in this step and the last (BlockTransfer.after).
+        self._failed_steps: deque[set[int]] = deque([set(), set()], maxlen=2)
         self._pool: ThreadPoolExecutor | None = None
         self._pending: deque[tuple[Future[int | None], int]] = deque()
         self._pending_bytes = 0
@@ -204,6 +221,7 @@ class EgKvConnector(KVConnectorBase_V1):
             "saved_blocks": 0,
             "deduplicated_blocks": 0,
             "save_failed_blocks": 0,
+            "save_skipped_blocks": 0,  # computed after a block that failed to load
         }
 
     # ------------------------------------------------------------------ scheduler side
@@ -367,8 +385,10 @@ class EgKvConnector(KVConnectorBase_V1):
             )
             tracked.loaded_tokens += tracked.load_tokens
             tracked.load_tokens = 0
-        # Blocks already computed (local prefix hits, loads) are stored or were planned.
-        tracked.saved_upto = max(tracked.saved_upto, computed // bs)
+        # Blocks already computed (local prefix hits, loads) are stored or were planned;
+        # fewer than were saved: vLLM rolled the request back (a failed load), and the
+        # blocks it recomputes are saved (those computed on the failed one were not).
+        tracked.saved_upto = computed // bs
         done = min(computed + scheduled, len(request.all_token_ids))
         complete = min(done // bs, len(tracked.block_ids))
         if complete > tracked.saved_upto:
@@ -388,6 +408,7 @@ class EgKvConnector(KVConnectorBase_V1):
                     tracked.block_ids[start:complete],
                     tracked.chain[start:complete],
                     names,
+                    tracked.block_ids[:start],
                 )
             )
             tracked.saved_blocks += complete - start
@@ -495,6 +516,7 @@ class EgKvConnector(KVConnectorBase_V1):
                 self._block_bytes,
             )
             self._load_errors.update(block_ids[i] for i in bad)
+            self._failed_steps[-1].update(block_ids[i] for i in bad)
         with self._lock:
             self.counters["loaded_blocks"] += len(ok)
             self.counters["load_failed_blocks"] += len(bad)
@@ -522,11 +544,25 @@ class EgKvConnector(KVConnectorBase_V1):
         """Copy this step's completed blocks out of the paged KV and hand their PUTs to
         the I/O threads (the blocks may be reused at once: the bytes are copied)."""
         meta = self._connector_metadata
+        failed = set().union(*self._failed_steps)
+        self._failed_steps.append(set())  # the step is over: the next one's failures
         if not isinstance(meta, EgKvConnectorMetadata) or not meta.saves or not self._layers:
             return
-        block_ids = [b for t in meta.saves for b in t.block_ids]
-        addresses = [a for t in meta.saves for a in self._addresses(t.digests)]
-        names = [n for t in meta.saves for n in t.names or [NO_ENGINE] * len(t.digests)]
+        saves = [t for t in meta.saves if failed.isdisjoint(t.after)]
+        if len(saves) < len(meta.saves):
+            skipped = sum(len(t.block_ids) for t in meta.saves) - sum(
+                len(t.block_ids) for t in saves
+            )
+            log.warning(
+                "EgKvConnector: %d blocks not saved: computed after a block that failed to "
+                "load (vLLM recomputes them)",
+                skipped,
+            )
+            with self._lock:
+                self.counters["save_skipped_blocks"] += skipped
+        block_ids = [b for t in saves for b in t.block_ids]
+        addresses = [a for t in saves for a in self._addresses(t.digests)]
+        names = [n for t in saves for n in t.names or [NO_ENGINE] * len(t.digests)]
         if not block_ids:
             return
         n = len(block_ids)

@@ -104,15 +104,88 @@ def main() -> None:
             for dst, src in ((0, 1), (3, 2), (4, 5))
         )
         untouched = all(not loaded[name][6].any() for name in layers)
+        loader_counters = dict(loader.counters)
+        # The step's saves computed after the failed block 6 are not stored, this step's
+        # nor the next's (planned before vLLM heard); others are, and so are the later.
+        after_bad = [BlockTransfer("r3", [7], [b"\x0a" * 32], after=[6])]
+        loader.bind_connector_metadata(
+            EgKvConnectorMetadata(
+                loads=loads, saves=[*after_bad, BlockTransfer("r2", [5], [b"\x0b" * 32], after=[0])]
+            )
+        )
+        loader.start_load_kv(None)  # type: ignore[arg-type]
+        loader.wait_for_save()
+        loader.clear_connector_metadata()
+        for step in range(2):  # no load fails in these
+            loader.bind_connector_metadata(EgKvConnectorMetadata(saves=[BlockTransfer(
+                "r3", [7], [bytes([0x0c + step]) * 32], after=[6])]))  # fmt: skip
+            loader.wait_for_save()
+            loader.clear_connector_metadata()
+        loader.flush()
+        poisoned = {
+            "stored": [loader._client.exists(a) for a in loader._addresses(
+                [b"\x0a" * 32, b"\x0b" * 32, b"\x0c" * 32, b"\x0d" * 32])],
+            "skipped": loader.counters["save_skipped_blocks"],
+        }  # fmt: skip
         result = {
             "vllm": vllm.__version__, "saver": dict(saver.counters),
-            "loader": dict(loader.counters), "load_errors": errors, "equal": equal,
-            "block_6_untouched": untouched,
+            "loader": loader_counters, "load_errors": errors, "equal": equal,
+            "block_6_untouched": untouched, "poisoned": poisoned,
+            "rollback_saves": rollback(config, kv), "dcp_refused": dcp_refused(config, kv),
             "handshake_shard": loader.get_handshake_metadata().shard,  # type: ignore[union-attr]
         }  # fmt: skip
         saver.shutdown()
         loader.shutdown()
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def dcp_refused(config, kv) -> str:
+    """What building the connector says under decode context parallel (a block holds
+    block_size * dcp tokens: addresses of block_size would name too few)."""
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from eg_kv.vllm.connector import EgKvConnector
+
+    dcp = copy.copy(config)
+    dcp.parallel_config = copy.copy(config.parallel_config)
+    dcp.parallel_config.decode_context_parallel_size = 2
+    try:
+        EgKvConnector(dcp, KVConnectorRole.SCHEDULER, kv).shutdown()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def rollback(config, kv) -> list[list[int]]:
+    """The scheduler's saves after vLLM rolls a request back to its first block (a load
+    that failed): the blocks it recomputes are planned again, those it had saved were
+    computed on the failed block (before, none were: the mark of saved blocks stayed)."""
+    from types import SimpleNamespace as NS
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from eg_kv.vllm.connector import EgKvConnector
+
+    sched = EgKvConnector(config, KVConnectorRole.SCHEDULER, kv)
+    tokens = list(range(1, 16 * 5 + 2))  # five whole blocks and a token
+    req = NS(request_id="r", all_token_ids=tokens, num_tokens=len(tokens),
+             block_hashes=[bytes([i]) * 32 for i in range(5)], mm_features=None,
+             prompt_embeds=None, cache_salt=None, lora_request=None)  # fmt: skip
+    sched.update_state_after_alloc(req, None, 32)  # blocks 0-1 to load
+    new = NS(req_id="r", block_ids=([10, 11, 12, 13, 14, 15],), num_computed_tokens=32)
+    first = sched.build_connector_meta(NS(
+        num_scheduled_tokens={"r": len(tokens) - 32}, scheduled_new_reqs=[new],
+        scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                 num_computed_tokens=[])))  # fmt: skip
+    assert [t.after for t in first.saves] == [[10, 11]], first.saves
+    again = sched.build_connector_meta(NS(
+        num_scheduled_tokens={"r": len(tokens)}, scheduled_new_reqs=[],
+        scheduled_cached_reqs=NS(req_ids=["r"], new_block_ids=[None], resumed_req_ids=set(),
+                                 num_computed_tokens=[0])))  # fmt: skip
+    sched.shutdown()
+    return [t.block_ids for t in again.saves]
 
 
 if __name__ == "__main__":

@@ -38,4 +38,8 @@ def test_worker_side_saves_and_loads_through_a_real_server(server_factory, vllm_
     assert got["loader"]["loaded_blocks"] == 3 and got["loader"]["load_failed_blocks"] == 1
     assert got["equal"], got  # each layer's block bytes, as saved
     assert got["load_errors"] == [6] and got["block_6_untouched"], got
-    assert stats(srv)["unique_blocks"] == 3
+    # computed after the failed block (that step, the next): not stored; others are
+    assert got["poisoned"] == {"stored": [False, True, False, True], "skipped": 2}, got
+    assert got["rollback_saves"] == [[10, 11, 12, 13, 14]], got
+    assert "decode_context_parallel_size > 1" in got["dcp_refused"], got
+    assert stats(srv)["unique_blocks"] == 5
