@@ -7,17 +7,21 @@ pool. Its block holds the page in SGLang's *flat page* order, whatever the pool'
     MLA   [ layer 0 .. L-1 ]                           a layer: page_size x 1 x kv_cache_dim
 
 ``get_page_buffer_meta`` hands the page's pieces where they lie: ``[K, V]`` (page-first
-layouts: each piece already every layer in order) or ``[K_0, V_0, K_1, V_1, ...]``
-(layer-first) for MHA, ``[page]`` or ``[layer_0, layer_1, ...]`` for MLA; :func:`page_views`
-puts the K pieces before the V pieces, which is the flat order in every layout. So the
-bytes of a page do not depend on the host pool's layout (a page-first and a layer-first
-engine load each other's pages), and the legacy copy path (``get_data_page``, flat) stores
-the same bytes as the zero-copy one.
+layouts: each piece already every layer) or ``[K_0, V_0, K_1, V_1, ...]`` (layer-first)
+for MHA, ``[page]`` or ``[layer_0, layer_1, ...]`` for MLA; :func:`page_views` puts the K
+pieces before the V pieces, which is the flat order (``get_data_page``) in every layout,
+so the legacy copy path stores the same bytes as the zero-copy one. Within K (and V) the
+flat order is the pool's own, though: ``page_first`` keeps a page token by token (each
+token's every layer: SGLang's buffer is ``(2, size, layers, ...)``), ``layer_first`` and
+``page_first_direct`` layer by layer. So the order is part of the page's format (its
+address): a ``layer_first`` engine and a ``page_first_direct`` one load each other's
+pages, a ``page_first`` engine finds neither's (it would load their keys transposed).
 
 The address of a page is a BLAKE2b digest of SGLang's key (its SHA-256 chain of the page's
 tokens), keyed with a digest of the page's format (:class:`PageFormat`): the engine's binding
 (:mod:`eg_kv.binding`: model, revision and weights where known, the KV element type,
-quantization), the page's shape (page size, layers, heads, head dims), MHA or MLA, and the
+quantization), the page's shape (page size, layers, heads, head dims) and byte order, MHA
+or MLA, and the
 rank whose slice of the KV the page is (tensor, pipeline and context parallel; not the
 tensor rank for MLA, whose every tensor rank holds the same KV). No SGLang import.
 """
@@ -37,8 +41,8 @@ from ..binding import EngineBinding
 from ..engine import ENGINE_HASH_MAX, EngineName, chained_names
 from ..errors import ConfigError
 
-#: Bumped whenever a page's block changes its byte order or meaning.
-PAGE_FORMAT_VERSION = 1
+#: Bumped whenever a page's block changes its byte order or meaning (2: the order named).
+PAGE_FORMAT_VERSION = 2
 
 
 @functools.lru_cache(maxsize=64)  # a pool has one or two piece lengths
@@ -84,6 +88,8 @@ class PageFormat:
         shape: the pool's page shape: page size, layers, heads, head dims.
         ranks: the parallel ranks and sizes whose slice of the KV this rank holds.
         page_bytes: the bytes of one page's block.
+        order: how K (and V) lie in the block: ``token_major`` or ``layer_major``
+            (:data:`LAYOUT_ORDER`).
     """
 
     binding: str
@@ -91,6 +97,7 @@ class PageFormat:
     shape: tuple[tuple[str, int], ...]
     ranks: tuple[tuple[str, int], ...]
     page_bytes: int
+    order: str = "token_major"
 
     def describe(self) -> str:
         """The format as canonical JSON."""
@@ -163,8 +170,12 @@ def page_format(storage_config: Any, pool: Any, binding: EngineBinding) -> PageF
         shape=shape,
         ranks=ranks,
         page_bytes=int(flat.numel() * flat.element_size()),
+        order=LAYOUT_ORDER[layout],
     )
 
 
-#: Host pool layouts whose pages :func:`page_views` reads in the flat order.
-SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+#: Host pool layouts whose pages :func:`page_views` reads in the flat order, and the order
+#: of K (and V) in that flat page: a token's every layer, or a layer's every token.
+LAYOUT_ORDER = {"page_first": "token_major", "page_first_direct": "layer_major",
+                "layer_first": "layer_major"}  # fmt: skip
+SUPPORTED_LAYOUTS = tuple(LAYOUT_ORDER)

@@ -119,8 +119,8 @@ def scenario_layouts() -> dict:
     for mla in (False, True):
         for layout in ("page_first", "layer_first", "page_first_direct"):
             out[f"{'mla' if mla else 'mha'}:{layout}"] = round_trip(mla, layout)
-        other = round_trip(mla, "page_first", "layer_first")
-        out[f"{'mla' if mla else 'mha'}:page_first->layer_first"] = other
+        for writer, reader in (("page_first", "layer_first"), ("layer_first", "page_first_direct")):
+            out[f"{'mla' if mla else 'mha'}:{writer}->{reader}"] = round_trip(mla, writer, reader)
     return out
 
 
@@ -132,7 +132,7 @@ def scenario_legacy() -> dict:
     want = writer.fill(src)
     stored = HiCacheController._generic_page_set(writer.ctrl, keys[:2], src[: 2 * PAGE])
     stored_v1 = writer.set(keys[2:], src[2 * PAGE :])
-    reader = Engine(False, "page_first")
+    reader = Engine(False, "page_first_direct")  # another layout of the same byte order
     dst = reader.slots(4)
     legacy_got = HiCacheController._generic_page_get(reader.ctrl, OP, keys, dst)
     legacy_equal = reader.pages(dst) == want

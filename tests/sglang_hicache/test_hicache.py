@@ -57,16 +57,28 @@ def found(module_server_factory, tmp_path_factory):
 @needs_sglang
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize(
-    "layout", ["page_first", "layer_first", "page_first_direct", "page_first->layer_first"]
+    "layout", ["page_first", "layer_first", "page_first_direct", "layer_first->page_first_direct"]
 )
 def test_pages_round_trip_through_sglangs_own_pools_and_controller(found, kind, layout):
     """Set from one engine, exists and get from a fresh one: the leading run, equal bytes
-    (a page-first engine loads a layer-first engine's pages: one byte order)."""
+    (a page-first-direct engine loads a layer-first engine's pages: one byte order)."""
     got = found["layouts"][f"{kind}:{layout}"]
     assert got["stored"] is True
     assert got["found"] == 6  # the 6 stored, not the 2 absent after them
     assert got["loaded"] == 6 and got["equal"] is True
     assert got["page_bytes"] == (32768 if kind == "mha" else 73728)
+
+
+@pytest.mark.slow
+@needs_sglang
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_page_first_engine_finds_no_page_of_a_layer_first_one(found, kind):
+    """A page_first page keeps K token by token, a layer_first one layer by layer: the same
+    key names other addresses, so neither loads the other's keys transposed (it did: the
+    bytes passed every check, and 24 of 32 values landed in the wrong place)."""
+    got = found["layouts"][f"{kind}:page_first->layer_first"]
+    assert got["stored"] is True
+    assert got["found"] == 0 and got["loaded"] == 0
 
 
 @needs_sglang
