@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -100,6 +101,26 @@ def plugin_settings(
         if value is not None and value != "":
             out[setting] = value
     return out
+
+
+def _header(head: bytes, body: int) -> Any:
+    """A stored chunk's header (LMCache's ``RemoteMetadata``), believed only where the
+    ``body`` bytes after it hold exactly what it declares: a header damaged or forged to
+    declare more would have LMCache allocate it (and wait for room that never comes)
+    before the body's checksum and tag could make the chunk a miss.
+
+    Raises:
+        Miss: the header does not parse, or declares another size than the body's.
+    """
+    try:
+        meta = RemoteMetadata.deserialize(head)
+        declared = sum(math.prod(shape) * dtype.itemsize
+                       for shape, dtype in zip(meta.shapes, meta.dtypes, strict=True))  # fmt: skip
+    except Exception as e:  # struct, enum, dtype table: whatever a damaged header breaks
+        raise Miss(f"stored chunk's header does not parse: {e}") from None
+    if declared != body or meta.length != body:
+        raise Miss(f"stored chunk's header declares {declared} bytes, its body is {body}")
+    return meta
 
 
 class EgKvRemoteConnector(RemoteConnector):
@@ -231,13 +252,14 @@ class EgKvRemoteConnector(RemoteConnector):
                     raise Miss("stored chunk is shorter than its header")
                 head = bytearray(meta_len)
                 read_exact(memoryview(head))
-                meta = RemoteMetadata.deserialize(bytes(head))
+                meta = _header(bytes(head), length - meta_len)
                 shapes, dtypes, fmt = meta.shapes, meta.dtypes, meta.fmt
             else:
                 shapes, dtypes, fmt = self.meta_shapes, self.meta_dtypes, self.meta_fmt
             if not gate.is_open:
                 raise GateClosed("the connector is closed")
-            obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt)
+            # No busy loop: a full L1 is a miss now, not a wait LMCache never ends.
+            obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
             if obj is None:
                 raise Miss("LMCache's CPU backend has no room for the chunk")
             try:

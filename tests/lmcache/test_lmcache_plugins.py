@@ -318,3 +318,38 @@ def test_no_write_into_lmcache_memory_after_close(lmcache_loop):
 
 def _pool_threads() -> list:
     return [t for t in threading.enumerate() if t.name.startswith("eg-kv-remote")]
+
+
+@pytest.mark.parametrize("declared", ["huge", "other_length"])
+def test_a_chunk_whose_header_lies_about_its_size_is_a_miss_at_once(
+    server_factory, lmcache_loop, declared
+):
+    """A stored chunk's header (bit rot, another writer, a forger) declaring shapes the
+    body does not hold is a miss before anything is allocated: one declaring 128 GiB held
+    the load in LMCache's allocator for good, evicting LMCache's own chunks meanwhile."""
+    srv = server_factory(workers=1, capacity="32MiB")
+    metadata = engine_metadata()
+    config = engine_config(plugin_extra("egkv", srv.url, timeout_s="2"), plugins=["egkv"])
+    cpu = LocalCPUBackend(config, metadata, dst_device="cpu")
+    allocated = []
+    allocate = cpu.allocate
+    cpu.allocate = lambda *a, **kw: allocated.append(a) or allocate(*a, **kw)  # recorded
+    backend = RemoteBackend(config, metadata, lmcache_loop, cpu, "cpu", plugin_name="egkv")
+    try:
+        conn = connector_of(backend)
+        shapes = metadata.get_shapes()
+        if declared == "huge":
+            shapes = [torch.Size([64, 1024, 1024, 1024])] * len(shapes)
+        else:  # as this engine's, but the body is a page short of them
+            shapes = [torch.Size([s[0], s[1], s[2] - 1, s[3]]) for s in shapes]
+        header = RemoteMetadata(SMALL_CHUNK, shapes, metadata.get_dtypes(),
+                                MemoryFormat.KV_2LTD).serialize()  # fmt: skip
+        key = engine_key(0x5E7)
+        with RemoteKVConnector(base_url=srv.url) as kv:
+            assert kv.put(conn._address(key), header + bytes(SMALL_CHUNK))
+        load = asyncio.run_coroutine_threadsafe(conn.get(key), lmcache_loop)
+        assert load.result(10) is None
+        assert allocated == []
+    finally:
+        backend.close()
+        cpu.memory_allocator.close()
