@@ -9,15 +9,17 @@ an adapter: its config, its metadata and the plugin's name::
       remote_storage_plugin.egkv.module_path: eg_kv.kvcache
       remote_storage_plugin.egkv.class_name: EgKvConnectorAdapter
       remote_storage_plugin.egkv.base_url: http://127.0.0.1:9130   # optional
-      remote_storage_plugin.egkv.token: ...                         # optional
 
 ``class_name: EgKvRemoteConnector`` also works for one instance with a CPU backend:
 LMCache then builds the connector itself and tells it neither its name nor its metadata,
 so the name is found from the config (refused when several instances use this class).
 
-``base_url``, ``addr``, ``token``, ``timeout_s``, ``num_workers``, ``max_connections`` and
+``base_url``, ``addr``, ``timeout_s``, ``num_workers``, ``max_connections`` and
 ``verify_tls`` are read from ``remote_storage_plugin.<name>.*``; what is missing comes from
-the ``EPISTEMIC_GRAPH_KVCACHE_*`` environment. Underneath is the same
+the ``EPISTEMIC_GRAPH_KVCACHE_*`` environment. The token comes from the environment only:
+``EPISTEMIC_GRAPH_KVCACHE_TOKEN``, or the variable ``remote_storage_plugin.<name>.token_env``
+names (one per instance). LMCache logs ``extra_config`` verbatim, so a
+``remote_storage_plugin.<name>.token`` is refused. Underneath is the same
 :class:`~eg_kv.client.sync.ServerConnector` as everywhere else, run on a small thread pool so
 LMCache's event loop never blocks on the network.
 
@@ -37,9 +39,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..address import address_for_key
@@ -101,6 +104,12 @@ def plugin_settings(
         if value is not None and value != "":
             out[setting] = value
     return out
+
+
+def _give_back(loading: Future[Any]) -> None:
+    """The buffer a load nobody waits for any more filled goes back to LMCache."""
+    if not loading.cancelled() and loading.exception() is None and loading.result() is not None:
+        loading.result().ref_count_down()
 
 
 def _header(head: bytes, body: int) -> Any:
@@ -170,7 +179,24 @@ class EgKvRemoteConnector(RemoteConnector):
         self.plugin_name = plugin_name
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
-        self.kv_config = KvCacheConfig.from_env(**plugin_settings(config, plugin_name))
+        settings = plugin_settings(config, plugin_name)
+        if "token" in settings:  # LMCache logs extra_config verbatim at start
+            raise ConfigError(
+                f"remote_storage_plugin.{plugin_name}.token would be written to LMCache's "
+                "log (it logs extra_config): set EPISTEMIC_GRAPH_KVCACHE_TOKEN in the "
+                f"engine's environment, or remote_storage_plugin.{plugin_name}.token_env "
+                "to the name of a variable that holds this instance's token"
+            )
+        token_env = plugin_settings(config, plugin_name, ("token_env",)).get("token_env")
+        if token_env:
+            token = os.environ.get(str(token_env))
+            if not token:
+                raise ConfigError(
+                    f"remote_storage_plugin.{plugin_name}.token_env names {token_env}, "
+                    "which is not set in the engine's environment"
+                )
+            settings["token"] = token
+        self.kv_config = KvCacheConfig.from_env(**settings)
         say_once(self.kv_config.block_key)  # what this engine's loads can detect, once
         self.client = connect(self.kv_config)  # one server, or a set (eg_kv.client.sets)
         self.binding = current_binding(str(metadata.model_name)) or declared_binding(
@@ -273,19 +299,31 @@ class EgKvRemoteConnector(RemoteConnector):
                 read_through(read_exact, view[:body], gate)
                 if not self.save_chunk_meta:
                     obj = self.reshape_partial_chunk(obj, body)
+                filled.append(obj)
                 return obj
             except BaseException:
                 obj.ref_count_down()  # give the buffer back: the chunk is a miss
                 raise
 
+        filled: list[MemoryObj] = []
         try:
-            return self.client.fetch(self._address(key), sink)
+            got = self.client.fetch(self._address(key), sink)
         finally:
             self._gates.release(gate)
+        if got is None and filled:  # checked after the sink (checksum, tag, whole body)
+            filled[0].ref_count_down()
+        return got
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        """Load a chunk into a fresh LMCache buffer; None on a miss or any error."""
-        return await self._run(self._get_sync, key)
+        """Load a chunk into a fresh LMCache buffer; None on a miss or any error. A get
+        LMCache stops waiting for (its blocking timeout cancels it) gives the buffer its
+        load fills back to LMCache: nobody else would."""
+        loading = self._pool.submit(self._get_sync, key)
+        try:
+            return await asyncio.wrap_future(loading)
+        except asyncio.CancelledError:
+            loading.add_done_callback(_give_back)
+            raise
 
     def _put_sync(self, key: CacheEngineKey, memory_obj: MemoryObj) -> bool:
         data = memory_obj.byte_array

@@ -33,6 +33,7 @@ from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 
+from eg_kv import checksum  # noqa: E402
 from eg_kv.kvcache import EgKvRemoteConnector, RemoteKVConnector  # noqa: E402
 from eg_kv.lmcache.compat import RemoteMetadata  # noqa: E402
 
@@ -241,8 +242,8 @@ class StallingServer:
         body_len: the whole body's length.
     """
 
-    def __init__(self, head: bytes, body_len: int) -> None:
-        self.head, self.body_len = head, body_len
+    def __init__(self, head: bytes, body_len: int, checksum: bool = False) -> None:
+        self.head, self.body_len, self.checksum = head, body_len, checksum
         self.sent_rest = threading.Event()
         self.answered = threading.Event()
         self._go = threading.Event()
@@ -258,8 +259,9 @@ class StallingServer:
                 pass
             half = self.body_len // 2
             body = self.head + b"\x11" * (self.body_len - len(self.head))
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % self.body_len
-                         + body[:half])  # fmt: skip
+            summed = b"X-Eg-Kv-Checksum: %s\r\n" % checksum.encode(checksum.of(body)).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n" % (
+                self.body_len, summed if self.checksum else b"") + body[:half])  # fmt: skip
             self.answered.set()
             self._go.wait(30)
             with contextlib.suppress(OSError):  # the client gave up: nothing can land
@@ -351,5 +353,110 @@ def test_a_chunk_whose_header_lies_about_its_size_is_a_miss_at_once(
         assert load.result(10) is None
         assert allocated == []
     finally:
+        backend.close()
+        cpu.memory_allocator.close()
+
+
+def test_a_token_in_extra_config_is_refused_and_token_env_names_its_variable(
+    server_factory, lmcache_loop, monkeypatch
+):
+    """LMCache logs extra_config verbatim at start: a token there is refused, naming the
+    way that keeps it out of the log; ``token_env`` names the variable holding one
+    instance's token, which reaches a server that wants it."""
+    srv = server_factory(workers=1, capacity="32MiB",
+                         env={"EPISTEMIC_GRAPH_KVCACHE_TOKEN": "t0ken-of-the-server"})  # fmt: skip
+    monkeypatch.delenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", raising=False)
+    metadata = engine_metadata()
+    cpu = LocalCPUBackend(engine_config({}, plugins=[]), metadata, dst_device="cpu")
+    try:
+        leaked = engine_config(plugin_extra("egkv", srv.url, token="t0ken-of-the-server"),
+                               plugins=["egkv"])  # fmt: skip
+        with pytest.raises(Exception, match="token_env") as refused:
+            EgKvRemoteConnector(lmcache_loop, cpu, leaked, plugin_name="egkv")
+        assert "t0ken-of-the-server" not in str(refused.value)
+        monkeypatch.setenv("EGKV_TOKEN_A", "t0ken-of-the-server")
+        named = engine_config(plugin_extra("egkv", srv.url, token_env="EGKV_TOKEN_A"),
+                              plugins=["egkv"])  # fmt: skip
+        conn = EgKvRemoteConnector(lmcache_loop, cpu, named, plugin_name="egkv")
+        try:
+            key = engine_key(0x70C)
+            obj = filled(cpu, metadata, 3)
+            assert conn._put_sync(key, obj)  # a 401 without the token
+            obj.ref_count_down()
+            assert conn.exists_sync(key)
+        finally:
+            asyncio.run_coroutine_threadsafe(conn.close(), lmcache_loop).result(30)
+    finally:
+        cpu.memory_allocator.close()
+
+
+@pytest.mark.parametrize("reads", ["local", "http"])
+def test_a_load_that_fails_its_checks_gives_lmcache_its_buffer_back(
+    server_factory, lmcache_loop, reads
+):
+    """A chunk whose bytes changed in the slab fails its checksum after the buffer was
+    filled: the buffer goes back to LMCache at once (it was left to LMCache's garbage
+    collection, which warns, holding the L1 space meanwhile)."""
+    import mmap
+    from pathlib import Path
+
+    srv = server_factory(workers=1, capacity="32MiB")
+    metadata = engine_metadata()
+    config = engine_config(plugin_extra("egkv", srv.url, local_reads=str(reads == "local")),
+                           plugins=["egkv"])  # fmt: skip
+    cpu = LocalCPUBackend(config, metadata, dst_device="cpu")
+    backend = RemoteBackend(config, metadata, lmcache_loop, cpu, "cpu", plugin_name="egkv")
+    try:
+        conn = connector_of(backend)
+        key = engine_key(0xBAD)
+        obj = filled(cpu, metadata, 21)
+        stored = obj.byte_array[:4096]
+        backend.submit_put_task(key, obj).result(30)
+        obj.ref_count_down()
+        with (
+            open(Path("/dev/shm") / srv.slab_name.lstrip("/"), "r+b") as f,
+            mmap.mmap(f.fileno(), 0) as mm,
+        ):
+            pos = mm.find(stored)
+            assert pos >= 0 and mm.find(stored, pos + 1) == -1
+            mm[pos + 100] ^= 0xFF
+        allocated = []
+        allocate = cpu.allocate
+        cpu.allocate = lambda *a, **kw: allocated.append(allocate(*a, **kw)) or allocated[-1]
+        load = asyncio.run_coroutine_threadsafe(conn.get(key), lmcache_loop)
+        assert load.result(30) is None
+        assert len(allocated) == 1 and allocated[0].get_ref_count() == 0
+    finally:
+        backend.close()
+        cpu.memory_allocator.close()
+
+
+@pytest.mark.slow
+def test_a_load_lmcache_stopped_waiting_for_gives_its_buffer_back(lmcache_loop):
+    """LMCache's blocking get cancels a load past its timeout; the load's thread goes on
+    and fills a buffer nobody will take: it goes back to LMCache when the load ends."""
+    metadata = engine_metadata()
+    protocol.init_remote_metadata_info(metadata.get_num_groups())
+    header = RemoteMetadata(SMALL_CHUNK, metadata.get_shapes(), metadata.get_dtypes(),
+                            MemoryFormat.KV_2LTD).serialize()  # fmt: skip
+    srv = StallingServer(header, len(header) + SMALL_CHUNK, checksum=True)
+    extra = plugin_extra("egkv", srv.url, timeout_s="10", local_reads="false")
+    config = engine_config(extra, plugins=["egkv"])
+    cpu = LocalCPUBackend(config, metadata, dst_device="cpu")
+    allocated = []
+    allocate = cpu.allocate
+    cpu.allocate = lambda *a, **kw: allocated.append(allocate(*a, **kw)) or allocated[-1]
+    backend = RemoteBackend(config, metadata, lmcache_loop, cpu, "cpu", plugin_name="egkv")
+    try:
+        load = asyncio.run_coroutine_threadsafe(
+            connector_of(backend).get(engine_key(6)), lmcache_loop
+        )
+        wait_for(lambda: srv.answered.is_set() and allocated, what="the load to start")
+        load.cancel()  # as LMCache's blocking_timeout_secs does
+        srv.release()
+        assert srv.sent_rest.wait(20)
+        wait_for(lambda: allocated[0].get_ref_count() == 0, what="the buffer to go back")
+    finally:
+        srv.stop()
         backend.close()
         cpu.memory_allocator.close()
