@@ -3,8 +3,10 @@
 Forked by the supervisor before the workers, and again if it dies: it attaches the slab,
 opens the data file, rebuilds its index in a thread, spills what the event log says was
 stored, and answers the workers' questions on ``DIR/keeper.sock``
-(:mod:`eg_kv.disk.keeper`) until SIGTERM or its parent's death. It never takes the slab
-lock, so a SIGKILL or SIGSTOP of it costs disk hits and spills, never a slab hit.
+(:mod:`eg_kv.disk.keeper`) until SIGTERM or its parent's death. It takes the slab lock
+only for a moment, to mark a spill or a drop in a block's slot: one SIGSTOPped inside it
+is killed by the supervisor's watchdog (``--lock-timeout``) and started again, so a
+SIGKILL or SIGSTOP of it costs disk hits and spills, and the slab at most that wait.
 """
 
 from __future__ import annotations

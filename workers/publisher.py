@@ -3,7 +3,9 @@
 Forked by the supervisor before the workers, and again if it dies: it attaches the slab,
 follows its event log and publishes it (:mod:`eg_kv.kvevents.publisher`) until SIGTERM,
 or until its parent dies (``PR_SET_PDEATHSIG``, as a worker). It never takes the slab
-lock on its live path, so a SIGKILL or a SIGSTOP of it costs only its subscribers.
+lock on its live path (a resync walks the slot table under it, in slices), so a SIGKILL
+or a SIGSTOP of it costs its subscribers, and one stopped inside the lock is killed by
+the supervisor's watchdog (``--lock-timeout``) and started again.
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ KILL_GRACE_S = 5.0
 #: The main loop wakes at least this often even when nothing happens (the watchdog's
 #: sampling period).
 TICK_S = 0.25
+#: A loop pass that fails is logged at most once this often (a fork refused every tick).
+LOOP_FAILED_LOG_S = 10.0
 #: How often local readers' hit hints are folded into the slab's reference bits.
 FOLD_HINTS_S = 1.0
 #: The longest the supervisor waits for the slab lock at once; it retries on a later tick.
@@ -96,6 +98,17 @@ class _Helper:
     run: Callable[[], int]  # the child's body; returns its exit status
     pid: int = 0
     due: float = 0.0  # when one that died may be started again
+
+
+def _how_it_ended(status: int) -> str:
+    """A child's end, for the log (any signal: real-time ones have no ``Signals`` name)."""
+    if os.WIFSIGNALED(status):
+        n = os.WTERMSIG(status)
+        try:
+            return f"killed by {signal.Signals(n).name}"
+        except ValueError:
+            return f"killed by signal {n}"
+    return f"exited with status {os.WEXITSTATUS(status)}"
 
 
 @dataclasses.dataclass
@@ -348,6 +361,7 @@ class Supervisor:
         self._lock_seen = (0, 0, 0.0)  # (holder, lock entries, first seen) of the lock
         self._lock_stuck_at = -float("inf")  # when the lock was last seen stuck
         self._lock_warned = (0, 0)
+        self._loop_failed_said = 0.0
         self._fold_at = 0.0  # when local readers' hit hints are next folded into the slab
         self._tokens_text: str | None = None  # the tokens file in force (validated)
         self._reload_due = False  # a SIGHUP reload put off by a busy slab lock
@@ -462,35 +476,47 @@ class Supervisor:
 
     def _loop(self) -> None:
         while True:
-            self._read_notifications()
-            self._handle_signals()
-            self._reap()
-            if self.fatal and not self.stopping:
-                self.exit_code = BOOT_ERROR
-                self._begin_stop(signal.SIGTERM)
-            self._release_leftovers()
-            if not self.stopping:
-                self._watch()
-            if self.stopping:
-                if not self.workers and not self._helper_pids:
+            try:
+                if self._pass():
                     return
-                if time.monotonic() > self.stop_deadline:
-                    for pid in list(self.workers):
-                        log.warning("worker %d did not drain in time; killing it", pid)
-                        self._kill(pid, signal.SIGKILL)
-                    for pid in self._helper_pids:
-                        self._kill(pid, signal.SIGKILL)
-                    self.stop_deadline = float("inf")
-            else:
-                self._refill()
-                tick_hints(self.slab)  # operator hints (page waste), at most every 5 min
-                self._fold_local_hits()
+            except Exception:  # a bug or a refusal (fork: EAGAIN) must not end the server
+                if time.monotonic() >= self._loop_failed_said:  # at most one a while
+                    self._loop_failed_said = time.monotonic() + LOOP_FAILED_LOG_S
+                    log.exception("eg-kv: the supervisor's loop failed; going on")
             # Sleep until a signal, a child's death (SIGCHLD) or a worker's message.
             with contextlib.suppress(InterruptedError):
                 select.select([self._wake_r, self._notify_r], [], [], TICK_S)
             with contextlib.suppress(BlockingIOError):
                 while os.read(self._wake_r, 4096):
                     pass
+
+    def _pass(self) -> bool:
+        """One pass of the loop: signals, deaths, the watchdog, refills. Returns True once
+        the server has stopped."""
+        self._read_notifications()
+        self._handle_signals()
+        self._reap()
+        if self.fatal and not self.stopping:
+            self.exit_code = BOOT_ERROR
+            self._begin_stop(signal.SIGTERM)
+        self._release_leftovers()
+        if not self.stopping:
+            self._watch()
+        if self.stopping:
+            if not self.workers and not self._helper_pids:
+                return True
+            if time.monotonic() > self.stop_deadline:
+                for pid in list(self.workers):
+                    log.warning("worker %d did not drain in time; killing it", pid)
+                    self._kill(pid, signal.SIGKILL)
+                for pid in self._helper_pids:
+                    self._kill(pid, signal.SIGKILL)
+                self.stop_deadline = float("inf")
+        else:
+            self._refill()
+            tick_hints(self.slab)  # operator hints (page waste), at most every 5 min
+            self._fold_local_hits()
+        return False
 
     def _fold_local_hits(self) -> None:
         """Give the blocks local readers hit their CLOCK reference bits (once a second:
@@ -570,6 +596,10 @@ class Supervisor:
         except EgKvError as e:
             log.error("eg-kv: SIGHUP: tokens file not reloaded, the old tenants stay: %s", e)
             return
+        except OSError as e:  # the workers' copy (a full or cleaned run directory)
+            log.error("eg-kv: SIGHUP: tokens file not reloaded, the workers keep the old "
+                      "tenants: cannot write their copy: %s; fix it, then SIGHUP", e)  # fmt: skip
+            return
         self._tokens_text = text
         for pid in list(self.workers):  # each worker reads the validated copy
             self._kill(pid, signal.SIGHUP)
@@ -643,10 +673,7 @@ class Supervisor:
             self._release_leftovers()
 
     def _classify(self, w: _Worker, status: int) -> None:
-        if os.WIFSIGNALED(status):
-            how = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-        else:
-            how = f"exited with status {os.WEXITSTATUS(status)}"
+        how = _how_it_ended(status)
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
         if self.stopping:
             if code != 0:
@@ -738,10 +765,18 @@ class Supervisor:
 
     def _lock_held_too_long(self, holder: int, entries: int, held: float) -> None:
         w = self.workers.get(holder)
+        h = next((h for h in self.helpers if h.pid == holder), None)
         if w is not None:
             if not w.killed:
                 self._kill_wedged(w, f"has held the slab lock for {held:.1f} s")
-        elif self._lock_warned != (holder, entries):
+        elif self._lock_warned == (holder, entries):
+            return
+        elif h is not None:  # the keeper and the publisher take it too: started again
+            self._lock_warned = (holder, entries)
+            log.error("%s (pid %d) has held the slab lock for %.1f s: killing it (SIGKILL)",
+                      h.name, holder, held)  # fmt: skip
+            self._kill(holder, signal.SIGKILL)
+        else:
             self._lock_warned = (holder, entries)
             log.error("pid %d, not a worker of this server, has held the slab lock for "
                       "%.1f s: every request waits; stop that process", holder, held)  # fmt: skip
@@ -783,11 +818,7 @@ class Supervisor:
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) == BOOT_ERROR:
             self.fatal = f"{h.name} could not start (its log says why)"
             return
-        if os.WIFSIGNALED(status):
-            how = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-        else:
-            how = f"exited with status {os.WEXITSTATUS(status)}"
-        log.warning("%s %s; starting it again", h.name, how)
+        log.warning("%s %s; starting it again", h.name, _how_it_ended(status))
         h.due = time.monotonic() + 1.0  # at most one restart a second
 
     def _spawn(self) -> None:

@@ -315,3 +315,79 @@ def test_a_reload_behind_a_held_lock_runs_once_the_lock_is_free(server_factory, 
     wait_for(lambda: request(srv, "GET", "/kv/stats", token=token_of("gone")).status == 401,
              timeout=10, what="the removed token refused")  # fmt: skip
     assert request(srv, "GET", "/kv/stats", token=token_of("keep")).status == 200
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+def test_a_stopped_disk_keeper_holding_the_lock_is_killed_and_started_again(
+    server_factory, tmp_path
+):
+    """The disk keeper takes the slab lock to mark each spill: SIGSTOPped inside it, it
+    held every worker on the lock for good (the supervisor only said so). It is killed,
+    started again, and every request works again."""
+    disk = tmp_path / "disk"
+    disk.mkdir(mode=0o700)
+    srv = server_factory(workers=2, capacity="4MiB", extra=(
+        "--page-size", "64KiB", "--disk", str(disk), "--disk-capacity", "64MiB",
+        "--heartbeat-timeout", "2", "--lock-timeout", "0.5"))  # fmt: skip
+    keeper = stats(srv)["disk"]["pid"]
+    slab = Slab.attach(srv.slab_name)
+    load = _PutLoad(srv)  # 48 KiB blocks through a 4 MiB slab: a spill, marked, each
+    caught = None
+    try:
+        wait_for(lambda: load.done > 100, timeout=30, what="the load to run")
+        caught = stop_a_lock_holder(slab, [keeper])
+        load.close()
+        wait_for(lambda: gone(keeper), timeout=10, what="the keeper to be killed")
+        wait_for(lambda: _all_fresh_requests_succeed(srv), timeout=20, what="every request to work")
+        wait_for(lambda: stats(srv)["disk"].get("pid") not in (None, keeper), timeout=20,
+                 what="a new keeper")  # fmt: skip
+    finally:
+        load.close()
+        if caught is not None:
+            _resume(caught)
+        slab.close()
+    assert f"the disk keeper (pid {keeper}) has held the slab lock" in srv.log()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_by_a_real_time_signal_is_replaced(server_factory):
+    """A real-time signal has no name in Python's ``Signals``: naming the worker's end
+    raised in the supervisor's loop, which then killed every worker and removed the
+    slab. The worker is replaced and the cache stays."""
+    srv = server_factory(workers=2)
+    assert request(srv, "PUT", "/kv/kept", b"k" * 1000).status == 201
+    victim = min(workers_of(srv))
+    os.kill(victim, signal.SIGRTMIN + 6)
+    wait_for(lambda: gone(victim), what="the worker to die")
+    wait_for(lambda: len(workers_of(srv) - {victim}) == 2, timeout=20, what="its replacement")
+    assert srv.proc.poll() is None
+    assert request(srv, "GET", "/kv/kept").body == b"k" * 1000
+    assert f"worker {victim} killed by signal {int(signal.SIGRTMIN) + 6}" in srv.log()
+
+
+def test_a_reload_that_cannot_write_the_workers_copy_keeps_the_server(server_factory, tmp_path):
+    """SIGHUP when the run directory refuses the tokens copy (full, or cleaned up under
+    the server): said, the workers keep their tenants, and the next SIGHUP reloads (the
+    OSError ended the supervisor, which killed every worker and removed the slab)."""
+    import glob
+    import shutil
+
+    from helpers.tenants import token_of, write_tokens
+
+    path = write_tokens(tmp_path / "tokens.toml", [{"name": "keep"}, {"name": "gone"}])
+    srv = server_factory(workers=1, extra=("--tokens", str(path)))
+    (run_dir,) = glob.glob(f"/tmp/eg-kv-{srv.port}-*")
+    copy = os.path.join(run_dir, "tenants.toml")
+    os.unlink(copy)
+    os.makedirs(os.path.join(copy, "in-the-way"))  # a rename onto it fails
+    write_tokens(path, [{"name": "keep"}])
+    os.kill(srv.pid, signal.SIGHUP)
+    wait_for(lambda: "cannot write their copy" in srv.log(), timeout=20, what="the failed reload")
+    assert srv.proc.poll() is None
+    assert request(srv, "GET", "/kv/stats", token=token_of("gone")).status == 200  # kept
+    shutil.rmtree(copy)
+    os.kill(srv.pid, signal.SIGHUP)
+    wait_for(lambda: request(srv, "GET", "/kv/stats", token=token_of("gone")).status == 401,
+             timeout=20, what="the next reload")  # fmt: skip
+    assert request(srv, "GET", "/kv/stats", token=token_of("keep")).status == 200
