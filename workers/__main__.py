@@ -276,6 +276,14 @@ def _print_namespaces(spaces: dict[str, dict[str, Any]]) -> None:
         print(text)
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects are answers, never followed: urllib would send the bearer token on to
+    whatever host a proxy names (as the clients, eg_kv.client.rules, never follow one)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 def _stats(args: argparse.Namespace) -> int:
     url, where = _target(args)
     token, whose = _read_token(args)
@@ -290,10 +298,16 @@ def _stats(args: argparse.Namespace) -> int:
     ctx = None
     if url.startswith("https") and not verify:
         ctx = ssl._create_unverified_context()
+    opener = urllib.request.build_opener(_NoRedirect, urllib.request.HTTPSHandler(context=ctx))
     try:
-        with urllib.request.urlopen(req, timeout=args.timeout, context=ctx) as r:
+        with opener.open(req, timeout=args.timeout) as r:
             stats = json.loads(r.read())
     except urllib.error.HTTPError as e:
+        if 300 <= e.code < 400:
+            print(f"eg-kv stats: {url} (from {where}) answered {e.code}, a redirect to "
+                  f"{e.headers.get('Location')!r}: not followed (the token would go with it); "
+                  f"point --url at the eg-kv server itself", file=sys.stderr)  # fmt: skip
+            return 1
         if e.code == 401:
             refused = "none was sent" if token is None else f"{whose} was refused"
             print(f"eg-kv stats: {url} (from {where}) answered 401, it wants a valid bearer "

@@ -187,7 +187,7 @@ class Keeper:
                 return
             ns, key, block, length, engine = item
             try:
-                found = slab.read_or_open(key[1], ns)
+                found = slab.read_or_open(key[1], ns, use=False)  # not a client's GET
             except Exception:  # a damaged address cannot be one the log names: skip it
                 found = None
             with store.lock:

@@ -28,6 +28,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from ..disk.store import COUNTERS as _DISK_COUNTERS
 from ._compat import histogram_parts
+from .tenants import RESERVED_NAMESPACE
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Seconds between flushes of a worker's request counts into the shared files.
@@ -305,6 +306,6 @@ def _namespace_families(namespaces: dict[str, dict[str, int | str]]) -> list:
             else GaugeMetricFamily(name, doc, labels=["namespace"])
         )
         for ns_name, one in namespaces.items():
-            fam.add_metric([ns_name or "default"], int(one[key]))
+            fam.add_metric([ns_name or RESERVED_NAMESPACE], int(one[key]))
         out.append(fam)
     return out

@@ -17,7 +17,7 @@ from . import runstate
 from .answers import json_answer
 from .keys import AUTH, DISK, HEALTH, METRICS, SETTINGS, SLAB
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .tenants import Tenant
+from .tenants import RESERVED_NAMESPACE, Tenant
 
 _V = TypeVar("_V")
 
@@ -51,7 +51,8 @@ async def stats(request: web.Request, tenant: Tenant) -> web.Response:
         return json_answer(ordered_stats(own))
     out: dict[str, object] = dict(ordered_stats(slab.stats()))
     out["namespaces"] = {
-        name or "default": ordered_stats(one) for name, one in slab.namespace_stats().items()
+        name or RESERVED_NAMESPACE: ordered_stats(one)
+        for name, one in slab.namespace_stats().items()
     }
     return json_answer(await _with_disk(request, out))
 

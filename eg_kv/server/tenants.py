@@ -42,6 +42,9 @@ DEFAULT_NAMESPACE = ""
 #: A namespace name is stored in the slab's namespace table (layout.NS_NAME_MAX bytes).
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,63}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_EMPTY_DIGEST = hashlib.sha256(b"").digest()
+#: The name the unnamed default namespace goes by in /kv/stats and /metrics: no tenant's.
+RESERVED_NAMESPACE = "default"
 _KEYS = {"name", "token_sha256", "role", "namespace", "quota", "model"}
 
 
@@ -174,6 +177,12 @@ def parse(text: str, capacity: int, where: str = "tokens file") -> TenantTable:
                 f"tenant {name}: token_sha256 must be 64 hex digits (sha256sum of the token)",
             )
         digest = bytes.fromhex(digest_hex)
+        if digest == _EMPTY_DIGEST:  # `printf %s "$TOKEN" | sha256sum` with TOKEN unset
+            raise fail(
+                "token_sha256",
+                f"tenant {name}: token_sha256 is the digest of an empty token (was $TOKEN "
+                "set when you ran sha256sum?): a bare 'Bearer' would be this tenant",
+            )
         if digest in by_digest:
             raise fail(
                 "token_sha256", f"tenant {name}: duplicate token (also {by_digest[digest].name})"
@@ -184,6 +193,10 @@ def parse(text: str, capacity: int, where: str = "tokens file") -> TenantTable:
         namespace = entry.get("namespace", name)
         if not isinstance(namespace, str) or not NAME_RE.fullmatch(namespace):
             raise fail("namespace", f"tenant {name}: namespace must be 1-64 of [A-Za-z0-9._:@+=-]")
+        if namespace.lower() == RESERVED_NAMESPACE:
+            raise fail("namespace", f"tenant {name}: the namespace {namespace!r} is the "
+                       "unnamed default one's name in /kv/stats and /metrics: choose another "
+                       "(set namespace = ... when the tenant is named so)")  # fmt: skip
         quota = 0
         if "quota" in entry:
             try:

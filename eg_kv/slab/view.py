@@ -286,10 +286,11 @@ class SlabView:
         return i, s, _unpack_checksum(self._mm, self._slots_off + i * _SLOT_SIZE + _META)[0]
 
     def _look(
-        self, address: str, ns: int, limit: int = UNLIMITED
+        self, address: str, ns: int, limit: int = UNLIMITED, use: bool = True
     ) -> tuple[L.SlotFields, int] | None:
         """The block's slot fields and checksum, its use recorded (a counted hit); None: a
-        counted miss.
+        counted miss. ``use`` False: the server's own read (a spill), neither counted nor
+        a use that earns the block a second chance.
 
         Raises:
             Longer: the block is longer than ``limit`` bytes (nothing counted).
@@ -297,16 +298,18 @@ class SlabView:
         raw, fp = self._key(address, ns)
         i, s, checksum = self._read(self._find_summed, raw, fp, ns)
         if s is None:
-            self._count_read(0, 1, ns)
+            if use:
+                self._count_read(0, 1, ns)
             return None
         if s[F_LENGTH] > limit:
             raise Longer
-        self._touch(i)
-        self._count_read(1, 0, ns)
+        if use:
+            self._touch(i)
+            self._count_read(1, 0, ns)
         return s, checksum
 
     def read_or_open(
-        self, address: str, ns: int = 0, limit: int = UNLIMITED
+        self, address: str, ns: int = 0, limit: int = UNLIMITED, use: bool = True
     ) -> tuple[int, bytes | BlockReader] | None:
         """The block's checksum, and a one-page block's bytes, copied, or a
         :class:`BlockReader` for a longer block; None (a counted miss) if absent.
@@ -316,24 +319,27 @@ class SlabView:
 
         Args:
             limit: the longest block to read (the fast lane's: a longer one is streamed).
+            use: False for the server's own reads (the disk keeper's spills): no hit or
+                miss counted, no second chance given.
 
         Raises:
             BlockGone: the one-page block was evicted or released while it was copied.
             Longer: the block is longer than ``limit`` (nothing read or counted).
         """
-        found = self._look(address, ns, limit)
+        found = self._look(address, ns, limit, use)
         if found is None:
             return None
         s, checksum = found
         if s[F_NPAGES] != 1:
             return checksum, BlockReader(
-                self, s[F_LENGTH], s[F_FIRST], s[F_NPAGES], s[F_BLOCK_ID], ns, checksum
+                self, s[F_LENGTH], s[F_FIRST], s[F_NPAGES], s[F_BLOCK_ID], ns, checksum, use
             )
         first = s[F_FIRST]
         start = self._data_off + first * self.page_size
         data = self._mv[start : start + s[F_LENGTH]].tobytes()
         if self._tag[first] != s[F_BLOCK_ID]:  # BlockReader.verify, inline
-            self._count_aborted_read(ns)
+            if use:
+                self._count_aborted_read(ns)
             raise BlockGone("block was evicted while it was read")
         return checksum, data
 
@@ -440,15 +446,16 @@ class BlockReader:
     """Reads one block out of the slab outside the lock; the block's tag says whether what
     was read is still the block's (see :mod:`eg_kv.slab.layout`)."""
 
-    __slots__ = ("_slab", "block_id", "checksum", "first", "length", "npages", "ns")
+    __slots__ = ("_slab", "block_id", "checksum", "counted", "first", "length", "npages", "ns")
 
     def __init__(
         self, slab: SlabView, length: int, first: int, npages: int, block_id: int, ns: int = 0,
-        checksum: int = 0,
+        checksum: int = 0, counted: bool = True,
     ) -> None:  # fmt: skip
         self._slab, self.length, self.first = slab, length, first
         self.npages, self.block_id, self.ns = npages, block_id, ns
         self.checksum = checksum  # of the block's bytes, as its slot says (eg_kv.checksum)
+        self.counted = counted  # a client's read: a block gone meanwhile is a counted miss
 
     def still_there(self) -> bool:
         """True while the block has not been evicted or released since it was opened."""
@@ -460,7 +467,8 @@ class BlockReader:
             raise self._gone()
 
     def _gone(self) -> BlockGone:
-        self._slab._count_aborted_read(self.ns)
+        if self.counted:
+            self._slab._count_aborted_read(self.ns)
         return BlockGone("block was evicted while it was read")
 
     def runs(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[tuple[int, int]]:

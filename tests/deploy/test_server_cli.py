@@ -119,6 +119,46 @@ def test_stats_command(server_factory):
     assert out.returncode == 1 and "no eg-kv server answers at" in out.stderr
 
 
+def test_stats_follows_no_redirect_and_sends_the_token_nowhere_else():
+    """A proxy answering 302 to another host: urllib followed it, Authorization and all.
+    The command says where it was sent and stops; the other host hears nothing."""
+    import http.server
+    import threading
+
+    heard: list[str | None] = []
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            heard.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), Other)
+
+    class Proxy(Other):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{other.server_port}/kv/stats")
+            self.end_headers()
+
+    proxy = http.server.HTTPServer(("127.0.0.1", 0), Proxy)
+    threads = [threading.Thread(target=s.serve_forever) for s in (other, proxy)]
+    for t in threads:
+        t.start()
+    try:
+        out = eg_kv("stats", "--url", f"http://127.0.0.1:{proxy.server_port}",
+                    env={"EPISTEMIC_GRAPH_KVCACHE_TOKEN": "s3cret-for-stats"})  # fmt: skip
+    finally:
+        for s in (other, proxy):
+            s.shutdown()
+            s.server_close()
+    assert out.returncode == 1 and "302" in out.stderr and "not followed" in out.stderr
+    assert heard == [] and "s3cret-for-stats" not in out.stderr
+
+
 def test_check_command_clean_and_damaged(slab, slab_name):
     slab.put("c1", b"x" * 70_000)
     out = eg_kv("check", "--slab-name", slab_name)

@@ -584,3 +584,13 @@ def test_two_gets_promoting_one_block_publish_its_references_once(server_factory
             get.close()
     assert request(srv, "DELETE", f"/kv/{address}").status == 204
     assert request(srv, "GET", f"/kv/{address}").status == 404
+
+
+def test_spills_are_no_clients_reads(server_factory, disk_dir):
+    """The keeper reads each block it spills from the slab: not a GET hit (or miss) of the
+    block's namespace, and no second chance in eviction (every spill counted as a hit)."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    _put_spilled(srv, _blocks("n", 12))  # some of them spilled while they were there
+    st = stats(srv)
+    assert _disk(srv)["spills"] >= 12
+    assert st["get_hits"] == 0 and st["get_misses"] == 0

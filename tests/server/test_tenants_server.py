@@ -3,6 +3,7 @@ files, and a SIGKILL during multi-tenant traffic followed by ``eg-kv check``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import select
@@ -15,7 +16,7 @@ import pytest
 from helpers.common import wait_for
 from helpers.server_http import request, status_of
 from helpers.server_procs import eg_kv_check, workers_of
-from helpers.tenants import token_of, write_tokens
+from helpers.tenants import token_of, tokens_toml, write_tokens
 
 KiB, MiB = 1024, 1024 * 1024
 TENANTS = [
@@ -332,3 +333,43 @@ def test_remembered_headers_are_bounded_and_forgotten_on_reload(tmp_path):
     auth.table = load(str(path), 1 << 30)
     assert who(f"Bearer {as_('team-b')}") == "wrong bearer token"
     assert who(f"Bearer {as_('team-a')}") == "team-a"
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        # `printf %s "$TOKEN" | sha256sum` with TOKEN unset: a bare "Bearer" was the tenant
+        (("token_sha256", hashlib.sha256(b"").hexdigest()), "digest of an empty token"),
+        # the unnamed default namespace's name in /kv/stats and /metrics (one hid the other)
+        (("namespace", "Default"), "choose another"),
+    ],
+    ids=["empty-token", "default-namespace"],
+)
+def test_a_tokens_file_that_would_mislead_is_refused_naming_the_line(tmp_path, change, why):
+    from eg_kv.errors import ConfigError
+    from eg_kv.server.tenants import parse
+
+    key, value = change
+    text = tokens_toml([{"name": "team-a"}, {"name": "team-b"}])
+    lines = text.splitlines()
+    at = max(i for i, ln in enumerate(lines) if ln.startswith(("token_sha256", "role")))
+    if key == "token_sha256":
+        lines[at - 1] = f'token_sha256 = "{value}"'
+    else:
+        lines.insert(at + 1, f'{key} = "{value}"')
+    with pytest.raises(ConfigError, match=why) as refused:
+        parse("\n".join(lines), 1 << 30, "tokens.toml")
+    assert "line" in str(refused.value)
+
+
+def test_an_empty_bearer_token_is_no_tenants_token(tmp_path):
+    from aiohttp.test_utils import make_mocked_request
+
+    from eg_kv.server.auth import Auth
+    from eg_kv.server.tenants import load
+
+    path = write_tokens(tmp_path / "tokens.toml", TENANTS)
+    auth = Auth(load(str(path), 1 << 30), str(path))
+    for header in ("Bearer", "Bearer ", "bearer   "):
+        req = make_mocked_request("GET", "/kv/x", headers={"Authorization": header})
+        assert auth.authenticate(req) == "authorization required: the bearer token is empty"
