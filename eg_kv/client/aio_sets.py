@@ -190,7 +190,8 @@ class AsyncSetConnector:
                     break
                 for task in done:
                     out[pending.pop(task)] = task.result()
-                wait.answered()
+                if any(out[m] is not None for m in out):  # a failure is no answer: no cut
+                    wait.answered()
         finally:
             for task in pending:
                 task.cancel()

@@ -444,6 +444,10 @@ class Waiting:
         """Some member just answered: the others get until the straggler cut."""
         self._cut = self._router.cut(self._started, self._deadline)
 
+    def elapsed(self) -> float:
+        """Seconds since the round began."""
+        return time.monotonic() - self._started
+
     def give_up(self, member_ids: Iterable[str]) -> None:
         """The round is answered without these members: marked down."""
         self._router.late(member_ids, time.monotonic() - self._started)

@@ -17,6 +17,7 @@ Standard library only for a list of URLs; dnspython only for a DNS entry.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -203,7 +204,13 @@ class SetConnector:
         if len(jobs) <= 1:
             return {m: self._ask(ask, m, part, lease_ms) for m, part in jobs}
         wait = Waiting(self._router, ask.deadline)
-        pending = {self._fanout.submit(self._ask, ask, m, part, lease_ms): m for m, part in jobs}
+        began: dict[str, float] = {}  # when each job left the shared pool's queue
+
+        def run(m: str, part: list[str]) -> list[bool] | None:
+            began[m] = time.monotonic()
+            return self._ask(ask, m, part, lease_ms)
+
+        pending = {self._fanout.submit(run, m, part): m for m, part in jobs}
         out: dict[str, list[bool] | None] = {}
         while pending:
             done, _ = concurrent.futures.wait(
@@ -213,11 +220,16 @@ class SetConnector:
                 break
             for future in done:
                 out[pending.pop(future)] = future.result()
-            wait.answered()
+            if any(out[m] is not None for m in out):  # a failure is no answer: no cut
+                wait.answered()
         if pending:
-            for future in pending:
-                future.cancel()  # one still queued is never sent
-            wait.give_up(pending.values())
+            # One still queued is never sent, one sent late in the round had under half
+            # of it: the queue is this client's (its callers share the pool), not the
+            # member's fault.
+            now, half = time.monotonic(), wait.elapsed() / 2
+            late = [m for f, m in pending.items()
+                    if not f.cancel() and now - began.get(m, now) >= half]  # fmt: skip
+            wait.give_up(late)
         return out
 
     def _lookup(

@@ -1,0 +1,148 @@
+"""A server set's batch lookups against members that fail fast or hang, with real
+sockets: loopback members that answer ``POST /kv/batch/exists`` from a set of addresses
+they hold, after a delay or with an error status. A member is marked down only for what it
+did, never for another member's failure or this client's own queue."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import threading
+
+import pytest
+
+from eg_kv import wire
+from eg_kv.client.aio_sets import AsyncSetConnector
+from eg_kv.client.sets import SetConnector
+from eg_kv.client.settings import KvCacheConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class LookupMember:
+    """A member that answers batch lookups from ``held`` after ``delay_s`` (None: not
+    until closed) with ``status`` (200: the flags; else an error), and its health and
+    stats at once."""
+
+    def __init__(self, delay_s: float | None = 0.0, status: int = 200) -> None:
+        self.held: set[str] = set()
+        self.lookups = 0
+        self._closing = threading.Event()
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes, kind: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:  # health and stats
+                self._send(200, b'{"status":"ok","capacity_bytes":33554432}', wire.JSON_TYPE)
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                owner.lookups += 1
+                if owner._closing.wait(delay_s) and delay_s is None:
+                    return  # closed while it hung: no answer
+                if status != 200:
+                    self._send(status, b'{"error":"no"}', wire.JSON_TYPE)
+                    return
+                found = [a in owner.held for a in wire.decode_addresses(body)]
+                self._send(200, wire.encode_flags(found), wire.FLAGS_TYPE)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        port = self._server.server_address[1]
+        self.url, self.member_id = f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self._closing.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)
+
+
+@pytest.fixture
+def members(request):
+    made: list[LookupMember] = []
+
+    def make(*args, **kw) -> LookupMember:
+        made.append(LookupMember(*args, **kw))
+        return made[-1]
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def _homed(kv, member: LookupMember, n: int = 400) -> list[str]:
+    addresses = [f"{i:032x}" for i in range(n)]
+    return [a for a in addresses if kv.router.home(a)[1] == member.member_id]
+
+
+def _config(*ms: LookupMember) -> KvCacheConfig:
+    return KvCacheConfig(base_url=",".join(m.url for m in ms), timeout_s=2.0, local_reads=False)
+
+
+@pytest.mark.parametrize("status", [503, 401])
+def test_a_member_that_fails_at_once_does_not_cut_a_slower_one_sync(members, status):
+    """Its instant error was taken for an answer: the straggler cut (0.25 s) then dropped
+    a member answering in 0.3 s, marked it down, and the batch had no answer at all."""
+    failing, slow = members(status=status), members(delay_s=0.3)
+    with SetConnector(_config(failing, slow)) as kv:
+        on_slow, on_failing = _homed(kv, slow), _homed(kv, failing)
+        slow.held = set(on_slow)
+        got = kv.try_exists_addresses(on_slow + on_failing[:1])
+        assert got is not None and sum(got) == len(on_slow)
+        assert slow.member_id not in kv.router.down()
+
+
+@pytest.mark.parametrize("status", [503, 401])
+def test_a_member_that_fails_at_once_does_not_cut_a_slower_one_async(members, status):
+    failing, slow = members(status=status), members(delay_s=0.3)
+
+    async def run() -> None:
+        kv = AsyncSetConnector(_config(failing, slow))
+        try:
+            on_slow, on_failing = _homed(kv, slow), _homed(kv, failing)
+            slow.held = set(on_slow)
+            got = await kv.try_exists_addresses(on_slow + on_failing[:1])
+            assert got is not None and sum(got) == len(on_slow)
+            assert slow.member_id not in kv.router.down()
+        finally:
+            await kv.close()
+
+    asyncio.run(run())
+
+
+def test_jobs_left_in_the_shared_queue_do_not_mark_their_members_down(members):
+    """One member hangs; 20 callers at once fill the sync set's fan-out threads with
+    lookups waiting on it, and the other members' jobs wait in the queue past the batch's
+    cut. Those members were never asked: none is marked down (both were: the whole set
+    went down for one hung member)."""
+    hung, a, b = members(delay_s=None), members(), members()
+    with SetConnector(_config(hung, a, b)) as kv:
+        addresses = [f"{i:032x}" for i in range(300)]
+        a.held, b.held = set(addresses), set(addresses)
+        start = threading.Barrier(20)
+
+        def caller() -> None:
+            start.wait()
+            kv.try_exists_addresses(addresses)
+
+        threads = [threading.Thread(target=caller) for _ in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not {a.member_id, b.member_id} & set(kv.router.down())
+        assert hung.member_id in kv.router.down()
