@@ -262,11 +262,19 @@ class EgKvHiCacheStorage(HiCacheStorage):
     def _store(self, keys: list[str], pages: list[list[memoryview]]) -> list[bool]:
         addresses = self._addresses(keys) or []
         t0 = time.perf_counter()
-        held = self.client.try_exists_addresses(addresses) or [False] * len(keys)
+        # One timeout for the whole batch, as a load has: SGLang's backup thread (and its
+        # detach, which waits 10 s for it) must not wait a timeout per page.
+        deadline = time.monotonic() + self.config.timeout_s
+        held = self.client.try_exists_addresses(addresses)
+        if held is None:  # no server answered: the PUTs would wait on it too
+            self._counters.add(failed_pages=len(keys))
+            return [False] * len(keys)
         todo = [n for n, hit in enumerate(held) if not hit]
         names = engine_names(keys, self.format.page_tokens if self.format else 0)
 
         def put(address: str, item: tuple[list[memoryview], EngineName]) -> bool:
+            if time.monotonic() > deadline:  # the batch ran out of time: not stored, unsent
+                return False
             return self.client.put_status(address, item[0], item[1]) in (200, 201)
 
         items = [(pages[n], names[n]) for n in todo]
@@ -296,7 +304,11 @@ class EgKvHiCacheStorage(HiCacheStorage):
         for n, target in enumerate(targets):
             if target is None:
                 targets[n] = self.mem_pool_host.get_dummy_flat_data_page()
-        views = [[_tensor_view(t)] for t in targets]
+            elif not target.is_contiguous() or target.device.type != "cpu":
+                # Its bytes are not where a flat view of it says: the read would land in
+                # whatever lies after it (other pages of the pool). A miss instead.
+                targets[n] = None
+        views = [[_tensor_view(t)] if t is not None else [] for t in targets]
         done = self._load(keys, views)
         return [t if ok else None for t, ok in zip(targets, done, strict=True)]
 
@@ -318,10 +330,14 @@ class EgKvHiCacheStorage(HiCacheStorage):
             return False
         if not getattr(self.storage_config, "is_storage_writer", True):
             return True
-        pages = [[_tensor_view(v.contiguous())] for v in values]
+        # The views hold no reference: the contiguous copies must live until the PUTs end.
+        tensors = [v.contiguous() for v in values]
+        pages = [[_tensor_view(t)] for t in tensors]
         if any(len(p[0]) != self.format.page_bytes for p in pages):
             return False
-        return all(self._store(keys, pages))
+        stored = all(self._store(keys, pages))
+        del tensors
+        return stored
 
     # ------------------------------------------------------------------ the rest
 

@@ -45,6 +45,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -209,7 +210,8 @@ class EgKvConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         #: Block ids that failed to load in this step and the last (BlockTransfer.after).
         self._failed_steps: deque[set[int]] = deque([set(), set()], maxlen=2)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # saves
+        self._load_pool: ThreadPoolExecutor | None = None
         self._pending: deque[tuple[Future[int | None], int]] = deque()
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -468,6 +470,9 @@ class EgKvConnector(KVConnectorBase_V1):
         self._format = fmt
         self._handshake = EgKvHandshake(dataclasses.asdict(fmt), shard)
         self._pool = ThreadPoolExecutor(self._settings.io_threads, thread_name_prefix="eg-kv-io")
+        self._load_pool = ThreadPoolExecutor(
+            self._settings.io_threads, thread_name_prefix="eg-kv-load"
+        )
         log.info(
             "EgKvConnector: %d layers, %d bytes per block, shard %d of %d, server %s",
             len(layers),
@@ -498,14 +503,17 @@ class EgKvConnector(KVConnectorBase_V1):
             return
         staging = torch.empty((len(block_ids), self._block_bytes), dtype=torch.uint8)
         rows = staging.numpy()
-        assert self._pool is not None
-        # A block counts only when it filled its row exactly (see eg_kv.vllm.staging).
+        assert self._load_pool is not None
+        # A block counts only when it filled its row exactly (see eg_kv.vllm.staging). Its
+        # own threads (saves queued behind would delay the forward pass) and one timeout
+        # for the whole load, however many waves of GETs it takes.
         ok, bad = load_rows(
             self._client,
             addresses,
             rows,
-            map_fn=self._pool.map,
+            map_fn=self._load_pool.map,
             release_lease=self._settings.lease_ms > 0,
+            deadline=time.monotonic() + self._settings.client.timeout_s,
         )
         if bad:
             log.warning(
@@ -631,6 +639,9 @@ class EgKvConnector(KVConnectorBase_V1):
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+            if self._load_pool is not None:
+                self._load_pool.shutdown(wait=True)
+                self._load_pool = None
             self._client.close()
             if self._layers:
                 log.info("EgKvConnector worker counters: %s", self.counters)

@@ -9,11 +9,13 @@ call), and otherwise answers ``None`` until the lookup finished. Bounded everywh
 * a lookup that outlives ``deadline_s`` (a server that never answers, with a client
   whose own timeout did not end it) counts as a miss (0) and is dropped, so the
   scheduler is never stuck on it;
-* at most ``max_pending`` lookups are kept: past that a new ask runs its lookup inline
-  (bounded by the client's timeout) instead of growing the table;
+* at most ``max_pending`` lookups are kept: past that a new ask is a miss (0) at once,
+  never a lookup on the scheduler's thread (it ran one inline, up to the client's
+  timeout, for every request while a silent server filled the table);
 * a request's entry is dropped when it is answered, when it asks again for another
-  range (its local prefix changed), and by :meth:`PendingLookups.drop` (the connector
-  calls it from ``request_finished``).
+  range (its local prefix changed), when it expires, and by :meth:`PendingLookups.drop`
+  (the connector calls it from ``request_finished``); a dropped lookup that has not
+  started yet is cancelled, so the threads' queue holds only live ones.
 
 A lookup is one batch-exists request; nothing here changes any state but this table. The
 lookup the connector hands in leases its hits on the server (:mod:`eg_kv.slab.leases`):
@@ -47,7 +49,7 @@ class PendingLookups:
     Args:
         deadline_s: a lookup still running this long after it started is a miss.
         wait_s: how long the first ask waits for its own lookup before answering None.
-        max_pending: lookups kept at once (past it, lookups run inline).
+        max_pending: lookups kept at once (past it, a new one is a miss).
         threads: background lookup threads.
     """
 
@@ -68,7 +70,7 @@ class PendingLookups:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
-        self.counters = {"started": 0, "deferred": 0, "inline": 0, "expired": 0, "failed": 0}
+        self.counters = {"started": 0, "deferred": 0, "full": 0, "expired": 0, "failed": 0}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -86,8 +88,8 @@ class PendingLookups:
             entry = None
         if entry is None:
             if len(self._pending) >= self.max_pending:
-                self.counters["inline"] += 1
-                return self._safe(lookup)
+                self.counters["full"] += 1
+                return 0
             entry = _Pending(key, self._executor().submit(self._safe, lookup), time.monotonic())
             self._pending[req_id] = entry
             self.counters["started"] += 1
@@ -99,14 +101,18 @@ class PendingLookups:
             return entry.future.result()
         if time.monotonic() - entry.started >= self.deadline_s:
             del self._pending[req_id]
+            entry.future.cancel()
             self.counters["expired"] += 1
             return 0
         self.counters["deferred"] += 1
         return None
 
     def drop(self, req_id: str) -> None:
-        """Forget a request's lookup (a running one finishes in its thread, unread)."""
-        self._pending.pop(req_id, None)
+        """Forget a request's lookup (a running one finishes in its thread, unread; one
+        not started yet never starts)."""
+        entry = self._pending.pop(req_id, None)
+        if entry is not None:
+            entry.future.cancel()
 
     def close(self) -> None:
         """Drop every entry and stop the threads without waiting for running lookups."""

@@ -14,6 +14,7 @@ writer of the namespace under the right address are loaded (docs/security.md).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -39,12 +40,15 @@ def load_rows(
     *,
     map_fn: Callable[[Callable[[int], int | None], Iterable[int]], Iterable[int | None]] = map,
     release_lease: bool = False,
+    deadline: float | None = None,
 ) -> tuple[list[int], list[int]]:
     """GET ``addresses[i]`` into ``rows[i]`` (a writable buffer of one stored block's
     exact length), with ``map_fn`` (e.g. a thread pool's ``map``) running the GETs.
     ``release_lease``: end the lease the lookup took on each block, once every GET is
     done, in one :meth:`release` (one request per server; a GET read from the slab on the
     server's host could not end it itself, and a release per block cost a request each).
+    ``deadline`` (``time.monotonic()``): a GET that would start after it is a failed
+    block, unsent, so a silent server costs a load one timeout, not one per wave of GETs.
 
     Returns:
         ``(ok, failed)``: the indices (``rows`` is any indexable of buffers with a
@@ -57,6 +61,8 @@ def load_rows(
     sizes = [memoryview(row).nbytes for row in rows]
 
     def one(i: int) -> int | None:
+        if deadline is not None and time.monotonic() > deadline:
+            return None
         try:
             return client.get_into(addresses[i], rows[i])
         except Exception:  # a client that raises counts as a failed block, never a crash

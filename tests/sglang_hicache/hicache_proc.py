@@ -272,6 +272,41 @@ def scenario_dead() -> dict:
     return out
 
 
+def scenario_silent() -> dict:
+    """A server that takes the connection and never answers: a store is misses within
+    one timeout for the whole batch (it waited one per page, on SGLang's backup thread,
+    whose detach gives up after 10 s)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as silent:  # never accepts
+        engine = Engine(False, "page_first", url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                        timeout_s=0.5, io_threads=1)  # fmt: skip
+        keys = keys_of("silent", 8)
+        src = engine.slots(8)
+        engine.fill(src)
+        t0 = time.monotonic()
+        stored = engine.backend.batch_set_v1(keys, src)
+        out = {"set": stored, "seconds": time.monotonic() - t0}
+        engine.close()
+    return out
+
+
+def scenario_strided() -> dict:
+    """The legacy get into a target whose elements are not contiguous: a miss, and not a
+    byte written (a flat view of it covered whatever lay after its first element)."""
+    keys = keys_of("strided", 1)
+    writer = Engine(False, "page_first")
+    src = writer.slots(1)
+    writer.fill(src)
+    stored = writer.set(keys, src)
+    page = writer.pool.get_dummy_flat_data_page()
+    buf = torch.zeros(2 * page.numel(), dtype=page.dtype)
+    got = writer.backend.batch_get(keys, [buf[::2]])
+    out = {"stored": stored, "got": [g is not None for g in got], "untouched": not buf.any().item()}
+    writer.close()
+    return out
+
+
 def scenario_injector() -> dict:
     """SGLang's own failure injector around the backend (random delays and failures):
     every page a get reports loaded holds the bytes stored; the answers stay misses."""

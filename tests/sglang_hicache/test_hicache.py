@@ -121,6 +121,19 @@ def test_with_a_block_key_forged_pages_are_misses(found):
 
 
 @needs_sglang
+def test_a_silent_server_costs_a_store_one_timeout_not_one_per_page(found):
+    got = found["silent"]
+    assert got["set"] == [False] * 8
+    assert got["seconds"] < 1.5  # timeout_s 0.5, one thread: it took 4.5 s (one per page)
+
+
+@needs_sglang
+def test_a_legacy_get_into_a_strided_target_is_a_miss_that_writes_nothing(found):
+    got = found["strided"]
+    assert got == {"stored": True, "got": [False], "untouched": True}
+
+
+@needs_sglang
 def test_a_dead_server_is_misses_within_the_timeout(found):
     got = found["dead"]
     assert got["set"] == [False] * 8 and got["get"] == [False] * 8

@@ -108,3 +108,24 @@ def test_a_raising_client_is_a_failed_block_not_a_crash():
     assert load_rows(Broken(), _addresses(2), [bytearray(8), bytearray(8)]) == ([], [0, 1])
     with pytest.raises(ValueError):
         load_rows(Broken(), _addresses(2), [bytearray(8)])
+
+
+@pytest.mark.slow
+def test_a_silent_server_costs_a_load_one_timeout_not_one_per_wave():
+    """Twelve blocks on two threads against a server that never answers: GETs that would
+    start past the load's deadline are failures unsent (six waves took six timeouts)."""
+    import time
+
+    with RawServer("silent") as raw:
+        c = connect(KvCacheConfig.from_env({}, base_url=raw.url, timeout_s=1.0))
+        try:
+            addrs = _addresses(12)
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(2) as pool:
+                got = load_rows(c, addrs, [bytearray(64) for _ in addrs], map_fn=pool.map,
+                                deadline=time.monotonic() + 1.0)  # fmt: skip
+            took = time.monotonic() - t0
+        finally:
+            c.close()
+    assert got == ([], list(range(12)))
+    assert took < 3.0, f"the load took {took:.1f} s"

@@ -78,16 +78,45 @@ def test_another_key_restarts_and_drop_forgets():
     lookups.close()
 
 
-def test_the_table_is_bounded_and_overflow_runs_inline():
+def test_the_table_is_bounded_and_overflow_is_a_miss_at_once():
+    """Past the bound a new lookup is a miss without running (it ran inline on the
+    scheduler's thread, up to the client's timeout, for every request)."""
     gate = threading.Event()
     lookups = PendingLookups(deadline_s=30.0, wait_s=0.0, max_pending=3)
     for i in range(3):
         assert lookups.ask(f"r{i}", 0, lambda: gate.wait(10) and 1) is None
-    assert lookups.ask("r3", 0, lambda: 2) == 2  # inline: answered at once
-    assert len(lookups) == 3 and lookups.counters["inline"] == 1
+    ran = []
+    assert lookups.ask("r3", 0, lambda: ran.append(1) or 2) == 0
+    assert ran == [] and len(lookups) == 3 and lookups.counters["full"] == 1
     gate.set()
     lookups.close()
     assert len(lookups) == 0
+
+
+def test_lookups_dropped_or_expired_before_they_start_never_run():
+    """A silent server holds both threads; the lookups queued behind them and then dropped
+    (the request finished) or expired never run: the queue holds live lookups only."""
+    gate = threading.Event()
+    lookups = PendingLookups(deadline_s=0.2, wait_s=0.0, threads=1)
+    ran: list[str] = []
+    assert lookups.ask("busy", 0, lambda: gate.wait(10) and 1) is None
+    for i in range(5):
+        assert lookups.ask(f"r{i}", 0, lambda i=i: ran.append(f"r{i}") or 1) is None
+    for i in range(3):
+        lookups.drop(f"r{i}")
+    deadline = time.monotonic() + 5
+    while len(lookups) > 1 and time.monotonic() < deadline:  # r3, r4 expire when asked
+        for i in (3, 4):
+            if f"r{i}" in lookups._pending:
+                lookups.ask(f"r{i}", 0, lambda: 1)
+        time.sleep(0.05)
+    gate.set()
+    got = lookups.ask("last", 0, lambda: 7)  # queued after them: once it ran, they had
+    while got is None and time.monotonic() < deadline + 5:
+        time.sleep(0.01)
+        got = lookups.ask("last", 0, lambda: 7)
+    lookups.close()
+    assert got == 7 and ran == []
 
 
 def test_a_failing_lookup_is_a_miss():
