@@ -408,10 +408,12 @@ class BatchPlan:
             self._view, self._addresses, self.found, self._groups
         )
         if self._again and time.monotonic() < self._deadline:
-            yield self._ask(self._again)
+            yield self._ask(self._again, again=True)
 
-    def _ask(self, groups: Groups) -> Ask:
-        return Ask(self._view, groups, self._addresses, self._deadline, self._bounded)
+    def _ask(self, groups: Groups, again: bool = False) -> Ask:
+        # A second round has only what the first left of the deadline, first requests
+        # too (each had the config's whole timeout: one batch could take two of them).
+        return Ask(self._view, groups, self._addresses, self._deadline, self._bounded or again)
 
     def take(self, answers: dict[str, list[bool] | None]) -> None:
         """A round's answers: ``{member_id: one bool per address, or None (failed)}``; a

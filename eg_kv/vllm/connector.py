@@ -25,9 +25,10 @@ Scheduler side (the engine core process):
   ``kv_transfer_params``).
 
 Worker side (each model runner): :meth:`start_load_kv` GETs the blocks to load in
-parallel with ``get_into`` into one staging buffer (a local read from the slab on the
-server's host), then ``index_copy_`` s each layer's slices into the paged KV tensors; a
-block that did not arrive whole is never copied and is reported by
+parallel into one staging buffer (a local read from the slab on the server's host), then
+``index_copy_`` s each layer's slices into the paged KV tensors; a block is stored with a
+trailer that binds it to its address (:mod:`eg_kv.vllm.trailers`), and one that did not
+arrive whole, or is not its address's, is never copied and is reported by
 :meth:`get_block_ids_with_load_errors` (vLLM recomputes it with
 ``kv_load_failure_policy="recompute"``); the blocks of that step and the next computed
 after it are not saved (vLLM runs them before it hears of the failure: they attended to
@@ -68,6 +69,7 @@ from .events import EventRelay, LogFollowers, vllm_events
 from .lookups import PendingLookups
 from .settings import ConnectorSettings, settings_from
 from .staging import load_rows
+from .trailers import trailer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -224,6 +226,7 @@ class EgKvConnector(KVConnectorBase_V1):
             "deduplicated_blocks": 0,
             "save_failed_blocks": 0,
             "save_skipped_blocks": 0,  # computed after a block that failed to load
+            "save_dropped_blocks": 0,  # over max_pending_bytes: the server is behind
         }
 
     # ------------------------------------------------------------------ scheduler side
@@ -582,15 +585,29 @@ class EgKvConnector(KVConnectorBase_V1):
             out[:, layer.offset : layer.offset + layer.nbytes].copy_(part)
         rows = out.numpy()
         assert self._pool is not None
+        dropped = 0
         for i in range(n):
-            self._wait_for_room(self._block_bytes)
+            if not self._room_for(self._block_bytes):
+                dropped += 1  # the server is not keeping up: a save lost, not a stall
+                continue
             future = self._pool.submit(self._put, addresses[i], rows[i], names[i])
             with self._lock:
                 self._pending.append((future, self._block_bytes))
                 self._pending_bytes += self._block_bytes
+        if dropped:
+            with self._lock:
+                self.counters["save_dropped_blocks"] += dropped
+                first = self.counters["save_dropped_blocks"] == dropped
+            if first:
+                log.warning(
+                    "EgKvConnector: saves dropped: %d bytes of PUTs are waiting for the "
+                    "server (max_pending_bytes); the forward pass does not wait for them "
+                    "(counted in save_dropped_blocks)",
+                    self._pending_bytes,
+                )
 
     def _put(self, address: str, row: Any, name: EngineName) -> int | None:
-        status = self._client.put_status(address, (row,), name)
+        status = self._client.put_status(address, (row, trailer(address, row)), name)
         with self._lock:
             if status == 201:
                 self.counters["saved_blocks"] += 1
@@ -600,19 +617,18 @@ class EgKvConnector(KVConnectorBase_V1):
                 self.counters["save_failed_blocks"] += 1
         return status
 
-    def _wait_for_room(self, nbytes: int) -> None:
-        """Drop finished PUTs; wait for the oldest while over ``max_pending_bytes``."""
-        while True:
-            with self._lock:
-                while self._pending and self._pending[0][0].done():
-                    self._pending_bytes -= self._pending.popleft()[1]
-                if (
-                    not self._pending
-                    or self._pending_bytes + nbytes <= self._settings.max_pending_bytes
-                ):
-                    return
-                oldest = self._pending[0][0]
-            oldest.result()
+    def _room_for(self, nbytes: int) -> bool:
+        """Forget finished PUTs; whether ``nbytes`` more fit under ``max_pending_bytes``
+        (always, with none pending). Over it a save is dropped, never waited for: a slow
+        server costs saves, not the forward pass (it waited for the oldest PUT)."""
+        with self._lock:
+            if any(future.done() for future, _ in self._pending):
+                self._pending = deque(p for p in self._pending if not p[0].done())
+                self._pending_bytes = sum(nbytes for _, nbytes in self._pending)
+            return (
+                not self._pending
+                or self._pending_bytes + nbytes <= self._settings.max_pending_bytes
+            )
 
     def flush(self) -> None:
         """Wait until every PUT handed to the I/O threads has finished."""

@@ -2,14 +2,16 @@
 part of :class:`~eg_kv.vllm.connector.EgKvConnector`'s load path that needs neither vLLM
 nor torch (so it is tested against a real server without an engine).
 
-What a load can and cannot detect: a stored block is accepted only when its length is
-exactly the staging row's (one vLLM block of one shard, every layer): a missing block, a
-shorter one and a longer one (``get_into`` refuses a body larger than its buffer), a
-transport error or a refusal are all failures, and the block is recomputed. A block of
-the right length whose bytes changed after they were stored fails its checksum, and with
-the engines' block key a forged one fails its MAC: both are misses the client reports
-(:mod:`eg_kv.checksum`, :mod:`eg_kv.blockkey`). Without a key, bytes stored by another
-writer of the namespace under the right address are loaded (docs/security.md).
+What a load can and cannot detect: a stored block is a row (one vLLM block of one shard,
+every layer) and its trailer (:mod:`eg_kv.vllm.trailers`), and it is accepted only when
+its length is exactly the row's and the trailer's, and the trailer is the one its address
+and bytes give: a missing block, a shorter or longer one, a transport error or a refusal,
+and a block of the right length that is not this address's (a server that mixed up two
+blocks, a member back with stale state, a proxy) are all failures, and the block is
+recomputed. Bytes that changed after they were stored fail the server's checksum first,
+and with the engines' block key a forged block fails its MAC (:mod:`eg_kv.checksum`,
+:mod:`eg_kv.blockkey`): the trailer is no MAC, so without a key a writer of the namespace
+can still store KV of its own choosing under an address (docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
+
+from .trailers import read_row
 
 __all__ = ["BlockReader", "load_rows"]
 
@@ -26,9 +30,7 @@ _T = TypeVar("_T")
 class BlockReader(Protocol):
     """What a load needs of a client (every eg-kv sync client has it)."""
 
-    def get_into(
-        self, key: str | bytes, buffer: Any, release_lease: bool = False
-    ) -> int | None: ...
+    def fetch(self, key: str | bytes, sink: Any) -> Any: ...
 
     def release(self, keys: Sequence[str | bytes]) -> int: ...
 
@@ -52,9 +54,10 @@ def load_rows(
 
     Returns:
         ``(ok, failed)``: the indices (``rows`` is any indexable of buffers with a
-        length, e.g. a 2-D uint8 array's rows) whose row now holds a whole block of exactly the
-        row's length, and the others (a miss, an error, a block too short or too long).
-        A failed row's bytes are undefined and must not be used.
+        length, e.g. a 2-D uint8 array's rows) whose row now holds the block stored at
+        its address, checked by its trailer, and the others (a miss, an error, a block
+        of another length or another address's). A failed row's bytes are undefined and
+        must not be used.
     """
     if len(addresses) != len(rows):
         raise ValueError(f"{len(addresses)} addresses for {len(rows)} rows")
@@ -63,8 +66,15 @@ def load_rows(
     def one(i: int) -> int | None:
         if deadline is not None and time.monotonic() > deadline:
             return None
+        address, row = addresses[i], memoryview(rows[i]).cast("B")
+
+        def sink(length: int, read_exact: Callable[[memoryview], None]) -> int:
+            read_row(address, row, length, read_exact)
+            return len(row)
+
         try:
-            return client.get_into(addresses[i], rows[i])
+            got: int | None = client.fetch(address, sink)
+            return got
         except Exception:  # a client that raises counts as a failed block, never a crash
             return None
 

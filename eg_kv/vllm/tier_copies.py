@@ -42,28 +42,10 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol
 
-import xxhash
-
 from ..engine import NO_ENGINE, EngineName
+from .trailers import TRAILER, read_row, trailer
 
 __all__ = ["TRAILER", "CopyJobs", "FinishedJob", "trailer"]
-
-#: Bytes after the row in a stored block: its trailer.
-TRAILER = 16
-
-
-class Mismatch(Exception):
-    """A block that is not what this tier stored at its address."""
-
-
-def trailer(address: str, row: Any) -> bytes:
-    """The trailer stored after ``row``: XXH3-128 of ``address`` (its length first) and
-    the row's bytes. It binds the row to its address at 50 GB/s (BLAKE2b, before, ran at
-    0.7: ``scripts/bench_integrity.py``); it is no MAC (the block key is)."""
-    raw = address.encode("ascii")
-    h = xxhash.xxh3_128(len(raw).to_bytes(2, "little") + raw)
-    h.update(row)
-    return h.digest()
 
 
 class CopyClient(Protocol):
@@ -221,16 +203,9 @@ class CopyJobs:
 
     def _load_one(self, address: str, row: int) -> bool:
         slot = self._row(row)
-        want = self.row_bytes + TRAILER
 
         def sink(length: int, read_exact: Callable[[memoryview], None]) -> bool:
-            if length != want:
-                raise Mismatch(f"block of {length} bytes, not {want}")
-            read_exact(slot)
-            tail = bytearray(TRAILER)
-            read_exact(memoryview(tail))
-            if self._check_trailer and trailer(address, slot) != tail:
-                raise Mismatch("digest differs: not the bytes stored at this address")
+            read_row(address, slot, length, read_exact, self._check_trailer)
             return True
 
         return self._client.fetch(address, sink) is True

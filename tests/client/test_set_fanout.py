@@ -146,3 +146,28 @@ def test_jobs_left_in_the_shared_queue_do_not_mark_their_members_down(members):
             t.join(30)
         assert not {a.member_id, b.member_id} & set(kv.router.down())
         assert hung.member_id in kv.router.down()
+
+
+def test_a_second_round_has_only_what_the_first_left_of_the_deadline(members):
+    """Right after a member joined, a miss at the new home asks the previous home: that
+    request had the config's whole timeout again, so one lookup could take two."""
+    import dataclasses
+    import time
+
+    from eg_kv.client.placement import Placement
+
+    previous, other, new = members(delay_s=5.0), members(), members(delay_s=0.8)
+    with SetConnector(KvCacheConfig(base_url=",".join(m.url for m in (previous, other, new)),
+                                    timeout_s=1.0, local_reads=False)) as kv:  # fmt: skip
+        m = kv.router.membership
+        m._view = dataclasses.replace(  # the new member just joined
+            m.view(), previous=Placement({previous.member_id: 1.0, other.member_id: 1.0}),
+            changed_at=time.monotonic())  # fmt: skip
+        x = next(a for a in (f"{i:032x}" for i in range(4000))
+                 if m.view().placement.home(a) == new.member_id
+                 and m.view().previous_home(a) == previous.member_id)  # fmt: skip
+        t0 = time.monotonic()
+        assert kv.exists_many([x]) == [False]
+        took = time.monotonic() - t0
+    assert previous.lookups == 1  # asked, within what was left
+    assert took < 1.4, f"one lookup took {took:.2f} s of a 1 s timeout"

@@ -132,11 +132,46 @@ def main() -> None:
             "loader": loader_counters, "load_errors": errors, "equal": equal,
             "block_6_untouched": untouched, "poisoned": poisoned,
             "rollback_saves": rollback(config, kv), "dcp_refused": dcp_refused(config, kv),
+            "silent_saves": silent_saves(config, kv, layers, worker_caches=loaded),
             "handshake_shard": loader.get_handshake_metadata().shard,  # type: ignore[union-attr]
         }  # fmt: skip
         saver.shutdown()
         loader.shutdown()
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def silent_saves(config, kv, layers, worker_caches) -> dict:
+    """Saves to a server that takes the connection and never answers, one block's worth
+    of PUTs allowed in flight: a step's three saves return at once, two dropped (it waited
+    for the oldest PUT, a timeout, before each)."""
+    import copy
+    import time
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from eg_kv.vllm.connector import BlockTransfer, EgKvConnector, EgKvConnectorMetadata
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # never accepts
+        cfg = copy.deepcopy(config)
+        cfg.kv_transfer_config.kv_connector_extra_config = {
+            "url": f"http://127.0.0.1:{silent.getsockname()[1]}", "local_reads": False,
+            "timeout_s": 1, "max_pending_bytes": 1}  # fmt: skip
+        conn = EgKvConnector(cfg, KVConnectorRole.WORKER, kv)
+        conn.register_kv_caches(worker_caches)
+        conn.bind_connector_metadata(
+            EgKvConnectorMetadata(
+                saves=[BlockTransfer("s", [1, 2, 3], [bytes([0x20 + i]) * 32 for i in range(3)])]
+            )
+        )
+        t0 = time.monotonic()
+        conn.wait_for_save()
+        took = time.monotonic() - t0
+        conn.clear_connector_metadata()
+        dropped = conn.counters["save_dropped_blocks"]
+        conn.shutdown()  # waits for the one PUT sent (its timeout)
+    return {"took": took, "dropped": dropped}
 
 
 def dcp_refused(config, kv) -> str:

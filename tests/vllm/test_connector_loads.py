@@ -1,6 +1,7 @@
 """EgKvConnector's load validation (eg_kv.vllm.staging.load_rows) against a real eg-kv
 server, without a vLLM engine: a block is used only when it fills its staging row
-exactly; anything else is a failed block (vLLM recomputes it), never wrong KV."""
+exactly and its trailer vouches for its address and bytes; anything else is a failed
+block (vLLM recomputes it), never wrong KV."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from eg_kv.client.connectors import connect
 from eg_kv.client.settings import KvCacheConfig
 from eg_kv.vllm.addresses import BlockFormat, block_addresses, token_chain
 from eg_kv.vllm.staging import load_rows
+from eg_kv.vllm.trailers import trailer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,14 +37,19 @@ def client(server_factory):
     c.close()
 
 
+def _stored(address: str, row: bytes) -> bytes:
+    """A block as the connector stores it: the row, then its trailer."""
+    return row + trailer(address, row)
+
+
 def test_only_blocks_of_the_exact_length_load(client):
     addrs = _addresses(6)
     good = os.urandom(ROW)
-    assert client.put(addrs[0], good)
-    assert client.put(addrs[1], good[: ROW // 2])  # too short
-    assert client.put(addrs[2], good + b"x")  # one byte too long
+    assert client.put(addrs[0], _stored(addrs[0], good))
+    assert client.put(addrs[1], _stored(addrs[1], good[: ROW // 2]))  # too short
+    assert client.put(addrs[2], _stored(addrs[2], good + b"x"))  # one byte too long
     # addrs[3]: absent
-    assert client.put(addrs[4], good[::-1])
+    assert client.put(addrs[4], _stored(addrs[4], good[::-1]))
     assert client.put(addrs[5], b"\0")  # one byte
     rows = [bytearray(ROW) for _ in addrs]
     with ThreadPoolExecutor(4) as pool:
@@ -55,26 +62,31 @@ def test_only_blocks_of_the_exact_length_load(client):
 def test_a_replaced_block_of_the_wrong_length_fails(client):
     """The e2e's fault: a stored block deleted until absent, then PUT again too short."""
     (addr,) = _addresses(1)
-    assert client.put(addr, os.urandom(ROW))
-    assert client.put(addr, os.urandom(ROW))  # deduplicated: two references
+    block = _stored(addr, os.urandom(ROW))
+    assert client.put(addr, block)
+    assert client.put(addr, block)  # deduplicated: two references
     for _ in range(4):
         if not client.delete(addr):
             break
     assert not client.exists(addr)
-    assert client.put(addr, os.urandom(ROW - 512))
+    assert client.put(addr, _stored(addr, os.urandom(ROW - 512)))
     assert client.exists(addr)
     ok, failed = load_rows(client, [addr], [bytearray(ROW)])
     assert (ok, failed) == ([], [0])
 
 
-def test_right_length_garbage_is_not_detected(client):
-    """The limit, stated: no checksum, so a block of the right length is taken as is."""
-    (addr,) = _addresses(1)
-    garbage = b"\xff" * ROW
-    assert client.put(addr, garbage)
-    row = bytearray(ROW)
-    assert load_rows(client, [addr], [row]) == ([0], [])
-    assert bytes(row) == garbage
+def test_a_block_of_the_right_length_that_is_not_this_addresses_fails(client):
+    """Bytes of the right length under the address that its trailer does not vouch for:
+    garbage, another address's block (a server or proxy that mixed them up), or the row of
+    a block stored before trailers. Each was loaded as KV before."""
+    a, b, c = _addresses(3)
+    other = _stored(b, os.urandom(ROW))
+    assert client.put(a, b"\xff" * (ROW + 16))  # garbage
+    assert client.put(c, other)  # b's block, under c
+    assert client.put(b, other)  # and under its own address: loads
+    rows = [bytearray(ROW) for _ in range(3)]
+    assert load_rows(client, [a, b, c], rows) == ([1], [0, 2])
+    assert bytes(rows[1]) == other[:ROW]
 
 
 @pytest.mark.slow
@@ -102,7 +114,7 @@ def test_a_server_that_never_answers_fails_every_block_in_time():
 
 def test_a_raising_client_is_a_failed_block_not_a_crash():
     class Broken:
-        def get_into(self, key, buffer):
+        def fetch(self, key, sink):
             raise OSError("boom")
 
     assert load_rows(Broken(), _addresses(2), [bytearray(8), bytearray(8)]) == ([], [0, 1])

@@ -42,4 +42,6 @@ def test_worker_side_saves_and_loads_through_a_real_server(server_factory, vllm_
     assert got["poisoned"] == {"stored": [False, True, False, True], "skipped": 2}, got
     assert got["rollback_saves"] == [[10, 11, 12, 13, 14]], got
     assert "decode_context_parallel_size > 1" in got["dcp_refused"], got
+    # a silent server: the step's saves do not wait for it (one sent, two dropped)
+    assert got["silent_saves"]["dropped"] == 2 and got["silent_saves"]["took"] < 0.5, got
     assert stats(srv)["unique_blocks"] == 5
