@@ -187,9 +187,9 @@ def connector_format(vllm_config: Any, layout: Sequence[str], kv_dtype: str) -> 
         model=f"{model.model}@{revision}" if revision else str(model.model),
         dtype=kv_dtype,
         block_size=int(vllm_config.cache_config.block_size),
-        # The row, then its trailer (eg_kv.vllm.trailers): blocks stored before it had
-        # none, and are other addresses (their length would have refused the new ones).
-        layout=";".join([*layout, "trailer:xxh3-128"]),
+        # The row, then its address's tag (eg_kv.vllm.trailers): blocks stored before it
+        # had none, and are other addresses (their length would have refused the new ones).
+        layout=";".join([*layout, "tag:xxh3-128"]),
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
         binding=binding_of(vllm_config).describe(),

@@ -26,9 +26,9 @@ Scheduler side (the engine core process):
 
 Worker side (each model runner): :meth:`start_load_kv` GETs the blocks to load in
 parallel into one staging buffer (a local read from the slab on the server's host), then
-``index_copy_`` s each layer's slices into the paged KV tensors; a block is stored with a
-trailer that binds it to its address (:mod:`eg_kv.vllm.trailers`), and one that did not
-arrive whole, or is not its address's, is never copied and is reported by
+``index_copy_`` s each layer's slices into the paged KV tensors; a block is stored with its
+address's tag after it (:mod:`eg_kv.vllm.trailers`), and one that did not arrive whole,
+or is not its address's, is never copied and is reported by
 :meth:`get_block_ids_with_load_errors` (vLLM recomputes it with
 ``kv_load_failure_policy="recompute"``); the blocks of that step and the next computed
 after it are not saved (vLLM runs them before it hears of the failure: they attended to
@@ -69,7 +69,7 @@ from .events import EventRelay, LogFollowers, vllm_events
 from .lookups import PendingLookups
 from .settings import ConnectorSettings, settings_from
 from .staging import load_rows
-from .trailers import trailer
+from .trailers import address_tag
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -607,7 +607,7 @@ class EgKvConnector(KVConnectorBase_V1):
                 )
 
     def _put(self, address: str, row: Any, name: EngineName) -> int | None:
-        status = self._client.put_status(address, (row, trailer(address, row)), name)
+        status = self._client.put_status(address, (row, address_tag(address)), name)
         with self._lock:
             if status == 201:
                 self.counters["saved_blocks"] += 1

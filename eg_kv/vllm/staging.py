@@ -3,9 +3,9 @@ part of :class:`~eg_kv.vllm.connector.EgKvConnector`'s load path that needs neit
 nor torch (so it is tested against a real server without an engine).
 
 What a load can and cannot detect: a stored block is a row (one vLLM block of one shard,
-every layer) and its trailer (:mod:`eg_kv.vllm.trailers`), and it is accepted only when
-its length is exactly the row's and the trailer's, and the trailer is the one its address
-and bytes give: a missing block, a shorter or longer one, a transport error or a refusal,
+every layer) and its address's tag (:mod:`eg_kv.vllm.trailers`), and it is accepted only
+when its length is exactly the row's and the tag's, and the tag is its address's: a
+missing block, a shorter or longer one, a transport error or a refusal,
 and a block of the right length that is not this address's (a server that mixed up two
 blocks, a member back with stale state, a proxy) are all failures, and the block is
 recomputed. Bytes that changed after they were stored fail the server's checksum first,
@@ -55,9 +55,9 @@ def load_rows(
     Returns:
         ``(ok, failed)``: the indices (``rows`` is any indexable of buffers with a
         length, e.g. a 2-D uint8 array's rows) whose row now holds the block stored at
-        its address, checked by its trailer, and the others (a miss, an error, a block
-        of another length or another address's). A failed row's bytes are undefined and
-        must not be used.
+        its address, checked by its tag (its bytes by their checksum), and the others
+        (a miss, an error, a block of another length or another address's). A failed
+        row's bytes are undefined and must not be used.
     """
     if len(addresses) != len(rows):
         raise ValueError(f"{len(addresses)} addresses for {len(rows)} rows")
@@ -69,7 +69,7 @@ def load_rows(
         address, row = addresses[i], memoryview(rows[i]).cast("B")
 
         def sink(length: int, read_exact: Callable[[memoryview], None]) -> int:
-            read_row(address, row, length, read_exact)
+            read_row(address, row, length, read_exact, tagged=True)
             return len(row)
 
         try:

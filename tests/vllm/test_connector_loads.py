@@ -1,6 +1,6 @@
 """EgKvConnector's load validation (eg_kv.vllm.staging.load_rows) against a real eg-kv
 server, without a vLLM engine: a block is used only when it fills its staging row
-exactly and its trailer vouches for its address and bytes; anything else is a failed
+exactly and carries its address's tag; anything else is a failed
 block (vLLM recomputes it), never wrong KV."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from eg_kv.client.connectors import connect
 from eg_kv.client.settings import KvCacheConfig
 from eg_kv.vllm.addresses import BlockFormat, block_addresses, token_chain
 from eg_kv.vllm.staging import load_rows
-from eg_kv.vllm.trailers import trailer
+from eg_kv.vllm.trailers import address_tag
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,8 +38,8 @@ def client(server_factory):
 
 
 def _stored(address: str, row: bytes) -> bytes:
-    """A block as the connector stores it: the row, then its trailer."""
-    return row + trailer(address, row)
+    """A block as the connector stores it: the row, then its address's tag."""
+    return row + address_tag(address)
 
 
 def test_only_blocks_of_the_exact_length_load(client):
@@ -76,9 +76,9 @@ def test_a_replaced_block_of_the_wrong_length_fails(client):
 
 
 def test_a_block_of_the_right_length_that_is_not_this_addresses_fails(client):
-    """Bytes of the right length under the address that its trailer does not vouch for:
-    garbage, another address's block (a server or proxy that mixed them up), or the row of
-    a block stored before trailers. Each was loaded as KV before."""
+    """Bytes of the right length under the address that its tag does not name: garbage,
+    or another address's block (a server or proxy that mixed them up). Each was loaded as
+    KV before."""
     a, b, c = _addresses(3)
     other = _stored(b, os.urandom(ROW))
     assert client.put(a, b"\xff" * (ROW + 16))  # garbage
