@@ -288,6 +288,8 @@ class AsyncSetConnector:
 
     async def member_stats(self) -> list[MemberStats]:
         """Each member's stats (gathered in parallel), sorted by member id."""
+        if self._closed:  # nothing is asked of a member after close()
+            return []
         view = self._router.view()
 
         async def one(member_id: str) -> MemberStats:
@@ -310,6 +312,8 @@ class AsyncSetConnector:
 
     async def healthz(self) -> dict[str, Any] | None:
         """``{"status": "ok", "members": K, "members_up": k}`` while a member is up."""
+        if self._closed:
+            return None
         view, up = self._router.up()
         for member_id in up:
             if await self._members.get(view, member_id).healthz() is not None:

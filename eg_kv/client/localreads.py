@@ -49,6 +49,7 @@ class LocalReads:
         self.slab: LocalSlab | None = None
         self._probe_at = 0.0 if enabled else float("inf")
         self._lock = threading.Lock()
+        self._closed = False
 
     def due(self) -> bool:
         """Whether to ask the server now. True once per probe: it also starts the wait
@@ -71,11 +72,14 @@ class LocalReads:
         except (ValueError, LocalUnavailable) as e:
             log.debug("eg-kv local reads off: %s", e)
             return
+        old: LocalSlab | None = slab  # a probe answered after close(): nobody would unmap it
         with self._lock:
-            old, self.slab = self.slab, slab
+            if not self._closed:
+                old, self.slab = self.slab, slab
         if old is not None:
             old.close()
-        log.debug("eg-kv local reads on: %s", slab.name)
+        if self.slab is slab:
+            log.debug("eg-kv local reads on: %s", slab.name)
 
     def step_aside(self, exc: LocalUnavailable) -> None:
         """A local read could not be served (the caller goes over HTTP); a retired mapping
@@ -93,5 +97,6 @@ class LocalReads:
         with self._lock:
             old, self.slab = self.slab, None
             self._probe_at = float("inf")
+            self._closed = True
         if old is not None:
             old.close()

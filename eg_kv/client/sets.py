@@ -308,7 +308,7 @@ class SetConnector:
                 lambda job: self._members.get(view, job[0]).release(job[1]), by_home.items()
             )
             return sum(done)
-        except RuntimeError:  # close() shut the fan-out pool down
+        except (RuntimeError, concurrent.futures.CancelledError):  # close() shut it down
             return 0
 
     def events(
@@ -338,6 +338,8 @@ class SetConnector:
 
     def member_stats(self) -> list[MemberStats]:
         """Each member's stats (in parallel), sorted by member id."""
+        if self._closed:  # nothing is asked of a member after close()
+            return []
         view = self._router.view()
 
         def one(member_id: str) -> MemberStats:
@@ -356,6 +358,8 @@ class SetConnector:
 
     def healthz(self) -> dict[str, Any] | None:
         """``{"status": "ok", "members": K, "members_up": k}`` while a member is up."""
+        if self._closed:
+            return None
         view, up = self._router.up()
         for member_id in up:
             if self._members.get(view, member_id).healthz() is not None:

@@ -19,6 +19,7 @@ from eg_kv.client.settings import KvCacheConfig
 from eg_kv.errors import ConfigError
 from eg_kv.vllm.settings import settings_from
 from eg_kv.vllm.staging import load_rows
+from eg_kv.vllm.trailers import address_tag
 
 pytestmark = pytest.mark.timeout(120)
 ROW = 8 * 1024
@@ -81,7 +82,7 @@ def test_the_connectors_loads_release_what_its_lookup_leased(server_factory):
     try:
         addrs = [f"egv-lease-{k}" for k in range(6)]
         for a in addrs[:5]:
-            assert client.put(a, bytes(ROW))
+            assert client.put(a, bytes(ROW) + address_tag(a))  # as the connector stores it
         assert client.contains_prefix(addrs, lease_ms=5000) == 5
         assert leases(srv.url) == (5, 0, 5)
         rows = [bytearray(ROW) for _ in addrs]

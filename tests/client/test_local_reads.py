@@ -499,3 +499,26 @@ def test_a_full_readers_table_refuses_cleanly_and_stale_counts_are_dropped(slab_
     finally:
         slab.close()
         Slab.unlink_named(slab_name)
+
+
+def test_a_probe_answered_after_close_maps_nothing(server_factory, monkeypatch):
+    """An inline lookup's probe can be answered after its client closed: the mapping it
+    names is let go at once (it was kept, and nothing would ever unmap it: an fd, a
+    mapping of the whole slab and one of its reader entries)."""
+    from eg_kv.client.localreads import LocalReads
+
+    srv = server_factory(workers=1, capacity="32MiB")
+    with urllib.request.urlopen(srv.url + "/kv/local/slab", timeout=10) as r:
+        body = r.read()
+    reads = LocalReads(enabled=True)
+    reads.adopt(200, body)  # open: it maps
+    assert reads.slab is not None
+    reads.close()
+    assert reads.slab is None
+    opened: list[LocalSlab] = []
+    real_open = LocalSlab.open
+    monkeypatch.setattr(
+        LocalSlab, "open", lambda info: opened.append(real_open(info)) or opened[-1]
+    )
+    reads.adopt(200, body)
+    assert reads.slab is None and len(opened) == 1 and opened[0].closed

@@ -27,6 +27,7 @@ class LookupMember:
     def __init__(self, delay_s: float | None = 0.0, status: int = 200) -> None:
         self.held: set[str] = set()
         self.lookups = 0
+        self.requests = 0  # of every kind
         self._closing = threading.Event()
         owner = self
 
@@ -44,11 +45,13 @@ class LookupMember:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:  # health and stats
+                owner.requests += 1
                 self._send(200, b'{"status":"ok","capacity_bytes":33554432}', wire.JSON_TYPE)
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 owner.lookups += 1
+                owner.requests += 1
                 if owner._closing.wait(delay_s) and delay_s is None:
                     return  # closed while it hung: no answer
                 if status != 200:
@@ -171,3 +174,26 @@ def test_a_second_round_has_only_what_the_first_left_of_the_deadline(members):
         took = time.monotonic() - t0
     assert previous.lookups == 1  # asked, within what was left
     assert took < 1.4, f"one lookup took {took:.2f} s of a 1 s timeout"
+
+
+def test_a_closed_set_asks_its_members_nothing(members):
+    """After close() the set-wide calls answer as misses and send nothing: they built
+    fresh member connectors (a pooled socket; on the async side a session never closed)
+    and asked the members."""
+    a, b = members(), members()
+    kv = SetConnector(_config(a, b))
+    kv.close()
+    asked = a.requests + b.requests
+    assert kv.healthz() is None and kv.member_stats() == []
+    with pytest.raises(Exception, match="no member"):
+        kv.stats()
+    assert a.requests + b.requests == asked and kv._members._conns == {}
+
+    async def run() -> None:
+        akv = AsyncSetConnector(_config(a, b))
+        await akv.close()
+        before = a.requests + b.requests  # (a set weighs its members as it starts)
+        assert await akv.healthz() is None and await akv.member_stats() == []
+        assert akv._members._conns == {} and a.requests + b.requests == before
+
+    asyncio.run(run())
