@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.device_pool_info import (
     MLABufferInfo,
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost, get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 #: The config line that builds eg-kv's backend through SGLang's ``dynamic`` factory.
@@ -47,6 +47,30 @@ def mha_pool(layout: str, *, layers: int, heads: int, dim: int, page: int, pages
                                 device_capacity_tokens=tokens, start_layer=0,
                                 end_layer=layers)  # fmt: skip
     pool._eg_kv_device = (k, v)  # the device buffers the pool's pointers name
+    return pool
+
+
+def asym_pool(layout: str, *, layers: int, heads: int, dim: int, v_dim: int, page: int,
+              pages: int, dtype: Any = torch.bfloat16) -> MHATokenToKVPoolHost:  # fmt: skip
+    """SGLang's MHA host pool for K and V of other head dims (``dim`` and ``v_dim``, as
+    MiMo-V2's), the class SGLang picks for them: K and V in buffers of their own."""
+    tokens = pages * page // 2
+    k = tuple(torch.zeros(tokens, heads, dim, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(tokens, heads, v_dim, dtype=dtype) for _ in range(layers))
+
+    def ptrs(bufs: tuple) -> torch.Tensor:
+        return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64)
+
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
+                          layout=KVBufferLayout.NHD),
+        page_size=page, head_num=heads, head_dim=dim, v_head_dim=v_dim, dtype=dtype,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    pool = get_mha_host_pool_cls(info)(info, 2.0, 0, page, layout, pin_memory=False,
+                                       device="cpu", device_capacity_tokens=tokens,
+                                       start_layer=0, end_layer=layers)  # fmt: skip
+    pool._eg_kv_device = (k, v)
     return pool
 
 

@@ -303,7 +303,10 @@ class EgKvHiCacheStorage(HiCacheStorage):
         targets = list(target_locations or [None] * len(keys))
         for n, target in enumerate(targets):
             if target is None:
-                targets[n] = self.mem_pool_host.get_dummy_flat_data_page()
+                try:
+                    targets[n] = self.mem_pool_host.get_dummy_flat_data_page()
+                except NotImplementedError:  # a pool without flat pages (K, V dims differ)
+                    return [None] * len(keys)
             elif not target.is_contiguous() or target.device.type != "cpu":
                 # Its bytes are not where a flat view of it says: the read would land in
                 # whatever lies after it (other pages of the pool). A miss instead.

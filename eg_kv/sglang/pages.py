@@ -163,15 +163,29 @@ def page_format(storage_config: Any, pool: Any, binding: EngineBinding) -> PageF
     shape = tuple((a, int(getattr(pool, a))) for a in _SHAPE_ATTRS if getattr(pool, a, None))
     names = _MLA_RANKS if mla else _MHA_RANKS
     ranks = tuple((n, int(getattr(storage_config, n, 0) or 0)) for n in names)
-    flat = pool.get_dummy_flat_data_page()
     return PageFormat(
         binding=binding.describe(),
         mla=mla,
         shape=shape,
         ranks=ranks,
-        page_bytes=int(flat.numel() * flat.element_size()),
+        page_bytes=_page_bytes(pool),
         order=LAYOUT_ORDER[layout],
     )
+
+
+def _page_bytes(pool: Any) -> int:
+    """The bytes of one page's block: what the zero-copy path reads of a page (its pieces
+    from ``get_page_buffer_meta``), which pools with K and V of other head dims (MiMo-V2)
+    give while their flat page (``get_dummy_flat_data_page``) raises; the flat page
+    where the pieces cannot be had."""
+    import torch  # SGLang's: the backend runs inside it
+
+    try:
+        _, sizes = pool.get_page_buffer_meta(torch.arange(int(pool.page_size)))
+        return int(sum(sizes))
+    except Exception:
+        flat = pool.get_dummy_flat_data_page()
+        return int(flat.numel() * flat.element_size())
 
 
 #: Host pool layouts whose pages :func:`page_views` reads in the flat order, and the order

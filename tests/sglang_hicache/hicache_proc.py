@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import no_torchvision  # noqa: F401, I001  (before SGLang's host pools and controller)
 
 import torch
-from sglang_pools import EG_KV_BACKEND, mha_pool, mla_pool, storage_config
+from sglang_pools import EG_KV_BACKEND, asym_pool, mha_pool, mla_pool, storage_config
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -269,6 +269,37 @@ def scenario_dead() -> dict:
            "stats": type(engine.backend.get_stats()).__name__}  # fmt: skip
     engine.close()
     out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def scenario_asymmetric() -> dict:
+    """A pool whose K and V have other head dims (MiMo-V2's, SGLang's own class for it):
+    the backend starts (it stopped SGLang: it sized pages by the flat page, which such
+    a pool refuses), and pages round-trip K and V equal; the legacy path is a miss."""
+    keys = keys_of("asym", 4)
+
+    def engine() -> SimpleNamespace:
+        pool = asym_pool("page_first", layers=LAYERS, heads=HEADS, dim=DIM, v_dim=DIM // 2,
+                         page=PAGE, pages=128)  # fmt: skip
+        backend = StorageBackendFactory.create_backend("dynamic", config(False), pool)
+        backend.register_mem_pool_host(pool)
+        ctrl = SimpleNamespace(storage_backend=backend, storage_host_pool=pool, page_size=PAGE)
+        return SimpleNamespace(pool=pool, backend=backend, ctrl=ctrl)
+
+    writer, reader = engine(), engine()
+    src, dst = writer.pool.alloc(4 * PAGE), reader.pool.alloc(4 * PAGE)
+    for buf in (writer.pool.k_buffer, writer.pool.v_buffer):
+        buf.copy_(torch.randn(buf.shape).to(buf.dtype))
+    stored = HiCacheController._page_set_zero_copy(writer.ctrl, keys, src)
+    got = HiCacheController._page_get_zero_copy(reader.ctrl, OP, keys, dst)
+    equal = all(torch.equal(r[dst], w[src]) for r, w in (
+        (reader.pool.k_buffer, writer.pool.k_buffer),
+        (reader.pool.v_buffer, writer.pool.v_buffer)))  # fmt: skip
+    out = {"stored": stored, "loaded": got, "equal": equal,
+           "page_bytes": writer.backend.format.page_bytes,
+           "legacy_get": reader.backend.batch_get(keys[:1])}  # fmt: skip
+    writer.backend.close()
+    reader.backend.close()
     return out
 
 

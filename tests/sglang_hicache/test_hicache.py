@@ -121,6 +121,15 @@ def test_with_a_block_key_forged_pages_are_misses(found):
 
 
 @needs_sglang
+def test_a_pool_with_k_and_v_of_other_head_dims_round_trips(found):
+    got = found["asymmetric"]
+    # K: 4 layers x 16 tokens x 2 heads x 64 dims x 2 B; V the same at 32 dims
+    assert got["page_bytes"] == 16384 + 8192
+    assert got["stored"] is True and got["loaded"] == 4 and got["equal"] is True
+    assert got["legacy_get"] == [None]
+
+
+@needs_sglang
 def test_a_silent_server_costs_a_store_one_timeout_not_one_per_page(found):
     got = found["silent"]
     assert got["set"] == [False] * 8
