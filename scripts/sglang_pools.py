@@ -28,33 +28,13 @@ EG_KV_BACKEND = {"backend_name": "eg-kv", "module_path": "eg_kv.sglang",
 
 
 def mha_pool(layout: str, *, layers: int, heads: int, dim: int, page: int, pages: int,
-             dtype: Any = torch.bfloat16) -> MHATokenToKVPoolHost:  # fmt: skip
-    """SGLang's MHA host pool of about ``pages`` pages (twice a device pool of half)."""
+             dtype: Any = torch.bfloat16,
+             v_dim: int | None = None) -> MHATokenToKVPoolHost:  # fmt: skip
+    """SGLang's MHA host pool of about ``pages`` pages (twice a device pool of half), of
+    the class SGLang picks: with ``v_dim`` other than ``dim`` (MiMo-V2's K and V), the
+    one that keeps K and V in buffers of their own."""
     tokens = pages * page // 2
-    k = tuple(torch.zeros(tokens, heads, dim, dtype=dtype) for _ in range(layers))
-    v = tuple(torch.zeros(tokens, heads, dim, dtype=dtype) for _ in range(layers))
-
-    def ptrs(bufs: tuple) -> torch.Tensor:
-        return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64)
-
-    info = MHABufferInfo(
-        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
-                          layout=KVBufferLayout.NHD),
-        page_size=page, head_num=heads, head_dim=dim, v_head_dim=dim, dtype=dtype,
-        device=torch.device("cpu"),
-    )  # fmt: skip
-    pool = MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0,
-                                end_layer=layers)  # fmt: skip
-    pool._eg_kv_device = (k, v)  # the device buffers the pool's pointers name
-    return pool
-
-
-def asym_pool(layout: str, *, layers: int, heads: int, dim: int, v_dim: int, page: int,
-              pages: int, dtype: Any = torch.bfloat16) -> MHATokenToKVPoolHost:  # fmt: skip
-    """SGLang's MHA host pool for K and V of other head dims (``dim`` and ``v_dim``, as
-    MiMo-V2's), the class SGLang picks for them: K and V in buffers of their own."""
-    tokens = pages * page // 2
+    v_dim = dim if v_dim is None else v_dim
     k = tuple(torch.zeros(tokens, heads, dim, dtype=dtype) for _ in range(layers))
     v = tuple(torch.zeros(tokens, heads, v_dim, dtype=dtype) for _ in range(layers))
 
@@ -70,7 +50,7 @@ def asym_pool(layout: str, *, layers: int, heads: int, dim: int, v_dim: int, pag
     pool = get_mha_host_pool_cls(info)(info, 2.0, 0, page, layout, pin_memory=False,
                                        device="cpu", device_capacity_tokens=tokens,
                                        start_layer=0, end_layer=layers)  # fmt: skip
-    pool._eg_kv_device = (k, v)
+    pool._eg_kv_device = (k, v)  # the device buffers the pool's pointers name
     return pool
 
 

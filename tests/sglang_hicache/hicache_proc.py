@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import no_torchvision  # noqa: F401, I001  (before SGLang's host pools and controller)
 
 import torch
-from sglang_pools import EG_KV_BACKEND, asym_pool, mha_pool, mla_pool, storage_config
+from sglang_pools import EG_KV_BACKEND, mha_pool, mla_pool, storage_config
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -279,8 +279,8 @@ def scenario_asymmetric() -> dict:
     keys = keys_of("asym", 4)
 
     def engine() -> SimpleNamespace:
-        pool = asym_pool("page_first", layers=LAYERS, heads=HEADS, dim=DIM, v_dim=DIM // 2,
-                         page=PAGE, pages=128)  # fmt: skip
+        pool = mha_pool("page_first", layers=LAYERS, heads=HEADS, dim=DIM, v_dim=DIM // 2,
+                        page=PAGE, pages=128)  # fmt: skip
         backend = StorageBackendFactory.create_backend("dynamic", config(False), pool)
         backend.register_mem_pool_host(pool)
         ctrl = SimpleNamespace(storage_backend=backend, storage_host_pool=pool, page_size=PAGE)
