@@ -189,9 +189,8 @@ class AsyncSetConnector:
                 if not done:
                     break
                 for task in done:
-                    out[pending.pop(task)] = task.result()
-                if any(out[m] is not None for m in out):  # a failure is no answer: no cut
-                    wait.answered()
+                    out[pending.pop(task)] = got = task.result()
+                    wait.answered(got)
         finally:
             for task in pending:
                 task.cancel()

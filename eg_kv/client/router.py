@@ -442,9 +442,12 @@ class Waiting:
         """How long to wait for the next answer now."""
         return max(0.0, self._cut - time.monotonic())
 
-    def answered(self) -> None:
-        """Some member just answered: the others get until the straggler cut."""
-        self._cut = self._router.cut(self._started, self._deadline)
+    def answered(self, got: object) -> None:
+        """A member's part came back (``got``; None: it failed): an answer gives the
+        others until the straggler cut. A failure is no answer (a member failing at once
+        would otherwise cut a slower healthy one, and leave the batch unanswered)."""
+        if got is not None:
+            self._cut = self._router.cut(self._started, self._deadline)
 
     def elapsed(self) -> float:
         """Seconds since the round began."""

@@ -219,9 +219,8 @@ class SetConnector:
             if not done:
                 break
             for future in done:
-                out[pending.pop(future)] = future.result()
-            if any(out[m] is not None for m in out):  # a failure is no answer: no cut
-                wait.answered()
+                out[pending.pop(future)] = got = future.result()
+                wait.answered(got)
         if pending:
             # One still queued is never sent, one sent late in the round had under half
             # of it: the queue is this client's (its callers share the pool), not the

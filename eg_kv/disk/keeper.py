@@ -232,10 +232,10 @@ class Keeper:
         stays exact, whatever DELETEs came before, during or after."""
         now, marks = time.monotonic(), self._committing
         while marks:  # oldest first (one deadline for all): the ones past it go
-            until, done = next(iter(marks.values()))
+            oldest, (until, done) = next(iter(marks.items()))
             if until > now:
                 break
-            del marks[next(iter(marks))]
+            del marks[oldest]
             done.set()
         if key in marks or len(marks) >= MAX_COMMITTING:
             return 0

@@ -108,8 +108,9 @@ def plugin_settings(
 
 def _give_back(loading: Future[Any]) -> None:
     """The buffer a load nobody waits for any more filled goes back to LMCache."""
-    if not loading.cancelled() and loading.exception() is None and loading.result() is not None:
-        loading.result().ref_count_down()
+    obj = None if loading.cancelled() or loading.exception() else loading.result()
+    if obj is not None:
+        obj.ref_count_down()
 
 
 def _header(head: bytes, body: int) -> Any:

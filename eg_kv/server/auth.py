@@ -125,9 +125,10 @@ def _authenticate(header: str | None, table: TenantTable) -> Tenant | str:
     scheme, _, cred = header.strip().partition(" ")
     if scheme.lower() != "bearer":
         return "authorization required: use the Bearer scheme"
-    if not cred.strip():
+    cred = cred.strip()
+    if not cred:
         return "authorization required: the bearer token is empty"
-    tenant = table.find(cred.strip().encode("utf-8", "surrogateescape"))
+    tenant = table.find(cred.encode("utf-8", "surrogateescape"))
     if tenant is None:
         return "wrong bearer token"
     return tenant

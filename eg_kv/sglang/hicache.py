@@ -333,14 +333,13 @@ class EgKvHiCacheStorage(HiCacheStorage):
             return False
         if not getattr(self.storage_config, "is_storage_writer", True):
             return True
-        # The views hold no reference: the contiguous copies must live until the PUTs end.
+        # The views hold no reference: ``tensors`` keeps the contiguous copies alive until
+        # the PUTs end (a temporary was freed before its PUT read it).
         tensors = [v.contiguous() for v in values]
         pages = [[_tensor_view(t)] for t in tensors]
         if any(len(p[0]) != self.format.page_bytes for p in pages):
             return False
-        stored = all(self._store(keys, pages))
-        del tensors
-        return stored
+        return all(self._store(keys, pages))
 
     # ------------------------------------------------------------------ the rest
 

@@ -560,10 +560,8 @@ class EgKvConnector(KVConnectorBase_V1):
         if not isinstance(meta, EgKvConnectorMetadata) or not meta.saves or not self._layers:
             return
         saves = [t for t in meta.saves if failed.isdisjoint(t.after)]
-        if len(saves) < len(meta.saves):
-            skipped = sum(len(t.block_ids) for t in meta.saves) - sum(
-                len(t.block_ids) for t in saves
-            )
+        skipped = sum(len(t.block_ids) for t in meta.saves if not failed.isdisjoint(t.after))
+        if skipped:
             log.warning(
                 "EgKvConnector: %d blocks not saved: computed after a block that failed to "
                 "load (vLLM recomputes them)",
@@ -624,7 +622,7 @@ class EgKvConnector(KVConnectorBase_V1):
         with self._lock:
             if any(future.done() for future, _ in self._pending):
                 self._pending = deque(p for p in self._pending if not p[0].done())
-                self._pending_bytes = sum(nbytes for _, nbytes in self._pending)
+                self._pending_bytes = sum(size for _, size in self._pending)
             return (
                 not self._pending
                 or self._pending_bytes + nbytes <= self._settings.max_pending_bytes

@@ -40,7 +40,7 @@ def load_rows(
     addresses: Sequence[str],
     rows: Any,
     *,
-    map_fn: Callable[[Callable[[int], int | None], Iterable[int]], Iterable[int | None]] = map,
+    map_fn: Callable[[Callable[[int], bool], Iterable[int]], Iterable[bool]] = map,
     release_lease: bool = False,
     deadline: float | None = None,
 ) -> tuple[list[int], list[int]]:
@@ -61,27 +61,22 @@ def load_rows(
     """
     if len(addresses) != len(rows):
         raise ValueError(f"{len(addresses)} addresses for {len(rows)} rows")
-    sizes = [memoryview(row).nbytes for row in rows]
 
-    def one(i: int) -> int | None:
+    def one(i: int) -> bool:
         if deadline is not None and time.monotonic() > deadline:
-            return None
+            return False
         address, row = addresses[i], memoryview(rows[i]).cast("B")
 
-        def sink(length: int, read_exact: Callable[[memoryview], None]) -> int:
-            read_row(address, row, length, read_exact, tagged=True)
-            return len(row)
+        def sink(length: int, read_exact: Callable[[memoryview], None]) -> bool:
+            read_row(address, row, length, read_exact, tagged=True)  # raises unless whole
+            return True
 
         try:
-            got: int | None = client.fetch(address, sink)
-            return got
+            return client.fetch(address, sink) is True
         except Exception:  # a client that raises counts as a failed block, never a crash
-            return None
+            return False
 
-    got = list(map_fn(one, range(len(rows))))
+    whole = list(map_fn(one, range(len(rows))))
     if release_lease and addresses:
         client.release(addresses)  # never raises
-    ok = [i for i, n in enumerate(got) if n is not None and n == sizes[i]]
-    good = set(ok)
-    failed = [i for i in range(len(rows)) if i not in good]
-    return ok, failed
+    return [i for i, w in enumerate(whole) if w], [i for i, w in enumerate(whole) if not w]
