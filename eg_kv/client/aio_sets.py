@@ -208,7 +208,7 @@ class AsyncSetConnector:
         ``lease_ms``: each member leases its hits."""
         if self._closed or not addresses:
             return [False] * len(addresses), not self._closed
-        plan = BatchPlan(self._router, addresses, timeout_s)
+        plan = BatchPlan(self._router, addresses, timeout_s, lease_ms)
         for ask in plan:
             plan.take(await self._parallel(ask, lease_ms))
         return plan.found, plan.answered
@@ -256,12 +256,12 @@ class AsyncSetConnector:
         return prefix
 
     async def release(self, keys: Sequence[str | bytes]) -> int:
-        """End one lease on each key's block at its home (one request per member, at
-        once): see :meth:`SetConnector.release <eg_kv.client.sets.SetConnector.release>`.
+        """End one lease on each key's block where it was granted (one request per
+        member, at once): see :meth:`SetConnector.release <eg_kv.client.sets.SetConnector.release>`.
         Never raises."""
         if self._closed:
             return 0
-        view, by_home = self._router.homes(keys)
+        view, by_home = self._router.release_homes(keys)
         done = await asyncio.gather(
             *(self._members.get(view, m).release(part) for m, part in by_home.items())
         )

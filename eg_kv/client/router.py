@@ -52,6 +52,7 @@ from ..config import parse_addr
 from ..errors import ConfigError
 from .health import Health
 from .interface import KvConnector, Unreachable
+from .lease_homes import LeaseHomes
 from .members import Member, parse_server_set
 from .membership import Membership, View
 from .placement import merge
@@ -117,6 +118,8 @@ class Router:
         self.config = config
         self._connect = probe_with
         self.health = Health()
+        #: The member that granted each lease the set's lookups took: releases go there.
+        self.lease_homes = LeaseHomes()
         #: Called with each new view after a membership change (from the refresh thread).
         self.listeners: list[Callable[[View], None]] = []
         nameservers, dns_port = _nameservers(config.dns_server)
@@ -159,14 +162,20 @@ class Router:
         before = view.previous_home(address, down)
         return before if before is not None and before != home and before not in down else None
 
-    def homes(self, keys: Sequence[str | bytes]) -> tuple[View, dict[str, list[str]]]:
-        """The current view and the addresses of ``keys`` grouped by their home (keys with
-        no member up are left out): where a release of each one's lease goes."""
+    def release_homes(self, keys: Sequence[str | bytes]) -> tuple[View, dict[str, list[str]]]:
+        """The current view and the addresses of ``keys`` grouped by where a release of
+        each one's lease goes: the member that granted it (:mod:`eg_kv.client.
+        lease_homes`), else its home. Left out: a granting member that left or is down
+        now, and keys with no member up (those leases end on their own)."""
         view, down = self.membership.view(), self.health.down()
         by_home: dict[str, list[str]] = {}
         for key in keys:
             address = to_address(key)
-            home = view.placement.home(address, down)
+            home = self.lease_homes.take(address)
+            if home is None:
+                home = view.placement.home(address, down)
+            elif home not in view.members or home in down:
+                continue
             if home is not None:
                 by_home.setdefault(home, []).append(address)
         return view, by_home
@@ -387,11 +396,14 @@ class BatchPlan:
     The first round asks every address's home; a second one, only right after a
     membership change and while the deadline has room, asks the misses' previous homes.
     :attr:`found` is then one bool per address in the caller's order, :attr:`answered`
-    whether any member answered.
+    whether any member answered. A leasing lookup (``lease_ms``) notes which member
+    granted each hit's lease (:attr:`Router.lease_homes`) once its rounds are done.
     """
 
-    def __init__(self, router: Router, addresses: Sequence[str], timeout_s: float | None) -> None:
+    def __init__(self, router: Router, addresses: Sequence[str], timeout_s: float | None,
+                 lease_ms: int | None = None) -> None:  # fmt: skip
         limit = router.config.timeout_s
+        self._leasing = bool(lease_ms)
         wait_s = limit if timeout_s is None else min(timeout_s, limit)
         self._router = router
         self._addresses = addresses
@@ -401,6 +413,7 @@ class BatchPlan:
         self._again: Groups = {}
         self.found = [False] * len(addresses)
         self.answered = False
+        self._found_again: dict[int, str] = {}  # hits of the second round: who answered
 
     def __iter__(self) -> Iterator[Ask]:
         yield self._ask(self._groups)
@@ -409,6 +422,8 @@ class BatchPlan:
         )
         if self._again and time.monotonic() < self._deadline:
             yield self._ask(self._again, again=True)
+        if self._leasing:
+            self._note_leases()
 
     def _ask(self, groups: Groups, again: bool = False) -> Ask:
         # A second round has only what the first left of the deadline, first requests
@@ -425,7 +440,18 @@ class BatchPlan:
             return
         for m, a in ok.items():
             for i, hit in zip(self._again[m], a, strict=True):
-                self.found[i] = self.found[i] or hit
+                if hit:  # asked only about the first round's misses
+                    self.found[i] = True
+                    self._found_again[i] = m
+
+    def _note_leases(self) -> None:
+        """Note which member granted each hit's lease (its home, or the previous home
+        that answered it in the second round): a release goes there."""
+        member = {i: m for m, idx in self._groups.items() for i in idx}
+        member.update(self._found_again)
+        self._router.lease_homes.granted(
+            (self._addresses[i], member[i]) for i, hit in enumerate(self.found) if hit
+        )
 
 
 class Waiting:

@@ -241,7 +241,7 @@ class SetConnector:
         ``lease_ms``: each member leases its hits (its part of the batch)."""
         if self._closed or not addresses:
             return [False] * len(addresses), not self._closed
-        plan = BatchPlan(self._router, addresses, timeout_s)
+        plan = BatchPlan(self._router, addresses, timeout_s, lease_ms)
         try:
             for ask in plan:
                 plan.take(self._parallel(ask, lease_ms))
@@ -292,16 +292,17 @@ class SetConnector:
         return prefix
 
     def release(self, keys: Sequence[str | bytes]) -> int:
-        """End one lease on each key's block at its home (one ``POST /kv/batch/release``
-        per member, in parallel). A block found at its previous home right after a
-        change keeps that lease until it ends. Never raises.
+        """End one lease on each key's block at the member that granted it, else at its
+        home (one ``POST /kv/batch/release`` per member, in parallel;
+        :mod:`eg_kv.client.lease_homes`). A lease granted by a member that left or is
+        down now ends on its own. Never raises.
 
         Returns:
             How many leases were released.
         """
         if self._closed:
             return 0
-        view, by_home = self._router.homes(keys)
+        view, by_home = self._router.release_homes(keys)
         try:
             done = self._fanout.map(
                 lambda job: self._members.get(view, job[0]).release(job[1]), by_home.items()

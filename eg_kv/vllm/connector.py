@@ -14,7 +14,9 @@ Scheduler side (the engine core process):
   /kv/batch/exists`` per server) over every shard's address of each whole block, never the
   prompt's last token (vLLM must compute one). Its only side effect: the prefix's blocks
   are leased (``lease_ms``, :mod:`eg_kv.slab.leases`) so eviction passes over them until
-  the workers' loads release them (or the lease ends). It runs in a background
+  the step that loads them is over, when the scheduler releases them itself
+  (:mod:`eg_kv.vllm.scheduler_leases`: a lease is ended by the client that took it), or
+  the lease ends. It runs in a background
   thread (:mod:`eg_kv.vllm.lookups`): answered in the same call when the server is quick,
   else ``None`` ("ask again next step") until done; a lookup past the client's timeout is
   a miss, never a stuck scheduler.
@@ -67,6 +69,7 @@ from ..engine import NO_ENGINE, EngineName, chained_names
 from .addresses import BlockFormat, block_addresses, connector_format, lookup_addresses, token_chain
 from .events import EventRelay, LogFollowers, vllm_events
 from .lookups import PendingLookups
+from .scheduler_leases import SchedulerLeases
 from .settings import ConnectorSettings, settings_from
 from .staging import load_rows
 from .trailers import address_tag
@@ -159,7 +162,8 @@ class EgKvConnector(KVConnectorBase_V1):
     ``kv_connector_extra_config``: ``url`` / ``base_url`` (one server or a set), ``token``,
     ``timeout_s``, ... (every :class:`~eg_kv.client.settings.KvCacheConfig` field, over the
     ``EPISTEMIC_GRAPH_KVCACHE_*`` environment), ``io_threads``, ``max_pending_bytes``,
-    ``lease_ms`` (the lease a lookup takes on its hits, released by the load; 0: none),
+    ``lease_ms`` (the lease a lookup takes on its hits, released by the scheduler once the
+    step that loads them is over; 0: none),
     ``events`` (1: relay eg-kv's stores and removals on vLLM's KV-events stream, medium
     ``SHARED_STORAGE``: :mod:`eg_kv.vllm.events`).
     """
@@ -198,9 +202,20 @@ class EgKvConnector(KVConnectorBase_V1):
         # scheduler side
         self._formats: list[BlockFormat] | None = None
         self._tracked: dict[str, _Tracked] = {}
+        # The hits' leases, ended by this client (none taken with lease_ms 0). vLLM runs
+        # a step's loads before it schedules max_concurrent_batches steps on.
+        lag = getattr(vllm_config, "max_concurrent_batches", self._pp_size + 1)
+        self._leases: SchedulerLeases | None = None
+        if self._settings.lease_ms and role == KVConnectorRole.SCHEDULER:
+            self._leases = SchedulerLeases(self._client.release, lag=int(lag))
         # A lookup still running after the client's timeout (twice, for a server set's
-        # retry) is a miss: a silent server never holds a request back for long.
-        self._lookups = PendingLookups(deadline_s=2 * self._settings.client.timeout_s + 1.0)
+        # retry) is a miss: a silent server never holds a request back for long. One
+        # answered after it was dropped has its leases released.
+        self._lookups: PendingLookups[tuple[int, list[str]]] = PendingLookups(
+            deadline_s=2 * self._settings.client.timeout_s + 1.0,
+            miss=(0, []),
+            discard=self._unread,
+        )
         # eg-kv's event log relayed to vLLM's (settings' events), once the formats are known
         self._relay: EventRelay | None = None
         self._followers: LogFollowers | None = None
@@ -316,25 +331,30 @@ class EgKvConnector(KVConnectorBase_V1):
         limit = (request.num_tokens - 1) // bs  # the last token is always computed
         if limit <= first:
             self._lookups.drop(request.request_id)
+            self._not_loaded(request.request_id)
             return 0, False
         tracked = self._tracked.get(request.request_id)
         known = list(tracked.chain) if tracked is not None else []
         tokens = list(request.all_token_ids[: limit * bs])
         hashes = self._vllm_hashes(request, first, limit)
 
-        def lookup() -> int:
+        def lookup() -> tuple[int, list[str]]:
             chain = token_chain(tokens, bs, extras=extras, max_blocks=limit, known=known)
             addresses = lookup_addresses(chain[first:limit], formats)
             if self._relay is not None:
                 self._relay.remember(hashes[: len(chain[first:limit])], addresses)
-            # The hits are leased (settings' lease_ms): eviction passes over them until
-            # the workers' loads release them, or the lease ends (docs/leases.md).
+            # The prefix's hits are leased (settings' lease_ms; those past it released):
+            # eviction passes over them until this side releases them (docs/leases.md).
             lease = self._settings.lease_ms or None
-            return self._client.contains_prefix(addresses, lease_ms=lease) // len(formats)
+            prefix = self._client.contains_prefix(addresses, lease_ms=lease)
+            return prefix // len(formats), addresses[:prefix] if lease else []
 
-        hits = self._lookups.ask(request.request_id, (first, limit), lookup)
-        if hits is None:
+        answer = self._lookups.ask(request.request_id, (first, limit), lookup)
+        if answer is None:
             return None, False
+        hits, leased = answer
+        if self._leases is not None:
+            self._leases.looked_up(request.request_id, leased)
         with self._lock:
             self.counters["lookups"] += 1
             self.counters["lookup_hit_blocks"] += hits
@@ -350,8 +370,21 @@ class EgKvConnector(KVConnectorBase_V1):
         if tracked is None:
             tracked = self._tracked[request.request_id] = _Tracked(request, extras)
         tracked.load_tokens = num_external_tokens
+        if not num_external_tokens:  # vLLM loads none of the hits: their leases end now
+            self._not_loaded(request.request_id)
+
+    def _unread(self, answer: tuple[int, list[str]]) -> None:
+        """A lookup answered after it was dropped: its leases end now."""
+        if self._leases is not None:
+            self._leases.release_now(answer[1])
+
+    def _not_loaded(self, req_id: str) -> None:
+        if self._leases is not None:
+            self._leases.not_loaded(req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._leases is not None:  # the loads of steps that ran: their leases end
+            self._leases.step()
         meta = EgKvConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -390,6 +423,8 @@ class EgKvConnector(KVConnectorBase_V1):
             )
             tracked.loaded_tokens += tracked.load_tokens
             tracked.load_tokens = 0
+            if self._leases is not None:
+                self._leases.planned(request.request_id)
         # Blocks already computed (local prefix hits, loads) are stored or were planned;
         # fewer than were saved: vLLM rolled the request back (a failed load), and the
         # blocks it recomputes are saved (those computed on the failed one were not).
@@ -426,6 +461,7 @@ class EgKvConnector(KVConnectorBase_V1):
         """Blocks are saved as they complete, so nothing is left to save: drop the state,
         free the blocks now, and report what this request loaded and saved."""
         self._lookups.drop(request.request_id)
+        self._not_loaded(request.request_id)
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
@@ -510,12 +546,12 @@ class EgKvConnector(KVConnectorBase_V1):
         # A block counts only when it filled its row exactly (see eg_kv.vllm.staging). Its
         # own threads (saves queued behind would delay the forward pass) and one timeout
         # for the whole load, however many waves of GETs it takes.
+        # The scheduler, whose lookups leased these blocks, releases them.
         ok, bad = load_rows(
             self._client,
             addresses,
             rows,
             map_fn=self._load_pool.map,
-            release_lease=self._settings.lease_ms > 0,
             deadline=time.monotonic() + self._settings.client.timeout_s,
         )
         if bad:
@@ -648,6 +684,8 @@ class EgKvConnector(KVConnectorBase_V1):
             self.flush()
         finally:
             self._lookups.close()
+            if self._leases is not None:
+                self._leases.close(timeout_s=min(1.0, self._settings.client.timeout_s))
             if self._followers is not None:
                 self._followers.close()
             if self._pool is not None:

@@ -18,10 +18,9 @@ call), and otherwise answers ``None`` until the lookup finished. Bounded everywh
   started yet is cancelled, so the threads' queue holds only live ones.
 
 A lookup is one batch-exists request; nothing here changes any state but this table. The
-lookup the connector hands in leases its hits on the server (:mod:`eg_kv.slab.leases`):
-an entry dropped or expired here leaves its leases to end on their own (``lease_ms``),
-and a lookup asked again takes them again, so a request that waits several steps keeps
-its blocks leased while it waits.
+lookup the connector hands in leases its hits (:mod:`eg_kv.slab.leases`) and answers what
+it leased with its count: the answer of an entry dropped or expired here, when it comes,
+goes to ``discard`` (the connector releases its leases: :mod:`eg_kv.vllm.scheduler_leases`).
 """
 
 from __future__ import annotations
@@ -32,18 +31,21 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Generic, TypeVar
 
 __all__ = ["PendingLookups"]
 
+T = TypeVar("T")
+
 
 @dataclasses.dataclass
-class _Pending:
+class _Pending(Generic[T]):
     key: Hashable
-    future: Future[int]
+    future: Future[T]
     started: float
 
 
-class PendingLookups:
+class PendingLookups(Generic[T]):
     """Lookups by request id, answered across scheduler steps (see the module docstring).
 
     Args:
@@ -51,6 +53,9 @@ class PendingLookups:
         wait_s: how long the first ask waits for its own lookup before answering None.
         max_pending: lookups kept at once (past it, a new one is a miss).
         threads: background lookup threads.
+        miss: the answer of a miss (a lookup that failed, expired or did not fit).
+        discard: called (on a lookup thread) with the answer of a lookup that finished
+            after its entry was dropped or expired: nobody reads it.
     """
 
     def __init__(
@@ -60,6 +65,8 @@ class PendingLookups:
         wait_s: float = 0.002,
         max_pending: int = 1024,
         threads: int = 2,
+        miss: Any = 0,
+        discard: Callable[[T], None] | None = None,
     ) -> None:
         if deadline_s <= 0 or wait_s < 0 or max_pending < 1 or threads < 1:
             raise ValueError("deadline_s > 0, wait_s >= 0, max_pending >= 1, threads >= 1")
@@ -68,14 +75,16 @@ class PendingLookups:
         self.max_pending = max_pending
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: dict[str, _Pending] = {}
+        self._miss: T = miss
+        self._discard = discard
+        self._pending: dict[str, _Pending[T]] = {}
         self._lock = threading.Lock()
         self.counters = {"started": 0, "deferred": 0, "full": 0, "expired": 0, "failed": 0}
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def ask(self, req_id: str, key: Hashable, lookup: Callable[[], int]) -> int | None:
+    def ask(self, req_id: str, key: Hashable, lookup: Callable[[], T]) -> T | None:
         """The result of ``lookup`` for ``(req_id, key)``, or None while it still runs.
 
         ``key`` names what is looked up (e.g. the block range): an entry for another key
@@ -89,7 +98,7 @@ class PendingLookups:
         if entry is None:
             if len(self._pending) >= self.max_pending:
                 self.counters["full"] += 1
-                return 0
+                return self._miss
             entry = _Pending(key, self._executor().submit(self._safe, lookup), time.monotonic())
             self._pending[req_id] = entry
             self.counters["started"] += 1
@@ -101,9 +110,9 @@ class PendingLookups:
             return entry.future.result()
         if time.monotonic() - entry.started >= self.deadline_s:
             del self._pending[req_id]
-            entry.future.cancel()
+            self._forget(entry)
             self.counters["expired"] += 1
-            return 0
+            return self._miss
         self.counters["deferred"] += 1
         return None
 
@@ -112,10 +121,19 @@ class PendingLookups:
         not started yet never starts)."""
         entry = self._pending.pop(req_id, None)
         if entry is not None:
-            entry.future.cancel()
+            self._forget(entry)
+
+    def _forget(self, entry: _Pending[T]) -> None:
+        """An entry nobody will read: never started, or its answer to ``discard``."""
+        if entry.future.cancel() or self._discard is None:
+            return
+        discard = self._discard
+        entry.future.add_done_callback(lambda f: f.cancelled() or discard(f.result()))
 
     def close(self) -> None:
         """Drop every entry and stop the threads without waiting for running lookups."""
+        for entry in self._pending.values():
+            self._forget(entry)
         self._pending.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -126,10 +144,10 @@ class PendingLookups:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="eg-kv-lookup")
         return self._pool
 
-    def _safe(self, lookup: Callable[[], int]) -> int:
+    def _safe(self, lookup: Callable[[], T]) -> T:
         try:
-            return int(lookup())
+            return lookup()
         except Exception:
             with self._lock:
                 self.counters["failed"] += 1
-            return 0
+            return self._miss

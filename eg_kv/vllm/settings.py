@@ -26,7 +26,8 @@ CONNECTOR_KEYS: dict[str, Any] = {
     # Saved blocks waiting for their PUT, in bytes, before a save waits for room.
     "max_pending_bytes": 256 * 1024 * 1024,
     # The lease a scheduler lookup asks on its hits, in ms (the server grants at most its
-    # --lease-ms); the worker's load releases it. 0: no leases (docs/leases.md).
+    # --lease-ms); the scheduler releases it once the step that loads it is over. 0: no
+    # leases (docs/leases.md).
     "lease_ms": 5000,
     # 1: relay eg-kv's event log on vLLM's KV-events stream (eg_kv.vllm.events); 0: off.
     "events": 0,

@@ -32,8 +32,6 @@ class BlockReader(Protocol):
 
     def fetch(self, key: str | bytes, sink: Any) -> Any: ...
 
-    def release(self, keys: Sequence[str | bytes]) -> int: ...
-
 
 def load_rows(
     client: BlockReader,
@@ -41,14 +39,10 @@ def load_rows(
     rows: Any,
     *,
     map_fn: Callable[[Callable[[int], bool], Iterable[int]], Iterable[bool]] = map,
-    release_lease: bool = False,
     deadline: float | None = None,
 ) -> tuple[list[int], list[int]]:
     """GET ``addresses[i]`` into ``rows[i]`` (a writable buffer of one stored block's
     exact length), with ``map_fn`` (e.g. a thread pool's ``map``) running the GETs.
-    ``release_lease``: end the lease the lookup took on each block, once every GET is
-    done, in one :meth:`release` (one request per server; a GET read from the slab on the
-    server's host could not end it itself, and a release per block cost a request each).
     ``deadline`` (``time.monotonic()``): a GET that would start after it is a failed
     block, unsent, so a silent server costs a load one timeout, not one per wave of GETs.
 
@@ -77,6 +71,4 @@ def load_rows(
             return False
 
     whole = list(map_fn(one, range(len(rows))))
-    if release_lease and addresses:
-        client.release(addresses)  # never raises
     return [i for i, w in enumerate(whole) if w], [i for i, w in enumerate(whole) if not w]

@@ -1,6 +1,7 @@
 """Leases from the clients' side against real servers: a set's members each lease their
-part of a batch and release what they leased; the vLLM connector's load path
-(eg_kv.vllm.staging.load_rows, no engine) releases what its lookup leased; a server without
+part of a batch and release what they leased; the vLLM connector's leases are released by
+the scheduler's client that took them, not by the loads (eg_kv.vllm.scheduler_leases and
+eg_kv.vllm.staging.load_rows, no engine); a server without
 leases (--lease-ms 0) still answers every lookup; the connector's lease_ms setting."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from eg_kv.client.connectors import connect
 from eg_kv.client.sets import SetConnector
 from eg_kv.client.settings import KvCacheConfig
 from eg_kv.errors import ConfigError
+from eg_kv.vllm.scheduler_leases import SchedulerLeases
 from eg_kv.vllm.settings import settings_from
 from eg_kv.vllm.staging import load_rows
 from eg_kv.vllm.trailers import address_tag
@@ -59,6 +61,29 @@ def test_a_set_leases_each_members_part_and_releases_it_there(pair):
         assert sum(leases(s.url)[2] for s in pair) == 10
 
 
+def test_a_sets_release_goes_to_the_member_that_granted_the_lease(pair):
+    """A lease a stand-in granted (the home was down at the lookup) is released there once
+    the home is up again: at the home, the release ended another engine's lease on the
+    same block (same token) and left the set's own held (eg_kv.client.lease_homes)."""
+    a, b = pair
+    a_id = f"127.0.0.1:{a.port}"
+    remote = {"local_reads": False}
+    with SetConnector(KvCacheConfig(base_url=f"{a.url},{b.url}")) as kv, \
+            connect(KvCacheConfig(base_url=a.url, **remote)) as at_a, \
+            connect(KvCacheConfig(base_url=b.url, **remote)) as at_b:  # fmt: skip
+        key = next(k for k in (f"granted-{i}" for i in range(200)) if kv.router.home(k)[1] == a_id)
+        assert at_a.put(key, bytes(ROW)) and at_b.put(key, bytes(ROW))
+        assert at_a.exists_many([key], lease_ms=60_000) == [True]  # another engine's, at a
+        kv.router.health.failed(a_id)  # a is down for its back-off (1 s): b stands in
+        assert kv.exists_many([key], lease_ms=60_000) == [True]
+        assert leases(b.url)[2] == 1
+        kv.router.health.succeeded(a_id)
+        assert kv.router.home(key)[1] == a_id  # the home is a again
+        assert kv.release([key]) == 1
+        assert leases(b.url)[2] == 0  # the set's lease ended where it was granted
+        assert at_a.release([key]) == 1  # the other engine's lease was still held
+
+
 def test_the_async_set_leases_and_releases_alike(pair):
     base = ",".join(s.url for s in pair)
     keys = [f"aset-lease-{k}" for k in range(20)]
@@ -76,22 +101,41 @@ def test_the_async_set_leases_and_releases_alike(pair):
     assert [leases(s.url)[2] for s in pair] == [0, 0]
 
 
-def test_the_connectors_loads_release_what_its_lookup_leased(server_factory):
+def test_the_connectors_leases_are_released_by_the_client_that_took_them(server_factory):
+    """The vLLM connector's scheduler leases its lookup's hits (on the server's host, in its
+    own lease table); a worker's load (another client) releases nothing; the scheduler's
+    client releases them once the step that loaded them is over. Another engine's leases
+    on the same blocks, under the same token, stay: a worker's release found no record of
+    the scheduler's lease and went to the server, which ended one of those."""
     srv = server_factory(workers=1, capacity="8MiB")
-    client = connect(KvCacheConfig.from_env({}, base_url=srv.url, timeout_s=5.0))
+    cfg = KvCacheConfig.from_env({}, base_url=srv.url, timeout_s=5.0)
+    scheduler, worker = connect(cfg), connect(cfg)
+    other = connect(KvCacheConfig.from_env({}, base_url=srv.url, local_reads=False))
+    book = SchedulerLeases(scheduler.release, lag=1)
     try:
         addrs = [f"egv-lease-{k}" for k in range(6)]
         for a in addrs[:5]:
-            assert client.put(a, bytes(ROW) + address_tag(a))  # as the connector stores it
-        assert client.contains_prefix(addrs, lease_ms=5000) == 5
-        assert leases(srv.url) == (5, 0, 5)
+            assert worker.put(a, bytes(ROW) + address_tag(a))  # as the connector stores it
+        assert other.exists_many(addrs, lease_ms=60_000) == [True] * 5 + [False]
+        prefix = scheduler.contains_prefix(addrs, lease_ms=5000)
+        assert prefix == 5
+        book.looked_up("r", addrs[:prefix])
+        book.step()
+        book.planned("r")  # the step being built loads them
         rows = [bytearray(ROW) for _ in addrs]
         with ThreadPoolExecutor(4) as pool:
-            ok, failed = load_rows(client, addrs, rows, map_fn=pool.map, release_lease=True)
+            ok, failed = load_rows(worker, addrs, rows, map_fn=pool.map)
         assert (ok, failed) == ([0, 1, 2, 3, 4], [5])
-        assert leases(srv.url) == (5, 5, 0)
+        assert book.drain(5.0) and book.stats() == {
+            "released": 0, "release_batches": 0, "release_dropped": 0, "held": 5}  # fmt: skip
+        book.step()  # the step that loaded them is over
+        assert book.drain(5.0) and book.counters["released"] == 5
+        assert other.release(addrs[:5]) == 5  # every one of the other engine's leases held
+        assert leases(srv.url)[2] == 0
     finally:
-        client.close()
+        book.close()
+        for c in (scheduler, worker, other):
+            c.close()
 
 
 def test_a_server_with_leases_off_answers_leasing_lookups_without_them(server_factory):
@@ -155,3 +199,14 @@ def test_a_leasing_lookup_on_the_hosts_slab_sends_no_request(server_factory):
         assert requests("batch_exists") == 1
         assert requests("batch_release") == 0
         assert requests("block") == 0  # both loads read the slab
+
+
+def test_the_sets_notes_of_granting_members_are_bounded():
+    from eg_kv.client.lease_homes import MAX_PER_ADDRESS, LeaseHomes
+
+    homes = LeaseHomes(max_noted=3)
+    homes.granted([("a", "m1"), ("a", "m2"), ("b", "m1"), ("c", "m2"), ("d", "m1")])
+    assert len(homes) == 3 and homes.take("a") is None  # the oldest address forgotten
+    assert [homes.take("b"), homes.take("b")] == ["m1", None]  # one note per lease
+    homes.granted([("e", f"m{i}") for i in range(MAX_PER_ADDRESS + 5)])
+    assert homes.take("e") == "m5"  # the oldest leases of one address forgotten

@@ -132,6 +132,7 @@ def main() -> None:
             "loader": loader_counters, "load_errors": errors, "equal": equal,
             "block_6_untouched": untouched, "poisoned": poisoned,
             "rollback_saves": rollback(config, kv), "dcp_refused": dcp_refused(config, kv),
+            "leases": scheduler_leases(config, kv, url, saver, worker_caches=loaded),
             "silent_saves": silent_saves(config, kv, layers, worker_caches=loaded),
             "handshake_shard": loader.get_handshake_metadata().shard,  # type: ignore[union-attr]
         }  # fmt: skip
@@ -172,6 +173,75 @@ def silent_saves(config, kv, layers, worker_caches) -> dict:
         dropped = conn.counters["save_dropped_blocks"]
         conn.shutdown()  # waits for the one PUT sent (its timeout)
     return {"took": took, "dropped": dropped}
+
+
+def scheduler_leases(config, kv, url, saver, worker_caches) -> dict:
+    """On the server's host (local reads): the scheduler's lookup leases three stored
+    blocks, a worker loads them, and the scheduler's own client releases the leases when
+    the next step is built (vLLM's one batch in flight), not before; another engine's
+    leases on the same blocks, under the same token, are all still held after."""
+    import copy
+    import time
+    from types import SimpleNamespace as NS
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from eg_kv.client.connectors import connect
+    from eg_kv.client.settings import KvCacheConfig
+    from eg_kv.vllm.addresses import token_chain
+    from eg_kv.vllm.connector import BlockTransfer, EgKvConnector, EgKvConnectorMetadata
+
+    cfg = copy.deepcopy(config)
+    cfg.kv_transfer_config.kv_connector_extra_config = {"url": url, "local_reads": True}
+    tokens = [200 + i for i in range(16 * 3 + 1)]  # three whole blocks and a token
+    chain = token_chain(tokens, 16, extras=(), max_blocks=3)
+    saver.bind_connector_metadata(
+        EgKvConnectorMetadata(saves=[BlockTransfer("q", [1, 2, 5], chain)])
+    )
+    saver.wait_for_save()
+    saver.flush()
+    saver.clear_connector_metadata()
+    addresses = saver._addresses(chain)
+    other = connect(KvCacheConfig(base_url=url, local_reads=False))
+    assert other.exists_many(addresses, lease_ms=60_000) == [True] * 3
+    sched = EgKvConnector(cfg, KVConnectorRole.SCHEDULER, kv)
+    sched.set_xfer_handshake_metadata({0: saver.get_handshake_metadata()})
+    req = NS(request_id="q", all_token_ids=tokens, num_tokens=len(tokens),
+             block_hashes=[bytes([i]) * 32 for i in range(3)], mm_features=None,
+             prompt_embeds=None, cache_salt=None, lora_request=None)  # fmt: skip
+    end = time.monotonic() + 10
+    while (matched := sched.get_num_new_matched_tokens(req, 0)[0]) is None:
+        assert time.monotonic() < end, "the lookup never answered"
+        time.sleep(0.01)
+    sched.update_state_after_alloc(req, None, matched)
+    empty = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    new = NS(req_id="q", block_ids=([0, 3, 4, 6],), num_computed_tokens=matched)
+    step = NS(num_scheduled_tokens={"q": 1}, scheduled_new_reqs=[new], scheduled_cached_reqs=empty)
+    meta = sched.build_connector_meta(step)
+    loader = EgKvConnector(cfg, KVConnectorRole.WORKER, kv)
+    loader.register_kv_caches(worker_caches)
+    loader.bind_connector_metadata(meta)
+    loader.start_load_kv(None)  # type: ignore[arg-type]
+    loader.clear_connector_metadata()
+    book = sched._leases
+    assert book is not None and book.drain(5)
+    idle = NS(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=empty)
+    for _ in range(book.lag - 1):  # steps built while the loading one may still run
+        sched.build_connector_meta(idle)
+    book.drain(5)
+    during = book.stats()
+    sched.build_connector_meta(idle)  # vLLM has the loading step's output now
+    book.drain(5)
+    after = book.stats()
+    other_held = other.release(addresses)
+    loaded = loader.counters["loaded_blocks"]
+    for c in (sched, loader):
+        c.shutdown()
+    other.close()
+    return {"lag": book.lag == cfg.max_concurrent_batches, "matched": matched,
+            "loaded": loaded, "held_during": during["held"],
+            "released_during": during["released"], "released_after": after["released"],
+            "held_after": after["held"], "other_held": other_held}  # fmt: skip
 
 
 def dcp_refused(config, kv) -> str:

@@ -44,4 +44,8 @@ def test_worker_side_saves_and_loads_through_a_real_server(server_factory, vllm_
     assert "decode_context_parallel_size > 1" in got["dcp_refused"], got
     # a silent server: the step's saves do not wait for it (one sent, two dropped)
     assert got["silent_saves"]["dropped"] == 2 and got["silent_saves"]["took"] < 0.5, got
-    assert stats(srv)["unique_blocks"] == 5
+    # the scheduler's leases: released by its own client once the loading step is over
+    assert got["leases"] == {"lag": True, "matched": 48, "loaded": 3, "held_during": 3,
+                             "released_during": 0, "released_after": 3, "held_after": 0,
+                             "other_held": 3}, got["leases"]  # fmt: skip
+    assert stats(srv)["unique_blocks"] == 8

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from helpers.common import wait_for
 from helpers.kvcache import RawServer
 
 from eg_kv.client.connectors import connect
@@ -157,3 +158,27 @@ def test_a_server_that_never_answers_costs_a_miss_in_bounded_time():
             lookups.close()
         finally:
             client.close()
+
+
+def test_the_answer_of_a_dropped_or_expired_lookup_goes_to_discard():
+    """What a lookup leased is released when nobody reads its answer (the connector's
+    discard), whether its entry was dropped, expired or the table closed while it ran."""
+    gate = threading.Event()
+    discarded: list[tuple[int, list[str]]] = []
+    lookups = PendingLookups(deadline_s=0.2, wait_s=0.0, miss=(0, []), discard=discarded.append)
+
+    def lookup(name: str):
+        return lambda: (gate.wait(10), (1, [name]))[1]
+
+    assert lookups.ask("dropped", "k", lookup("a")) is None
+    started = time.monotonic()
+    assert lookups.ask("expired", "k", lookup("b")) is None
+    lookups.drop("dropped")
+    while time.monotonic() - started < 0.2:  # until past the deadline
+        time.sleep(0.01)
+    assert lookups.ask("expired", "k", lookup("b")) == (0, [])  # a miss
+    assert lookups.ask("open", "k", lookup("c")) is None  # queued behind the two
+    lookups.close()  # "c" never starts: nothing of it to discard
+    gate.set()
+    wait_for(lambda: len(discarded) == 2, timeout=5, what="both answers discarded")
+    assert sorted(discarded) == [(1, ["a"]), (1, ["b"])]
