@@ -13,9 +13,9 @@ an address noted nowhere (its note forgotten past the bound) goes to its home, a
 
 from __future__ import annotations
 
-import collections
+import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 __all__ = ["MAX_NOTED", "MAX_PER_ADDRESS", "LeaseHomes"]
 
@@ -35,7 +35,9 @@ class LeaseHomes:
 
     def __init__(self, max_noted: int = MAX_NOTED) -> None:
         self._max = max_noted
-        self._members: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
+        # address -> its granting member, or the members of its leases, oldest first
+        # (a plain dict keeps insertion order: the oldest notes are the first keys).
+        self._members: dict[str, str | list[str]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -44,25 +46,35 @@ class LeaseHomes:
     def granted(self, leases: Iterable[tuple[str, str]]) -> None:
         """Note ``(address, member_id)`` for each lease a lookup's answer granted."""
         with self._lock:
+            members = self._members
             for address, member in leases:
-                held = self._members.get(address)
+                held = members.pop(address, None)  # noted again: the newest
                 if held is None:
-                    self._members[address] = [member]
+                    members[address] = member
+                elif isinstance(held, str):
+                    members[address] = [held, member]
                 else:
                     held.append(member)
                     del held[:-MAX_PER_ADDRESS]
-                    self._members.move_to_end(address)
-            while len(self._members) > self._max:
-                self._members.popitem(last=False)
+                    members[address] = held
+            excess = len(members) - self._max
+            if excess > 0:
+                for address in list(itertools.islice(members, excess)):
+                    del members[address]
 
-    def take(self, address: str) -> str | None:
-        """The member that granted the oldest lease noted on ``address`` (the note is
-        spent), or None when none is noted."""
+    def take(self, addresses: Sequence[str]) -> list[str | None]:
+        """The member that granted the oldest lease noted on each address (the note is
+        spent), or None where none is noted."""
+        members = self._members
+        if not members:
+            return [None] * len(addresses)
+        out: list[str | None] = []
         with self._lock:
-            held = self._members.get(address)
-            if not held:
-                return None
-            member = held.pop(0)
-            if not held:
-                del self._members[address]
-            return member
+            for address in addresses:
+                held = members.pop(address, None)
+                if held is None or isinstance(held, str):
+                    out.append(held)
+                    continue
+                out.append(held.pop(0))
+                members[address] = held[0] if len(held) == 1 else held
+        return out

@@ -56,7 +56,7 @@ from .lease_homes import LeaseHomes
 from .members import Member, parse_server_set
 from .membership import Membership, View
 from .placement import merge
-from .rules import to_address
+from .rules import to_address, to_addresses
 from .settings import KvCacheConfig
 
 log = logging.getLogger(__name__)
@@ -168,10 +168,9 @@ class Router:
         lease_homes`), else its home. Left out: a granting member that left or is down
         now, and keys with no member up (those leases end on their own)."""
         view, down = self.membership.view(), self.health.down()
+        addresses = to_addresses(keys)
         by_home: dict[str, list[str]] = {}
-        for key in keys:
-            address = to_address(key)
-            home = self.lease_homes.take(address)
+        for address, home in zip(addresses, self.lease_homes.take(addresses), strict=True):
             if home is None:
                 home = view.placement.home(address, down)
             elif home not in view.members or home in down:
@@ -447,11 +446,11 @@ class BatchPlan:
     def _note_leases(self) -> None:
         """Note which member granted each hit's lease (its home, or the previous home
         that answered it in the second round): a release goes there."""
-        member = {i: m for m, idx in self._groups.items() for i in idx}
-        member.update(self._found_again)
-        self._router.lease_homes.granted(
-            (self._addresses[i], member[i]) for i, hit in enumerate(self.found) if hit
-        )
+        found, addresses, again = self.found, self._addresses, self._found_again
+        leases = [(addresses[i], m) for i, m in again.items()]
+        for m, idx in self._groups.items():
+            leases += [(addresses[i], m) for i in idx if found[i] and i not in again]
+        self._router.lease_homes.granted(leases)
 
 
 class Waiting:

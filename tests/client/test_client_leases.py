@@ -206,7 +206,7 @@ def test_the_sets_notes_of_granting_members_are_bounded():
 
     homes = LeaseHomes(max_noted=3)
     homes.granted([("a", "m1"), ("a", "m2"), ("b", "m1"), ("c", "m2"), ("d", "m1")])
-    assert len(homes) == 3 and homes.take("a") is None  # the oldest address forgotten
-    assert [homes.take("b"), homes.take("b")] == ["m1", None]  # one note per lease
+    assert len(homes) == 3 and homes.take(["a"]) == [None]  # the oldest address forgotten
+    assert homes.take(["b", "b", "x"]) == ["m1", None, None]  # one note per lease
     homes.granted([("e", f"m{i}") for i in range(MAX_PER_ADDRESS + 5)])
-    assert homes.take("e") == "m5"  # the oldest leases of one address forgotten
+    assert homes.take(["e", "e"]) == ["m5", "m6"]  # the oldest of one address forgotten
