@@ -47,7 +47,10 @@ class AsyncSetConnector:
             ConfigError: the setting does not parse.
         """
         self.config = config
-        self._router = Router(config, member_connector)
+        # Membership's first resolution and weighing (up to a few seconds with a silent
+        # member) would block the caller's loop here: the first request awaits it.
+        self._router = Router(config, member_connector, wait=False)
+        self._started = False
         #: The loop the member connectors (their aiohttp sessions) were built on.
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -88,7 +91,20 @@ class AsyncSetConnector:
 
     @property
     def router(self) -> Router:
+        """The set's router, once its membership started (which a caller reading it
+        right after the constructor waits for here, as the sync set's constructor
+        does)."""
+        self._router.membership.wait_started()
         return self._router
+
+    async def _start(self) -> None:
+        """Before the first request: the membership's first refresh, awaited off the
+        loop (bounded by its ``start_bound_s``)."""
+        if not self._started:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._router.membership.wait_started
+            )
+            self._started = True
 
     async def close(self) -> None:
         """Stop the background threads and close every member's session. Idempotent."""
@@ -105,6 +121,7 @@ class AsyncSetConnector:
         address = to_address(key)
         if self._closed:
             return None
+        await self._start()
         view, home = self._router.home(address)
         if home is None:
             return None
@@ -208,6 +225,7 @@ class AsyncSetConnector:
         ``lease_ms``: each member leases its hits."""
         if self._closed or not addresses:
             return [False] * len(addresses), not self._closed
+        await self._start()
         plan = BatchPlan(self._router, addresses, timeout_s, lease_ms)
         for ask in plan:
             plan.take(await self._parallel(ask, lease_ms))
@@ -261,6 +279,7 @@ class AsyncSetConnector:
         Never raises."""
         if self._closed:
             return 0
+        await self._start()
         view, by_home = self._router.release_homes(keys)
         done = await asyncio.gather(
             *(self._members.get(view, m).release(part) for m, part in by_home.items())
@@ -273,11 +292,13 @@ class AsyncSetConnector:
     ) -> EventBatch:  # fmt: skip
         """The event log of a set of one member: see :meth:`SetConnector.events
         <eg_kv.client.sets.SetConnector.events>` (ConfigError for several members)."""
+        await self._start()
         member = self._members.get(*self._router.only_member())
         return await member.events(since, wait, limit, epoch)
 
     async def snapshot(self) -> Snapshot:
         """The snapshot of a set of one member: see :meth:`events`."""
+        await self._start()
         return await self._members.get(*self._router.only_member()).snapshot()
 
     @property
@@ -289,6 +310,7 @@ class AsyncSetConnector:
         """Each member's stats (gathered in parallel), sorted by member id."""
         if self._closed:  # nothing is asked of a member after close()
             return []
+        await self._start()
         view = self._router.view()
 
         async def one(member_id: str) -> MemberStats:
@@ -313,6 +335,7 @@ class AsyncSetConnector:
         """``{"status": "ok", "members": K, "members_up": k}`` while a member is up."""
         if self._closed:
             return None
+        await self._start()
         view, up = self._router.up()
         for member_id in up:
             if await self._members.get(view, member_id).healthz() is not None:

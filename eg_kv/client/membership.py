@@ -104,6 +104,8 @@ class Membership:
         weigh_timeout_s: the bound on one round of weighing, all members in parallel.
         on_change: called with the new :class:`View` after each change (from the thread
             that made it; keep it short).
+        wait: whether the constructor waits for the first refresh (below); with False
+            the caller calls :meth:`wait_started` before it first reads the view.
 
     The first resolution and weighing run as the constructor starts, and it waits for
     them at most :attr:`start_bound_s` (``query_timeout_s``, plus ``weigh_timeout_s``
@@ -129,6 +131,7 @@ class Membership:
         weigh: Weigh | None = None,
         weigh_timeout_s: float = DEFAULT_WEIGH_TIMEOUT_S,
         on_change: Callable[[View], None] | None = None,
+        wait: bool = True,
     ) -> None:
         for name, value in (("refresh_s", refresh_s), ("query_timeout_s", query_timeout_s),
                             ("weigh_timeout_s", weigh_timeout_s)):  # fmt: skip
@@ -168,10 +171,20 @@ class Membership:
         if not (self.servers.queries or weigh is not None):
             self.refresh()  # listed URLs only: nothing to wait for
             return
+        self._start_by = time.monotonic() + self.start_bound_s
         self._thread = threading.Thread(target=self._run, name="eg-kv-membership", daemon=True)
         self._thread.start()
-        if not self._started.wait(self.start_bound_s):
-            # Start with what is known; the first refresh publishes the rest when it ends.
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait for the first refresh, at most until :attr:`start_bound_s` after the
+        constructor began (the constructor does, unless told ``wait=False``: an async
+        caller waits off its loop); past it, start with what is known: the first
+        refresh publishes the rest when it ends."""
+        if self._thread is None or self._started.is_set():
+            return
+        if not self._started.wait(max(0.0, self._start_by - time.monotonic())):
             self._publish(self._candidates(), only_if_empty=True)
 
     def __repr__(self) -> str:

@@ -109,12 +109,15 @@ class Router:
         probe_with: ``probe_with(member_config, on_unreachable)``: a sync single-server
             connector, for the probes and weighings its threads run (the router imports
             no connector; both set connectors pass the sync one).
+        wait: wait here for the first resolution and weighing (else the caller calls
+            ``membership.wait_started()`` before its first request).
 
     Raises:
         ConfigError: the setting does not parse.
     """
 
-    def __init__(self, config: KvCacheConfig, probe_with: ConnectorFactory) -> None:
+    def __init__(self, config: KvCacheConfig, probe_with: ConnectorFactory,
+                 wait: bool = True) -> None:  # fmt: skip
         self.config = config
         self._connect = probe_with
         self.health = Health()
@@ -132,6 +135,7 @@ class Router:
             weigh=self._weigh,
             weigh_timeout_s=PROBE_TIMEOUT_S * 2,
             on_change=self._changed,
+            wait=wait,
         )
         self._prober = threading.Thread(target=self._probe_loop, name="eg-kv-prober", daemon=True)
         self._prober.start()

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import itertools
+import socket
 import threading
+import time
 
 import pytest
 
@@ -197,3 +200,42 @@ def test_a_closed_set_asks_its_members_nothing(members):
         assert akv._members._conns == {} and a.requests + b.requests == before
 
     asyncio.run(run())
+
+
+def test_an_async_set_is_built_without_blocking_its_loop(members):
+    """The membership's first weighing of a member that never answers (1 s) ran in the
+    constructor, on the caller's loop: every other task of the loop stood still. Now the
+    first request awaits it off the loop, and then answers from the live member."""
+    live = members()
+    with socket.socket() as silent:  # accepts connections (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"{live.url},http://127.0.0.1:{silent.getsockname()[1]}"
+        cfg = KvCacheConfig(base_url=url, timeout_s=2.0, local_reads=False)
+
+        async def run() -> tuple[float, float, list[bool] | None]:
+            ticks: list[float] = []
+            stop = asyncio.Event()
+
+            async def ticker() -> None:
+                while not stop.is_set():
+                    ticks.append(time.monotonic())
+                    await asyncio.sleep(0.01)
+
+            task = asyncio.create_task(ticker())
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            kv = AsyncSetConnector(cfg)
+            built = time.monotonic() - t0
+            try:
+                got = await kv.try_exists_addresses([f"{i:032x}" for i in range(64)])
+            finally:
+                stop.set()
+                await task
+                await kv.close()
+            return built, max(b - a for a, b in itertools.pairwise(ticks)), got
+
+        built, longest_gap, got = asyncio.run(run())
+    assert built < 0.3, f"the constructor took {built:.2f} s"
+    assert longest_gap < 0.6, f"the loop stood still for {longest_gap:.2f} s"
+    assert got is not None  # the live member answered its part
