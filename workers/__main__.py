@@ -420,7 +420,10 @@ def _check(args: argparse.Namespace) -> int:
         # In slices: a live server's requests wait a few ms at a time, never the whole walk.
         # A lock stuck for longer than CHECK_LOCK_WAIT_S ends the check with its holder's pid.
         report = slab.check_live(timeout=CHECK_LOCK_WAIT_S)
-        deep = verify_contents(slab, args.repair, CHECK_LOCK_WAIT_S) if args.deep else None
+        # Freeing a block along pages another block shares frees that block's too: on a
+        # slab whose structure is damaged, --repair frees nothing.
+        repair = args.repair and not report.problems
+        deep = verify_contents(slab, repair, CHECK_LOCK_WAIT_S) if args.deep else None
         stats = slab.stats()
         spaces = slab.namespace_stats(timeout=CHECK_LOCK_WAIT_S)
     bad = [] if deep is None else deep.bad
@@ -449,7 +452,13 @@ def _check(args: argparse.Namespace) -> int:
         print(f"eg-kv check: note: {note}")
     for b in bad:
         where = f" in namespace {b.namespace}" if b.namespace else ""
-        done = "freed" if b.freed else "run eg-kv check --deep --repair to free it"
+        done = (
+            "freed" if b.freed
+            else "not freed: the slab's structure is damaged (above); restart the server "
+            "with --keep (re-attaching repairs it), then run eg-kv check --deep --repair"
+            if args.repair
+            else "run eg-kv check --deep --repair to free it"
+        )  # fmt: skip
         print(f"eg-kv check: block {b.address}{where} ({b.length} bytes) fails its checksum: "
               f"stored {b.stored:016x}, its bytes {b.found:016x}; {done}")  # fmt: skip
     if deep is not None:

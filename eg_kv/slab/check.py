@@ -252,6 +252,25 @@ class SlabChecks(SlabNamespaces):
                     )
         return problems
 
+    def _leased_pages_problems(self, leased: dict[int, int]) -> list[str]:
+        """Where the leased-page counters (the lease caps') differ from the pages of the
+        blocks whose slots count a lease: a process killed inside a lease section between
+        the two (a repair then rebuilds the table without leases)."""
+        problems = []
+        total = self._state[L.ST_LEASED_PAGES]
+        if total != sum(leased.values()):
+            problems.append(
+                f"counter leased_pages is {total} but the slots say {sum(leased.values())}"
+            )
+        column = self._nsw[L.NS_LEASED_PAGES :: _NS_WORDS]
+        for ns, pages in enumerate(column):
+            if pages != leased.get(ns, 0):
+                problems.append(
+                    f"namespace {ns}: counter leased_pages is {pages} but the slots say "
+                    f"{leased.get(ns, 0)}"
+                )
+        return problems
+
     def _walk(
         self, fix: bool, progress: Callable[[str, int, int], None] | None = None
     ) -> list[str]:
@@ -264,6 +283,8 @@ class SlabChecks(SlabNamespaces):
         ns_totals: dict[int, list[int]] = {}  # namespace -> its NS_DERIVED values
         ns_zero = [0] * len(L.NS_DERIVED)
         dropped: list[tuple[int, bytes, int, int]] = []  # for the event log (fix only)
+        leases = self._slot_leases
+        leased: dict[int, int] = {}  # namespace -> pages of its blocks under a lease
 
         def claim(first: int, npages: int, who: int, what: str) -> bool:
             pages = self._chain(first, npages)
@@ -295,6 +316,8 @@ class SlabChecks(SlabNamespaces):
                 seen.add((ns, raw))
                 meta = L.SLOT_META.unpack_from(mm, self._slot_off(i) + L.SLOT_META_OFFSET)
                 live.append((refbit, raw, refs, length, first, npages, block_id, fp, ns, meta))
+                if leases[i]:
+                    leased[ns] = leased.get(ns, 0) + npages
                 t = ns_totals.setdefault(ns, ns_zero.copy())
                 for k, val in enumerate((1, refs, length, length * refs, npages)):
                     t[k] += val
@@ -350,6 +373,7 @@ class SlabChecks(SlabNamespaces):
                 if st[idx] != totals[key]:
                     problems.append(f"counter {key} is {st[idx]} but the slots say {totals[key]}")
             problems += self._ns_counter_problems(ns_totals)
+            problems += self._leased_pages_problems(leased)
             holder = st[L.ST_LOCK_HOLDER]
             if holder and holder != self._pid:
                 problems.append(f"lock holder {holder} recorded but not holding")
@@ -374,9 +398,12 @@ class SlabChecks(SlabNamespaces):
         self._rebuild_free_list(owner)
         for key, idx in L.DERIVED_COUNTERS.items():
             st[idx] = totals[key]
-        # The table was rebuilt without leases: no page is leased now.
+        # The table was rebuilt without leases: no page is leased now, and no holder
+        # holds one (a holder's old record would end another's new lease on the block).
         st[L.ST_LEASED_PAGES] = 0
         nsw[L.NS_LEASED_PAGES :: _NS_WORDS] = array("q", bytes(8 * L.NS_COUNT))
+        if self._holds is not None:
+            self._holds[:] = array("q", bytes(8 * len(self._holds)))
         st[L.ST_CLOCK_HAND] = st[L.ST_CLOCK_HAND] & self._mask
         self._log_repair_drops(dropped, seen)
         return problems

@@ -5,7 +5,10 @@ its contents: each published block is hashed (XXH3-64, :mod:`eg_kv.checksum`) an
 with the checksum its writer gave it. A block changed at rest (a process with the server's
 uid writing to ``/dev/shm``, a bug in a repair, a bit flip) fails, by address, and
 ``--repair`` frees it (a removal with reason ``repair`` in the event log, counted as an
-eviction), so no client is ever handed it again.
+eviction), so no client is ever handed it again. A block whose page chain is broken is
+not hashed (the structural check names it), and ``eg-kv check`` frees nothing when the
+structural check found a problem: a block sharing its pages with another would free that
+block's pages too.
 
 The walk hashes under the slab lock in slices of about :data:`CONTENT_SLICE_S` (the
 readers' copies need no lock; writers wait a slice at most), hashing at ~10 GB/s: 2 GiB
@@ -87,9 +90,12 @@ def _verify_slot(slab: Slab, i: int, repair: bool, report: ContentReport) -> int
     s = slab._read_slot(i)
     if s[F_STATE] != L.SLOT_READY:
         return i + 1
+    pages = slab._chain(s[F_FIRST], s[F_NPAGES])
+    if isinstance(pages, str):  # a broken chain: the structural check names it
+        return i + 1
     off = slab._slot_off(i)
     stored = L.SLOT_CHECKSUM.unpack_from(slab._mm, off + L.SLOT_META_OFFSET)[0]
-    found = _hash_block(slab, s[F_FIRST], s[F_NPAGES], s[F_LENGTH])
+    found = _hash_block(slab, pages, s[F_LENGTH])
     report.checked += 1
     report.checked_bytes += s[F_LENGTH]
     if found == stored:
@@ -104,13 +110,12 @@ def _verify_slot(slab: Slab, i: int, repair: bool, report: ContentReport) -> int
     return i if repair else i + 1
 
 
-def _hash_block(slab: Slab, first: int, npages: int, length: int) -> int:
-    """The checksum of the bytes on a block's page chain (the lock is held)."""
-    running, mv, nxt = Running(), slab._mv, slab._next
-    base, ps, p, left = slab.geometry.data_off, slab.page_size, first, length
-    for _ in range(npages):
+def _hash_block(slab: Slab, pages: list[int], length: int) -> int:
+    """The checksum of the bytes on a block's pages (the lock is held)."""
+    running, mv = Running(), slab._mv
+    base, ps, left = slab.geometry.data_off, slab.page_size, length
+    for p in pages:
         size = min(ps, left)
         running.update(mv[base + p * ps : base + p * ps + size])
         left -= size
-        p = nxt[p]
     return running.intdigest()

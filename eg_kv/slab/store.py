@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -114,6 +114,16 @@ _NO_META = (0, 0, 0, 0, 0, 0, b"")
 SMALL_PUT = 64 * 1024
 
 
+def move_slot(mm: Any, to: int, src: int, size: int) -> None:
+    """Copy the ready slot at byte ``src`` of ``mm`` over the slot at ``to``, its state
+    byte last: a copy cut short (a SIGKILL) leaves the slot at ``to`` empty and the one at
+    ``src`` whole, never a ready slot with part of each (a deleted address over another
+    block's pages, which a repair would keep)."""
+    mm[to] = L.SLOT_EMPTY
+    mm[to + 1 : to + size] = mm[src + 1 : src + size]
+    mm[to] = L.SLOT_READY
+
+
 class Slab(SlabLeases):
     """A handle on the slab from one process. Not shared across ``fork``: attach anew.
 
@@ -153,8 +163,7 @@ class Slab(SlabLeases):
                 # Entry j may move into the hole at i unless its home lies in (i, j].
                 if (i < home <= j) if i <= j else (home > i or home <= j):
                     continue
-                oi, oj = self._slot_off(i), self._slot_off(j)
-                self._mm[oi : oi + ss] = self._mm[oj : oj + ss]
+                move_slot(self._mm, self._slot_off(i), self._slot_off(j), ss)
                 i = j
                 break
 
