@@ -92,6 +92,12 @@ class Intake(Protocol):
 SPLIT_READS_OVER = 64 * 1024
 #: How far into a read the end of a PUT's head is looked for.
 HEAD_SCAN = 16 * 1024
+#: The most bytes a connection may send while no request completes (a head that never
+#: ends): past it reading stops, and the sweeper answers 431 and closes. aiohttp's own
+#: limits (128 lines of 8 KiB) let one head hold ~2 MiB of a worker's memory until the
+#: header timeout, times every connection; eg-kv's longest legitimate head (an engine's
+#: token ids, 1,024 of them) is about 12 KiB.
+MAX_HEAD_BYTES = 64 * 1024
 _PUT, _HEAD_END = b"PUT ", b"\r\n\r\n"
 _LENGTH_HEADERS = (b"\r\nContent-Length:", b"\r\ncontent-length:")
 #: The arguments of aiohttp's request parser that a connection handler takes, with its
@@ -204,8 +210,9 @@ class StampedHandler(web_protocol.RequestHandler):
     """
 
     __slots__ = (
-        "body_at", "body_req", "body_seen", "head_at", "head_of", "held_at", "in_lane",
-        "intake", "lane", "rx_at", "wpaused_at", "wpaused_size",
+        "body_at", "body_req", "body_seen", "head_at", "head_bytes", "head_of", "head_over",
+        "held_at", "in_lane", "intake", "lane", "lane_answers", "rx_at", "wpaused_at",
+        "wpaused_size",
     )  # fmt: skip
 
     def __init__(self, manager: web_server.Server, *, lane: Lane | None = None, **kwargs) -> None:
@@ -218,15 +225,38 @@ class StampedHandler(web_protocol.RequestHandler):
         self.wpaused_size = 0
         self.body_req: object = None  # a request, or an intake (take_body)
         self.body_at = self.body_seen = -math.inf
+        #: Bytes read since a request last completed, and whether that passed
+        #: :data:`MAX_HEAD_BYTES` (reading stopped; the sweeper answers 431).
+        self.head_bytes, self.head_over = 0, False
+        self.lane_answers = 0  # requests the lane answered (a request completed)
 
     def data_received(self, data: bytes) -> None:
-        if data:  # b"" is aiohttp re-parsing what it buffered, on resume_reading
-            now = self._loop.time()
-            self.rx_at = now
-            parsed = self._request_count  # requests parsed on this connection so far
-            # waiting(), inlined: this runs for every read from the socket
-            if self.head_of != parsed and (self._waiter is not None or not parsed):
-                self.head_of, self.head_at = parsed, now  # the first bytes of a head
+        if not data:  # aiohttp re-parsing what it buffered, on resume_reading
+            self._parse(data)
+            return
+        now = self._loop.time()
+        self.rx_at = now
+        parsed = self._request_count  # requests parsed on this connection so far
+        # waiting(), inlined: this runs for every read from the socket
+        if self.head_of != parsed and (self._waiter is not None or not parsed):
+            self.head_of, self.head_at = parsed, now  # the first bytes of a head
+        progress = (parsed, len(self._messages), self.lane_answers)
+        self._parse(data)
+        if not self.waiting() or progress != (
+            self._request_count, len(self._messages), self.lane_answers
+        ):  # fmt: skip
+            # A request completed in this read, or one is handled (its body is its own
+            # handler's to bound): no head is piling up.
+            self.head_bytes = 0
+        else:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES and not self.head_over:
+                self.head_over = True
+                if self.transport is not None:
+                    self.transport.pause_reading()
+
+    def _parse(self, data: bytes) -> None:
+        """Hand ``data`` to aiohttp's parser, or to the lane."""
         # The lane looks only while start() waits for the next request (or has not run:
         # no request was parsed yet); otherwise one is queued or handled: aiohttp's turn.
         waiter, lane = self._waiter, self.lane
@@ -355,6 +385,7 @@ class StampedHandler(web_protocol.RequestHandler):
     def lane_answered(self) -> None:
         """What ``start()`` does after a kept-alive answer, for one the lane wrote: count
         the request, and restart the keep-alive clock from now."""
+        self.lane_answers += 1
         if self._manager is not None:  # None only once the connection is lost
             self._manager.requests_count += 1
         self._keepalive = True

@@ -23,7 +23,7 @@ from ..slab.view import BlockReader
 from ..wire import BLOCK_TYPE, RELEASE_HEADER
 from . import replies, tiers
 from .answers import closing, reply
-from .keys import SLAB
+from .keys import AUTH, SLAB
 from .lookups import release_on_load
 from .replies import written
 from .tenants import Tenant
@@ -79,9 +79,12 @@ async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
     transport.write(head)
     replies.sent(request, len(head))
     try:
-        if transport.get_extra_info("sslcontext") is None:
+        if transport.get_extra_info("sslcontext") is None and not request.app[AUTH].tenants_mode:
             await _send_zero_copy(request.writer, transport, reader)
-        else:  # TLS buffers plaintext we cannot watch: send copies
+        else:
+            # TLS buffers plaintext we cannot watch; with tenants, pages freed during a
+            # zero-copy send and stored into by another namespace would reach this
+            # client before the final check cut the body: send checked copies.
             for chunk in reader.slices(READ_SLICE):
                 transport.write(chunk)
                 await request.writer.drain()

@@ -48,7 +48,7 @@ import logging
 import math
 import resource
 
-from ._compat import StampedHandler
+from ._compat import MAX_HEAD_BYTES, StampedHandler
 from .replies import worker_pid
 
 log = logging.getLogger("eg_kv.server.connections")
@@ -78,6 +78,11 @@ RATE = "rate"
 _HEAD_TIMEOUT_REPLY = (
     b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\n"
     b"Server: eg-kv\r\nX-EgKv-Worker: %s\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+)
+_HEAD_SIZE_REPLY = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain; "
+    b"charset=utf-8\r\nServer: eg-kv\r\nX-EgKv-Worker: %s\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s"
 )
 _FULL_REPLY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
@@ -254,7 +259,10 @@ class Connections:
                     # reserved pages (and a share of the uploads' room) for good.
                     self._close(c, RATE)
                 continue
-            if c.head_arriving():
+            if c.head_over:
+                text = f"request head over {MAX_HEAD_BYTES // 1024} KiB"
+                self._close(c, HEAD, _one_line_reply(_HEAD_SIZE_REPLY, text))
+            elif c.head_arriving():
                 if now - c.head_at > lim.header_timeout:
                     text = f"request head not complete within {lim.header_timeout:g} s"
                     self._close(c, HEAD, _one_line_reply(_HEAD_TIMEOUT_REPLY, text))

@@ -173,7 +173,7 @@ def batch_addresses(content_type: str | None, body: bytes) -> list[str]:
     else:
         try:
             doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (nested too deep)
             raise BadRequest(f"batch body is not JSON: {why(e)}") from None
         listed = doc.get("addresses") if isinstance(doc, dict) else None
         if not isinstance(listed, list) or not all(isinstance(a, str) for a in listed):

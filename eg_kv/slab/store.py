@@ -578,22 +578,31 @@ class Slab(SlabLeases):
                 raise Busy("the reservation table is full; retry")
         return PutHandle(self, address, raw, fp, length, r, first, n, 0, ns, checksum, engine)
 
-    def add_ref(self, address: str, length: int, ns: int = 0) -> bool:
+    def add_ref(self, address: str, length: int, ns: int = 0) -> int:
         """A dedup hit from the headers alone: one more reference if ``address`` is
-        resident with ``length`` bytes. Returns True if it was, False if it is absent.
+        resident with ``length`` bytes.
+
+        Returns:
+            The block's id (what :meth:`take_back_ref` names), or 0 if it is absent.
 
         Raises:
             InvalidAddress. Conflict: resident with another length.
         """
         raw, fp = self._key(address, ns)
         if self._read(self._find, raw, fp, ns)[1] is None:  # lock-free: the usual miss
-            return False
+            return 0
         with self._locked():
             i, s = self._find(raw, fp, ns)
             if s is None:
-                return False
+                return 0
             self._add_ref(i, s, address, length)
-            return True
+            return int(s[F_BLOCK_ID])
+
+    def take_back_ref(self, address: str, block_id: int, ns: int = 0) -> None:
+        """Undo an :meth:`add_ref` whose answer never went out (the client left): not a
+        DELETE (no delete is counted, the dedup hit is not), and only of the same block."""
+        raw, fp = self._key(address, ns)
+        self._take_back_ref(raw, fp, ns, block_id)
 
     def put(
         self, address: str, data: Bytes, ns: int = 0, checksum: int | None = None,
@@ -783,13 +792,13 @@ class Slab(SlabLeases):
 
     def _abort(self, h: PutHandle) -> None:
         if h.resv < 0:
-            self._take_back_ref(h)
+            self._take_back_ref(h.raw, h.fp, h.ns, h.block_id)
             return
         with self._locked():
             first, npages = self._unreserve(h.resv)
             self._free_pages(first, npages)
 
-    def _take_back_ref(self, h: PutHandle) -> None:
+    def _take_back_ref(self, raw: bytes, fp: int, ns: int, block_id: int) -> None:
         """Undo a dedup hit whose body broke off: the put did not happen.
 
         The reference goes only if the same block (by id) is still resident: one evicted
@@ -799,10 +808,10 @@ class Slab(SlabLeases):
         st = self._state
         with self._locked():
             st[L.ST_DEDUP_HITS] -= 1
-            if h.ns:
-                self._nsw[h.ns * _NS_WORDS + _NS_DEDUP_HITS] -= 1
-            i, s = self._find(h.raw, h.fp, h.ns)
-            if s is not None and s[F_BLOCK_ID] == h.block_id:
+            if ns:
+                self._nsw[ns * _NS_WORDS + _NS_DEDUP_HITS] -= 1
+            i, s = self._find(raw, fp, ns)
+            if s is not None and s[F_BLOCK_ID] == block_id:
                 self._drop_ref(i, s)  # the last one if every other was deleted meanwhile
 
     # ------------------------------------------------------------------ get / exists / delete

@@ -232,3 +232,13 @@ def test_fuzz_malformed_requests(srv):
     # The server still works normally afterwards.
     assert request(srv, "PUT", "/kv/after-fuzz", b"fine").status in (200, 201)
     assert request(srv, "GET", "/kv/after-fuzz").body == b"fine"
+
+
+@pytest.mark.parametrize("route", ["/kv/batch/exists", "/kv/batch/release"])
+def test_deeply_nested_json_in_a_batch_is_a_400_not_a_500(srv, route):
+    """5,000 nested brackets (10 KB) raised RecursionError: a 500 and a traceback each."""
+    body = b'{"addresses": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    reply = request(srv, "POST", route, body, headers={"Content-Type": "application/json"})
+    assert reply.status == 400, reply.text
+    assert "batch body is not JSON" in reply.text
+    assert request(srv, "GET", "/healthz").status == 200

@@ -183,6 +183,45 @@ def test_head_dripping_past_the_header_timeout_gets_408_and_is_closed(server_fac
 
 
 @pytest.mark.timeout(60)
+def test_a_head_that_grows_past_64_kib_gets_431_and_costs_the_worker_little(server_factory):
+    """127 header lines of 8,000 bytes and no end, from no token: aiohttp's own limits
+    let each such head hold ~2 MiB of the worker until the header timeout (10 s), times
+    every connection it takes. Now reading stops at 64 KiB and the sweeper answers 431."""
+    srv = server_factory(workers=1)
+    worker = _worker(srv)
+    baseline = worker.memory_full_info().uss
+    head = b"GET /kv/x HTTP/1.1\r\nHost: x\r\n" + b"".join(
+        b"X-%03d: %s\r\n" % (i, b"v" * 8000) for i in range(127)
+    )
+    socks = [_connect(srv) for _ in range(40)]
+    for s in socks:
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.sendall(head)  # as much as the server takes
+    try:
+        growth = _peak_growth(worker, baseline, 1.5)
+        assert growth < 24 * MiB, f"40 endless heads grew the worker by {growth / MiB:.0f} MiB"
+        for s in socks:
+            s.setblocking(True)
+            assert select.select([s], [], [], 5)[0], "no answer within 5 s"
+            got = s.recv(4096)
+            assert got.startswith(b"HTTP/1.1 431"), got
+            assert b"request head over 64 KiB" in got
+    finally:
+        for s in socks:
+            s.close()
+    # A long honest head (12 KiB, as an engine's 1,024 token ids) and a keep-alive
+    # connection that sends many requests are served.
+    long = {"X-Long-A": "a" * 6000, "X-Long-B": "b" * 6000}
+    assert request(srv, "GET", "/healthz", headers=long).status == 200
+    assert request(srv, "PUT", "/kv/many", b"m" * 100).status == 201
+    s = _connect(srv)
+    s.sendall(b"GET /kv/many HTTP/1.1\r\nHost: x\r\n\r\n" * 2000)  # 70 KB in one go
+    assert _read_answers(s, 2000, b"m" * 100) == 2000
+    s.close()
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.slow
 def test_head_sent_with_the_connection_then_stalled_gets_408(server_factory):
     """A partial head in the same instant as the connection is a head, not keep-alive idle."""

@@ -393,7 +393,8 @@ def test_a_dedup_answer_the_client_left_before_gives_its_reference_back(server_f
     block = os.urandom(64 * KiB)
     address = "leak-" + block[:6].hex()
     assert request(srv, "PUT", f"/kv/{address}", block).status == 201
-    refs, answered = stats(srv)["total_refs"], _dedup_answers(srv)
+    before = stats(srv)
+    refs, hits, answered = before["total_refs"], before["dedup_hits"], _dedup_answers(srv)
     for _ in range(50):
         s = _connect(srv)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -404,6 +405,10 @@ def test_a_dedup_answer_the_client_left_before_gives_its_reference_back(server_f
     # not. The sole worker's /metrics counts every 200 written.
     wait_for(lambda: stats(srv)["total_refs"] - refs == _dedup_answers(srv) - answered,
              timeout=10, what="a reference per dedup answer written, and no more")  # fmt: skip
+    # Taken back as the dedup hit it was, not as a DELETE (the counters are exact).
+    after = stats(srv)
+    assert after["deletes"] == 0, after
+    assert after["dedup_hits"] - hits == _dedup_answers(srv) - answered, after
 
 
 def _dedup_answers(srv) -> int:

@@ -1,5 +1,7 @@
 """Large GETs are sent straight from slab memory: a block released mid-send must never
-reach the client as a complete body, only as a short one (a miss)."""
+reach the client as a complete body, only as a short one (a miss). With tenants they are
+sent as checked copies: a block released mid-send must not carry another namespace's
+bytes to its reader, not even in a short body."""
 
 from __future__ import annotations
 
@@ -24,13 +26,14 @@ def _stats(srv) -> dict:
         return json.loads(r.read())
 
 
-def _slow_get(srv, address: str) -> tuple[socket.socket, int, bytes]:
+def _slow_get(srv, address: str, token: str = "") -> tuple[socket.socket, int, bytes]:
     """Start a GET on a socket with a tiny receive buffer; read the headers and a little."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     sock.settimeout(30)
     sock.connect((srv.host, srv.port))
-    sock.sendall(f"GET /kv/{address} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    sock.sendall(f"GET /kv/{address} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
     buf = b""
     while b"\r\n\r\n" not in buf:
         buf += sock.recv(65536)
@@ -84,3 +87,27 @@ def test_large_get_is_complete_and_identical_when_nothing_changes(server_factory
     with urllib.request.urlopen(srv.url + "/kv/whole", timeout=30) as r:  # keep-alive path
         assert r.read() == data
     assert _stats(srv)["get_hits"] == 2
+
+
+@pytest.mark.slow
+def test_with_tenants_a_block_released_mid_send_never_carries_another_namespaces_bytes(
+    server_factory, tmp_path
+):
+    """Tenant "evil" starts a slow GET of its own block, deletes it, and "victim" stores
+    one of its own: the pages evil's send was reading from were free again, and it got
+    5.5 MB of victim's block before the final check cut the body."""
+    from helpers.server_http import request
+    from helpers.tenants import token_of, write_tokens
+
+    tenants = [{"name": "evil", "role": "readwrite"}, {"name": "victim", "role": "readwrite"}]
+    tokens = write_tokens(tmp_path / "tokens.toml", tenants)
+    srv = server_factory(workers=1, capacity="64MiB", extra=("--tokens", str(tokens)))
+    evil, victim = token_of("evil"), token_of("victim")
+    assert request(srv, "PUT", "/kv/blk", bytes([0xAA]) * SIZE, token=evil).status == 201
+    sock, length, first = _slow_get(srv, "blk", evil)
+    assert length == SIZE
+    assert request(srv, "DELETE", "/kv/blk", token=evil).status == 204
+    assert request(srv, "PUT", "/kv/secret", bytes([0x55]) * SIZE, token=victim).status == 201
+    body = _read_to_end(sock, first, length)
+    assert len(body) < SIZE, "a released block reached the client as a complete body"
+    assert body.count(0x55) == 0, f"{body.count(0x55)} bytes of victim's block reached evil"
