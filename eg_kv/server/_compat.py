@@ -32,6 +32,7 @@ HANDLER_PRIVATE = (
     "_keepalive_timeout", "_current_request", "_reading_paused", "_messages", "_parser",
     "_buffer_paused", "_msg_queue_resume_size", "_keepalive", "_keepalive_handle",
     "_process_keepalive", "_manager", "_force_close", "_close", "_max_msg_queue_size",
+    "_pause_reading_for_buffer",
 )  # fmt: skip
 
 
@@ -242,6 +243,16 @@ class StampedHandler(web_protocol.RequestHandler):
             self.head_of, self.head_at = parsed, now  # the first bytes of a head
         progress = (parsed, len(self._messages), self.lane_answers)
         self._parse(data)
+        messages = self._messages
+        if (
+            messages and self._waiter is None and not self._buffer_paused
+            and not messages[-1][1].is_eof()
+        ):  # fmt: skip
+            # A request whose body is still coming, queued behind one being handled:
+            # nothing reads that body until start() takes the request, and aiohttp would
+            # buffer 2 MiB of it (per connection) meanwhile. Reading stops, as for its
+            # own full queue, and start() resumes it when it takes the request.
+            self._pause_reading_for_buffer()
         if not self.waiting() or progress != (
             self._request_count, len(self._messages), self.lane_answers
         ):  # fmt: skip

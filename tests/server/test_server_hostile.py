@@ -222,6 +222,47 @@ def test_a_head_that_grows_past_64_kib_gets_431_and_costs_the_worker_little(serv
 
 
 @pytest.mark.timeout(60)
+def test_a_body_pipelined_behind_an_unread_answer_is_not_buffered(server_factory):
+    """A GET answer left unread, then a PUT with its body pipelined behind it: aiohttp
+    read on and held ~2.2 MiB of that body per connection while nothing read it."""
+    srv = server_factory(workers=1, capacity="32MiB")
+    assert request(srv, "PUT", "/kv/big8", os.urandom(8 * MiB)).status == 201
+    worker = _worker(srv)
+    assert len(request(srv, "GET", "/kv/big8").body) == 8 * MiB  # warm the worker
+    baseline = worker.memory_full_info().uss
+    junk = os.urandom(4 * MiB)
+    socks = []
+    try:
+        for i in range(20):
+            s = _connect(srv, rcvbuf=4096)
+            s.sendall(b"GET /kv/big8 HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.sendall(b"PUT /kv/next%d HTTP/1.1\r\nHost: x\r\nContent-Length: 60000000\r\n"
+                      b"\r\n" % i)  # fmt: skip
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.sendall(junk)  # as much as the server takes
+            socks.append(s)
+        growth = _peak_growth(worker, baseline, 2.0)
+        assert growth < 16 * MiB, f"20 pipelined bodies grew the worker by {growth / MiB:.0f} MiB"
+    finally:
+        for s in socks:
+            s.close()
+    # A pipelined PUT behind a GET that is read is served whole.
+    s = _connect(srv)
+    body = os.urandom(3 * MiB)
+    s.sendall(b"GET /kv/big8 HTTP/1.1\r\nHost: x\r\n\r\n"
+              b"PUT /kv/after HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+              + body)  # fmt: skip
+    got = b""
+    while b"HTTP/1.1 201" not in got:
+        chunk = s.recv(4 * MiB)
+        assert chunk, got[-200:]
+        got += chunk
+    s.close()
+    assert request(srv, "GET", "/kv/after").body == body
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.slow
 def test_head_sent_with_the_connection_then_stalled_gets_408(server_factory):
     """A partial head in the same instant as the connection is a head, not keep-alive idle."""
