@@ -74,6 +74,7 @@ class SlabChecks(SlabNamespaces):
         def _resv_off(self, r: int) -> int: ...
         def _resv_in_use(self) -> list[int]: ...
         def _unreserve(self, r: int) -> tuple[int, int]: ...
+        def _release_entry(self, r: int) -> int: ...
         def _fold_proc_entry(self, e: int) -> None: ...
 
     def check(self) -> list[str]:
@@ -153,8 +154,7 @@ class SlabChecks(SlabNamespaces):
                     out.full_repair = self.repaired_on_entry[1]
                 end = time.perf_counter() + CHECK_SLICE_S
                 while (r := self._next_resv_of(pid, r)) >= 0:
-                    first, npages = self._unreserve(r)
-                    self._free_pages(first, npages)
+                    npages = self._release_entry(r)
                     out.reservations += 1
                     out.pages += npages
                     if time.perf_counter() > end:
@@ -167,6 +167,16 @@ class SlabChecks(SlabNamespaces):
                             self._fold_proc_entry(e)
                             procs[e] = 0
                     return out
+
+    def _release_dead_dedups(self) -> None:
+        """Take back the references of dedup hits whose writer died before its put ended
+        (under the lock, once the table is sound): a process killed outside the lock,
+        whose leftovers nobody released (its supervisor died too)."""
+        mm = self._mm
+        for r in self._resv_in_use():
+            pid, first, npages, _ns, _id = L.RESV.unpack_from(mm, self._resv_off(r))
+            if first == L.RESV_DEDUP and not npages and pid != self._pid and not pid_alive(pid):
+                self._release_entry(r)
 
     def _next_resv_of(self, pid: int, r: int) -> int:
         """The first reservation at or after ``r`` held by ``pid``, or -1.
@@ -193,6 +203,7 @@ class SlabChecks(SlabNamespaces):
         problems = self._walk(fix=False, progress=progress)
         if problems:
             self._walk(fix=True, progress=progress)
+        self._release_dead_dedups()
         if problems or count:
             self._state[L.ST_REPAIRS] += 1
         return problems
@@ -336,6 +347,8 @@ class SlabChecks(SlabNamespaces):
 
         for r in self._resv_in_use():
             pid, first, npages, rns, length = L.RESV.unpack_from(mm, self._resv_off(r))
+            if first == L.RESV_DEDUP and not npages:
+                continue  # a dedup hit's reference, no pages: the repair takes a dead one's back
             what = f"reservation {r} (pid {pid})"
             bad_ns = self._resv_ns_fault(rns)
             if pid != self._pid and not pid_alive(pid):

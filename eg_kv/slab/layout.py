@@ -391,6 +391,10 @@ RESV = struct.Struct("<QqIIQ")
 RESV_SIZE = RESV.size  # 32
 
 NO_PAGE = -1
+#: A reservation entry's first page when it holds no pages but a dedup hit's reference,
+#: taken when its put began (its length field is then the block's id): a writer killed
+#: before the put ended leaves it, and its reference is taken back (not a page is freed).
+RESV_DEDUP = -2
 
 
 def _align(n: int, to: int = ALIGN) -> int:

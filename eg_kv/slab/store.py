@@ -517,10 +517,31 @@ class Slab(SlabLeases):
         for r in self._resv_in_use():
             pid = pids[r]
             if pid != self._pid and not pid_alive(pid):
-                first, npages = self._unreserve(r)
-                self._free_pages(first, npages)
+                self._release_entry(r)
                 released += 1
         return released
+
+    def _release_entry(self, r: int) -> int:
+        """Give back reservation ``r`` of a writer that died: an upload's pages, or a
+        dedup hit's reference (its put never ended). Returns the pages freed."""
+        _pid, _first, _npages, ns, length = L.RESV.unpack_from(self._mm, self._resv_off(r))
+        first, npages = self._unreserve(r)
+        if first == L.RESV_DEDUP:
+            self._take_back_dedup_of(ns, length)
+            return 0
+        self._free_pages(first, npages)
+        return npages
+
+    def _take_back_dedup_of(self, ns: int, block_id: int) -> None:
+        """Undo the dedup hit in namespace ``ns`` of a put whose writer died, on block
+        ``block_id`` (under the lock; found by its id, a search of the id column in C)."""
+        try:
+            i = self._slot_block_ids.tolist().index(block_id)
+        except ValueError:  # evicted meanwhile: it took every reference with it
+            self._undo_dedup(-1, None, ns, block_id)
+            return
+        s = self._read_slot(i)
+        self._undo_dedup(i, s if s[F_STATE] == L.SLOT_READY else None, ns, block_id)
 
     # ------------------------------------------------------------------ put
 
@@ -558,9 +579,10 @@ class Slab(SlabLeases):
             i, s = self._find(raw, fp, ns)
             if s is not None:
                 self._add_ref(i, s, address, length)
-                return PutHandle(
-                    self, address, raw, fp, length, -1, L.NO_PAGE, 0, s[F_BLOCK_ID], ns
-                )
+                h = PutHandle(self, address, raw, fp, length, -1, L.NO_PAGE, 0, s[F_BLOCK_ID], ns)
+                # Its reference, noted under this pid: given back if the writer dies first.
+                h.ref_entry = self._reserve(L.RESV_DEDUP, 0, s[F_BLOCK_ID], ns)
+                return h
             held, cap = st[L.ST_RESV_PAGES], int(upload_share * self.geometry.npages)
             # Over the share but within the slab: 503, retry. Beyond the slab: 507 below
             # (after _make_room has released any dead writer's pages).
@@ -762,6 +784,9 @@ class Slab(SlabLeases):
 
     def _commit(self, h: PutHandle) -> bool:
         if h.resv < 0:  # a dedup hit: its reference was taken when the put began
+            if h.ref_entry >= 0:
+                with self._locked():
+                    self._unreserve(h.ref_entry)
             return False
         with self._locked():
             i, s = self._find(h.raw, h.fp, h.ns)
@@ -792,27 +817,34 @@ class Slab(SlabLeases):
 
     def _abort(self, h: PutHandle) -> None:
         if h.resv < 0:
-            self._take_back_ref(h.raw, h.fp, h.ns, h.block_id)
+            self._take_back_ref(h.raw, h.fp, h.ns, h.block_id, h.ref_entry)
             return
         with self._locked():
             first, npages = self._unreserve(h.resv)
             self._free_pages(first, npages)
 
-    def _take_back_ref(self, raw: bytes, fp: int, ns: int, block_id: int) -> None:
-        """Undo a dedup hit whose body broke off: the put did not happen.
+    def _take_back_ref(self, raw: bytes, fp: int, ns: int, block_id: int, entry: int = -1) -> None:
+        """Undo a dedup hit whose body broke off: the put did not happen (``entry``: its
+        reservation entry, given back too).
 
         The reference goes only if the same block (by id) is still resident: one evicted
         meanwhile took every reference with it, and a block stored anew under the address
         is not the one this put referenced.
         """
-        st = self._state
         with self._locked():
-            st[L.ST_DEDUP_HITS] -= 1
-            if ns:
-                self._nsw[ns * _NS_WORDS + _NS_DEDUP_HITS] -= 1
+            if entry >= 0:
+                self._unreserve(entry)
             i, s = self._find(raw, fp, ns)
-            if s is not None and s[F_BLOCK_ID] == block_id:
-                self._drop_ref(i, s)  # the last one if every other was deleted meanwhile
+            self._undo_dedup(i, s, ns, block_id)
+
+    def _undo_dedup(self, i: int, s: L.SlotFields | None, ns: int, block_id: int) -> None:
+        """Take a dedup hit back: its count, and its reference on slot ``i`` (fields
+        ``s``) if that holds block ``block_id`` (under the lock)."""
+        self._state[L.ST_DEDUP_HITS] -= 1
+        if ns:
+            self._nsw[ns * _NS_WORDS + _NS_DEDUP_HITS] -= 1
+        if s is not None and s[F_BLOCK_ID] == block_id:
+            self._drop_ref(i, s)  # the last one if every other was deleted meanwhile
 
     # ------------------------------------------------------------------ get / exists / delete
 
@@ -969,7 +1001,7 @@ class PutHandle:
 
     __slots__ = ("_hash", "_run", "_runs", "_slab", "address", "block_id", "checksum",
                  "done", "engine", "expected", "first", "fp", "length", "npages", "ns", "pos",
-                 "raw", "record", "resv")  # fmt: skip
+                 "raw", "record", "ref_entry", "resv")  # fmt: skip
 
     def __init__(
         self, slab: Slab, address: str, raw: bytes, fp: int, length: int, resv: int,
@@ -991,6 +1023,8 @@ class PutHandle:
         self.engine = engine
         #: The disk tier's record the bytes come from (a promotion; 0: a put's own bytes).
         self.record = 0
+        #: A dedup hit's reservation entry (its reference, noted under this pid), or -1.
+        self.ref_entry = -1
 
     def write(self, chunk: Bytes) -> None:
         """Copy ``chunk`` into the block's pages at the current position.

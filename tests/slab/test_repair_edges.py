@@ -171,3 +171,52 @@ def test_deep_repair_frees_nothing_on_a_slab_whose_chains_are_damaged(slab_name)
         assert slab.get("a") == abytes
     finally:
         slab.close()
+
+
+def _dedup_put_then_die(name: str, address: str, length: int) -> int:
+    """A child that begins a put of a resident block (a dedup hit: a reference taken at
+    the headers), writes part of its body and is SIGKILLed: its pid."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child dies by SIGKILL
+        try:
+            child = Slab.attach(name)
+            handle = child.begin_put(address, length)
+            assert handle.dedup
+            handle.write(b"x" * 1000)
+            os.write(ready_w, b"1")
+            signal.pause()
+        finally:
+            os._exit(1)
+    os.read(ready_r, 1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(ready_r)
+    os.close(ready_w)
+    return pid
+
+
+@pytest.mark.parametrize("cleanup", ["release_process", "repair"])
+def test_a_dedup_put_whose_writer_dies_mid_body_gives_its_reference_back(slab_name, cleanup):
+    """The reference a dedup hit takes at the headers was given back only by the put's
+    own abort: a worker killed mid-body left it, and the one real holder's DELETE left
+    the block resident. The supervisor's cleanup (or, when it died too, the repair of a
+    re-attach) takes it back now."""
+    slab = Slab.create(slab_name, 4 * MiB, page_size=64 * KiB, max_block_size=MiB)
+    try:
+        data = os.urandom(200_000)
+        slab.put("blk", data)
+        before = {k: slab.stats()[k] for k in ("dedup_hits", "total_refs")}
+        dead = _dedup_put_then_die(slab_name, "blk", len(data))
+        assert slab.refs("blk") == 2  # held by the dead writer's put
+        if cleanup == "release_process":
+            left = slab.release_process(dead)
+            assert (left.reservations, left.pages) == (1, 0)
+        else:
+            assert slab.repair() == []  # not damage: the reference is taken back
+        assert slab.refs("blk") == 1
+        assert {k: slab.stats()[k] for k in before} == before
+        assert slab.delete("blk") and not slab.exists("blk")
+        assert slab.check() == []
+    finally:
+        slab.close()

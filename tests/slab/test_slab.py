@@ -257,13 +257,21 @@ def test_upload_share_bounds_what_puts_in_flight_hold(slab):
 
 
 def test_add_ref_counts_a_dedup_hit_from_the_headers(slab):
-    assert slab.add_ref("absent", 10) is False
+    assert slab.add_ref("absent", 10) == 0
     slab.put("here", data(300 * KiB))
-    assert slab.add_ref("here", 300 * KiB) is True
+    block_id = slab.add_ref("here", 300 * KiB)  # the block's id, for take_back_ref
+    assert block_id > 0
     with pytest.raises(Conflict, match="resident with 307200 bytes, not 5"):
         slab.add_ref("here", 5)
     st = slab.stats()
     assert (st["total_refs"], st["dedup_hits"], st["logical_bytes"]) == (2, 1, 600 * KiB)
+    # Two more hits taken back (their answers never went out): one named a block that was
+    # replaced meanwhile (only the hit is undone), one this block (its reference too).
+    assert slab.add_ref("here", 300 * KiB) == slab.add_ref("here", 300 * KiB) == block_id
+    slab.take_back_ref("here", block_id + 1)
+    slab.take_back_ref("here", block_id)
+    st = slab.stats()
+    assert (st["total_refs"], st["dedup_hits"], st["deletes"]) == (3, 1, 0)
 
 
 def test_streamed_dedup_hit_takes_its_reference_at_once_and_back_on_abort(slab):
