@@ -6,6 +6,7 @@ are in :mod:`eg_kv.client.rules`)."""
 
 from __future__ import annotations
 
+import asyncio
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -225,8 +226,10 @@ class Transport:
         ``timeout_s``: this exchange's deadline, when shorter than the config's.
         """
         session = self._session()
-        resend = may_resend(method, target)
+        resend = may_resend(method, target, headers)
         expect = isinstance(body, Parts) and wants_continue(method, body.size or 0)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + (timeout_s or self.config.timeout_s)  # one deadline, both tries
         kw: dict[str, Any] = {
             "headers": {**self.headers, **headers} if headers else self.headers,
             "timeout": aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self._timeout,
@@ -251,8 +254,10 @@ class Transport:
                         resp.close()
                     return result
             except aiohttp.ServerDisconnectedError:
-                if attempt or not resend:
+                left = end - loop.time()
+                if attempt or not resend or left <= 0:
                     raise
+                kw["timeout"] = aiohttp.ClientTimeout(total=left)  # what is left, no more
         raise RemoteError("unreachable")  # pragma: no cover
 
 

@@ -141,8 +141,8 @@ class ClientCore:
         read_exact: Callable[[memoryview], None],
     ) -> T:  # fmt: skip
         """``sink(length, read_exact)``, its bytes checked against ``checksum`` (a block
-        answer's :data:`~eg_kv.wire.CHECKSUM_HEADER`; None: a server that sends none, whose
-        bytes go unchecked) unless :attr:`checks_checksums` is off.
+        answer's :data:`~eg_kv.wire.CHECKSUM_HEADER`; None: a miss) unless
+        :attr:`checks_checksums` is off.
 
         Raises:
             ChecksumMismatch: the bytes are not the block's (the caller's miss).
@@ -183,8 +183,8 @@ class ClientCore:
 
     def verifier(self, checksum: bytes | str | None) -> Verifier | None:
         """A :class:`~eg_kv.checksum.Verifier` of a block answer's bytes, from its
-        :data:`~eg_kv.wire.CHECKSUM_HEADER`; None: nothing to check (no header: a server
-        that sends none; or :attr:`checks_checksums` off).
+        :data:`~eg_kv.wire.CHECKSUM_HEADER`; None: nothing to check (:attr:`checks_checksums`
+        off).
 
         Raises:
             BadRequest: the header is not a checksum (the caller's miss).
@@ -194,13 +194,17 @@ class ClientCore:
 
     def _expected(self, checksum: bytes | str | None) -> int | None:
         """The checksum a block answer's header gives, None when there is nothing to
-        check (no header, or :attr:`checks_checksums` off).
+        check (:attr:`checks_checksums` off).
 
         Raises:
-            BadRequest: the header is not a checksum.
+            BadRequest: the header is not a checksum. ChecksumMismatch: there is none
+                (every eg-kv server sends one: a proxy that drops it, or a server that
+                is not eg-kv, is a miss, counted, not bytes taken unchecked).
         """
-        if checksum is None or not self.checks_checksums:
+        if not self.checks_checksums:
             return None
+        if checksum is None:
+            raise ChecksumMismatch(f"the block answer carries no {wire.CHECKSUM_HEADER}")
         return decode_checksum(checksum)
 
     def check_body(self, checksum: bytes | str | None, body: Any) -> None:

@@ -161,7 +161,7 @@ def parse_events(doc: Any) -> EventBatch:
             for e in doc["events"]
         ]
         return EventBatch(events, int(doc["next"]), bool(doc["gap"]), str(doc["epoch"]))
-    except (KeyError, TypeError, ValueError, AttributeError):
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError):
         raise _bad("events") from None
 
 
@@ -226,7 +226,7 @@ class SnapshotReader:
                     self._held.pop(key, None)
                 else:
                     raise ValueError
-        except (KeyError, TypeError, ValueError, AttributeError):
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError):
             raise _bad("snapshot") from None
 
 

@@ -22,6 +22,8 @@ import socket
 import ssl
 import time
 
+from .dial import open_tcp
+
 #: Largest response head accepted (status line + headers).
 MAX_HEAD = 64 * 1024
 #: Most interim (1xx) answers skipped before one request's final answer.
@@ -132,18 +134,22 @@ class Response:
     def _read_chunked(self, limit: int) -> bytes:
         out = bytearray()
         conn, dl = self._conn, self._deadline
+        framing = 0  # bytes of chunk-size lines (extensions included) and trailers
         while True:
             line = conn.read_line(dl)
+            framing += len(line) + 2
             try:
                 size = int(line.split(b";", 1)[0].strip(), 16)
             except ValueError:
                 raise ProtocolError("bad chunk size") from None
             if size == 0:
-                while conn.read_line(dl):  # trailers, then the empty line
-                    pass
+                while line := conn.read_line(dl):  # trailers, then the empty line
+                    framing += len(line) + 2
+                    if framing > MAX_HEAD:
+                        raise ProtocolError(f"chunked answer's trailers are over {MAX_HEAD}")
                 self._left = 0
                 return bytes(out)
-            if len(out) + size > limit:
+            if len(out) + size + framing > limit + MAX_HEAD:  # endless tiny chunks too
                 raise ProtocolError(f"chunked answer is over {limit} bytes")
             chunk = bytearray(size)
             conn.read_into(memoryview(chunk), dl)
@@ -264,7 +270,7 @@ class Connection:
         return bool(poller.poll(0))
 
     def _connect(self, deadline: Deadline) -> None:
-        sock = socket.create_connection((self.host, self.port), timeout=deadline.left())
+        sock = open_tcp(self.host, self.port, deadline.left)
         try:
             # Head and a large body go out in separate sends; with Nagle on, delayed ACKs
             # would hold the body back by up to 40 ms.
@@ -286,8 +292,8 @@ class Connection:
         """Receive more bytes into the buffer; returns how many (0 at end of stream)."""
         sock = self.sock
         assert sock is not None
-        if self._pos and self._pos == len(self._buf):
-            self._buf.clear()
+        if self._pos:  # what was parsed goes (a buffer kept whole grew with every read)
+            del self._buf[: self._pos]
             self._pos = 0
         sock.settimeout(deadline.left())
         n = sock.recv_into(self._scratch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .. import wire
@@ -204,13 +204,27 @@ def exists_answer(doc: Any) -> bool:
 # --------------------------------------------------------------------------- rules
 
 
-def may_resend(method: str, target: str) -> bool:
+#: Headers that make a read change state: a lookup that leases its hits, a GET that
+#: ends a lease (as the clients spell them; the raw form for the sync client's heads).
+LEASE_HEADERS = (wire.LEASE_HEADER, wire.RELEASE_HEADER)
+_LEASE_HEADS = tuple(h.encode() + b":" for h in LEASE_HEADERS)
+
+
+def may_resend(method: str, target: str, headers: bytes | Mapping[str, str] | None = None) -> bool:
     """Whether a request may go out again after its connection failed mid-exchange.
 
     Only requests that change nothing: ``GET``, ``HEAD`` and the batch existence probe
     (a ``POST`` that only reads). A ``PUT`` or ``DELETE`` whose head went out may have
-    been applied (a ``DELETE`` sent twice releases two references), so it is a miss.
+    been applied (a ``DELETE`` sent twice releases two references), so it is a miss; so
+    is a read with a lease header (``headers``: raw header lines or a mapping): a lookup
+    sent twice leased its hits twice, a GET sent twice ended two of the caller's leases.
     """
+    if headers:
+        if isinstance(headers, bytes):
+            if any(h in headers for h in _LEASE_HEADS):
+                return False
+        elif any(h in headers for h in LEASE_HEADERS):
+            return False
     return method in ("GET", "HEAD") or (
         method == "POST" and target.endswith(wire.BATCH_EXISTS_PATH)
     )
@@ -274,5 +288,5 @@ def json_answer(status: int, body: bytes) -> Any:
         raise Miss(f"HTTP {status}")
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested too deep)
         raise Miss("the answer is not JSON") from None

@@ -106,7 +106,7 @@ class Transport:
             if wants_continue(method, size):
                 expect = True
                 head += b"Expect: 100-continue\r\n"
-        resend = may_resend(method, target)
+        resend = may_resend(method, target, headers)
         for attempt in (0, 1):
             conn = self.pool.acquire(deadline)
             keep = False

@@ -141,7 +141,7 @@ class LocalInfo:
                 lease_ms=max(0, int(doc.get("lease_ms", 0))),
                 disk=doc.get("disk") is True,
             )
-        except (TypeError, KeyError, ValueError) as e:
+        except (TypeError, KeyError, ValueError, OverflowError) as e:
             raise LocalUnavailable(f"the server's slab description is malformed ({e})") from None
         for name in (info.slab, info.readers):
             if not name.startswith("/") or "/" in name[1:] or name in ("/", "/.", "/.."):

@@ -95,7 +95,7 @@ def test_interim_answers_never_shift_answers_onto_the_next_request(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_put_and_delete_are_never_sent_twice(kind):
+def test_writes_and_lease_changes_are_never_sent_twice(kind):
     # The server applies each PUT and DELETE, then drops the connection unanswered. A
     # client that resends would release two references for one delete().
     with RawServer("dropwrite") as srv, open_client(kind, base_url=srv.url, timeout_s=5) as kv:
@@ -109,6 +109,13 @@ def test_put_and_delete_are_never_sent_twice(kind):
         assert kv.put("k", bytes(BIG)) is False
         assert srv.applied == 4
         assert sum(line.startswith(b"DELETE") for line in srv.requests) == 2
+        # Reads that change state: a lookup that leases its hits, a GET that ends a lease
+        # (sent twice: two leases taken, or two of the caller's leases ended).
+        assert kv.get("warm") is None
+        assert kv.exists_many(["a1", "a2"], lease_ms=5000) == [False, False]
+        assert kv.get("warm") is None
+        assert kv.get("a1", release_lease=True) is None
+        assert srv.applied == 6
 
 
 def test_a_connection_the_server_closed_while_idle_is_not_used():
@@ -223,7 +230,7 @@ print(json.dumps(out))
 """
 MEMORY_MODES = (
     "early_hints", "huge", "nolength", "endless_chunked", "gzip", "drip", "short",
-    "garbage", "reset", "redirect",
+    "garbage", "reset", "redirect", "trailers", "extensions",
 )  # fmt: skip
 
 
@@ -258,3 +265,40 @@ def test_a_bad_server_costs_no_more_memory_than_the_largest_block(kind):
         if mode != "early_hints":
             assert seen["got"] == "None", (mode, seen)
         assert seen["took"] < 3 * (2 * 0.5 + 1.0), (mode, seen)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["infinity", "deepjson"])
+def test_a_slab_description_no_server_sends_leaves_reads_on_http(kind, mode):
+    """The answer to the first-use probe of the server's slab (local reads, on by
+    default) with Infinity, or nested 50,000 deep: get() raised OverflowError or
+    RecursionError, documented never to raise, once every 30 s."""
+    with RawServer(mode) as srv, open_client(kind, base_url=srv.url, timeout_s=5) as kv:
+        assert kv.get("abc123") == b"abc123"
+        assert kv.exists("abc123") is True
+        assert any(line.endswith(b"/kv/local/slab HTTP/1.1") for line in srv.requests)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_block_answer_without_its_checksum_is_a_miss_counted(kind):
+    """Every eg-kv server sends the checksum; an answer without it (a proxy that drops
+    X- headers, a server that is not eg-kv) was taken as a hit, unchecked and uncounted."""
+    with (
+        RawServer("nochecksum") as srv,
+        open_client(kind, base_url=srv.url, timeout_s=5, local_reads=False) as kv,
+    ):
+        assert kv.get("abc123") is None
+        assert kv.checksum_failures == 1
+
+
+def test_an_async_call_is_bounded_by_one_timeout_across_its_resend():
+    """A server that closes each connection unanswered after 0.9 s: the transport's
+    resend got a fresh timeout, so one get() with timeout_s=2 took 3.6 s."""
+    with (
+        RawServer("closelate") as srv,
+        open_client("async", base_url=srv.url, timeout_s=2.0, local_reads=False) as kv,
+    ):
+        t0 = time.monotonic()
+        assert kv.get("abc123") is None
+        took = time.monotonic() - t0
+    assert took < 2.5, f"one get took {took:.2f} s with timeout_s=2"

@@ -24,7 +24,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from eg_kv.checksum import encode as encode_checksum
+from eg_kv.checksum import of as checksum_of
+from eg_kv.wire import CHECKSUM_HEADER
+
 HEAD_END = b"\r\n\r\n"
+#: Headers that make a read change state (a lookup that leases, a GET that releases).
+_LEASE_HEADS = (b"\r\nx-eg-kv-lease-ms:", b"\r\nx-eg-kv-release:")
 _CL_RE = re.compile(rb"\r\ncontent-length:\s*(\d+)", re.IGNORECASE)
 _EXPECT_RE = re.compile(rb"\r\nexpect:\s*100-continue", re.IGNORECASE)
 #: What the unframed and endless modes send at most, and for how long.
@@ -217,10 +223,10 @@ class RawServer:
                     continue
                 if self.mode == "close10":
                     # HTTP/1.0, no Content-Length: the body runs to the end of the connection.
-                    conn.sendall(b"HTTP/1.0 200 OK\r\n\r\nhello")
+                    conn.sendall(b"HTTP/1.0 200 OK\r\n%s\r\nhello" % _checksum_line(b"hello"))
                     return
                 if self.mode == "oneshot":
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+                    conn.sendall(_block_answer(b"hello"))
                     return
                 if not self._serve_more(conn, buf):
                     return
@@ -245,8 +251,28 @@ class RawServer:
             self._stop.wait(0.01)
             conn.sendall(self._correct_answer(method, target))
             return True
+        if self.mode in ("infinity", "deepjson"):
+            # A slab description no server sends (json takes Infinity; int() of it raises),
+            # or one nested past the decoder's depth; every other answer is right.
+            if target.endswith(b"/kv/local/slab"):
+                doc = (b'{"slab":"/a","readers":"/b","slab_id":"00","layout_version":Infinity,'
+                       b'"total_size":1,"namespace_id":0}' if self.mode == "infinity"
+                       else b"[" * 50_000)  # fmt: skip
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc))  # fmt: skip
+            else:
+                conn.sendall(self._correct_answer(method, target))
+            return True
+        if self.mode == "closelate":  # reads the request, says nothing for 0.9 s, closes
+            self._stop.wait(0.9)
+            return False
+        if self.mode == "nochecksum":  # a block answer without its checksum header
+            body = target.rsplit(b"/", 1)[-1]
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            return True
         if self.mode == "dropwrite":
-            if method in (b"PUT", b"DELETE"):
+            head = self.heads[-1].lower()
+            if method in (b"PUT", b"DELETE") or any(h in head for h in _LEASE_HEADS):
                 with self._lock:
                     self.applied += 1
                 return False
@@ -288,6 +314,17 @@ class RawServer:
             conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
             self._flood(conn, b"100000\r\n", b"\r\n")
             return False
+        if self.mode in ("trailers", "extensions"):
+            # A chunked answer that never ends in its framing: trailer lines after the last
+            # chunk, or one-byte chunks with 4 KB extensions (each line under any limit).
+            conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            if self.mode == "trailers":
+                conn.sendall(b"0\r\n")
+                line = b"x-t: " + b"a" * 4000 + b"\r\n"
+            else:
+                line = b"1;" + b"e" * 4000 + b"\r\nz\r\n"
+            self._flood(conn, body=line * 250)
+            return False
         if self.mode == "gzip":
             # Reads get a 200, writes a 503: the bomb is in every answer, read or drained.
             status = b"200 OK" if method in (b"GET", b"POST") else b"503 Busy"
@@ -302,9 +339,11 @@ class RawServer:
             return False
         raise ValueError(f"unknown mode {self.mode}")
 
-    def _flood(self, conn: socket.socket, prefix: bytes, suffix: bytes = b"") -> None:
-        """Send 1 MiB pieces until the client leaves, or FLOOD_BYTES / FLOOD_SECONDS."""
-        piece = prefix + bytes(1024 * 1024) + suffix
+    def _flood(self, conn: socket.socket, prefix: bytes = b"", suffix: bytes = b"",
+               body: bytes = bytes(1024 * 1024)) -> None:  # fmt: skip
+        """Send ``prefix + body + suffix`` again and again until the client leaves, or
+        FLOOD_BYTES / FLOOD_SECONDS."""
+        piece = prefix + body + suffix
         sent, deadline = 0, time.monotonic() + FLOOD_SECONDS
         while sent < FLOOD_BYTES and time.monotonic() < deadline and not self._stop.is_set():
             conn.sendall(piece)
@@ -328,8 +367,22 @@ class RawServer:
         elif method == b"HEAD":
             return b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"
         else:
-            body = target.rsplit(b"/", 1)[-1]
+            return _block_answer(target.rsplit(b"/", 1)[-1])
         return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def _checksum_line(body: bytes) -> bytes:
+    """The checksum header line every eg-kv server sends with a block."""
+    return b"%s: %s\r\n" % (CHECKSUM_HEADER.encode(), encode_checksum(checksum_of(body)).encode())
+
+
+def _block_answer(body: bytes) -> bytes:
+    """A correct server's answer of a block holding ``body``."""
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (
+        len(body),
+        _checksum_line(body),
+        body,
+    )
 
 
 class AsyncAsSync:
@@ -347,7 +400,9 @@ class AsyncAsSync:
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self._kv, name)
-        return lambda *args: self._loop.run_until_complete(method(*args))
+        if not callable(method):  # a property (a counter): as it is
+            return method
+        return lambda *args, **kw: self._loop.run_until_complete(method(*args, **kw))
 
     def close(self) -> None:
         self._loop.run_until_complete(self._kv.close())

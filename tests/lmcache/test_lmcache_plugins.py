@@ -242,8 +242,8 @@ class StallingServer:
         body_len: the whole body's length.
     """
 
-    def __init__(self, head: bytes, body_len: int, checksum: bool = False) -> None:
-        self.head, self.body_len, self.checksum = head, body_len, checksum
+    def __init__(self, head: bytes, body_len: int) -> None:
+        self.head, self.body_len = head, body_len
         self.sent_rest = threading.Event()
         self.answered = threading.Event()
         self._go = threading.Event()
@@ -261,7 +261,7 @@ class StallingServer:
             body = self.head + b"\x11" * (self.body_len - len(self.head))
             summed = b"X-Eg-Kv-Checksum: %s\r\n" % checksum.encode(checksum.of(body)).encode()
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n" % (
-                self.body_len, summed if self.checksum else b"") + body[:half])  # fmt: skip
+                self.body_len, summed) + body[:half])  # fmt: skip
             self.answered.set()
             self._go.wait(30)
             with contextlib.suppress(OSError):  # the client gave up: nothing can land
@@ -439,7 +439,7 @@ def test_a_load_lmcache_stopped_waiting_for_gives_its_buffer_back(lmcache_loop):
     protocol.init_remote_metadata_info(metadata.get_num_groups())
     header = RemoteMetadata(SMALL_CHUNK, metadata.get_shapes(), metadata.get_dtypes(),
                             MemoryFormat.KV_2LTD).serialize()  # fmt: skip
-    srv = StallingServer(header, len(header) + SMALL_CHUNK, checksum=True)
+    srv = StallingServer(header, len(header) + SMALL_CHUNK)
     extra = plugin_extra("egkv", srv.url, timeout_s="10", local_reads="false")
     config = engine_config(extra, plugins=["egkv"])
     cpu = LocalCPUBackend(config, metadata, dst_device="cpu")
