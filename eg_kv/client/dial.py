@@ -3,7 +3,7 @@
 ``socket.create_connection`` bounds neither the name lookup (``getaddrinfo`` waits for the
 resolver's own timeouts: 6 s with a silent DNS server and ``timeout_s=1``) nor the whole
 connect (each address the name resolves to gets the full timeout: 3 s for three
-addresses that drop SYNs). Here the lookup runs on a small thread pool and is waited for
+addresses that drop SYNs). Here the lookup runs on a thread of its own and is waited for
 only while the deadline lasts (a name looked up by several callers at once is looked up
 once), and each address gets what is left of the deadline. A literal IP address needs no
 lookup.
@@ -19,42 +19,50 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LOOKUP_THREADS", "open_tcp"]
+__all__ = ["MAX_LOOKUPS", "open_tcp"]
 
-#: Name lookups run at once, per process.
-LOOKUP_THREADS = 4
+#: Name lookups under way at once, per process (each on a daemon thread of its own: one
+#: a silent DNS server holds never holds up the process's exit).
+MAX_LOOKUPS = 16
 
 _Addresses = list[tuple[Any, ...]]
 _lock = threading.Lock()
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_pid = 0
 _pending: dict[tuple[str, int], concurrent.futures.Future[_Addresses]] = {}
+_pending_pid = 0
 
 
 def _lookup(host: str, port: int) -> concurrent.futures.Future[_Addresses]:
-    """The lookup of ``host`` under way, or a new one (a forked child starts its own
-    pool: its parent's threads are not its own)."""
-    global _pool, _pool_pid
+    """The lookup of ``host`` under way, or a new one (a forked child forgets its
+    parent's: their threads are not its own).
+
+    Raises:
+        OSError: :data:`MAX_LOOKUPS` lookups are under way.
+    """
+    global _pending_pid
     key = (host, port)
     with _lock:
-        if _pool is None or _pool_pid != os.getpid():
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                LOOKUP_THREADS, thread_name_prefix="eg-kv-lookup"
-            )
-            _pool_pid = os.getpid()
+        if _pending_pid != os.getpid():
             _pending.clear()
+            _pending_pid = os.getpid()
         future = _pending.get(key)
         if future is None:
-            future = _pool.submit(socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
-            _pending[key] = future
-            future.add_done_callback(lambda f: _done(key, f))
+            if len(_pending) >= MAX_LOOKUPS:
+                raise OSError(f"{MAX_LOOKUPS} name lookups are under way; {host} waits")
+            future = _pending[key] = concurrent.futures.Future()
+            threading.Thread(target=_run, args=(key, future), name="eg-kv-lookup",
+                             daemon=True).start()  # fmt: skip
         return future
 
 
-def _done(key: tuple[str, int], future: concurrent.futures.Future[_Addresses]) -> None:
-    with _lock:
-        if _pending.get(key) is future:
-            del _pending[key]
+def _run(key: tuple[str, int], future: concurrent.futures.Future[_Addresses]) -> None:
+    try:
+        future.set_result(socket.getaddrinfo(key[0], key[1], 0, socket.SOCK_STREAM))
+    except BaseException as e:
+        future.set_exception(e)
+    finally:
+        with _lock:
+            if _pending.get(key) is future:
+                del _pending[key]
 
 
 def _addresses(host: str, port: int, left: Callable[[], float]) -> _Addresses:
