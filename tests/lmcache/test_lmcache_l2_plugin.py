@@ -32,6 +32,7 @@ from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
     parse_args_to_l2_adapters_config,
 )
 
+from eg_kv import checksum  # noqa: E402
 from eg_kv.kvcache import RemoteKVConnector  # noqa: E402
 
 pytestmark = pytest.mark.lmcache
@@ -169,8 +170,9 @@ class TwoFacedServer:
                 self._stop.wait(30)
                 return
             half = self.length // 2
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % self.length
-                         + b"\x22" * half)  # fmt: skip
+            summed = checksum.encode(checksum.of(b"\x22" * self.length)).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nX-Eg-Kv-Checksum: %s\r\n\r\n"
+                         % (self.length, summed) + b"\x22" * half)  # fmt: skip
             self._go.wait(30)
             conn.sendall(b"\x22" * (self.length - half))
 

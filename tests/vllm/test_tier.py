@@ -27,7 +27,7 @@ from helpers.common import free_port
 from helpers.kvcache import RawServer
 from helpers.vllm_envs import vllm_py_fixture
 
-from eg_kv import wire
+from eg_kv import checksum, wire
 from eg_kv.vllm.tier_copies import trailer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -258,7 +258,12 @@ class SlowServer:
                     address = target[4:].decode()
                     row = bytes((i % 251) + 1 for i in range(ROW))
                     payload = row + trailer(address, row)
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload))
+                    summed = b"%s: %s\r\n" % (
+                        wire.CHECKSUM_HEADER.encode(),
+                        checksum.encode(checksum.of(payload)).encode(),
+                    )
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n"
+                                 % (len(payload), summed))  # fmt: skip
                     pieces = 24
                     step = len(payload) // pieces + 1
                     for i in range(0, len(payload), step):
