@@ -212,8 +212,7 @@ class StampedHandler(web_protocol.RequestHandler):
 
     __slots__ = (
         "body_at", "body_req", "body_seen", "head_at", "head_bytes", "head_of", "head_over",
-        "held_at", "in_lane", "intake", "lane", "lane_answers", "rx_at", "wpaused_at",
-        "wpaused_size",
+        "held_at", "in_lane", "intake", "lane", "rx_at", "wpaused_at", "wpaused_size",
     )  # fmt: skip
 
     def __init__(self, manager: web_server.Server, *, lane: Lane | None = None, **kwargs) -> None:
@@ -229,7 +228,6 @@ class StampedHandler(web_protocol.RequestHandler):
         #: Bytes read since a request last completed, and whether that passed
         #: :data:`MAX_HEAD_BYTES` (reading stopped; the sweeper answers 431).
         self.head_bytes, self.head_over = 0, False
-        self.lane_answers = 0  # requests the lane answered (a request completed)
 
     def data_received(self, data: bytes) -> None:
         if not data:  # aiohttp re-parsing what it buffered, on resume_reading
@@ -241,11 +239,10 @@ class StampedHandler(web_protocol.RequestHandler):
         # waiting(), inlined: this runs for every read from the socket
         if self.head_of != parsed and (self._waiter is not None or not parsed):
             self.head_of, self.head_at = parsed, now  # the first bytes of a head
-        progress = (parsed, len(self._messages), self.lane_answers)
         self._parse(data)
-        messages = self._messages
+        messages, waiter = self._messages, self._waiter
         if (
-            messages and self._waiter is None and not self._buffer_paused
+            messages and waiter is None and not self._buffer_paused
             and not messages[-1][1].is_eof()
         ):  # fmt: skip
             # A request whose body is still coming, queued behind one being handled:
@@ -253,9 +250,8 @@ class StampedHandler(web_protocol.RequestHandler):
             # buffer 2 MiB of it (per connection) meanwhile. Reading stops, as for its
             # own full queue, and start() resumes it when it takes the request.
             self._pause_reading_for_buffer()
-        if not self.waiting() or progress != (
-            self._request_count, len(self._messages), self.lane_answers
-        ):  # fmt: skip
+        count = self._request_count  # aiohttp counts a request as it parses its head
+        if count != parsed or self.intake is not None or (waiter is None and count):
             # A request completed in this read, or one is handled (its body is its own
             # handler's to bound): no head is piling up.
             self.head_bytes = 0
@@ -396,7 +392,6 @@ class StampedHandler(web_protocol.RequestHandler):
     def lane_answered(self) -> None:
         """What ``start()`` does after a kept-alive answer, for one the lane wrote: count
         the request, and restart the keep-alive clock from now."""
-        self.lane_answers += 1
         if self._manager is not None:  # None only once the connection is lost
             self._manager.requests_count += 1
         self._keepalive = True
