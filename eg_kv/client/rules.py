@@ -206,8 +206,8 @@ def exists_answer(doc: Any) -> bool:
 
 #: Headers that make a read change state: a lookup that leases its hits, a GET that
 #: ends a lease (as the clients spell them; the raw form for the sync client's heads).
-LEASE_HEADERS = (wire.LEASE_HEADER, wire.RELEASE_HEADER)
-_LEASE_HEADS = tuple(h.encode() + b":" for h in LEASE_HEADERS)
+_LEASE, _RELEASE = wire.LEASE_HEADER, wire.RELEASE_HEADER
+_LEASE_RAW, _RELEASE_RAW = _LEASE.encode() + b":", _RELEASE.encode() + b":"
 
 
 def may_resend(method: str, target: str, headers: bytes | Mapping[str, str] | None = None) -> bool:
@@ -219,11 +219,11 @@ def may_resend(method: str, target: str, headers: bytes | Mapping[str, str] | No
     is a read with a lease header (``headers``: raw header lines or a mapping): a lookup
     sent twice leased its hits twice, a GET sent twice ended two of the caller's leases.
     """
-    if headers:
+    if headers:  # (a test per header, not a loop: this runs for every request)
         if isinstance(headers, bytes):
-            if any(h in headers for h in _LEASE_HEADS):
+            if _LEASE_RAW in headers or _RELEASE_RAW in headers:
                 return False
-        elif any(h in headers for h in LEASE_HEADERS):
+        elif _LEASE in headers or _RELEASE in headers:
             return False
     return method in ("GET", "HEAD") or (
         method == "POST" and target.endswith(wire.BATCH_EXISTS_PATH)
