@@ -372,10 +372,17 @@ def test_an_empty_namespaces_snapshot_burst_costs_the_others_little(million):
 
     # The baseline: the same burst of a cheap request (/healthz), so the
     # comparison is of what the snapshots cost, not of 200 connections a second on 2 cores.
+    # A pair over the bound is measured again, twice at most: a neighbour's burst of work
+    # under scripts/test's two processes (a server test file's) can land in one burst and
+    # not the other (CI saw 1.84 against 0.71 ms), where d29c8d3's walks cost 5x for 25 s.
     idle = p99(latencies(300))
-    baseline = p99(under_burst(b"/healthz"))
-    during = under_burst(b"/kv/events/snapshot")
-    assert p99(during) <= 2 * baseline, (idle, baseline, p99(during))
+    pairs = []
+    for _ in range(3):
+        pairs.append((p99(under_burst(b"/healthz")), p99(under_burst(b"/kv/events/snapshot"))))
+        if pairs[-1][1] <= 2 * pairs[-1][0]:
+            break
+    baseline, during = pairs[-1]
+    assert during <= 2 * baseline, (idle, pairs)
     # Once the burst is over, nothing of it lingers. Sub-millisecond p99s wobble by 2x on
     # 2 cores (0.65 ms idle, then 1.78 ms in one CI run; 2.49 ms once beside another test
     # file's servers under scripts/test's two processes), so the bound is 2x the larger of
