@@ -130,7 +130,8 @@ class _Tracked:
     chain: list[bytes] = dataclasses.field(default_factory=list)
     saved_upto: int = 0  # blocks before this one are stored, loaded or planned
     load_tokens: int = 0  # tokens to load at the next build_connector_meta
-    loaded_tokens: int = 0
+    loaded_tokens: int = 0  # tokens loaded, less those a failed load rolled back
+    loaded_span: tuple[int, int] = (0, 0)  # the last load's tokens [start, end)
     saved_blocks: int = 0
 
 
@@ -398,8 +399,9 @@ class EgKvConnector(KVConnectorBase_V1):
             if tracked is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in cached.resumed_req_ids:  # preempted: what it loaded was used
                 tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
+                tracked.loaded_span = (0, 0)
             elif new_ids is not None:
                 tracked.block_ids.extend(new_ids[0])
             self._plan(tracked, cached.num_computed_tokens[i], scheduled.get(req_id, 0), meta)
@@ -422,9 +424,12 @@ class EgKvConnector(KVConnectorBase_V1):
                 )
             )
             tracked.loaded_tokens += tracked.load_tokens
+            tracked.loaded_span = (computed - tracked.load_tokens, computed)
             tracked.load_tokens = 0
             if self._leases is not None:
                 self._leases.planned(request.request_id)
+        else:
+            self._rolled_back(tracked, computed)
         # Blocks already computed (local prefix hits, loads) are stored or were planned;
         # fewer than were saved: vLLM rolled the request back (a failed load), and the
         # blocks it recomputes are saved (those computed on the failed one were not).
@@ -454,6 +459,15 @@ class EgKvConnector(KVConnectorBase_V1):
             tracked.saved_blocks += complete - start
             tracked.saved_upto = complete
             self._remember(request, start, tracked.chain[start:complete])
+
+    @staticmethod
+    def _rolled_back(tracked: _Tracked, computed: int) -> None:
+        """A load failed and vLLM computes again from ``computed``: the tokens loaded
+        past it were not used, and ``eg_kv_loaded_tokens`` does not count them."""
+        start, end = tracked.loaded_span
+        if computed < end:
+            tracked.loaded_tokens -= end - max(computed, start)
+            tracked.loaded_span = (start, max(computed, start))
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -263,7 +263,7 @@ def dcp_refused(config, kv) -> str:
     return ""
 
 
-def rollback(config, kv) -> list[list[int]]:
+def rollback(config, kv) -> tuple[list[list[int]], int]:
     """The scheduler's saves after vLLM rolls a request back to its first block (a load
     that failed): the blocks it recomputes are planned again, those it had saved were
     computed on the failed block (before, none were: the mark of saved blocks stayed)."""
@@ -289,8 +289,9 @@ def rollback(config, kv) -> list[list[int]]:
         num_scheduled_tokens={"r": len(tokens)}, scheduled_new_reqs=[],
         scheduled_cached_reqs=NS(req_ids=["r"], new_block_ids=[None], resumed_req_ids=set(),
                                  num_computed_tokens=[0])))  # fmt: skip
-    sched.shutdown()
-    return [t.block_ids for t in again.saves]
+    finished = sched.request_finished(req, [])[1]
+    sched.shutdown()  # what it loaded was rolled back: none of it counts
+    return [t.block_ids for t in again.saves], finished["eg_kv_loaded_tokens"]
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def test_worker_side_saves_and_loads_through_a_real_server(server_factory, vllm_
     assert got["load_errors"] == [6] and got["block_6_untouched"], got
     # computed after the failed block (that step, the next): not stored; others are
     assert got["poisoned"] == {"stored": [False, True, False, True], "skipped": 2}, got
-    assert got["rollback_saves"] == [[10, 11, 12, 13, 14]], got
+    assert got["rollback_saves"] == [[[10, 11, 12, 13, 14]], 0], got
     assert "decode_context_parallel_size > 1" in got["dcp_refused"], got
     # a silent server: the step's saves do not wait for it (one sent, two dropped)
     assert got["silent_saves"]["dropped"] == 2 and got["silent_saves"]["took"] < 0.5, got
