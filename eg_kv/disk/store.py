@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..engine import NO_ENGINE, EngineName
 from ..units import human_size
@@ -175,6 +175,12 @@ class DiskStore:
 
         self._zeroer.submit(zero)
 
+    def zeroed(self) -> Future[None]:
+        """Done once every header zeroing queued so far is written (its thread runs them
+        in order): a DELETE is answered after its record's header is gone from the file,
+        so a crash after the answer cannot bring the block back at the next scan."""
+        return self._zeroer.submit(lambda: None)
+
     def delete(self, key: Key) -> bool:
         """Release one reference of ``key``'s record (a ``DELETE`` of a block only the disk
         holds); the last drops it. Returns whether it was there."""
@@ -219,6 +225,15 @@ class DiskStore:
         self.counters["deletes"] += 1
         self.zero_later(e)
         return True
+
+    def undo(self, e: Entry) -> None:
+        """Take back record ``e``, just written, if it is still the one indexed (its block
+        left the slab before it was marked spilled)."""
+        with self.lock:
+            if self.index.find(e.key) is not e:
+                return
+            self.index.remove(e.key)
+        self.zero_later(e)
 
     def forget(self, key: Key, seq: int) -> bool:
         """Drop ``key``'s record ``seq`` (a reader found it damaged); True if it was the

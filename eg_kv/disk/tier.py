@@ -38,6 +38,11 @@ MAX_UNDONE = 4096
 #: (SIGSTOPped): past it, reports are dropped.
 MAX_UNSENT = 1024 * 1024
 RETRY_S = 0.5
+#: How long a discard (the slab's last reference of a spilled block went) waits for a
+#: keeper that does not answer, before its DELETE is answered: a killed keeper is back
+#: within about a second, and until it has the discard, another worker's GET could
+#: find the deleted block on disk (only this worker's memory holds what is undone).
+DISCARD_WAIT_S = 5.0
 SLOW_S = 0.05
 
 
@@ -196,10 +201,15 @@ class DiskTier:
 
     async def discard(self, namespace: str, address: str, block: int = 0) -> bool:
         """The slab's last reference of ``address`` (slab block ``block``; 0: unknown)
-        went: drop the disk's copy too. A keeper that does not answer gets it again once
-        it does (:meth:`_send_undone`): a new keeper follows the event log from its head,
-        and would never learn of the ``DELETE``."""
+        went: drop the disk's copy too, waiting :data:`DISCARD_WAIT_S` at most for a
+        keeper that does not answer. Past that, it gets it again once it does
+        (:meth:`_send_undone`): a new keeper follows the event log from its head, and
+        would never learn of the ``DELETE``."""
         got = await self._call(wire.DISCARD, namespace, address, block)
+        until = time.monotonic() + DISCARD_WAIT_S
+        while got is None and time.monotonic() < until:  # a new keeper, or this one back
+            await asyncio.sleep(RETRY_S)
+            got = await self._call(wire.DISCARD, namespace, address, block, probe=True)
         if got is None:
             key = (namespace, address)
             self._undone[key] = max(block, self._undone.pop(key, 0))  # newest last

@@ -565,7 +565,7 @@ class Publisher:
         self._deadline = time.monotonic() + REPLAY_DEADLINE_S
         try:
             self._resync(clients, ns, topic)
-            for client in clients:
+            for client in list(clients):  # one that fails leaves ``clients``
                 self._send_or_drop(clients, client, (client, b"", b"", END_SEQ, b""))
         except ReplayCut as e:
             for _ in clients:

@@ -356,3 +356,127 @@ def test_a_delete_waits_for_a_promotion_being_committed_then_goes_to_the_slab(di
             store.close()
         slab.close()
         slab.unlink()
+
+
+@pytest.fixture
+def keeper_on(disk_dir):
+    """A keeper over a real slab (with its event log) and a real disk file: (slab, store,
+    keeper); everything closed and unlinked after."""
+    from eg_kv.disk import keeper as K
+    from eg_kv.slab.store import Slab
+
+    slab = Slab.create(f"/eg-kv-test-keeper-{os.getpid()}-{disk_dir.parent.name}", 4 * MiB,
+                       64 * KiB)  # fmt: skip
+    store = None
+    try:
+        slab.setup_events(1024)
+        store = _store(disk_dir, capacity=16 * MiB, max_block=1 * MiB)
+        yield slab, store, K.Keeper(slab, store)
+    finally:
+        if store is not None:
+            store.close()
+        slab.close()
+        slab.unlink()
+
+
+def _spill_with(keeper, monkeypatch, during) -> None:
+    """Run the keeper's writer over what the log queued, calling ``during()`` once the
+    record's bytes are written and before the slab is told (the window a DELETE or an
+    eviction can fall in)."""
+    real = files.pwrite_all
+    called = []
+
+    def pwrite_all(fd, views, offset):
+        real(fd, views, offset)
+        if not called:
+            called.append(during())
+
+    monkeypatch.setattr(files, "pwrite_all", pwrite_all)
+    keeper.follow()
+    keeper.spills.put(None)
+    keeper.write_spills()
+    monkeypatch.setattr(files, "pwrite_all", real)
+    assert called
+
+
+def test_a_delete_during_a_spill_lowers_the_disk_copys_count(keeper_on, monkeypatch):
+    """PUT twice, one DELETE while the spill is written (its report finds no record yet):
+    the copy counts 1 reference, not the 2 read before the write, so one more DELETE
+    after an eviction removes it (it took two)."""
+    import asyncio
+
+    slab, store, keeper = keeper_on
+    data = os.urandom(512 * KiB)
+    slab.put("k", data)
+    slab.put("k", data)
+
+    def delete_one() -> None:
+        slab.delete("k")
+        asyncio.run(keeper._do("refs", ["", "k", slab.refs("k")]))
+
+    _spill_with(keeper, monkeypatch, delete_one)
+    assert store.index.find(("", "k")).refs == 1
+    for i in range(12):  # the slab evicts it: a move, the disk copy stays
+        slab.put(f"f{i}", os.urandom(512 * KiB))
+    assert not slab.refs("k") and store.index.find(("", "k")) is not None
+    assert asyncio.run(keeper._delete(("", "k"), 1e12)) == 1
+    assert store.index.find(("", "k")) is None
+
+
+def test_a_block_evicted_while_its_spill_is_written_leaves_the_disk_too(keeper_on, monkeypatch):
+    """The eviction came before the slab was told of the copy, so the log says the block
+    was removed: the disk must not keep it (it was served and listed, and its removal
+    logged a second time when the disk dropped it)."""
+    slab, store, keeper = keeper_on
+    slab.put("x", os.urandom(16 * KiB))  # small: spilled from a copy, written after
+
+    def evict() -> None:
+        for i in range(1000):  # (a small block shares pages: it takes ~180 here)
+            slab.put(f"f{i}", os.urandom(64 * KiB))
+            if not slab.refs("x"):
+                return
+        raise AssertionError("x was never evicted")
+
+    _spill_with(keeper, monkeypatch, evict)
+    import asyncio
+
+    from eg_kv.slab.events import REMOVED
+
+    kinds = [ev.kind for ev in slab.events.read(0, 1000)[0] if ev.address == b"x"]
+    assert kinds[-1] == REMOVED, kinds
+    assert store.index.find(("", "x")) is None and store.counters["spill_drops"] >= 1
+    asyncio.run(keeper._zeroed(True))  # once the header's zeroing is written
+    again = _store(store.path, capacity=16 * MiB, max_block=1 * MiB)
+    try:
+        assert again.index.find(("", "x")) is None  # its header went too
+    finally:
+        again.close()
+
+
+def test_a_delete_is_answered_once_its_header_is_gone_from_the_file(keeper_on):
+    """The keeper answers a DISCARD or a disk-only DELETE after the record's header is
+    zeroed, not when it is queued behind a spill's write: a keeper killed after the
+    answer must not find the block at its next scan."""
+    import asyncio
+
+    _, store, keeper = keeper_on
+    for address in ("d", "e"):
+        assert _put(store, "", address, b"z" * 5000) is not None
+
+    async def scenario() -> tuple[list[bool], list[int]]:
+        done, tasks = [], []
+        with store.io:  # a spill's write holds the file
+            for op, args in (("discard", ["", "d", 0]), ("delete", ["", "e", 1 << 62])):
+                tasks.append(asyncio.ensure_future(keeper._do(op, args)))
+                await asyncio.sleep(0.2)
+                done.append(tasks[-1].done())
+                assert store.index.find(("", args[1])) is None  # the index let it go
+        return done, await asyncio.gather(*tasks)
+
+    done, answers = asyncio.run(scenario())
+    assert done == [False, False] and answers == [True, 1]  # answered once written
+    scanned = _store(store.path, capacity=16 * MiB, max_block=1 * MiB)  # a restart's scan
+    try:
+        assert scanned.index.find(("", "d")) is None and scanned.index.find(("", "e")) is None
+    finally:
+        scanned.close()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from struct import error as struct_error
 
 import psutil
 import pytest
@@ -420,17 +421,22 @@ def test_a_peer_that_asks_the_keeper_without_reading_is_dropped(server_factory, 
     assert _disk(srv)["pid"] == keeper and psutil.Process(keeper).memory_info().rss < 300 << 20
 
 
+def _two_spilled(server_factory, disk_dir, prefix: str, workers: int):
+    """A server with two blocks spilled: (server, blocks, the keeper's pid)."""
+    srv = _serve(server_factory, disk_dir, workers=workers)
+    blocks = _blocks(prefix, 2)
+    _put_spilled(srv, blocks)
+    return srv, blocks, _disk(srv)["pid"]
+
+
 def test_a_delete_the_keeper_did_not_answer_reaches_the_next_keeper(server_factory, disk_dir):
     """A DELETE of a spilled block while the keeper is stopped: its discard times out,
     and the keeper is SIGKILLed before it reads the delete from the event log (a new one
     follows the log from its head). The worker sends the discard again once a keeper
     answers: the deleted block does not come back from the disk, before or after a
     restart (it did: the new keeper's scan indexed its record)."""
-    srv = _serve(server_factory, disk_dir, workers=1)
-    blocks = _blocks("d", 2)
-    _put_spilled(srv, blocks)
+    srv, blocks, keeper = _two_spilled(server_factory, disk_dir, "d", workers=1)
     gone, kept = list(blocks)
-    keeper = _disk(srv)["pid"]
     os.kill(keeper, signal.SIGSTOP)
     try:
         assert request(srv, "DELETE", f"/kv/{gone}").status == 204  # the slab's last ref
@@ -444,6 +450,40 @@ def test_a_delete_the_keeper_did_not_answer_reaches_the_next_keeper(server_facto
     again = _serve(server_factory, disk_dir, workers=1)
     assert request(again, "GET", f"/kv/{gone}").status == 404
     assert request(again, "GET", f"/kv/{kept}").body == blocks[kept]
+
+
+def _keeper_stats(disk_dir) -> dict | None:
+    """The keeper's stats, asked on its own socket (no worker's call: a worker that calls
+    the keeper sends it what it holds undone first); None while no keeper answers."""
+    from eg_kv.disk import wire
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(str(disk_dir / D.SOCKET_FILE))
+            s.sendall(wire.frame([wire.STATS, 1]))
+            size = wire.FRAME.unpack(s.recv(4, socket.MSG_WAITALL))[0]
+            return wire._decode(s.recv(size, socket.MSG_WAITALL))[1]
+    except (OSError, ValueError, struct_error):
+        return None
+
+
+def test_a_delete_while_the_keeper_restarts_is_answered_once_the_new_keeper_has_it(
+    server_factory, disk_dir
+):
+    """The keeper was SIGKILLed: a DELETE of a spilled block's last reference waits for
+    the new keeper to take its discard before it answers. Before, it answered at once and
+    only that worker remembered the discard: the other worker's GETs found the deleted
+    block on the new keeper's disk, served it and promoted it back into the slab."""
+    srv, blocks, keeper = _two_spilled(server_factory, disk_dir, "r", workers=2)
+    gone, kept = list(blocks)
+    os.kill(keeper, signal.SIGKILL)
+    assert request(srv, "DELETE", f"/kv/{gone}").status == 204
+    wait_for(lambda: ((st := _keeper_stats(disk_dir)) or {}).get("pid") not in (None, keeper)
+             and st["ready"], timeout=30, what="a new keeper")  # fmt: skip
+    # New connections: each worker gets some of them (SO_REUSEPORT spreads them).
+    assert {request(srv, "GET", f"/kv/{gone}").status for _ in range(16)} == {404}
+    assert request(srv, "GET", f"/kv/{kept}").body == blocks[kept]
 
 
 def test_a_delete_of_a_block_only_the_disk_holds_is_a_503_while_the_keeper_is_stopped(

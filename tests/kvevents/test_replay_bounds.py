@@ -12,6 +12,7 @@ from helpers.common import free_port, unique_slab_name
 
 from eg_kv.engine import EngineName
 from eg_kv.kvevents.publisher import Publisher, PublisherOptions
+from eg_kv.kvevents.wire import END_SEQ
 from eg_kv.slab.store import Slab
 
 pytestmark = pytest.mark.timeout(60)
@@ -134,6 +135,67 @@ def _answer_until_quiet(ctx, publisher: Publisher, endpoint: str, body: list[byt
         return seqs
     finally:
         dealer.close()
+
+
+class _EndFailsFor:
+    """The publisher's real replay socket, except that the end marker to one requester
+    fails as a requester that stopped reading makes it fail (``zmq.Again``)."""
+
+    def __init__(self, socket, identity: bytes) -> None:
+        self._socket, self._identity = socket, identity
+
+    def send_multipart(self, frames):
+        if frames[0] == self._identity and frames[3] == END_SEQ:
+            raise zmq.Again()
+        return self._socket.send_multipart(frames)
+
+    def __getattr__(self, name):
+        return getattr(self._socket, name)
+
+
+def test_a_requester_whose_end_marker_fails_costs_the_next_one_nothing(lapped):
+    """Three requesters wait for one resync; the end marker to the first fails. The
+    others each get theirs (the one after it went without and had to ask again)."""
+    import threading
+
+    _, publisher, replay, ctx = lapped
+    first = ask_and_serve(ctx, publisher, replay)  # the next resync waits a second
+    dealers = {}
+    for name in (b"A", b"B", b"C"):  # asked in this order: A's is the first served
+        dealer = dealers[name] = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.ROUTING_ID, name)
+        dealer.connect(replay)
+        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        put_off = publisher.counters["resyncs_put_off"]
+        while publisher.counters["resyncs_put_off"] == put_off:
+            if publisher.replay is not None and publisher.replay.poll(50):
+                publisher.serve_replay()
+    publisher.replay = _EndFailsFor(publisher.replay, b"A")
+    got: dict[bytes, list[int]] = {}
+
+    def read(name: bytes) -> None:
+        seqs: list[int] = []
+        while (not seqs or seqs[-1] != -1) and dealers[name].poll(10_000):
+            seqs.append(int.from_bytes(dealers[name].recv_multipart()[2], "big", signed=True))
+        got[name] = seqs
+
+    readers = [threading.Thread(target=read, args=(n,)) for n in (b"B", b"C")]
+    try:
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 20
+        while publisher.counters["resyncs"] < 2 and time.monotonic() < deadline:
+            publisher.serve_waiting()
+            time.sleep(0.01)
+        for reader in readers:
+            reader.join(15)
+        assert got == {b"B": first, b"C": first}  # whole, each with its end marker
+        assert publisher.counters["replays_dropped"] == 1  # A alone
+    finally:
+        publisher.replay = publisher.replay._socket
+        for dealer in dealers.values():
+            dealer.close()
 
 
 def test_a_resync_that_cannot_be_made_whole_sends_no_end_marker(lapped, monkeypatch):
