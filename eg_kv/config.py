@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import sys
@@ -264,6 +265,10 @@ class Settings:
             raise ConfigError("--heartbeat-timeout must be more than 0.2 seconds")
         if not self.lock_timeout_s > 0.1:
             raise ConfigError("--lock-timeout must be more than 0.1 seconds")
+        if not 0 <= self.drain_timeout_s < math.inf:  # NaN: SIGTERM would wait for good
+            raise ConfigError(
+                f"--drain-timeout must be 0 or more seconds, not {self.drain_timeout_s}"
+            )
         for flag, value in (("--header-timeout", self.header_timeout_s),
                             ("--body-timeout", self.body_timeout_s),
                             ("--keepalive-timeout", self.keepalive_timeout_s)):  # fmt: skip

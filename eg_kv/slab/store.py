@@ -535,12 +535,18 @@ class Slab(SlabLeases):
     def _take_back_dedup_of(self, ns: int, block_id: int) -> None:
         """Undo the dedup hit in namespace ``ns`` of a put whose writer died, on block
         ``block_id`` (under the lock; found by its id, a search of the id column in C)."""
-        try:
-            i = self._slot_block_ids.tolist().index(block_id)
-        except ValueError:  # evicted meanwhile: it took every reference with it
-            self._undo_dedup(-1, None, ns, block_id)
-            return
-        s = self._read_slot(i)
+        ids, i = self._slot_block_ids.tolist(), -1
+        while True:
+            try:
+                i = ids.index(block_id, i + 1)
+            except ValueError:  # evicted meanwhile: it took every reference with it
+                self._undo_dedup(-1, None, ns, block_id)
+                return
+            s = self._read_slot(i)
+            # An emptied slot keeps the id of the last block shifted out of it: a copy at
+            # a lower index than the block itself, once a shift crossed the table's wrap.
+            if s[F_STATE] != L.SLOT_EMPTY:
+                break
         self._undo_dedup(i, s if s[F_STATE] == L.SLOT_READY else None, ns, block_id)
 
     # ------------------------------------------------------------------ put

@@ -253,3 +253,11 @@ def test_sizes_in_units_that_may_be_decimal_are_refused_naming_the_binary_one(te
 )
 def test_binary_sizes_and_bytes_are_read(text, size):
     assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("value", [float("nan"), -5.0, float("inf")])
+def test_a_drain_timeout_that_is_no_bound_is_refused(value):
+    """NaN never compares past a deadline: SIGTERM would wait for a stuck worker for good;
+    a negative one cut in-flight work at once."""
+    with pytest.raises(ConfigError, match=r"--drain-timeout must be 0 or more seconds"):
+        Settings(drain_timeout_s=value)

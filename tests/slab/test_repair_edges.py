@@ -220,3 +220,33 @@ def test_a_dedup_put_whose_writer_dies_mid_body_gives_its_reference_back(slab_na
         assert slab.check() == []
     finally:
         slab.close()
+
+
+@pytest.mark.parametrize("cleanup", ["release_process", "repair"])
+def test_a_dead_dedup_put_is_taken_back_from_a_block_shifted_across_the_wrap(slab_name, cleanup):
+    """Two blocks homed at the table's last slot (the second wraps to slot 0); deleting
+    the first shifts the second back across the wrap, and slot 0, emptied, keeps its id.
+    The cleanup found that stale copy first (the lower index) and took nothing back: one
+    DELETE no longer freed the block."""
+    slab = Slab.create(slab_name, 16 * 4096, page_size=4096, max_block_size=4096)
+    try:
+        last = slab.geometry.nslots - 1
+        homed = (a for a in (f"a{k}" for k in range(10**6)) if slab._key(a, 0)[1] & last == last)
+        first, second = next(homed), next(homed)
+        slab.put(first, b"A" * 4000)
+        slab.put(second, b"B" * 4000)
+        assert slab._find(*slab._key(second, 0), 0)[0] == 0  # wrapped
+        slab.delete(first)  # the second shifts back to the last slot
+        block = slab.block_ids([second])[1][0]
+        assert slab._slot_block_ids.tolist().index(block) == 0  # the empty slot's stale id
+        dead = _dedup_put_then_die(slab_name, second, 4000)
+        assert slab.refs(second) == 2
+        if cleanup == "release_process":
+            assert slab.release_process(dead).reservations == 1
+        else:
+            assert slab.repair() == []
+        assert slab.refs(second) == 1
+        assert slab.delete(second) and not slab.exists(second)
+        assert slab.check() == []
+    finally:
+        slab.close()
