@@ -7,16 +7,27 @@ import weakref
 from typing import Any
 
 
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs and is not a zombie (``kill(pid, 0)`` says zombies live)."""
+def pid_state(pid: int) -> str:
+    """``pid``'s state letter in ``/proc/<pid>/stat`` (``R``, ``S``, ``T`` stopped, ``Z``
+    zombie...), ``X`` when there is no such process."""
     if pid <= 0:
-        return False
+        return "X"
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+        return "X"
+    return chr(stat[stat.rfind(b")") + 2])
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie (``kill(pid, 0)`` says zombies live)."""
+    return pid_state(pid) not in ("Z", "X")
+
+
+def pid_stopped(pid: int) -> bool:
+    """True while ``pid`` is stopped (SIGSTOP, Ctrl-Z) or traced."""
+    return pid_state(pid) in ("T", "t")
 
 
 def private_memory(pid: int) -> int:

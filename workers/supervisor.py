@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from eg_kv.config import ENV_TOKEN, Settings, format_size, is_loopback
 from eg_kv.errors import ConfigError, EgKvError, SlabError
-from eg_kv.procs import pid_alive
+from eg_kv.procs import pid_alive, pid_stopped
 from eg_kv.server import runstate, tenants
 from eg_kv.server.hints import tick as tick_hints
 from eg_kv.server.metrics import forget_process
@@ -757,6 +757,8 @@ class Supervisor:
                 continue
             if w.pid != self._lock_seen[0] and now - self._lock_stuck_at < s.heartbeat_timeout_s:
                 continue  # most likely waiting for the lock: the holder is the culprit
+            if w.pid == self._lock_seen[0] and now - self._lock_seen[2] <= self._lock_limit:
+                continue  # in the lock (a repair there does not beat): the lock's limit judges
             self._kill_wedged(w, f"has not beat for {age:.1f} s (stopped or stuck)")
 
     @property
@@ -769,6 +771,11 @@ class Supervisor:
         if w is not None:
             if not w.killed:
                 self._kill_wedged(w, f"has held the slab lock for {held:.1f} s")
+        elif h is None and pid_stopped(holder):  # an operator's tool, stopped (kill -STOP)
+            log.error("pid %d, not a worker of this server, was stopped holding the slab "
+                      "lock for %.1f s: every request waited; continuing it (SIGCONT)",
+                      holder, held)  # fmt: skip
+            self._kill(holder, signal.SIGCONT)
         elif self._lock_warned == (holder, entries):
             return
         elif h is not None:  # the keeper and the publisher take it too: started again

@@ -21,7 +21,7 @@ from ..errors import SlabError
 from ..procs import pid_alive
 from . import layout as L
 from .layout import F_ALEN, F_FIRST, F_LENGTH, F_NPAGES, F_NS, F_REFS, F_STATE
-from .lock import OWNER_LOCK_WAIT_S
+from .lock import OWNER_LOCK_WAIT_S, no_job_stops
 from .namespaces import SlabNamespaces
 
 _NS_WORDS = L.NS_WORDS
@@ -126,7 +126,7 @@ class SlabChecks(SlabNamespaces):
         :data:`WALK_PROGRESS_SLOTS` slots (seconds at a slab of 100 GiB).
         """
         self.repaired_on_entry = None
-        with self._locked(timeout):
+        with no_job_stops(), self._locked(timeout):
             if self.repaired_on_entry is not None:  # the holder had died: done on entry
                 return self.repaired_on_entry[1]
             return self._repair_locked(progress=progress)
@@ -149,7 +149,7 @@ class SlabChecks(SlabNamespaces):
         r = 0
         while True:
             self.repaired_on_entry = None
-            with self._locked(timeout):
+            with no_job_stops(), self._locked(timeout):
                 if self.repaired_on_entry is not None:
                     out.full_repair = self.repaired_on_entry[1]
                 end = time.perf_counter() + CHECK_SLICE_S
@@ -483,7 +483,7 @@ class _SlicedCheck:
 
     def _hold(self, timeout: float | None, step: Callable[[int, float], int], pos: int) -> int:
         slab, rep = self.slab, self.report
-        with slab._locked(timeout, write=False):
+        with no_job_stops(), slab._locked(timeout, write=False):
             t0, c0 = time.perf_counter(), time.thread_time()
             seq = slab._state[L.ST_SEQ]
             self.quiet = self.quiet and self.seq in (None, seq)

@@ -26,6 +26,7 @@ from ..checksum import Running
 from . import layout as L
 from .events import R_REPAIR
 from .layout import F_ALEN, F_FIRST, F_LENGTH, F_NPAGES, F_NS, F_STATE
+from .lock import no_job_stops
 
 if TYPE_CHECKING:
     from .store import Slab
@@ -77,7 +78,7 @@ def verify_contents(
     i, nslots = 0, slab.geometry.nslots
     while i < nslots:
         start = time.monotonic()
-        with slab._locked(timeout, write=repair):
+        with no_job_stops(), slab._locked(timeout, write=repair):
             while i < nslots and time.monotonic() - start < CONTENT_SLICE_S:
                 i = _verify_slot(slab, i, repair, report)
         report.slices += 1

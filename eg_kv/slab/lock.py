@@ -11,12 +11,15 @@ odd on entry and even on exit: the seqlock of the lock-free lookups
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import signal
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import SlabError
@@ -30,6 +33,23 @@ _UNLOCK = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
 #: How long the owner's one-off operations (claim, repair) wait for the lock by default.
 OWNER_LOCK_WAIT_S = 10.0
 _SPINS = 50  # non-blocking lock attempts (with a yield between) before sleeping on it
+
+
+#: What a terminal's job control stops a process with (Ctrl-Z, a background read or
+#: write): held back while a check holds the lock, taken at once after.
+JOB_STOPS = {signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU}
+
+
+@contextlib.contextmanager
+def no_job_stops() -> Iterator[None]:
+    """Hold back job-control stops while an operator's tool (``eg-kv check``) holds the
+    lock: Ctrl-Z stops it between two holds, never in one (a check stopped inside held
+    every worker's request until it was resumed)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_STOPS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class LockTimeout(SlabError):

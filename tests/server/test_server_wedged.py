@@ -391,3 +391,118 @@ def test_a_reload_that_cannot_write_the_workers_copy_keeps_the_server(server_fac
     wait_for(lambda: request(srv, "GET", "/kv/stats", token=token_of("gone")).status == 401,
              timeout=20, what="the next reload")  # fmt: skip
     assert request(srv, "GET", "/kv/stats", token=token_of("keep")).status == 200
+
+
+def _die_holding_the_lock_with_a_counter_off(slab_name: str) -> int:
+    """A process that attaches the slab, takes its lock, leaves the free count off by one
+    (what a death inside a page allocation leaves) and is SIGKILLed there: its pid."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child dies by SIGKILL
+        try:
+            slab = Slab.attach(slab_name)
+            with slab._locked():
+                slab._state[L.ST_FREE_COUNT] -= 1
+                os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            os._exit(1)
+    os.waitpid(pid, 0)
+    return pid
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+def test_the_worker_repairing_inside_the_lock_is_not_killed_for_its_heartbeat(server_factory):
+    """The next worker into the lock repairs the whole slab there (two walks with the
+    damage: ~1 s for 2 GiB of 4 KiB pages) and beats not meanwhile. The lock's limit
+    allows a repair its time; the heartbeat's did not spare the holder: each worker that
+    took the repair over was killed in it, and a kill after the table was zeroed drops
+    blocks."""
+    srv = server_factory(workers=2, capacity="2GiB", extra=(
+        "--page-size", "4KiB", "--heartbeat-timeout", "0.5"))  # fmt: skip
+    before = sorted(workers_of(srv))
+    repairs = stats(srv)["repairs"]
+    _die_holding_the_lock_with_a_counter_off(srv.slab_name)
+    load = _PutLoad(srv, threads=2)
+    try:
+        wait_for(lambda: stats(srv)["repairs"] > repairs, timeout=60, what="the repair")
+        wait_for(lambda: load.done > 20, timeout=30, what="PUTs after the repair")
+    finally:
+        load.close()
+    assert "has not beat" not in srv.log() and sorted(workers_of(srv)) == before
+    assert stats(srv)["repairs"] == repairs + 1
+    check = eg_kv_check(srv.slab_name)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _checking(srv, blocks: int = 1000):
+    """``eg-kv check --deep`` running on ``srv``'s slab (filled with ``blocks`` blocks of
+    4 KiB first), once it has taken the lock the first time: its Popen."""
+    import subprocess
+    import sys
+
+    from helpers.common import ROOT
+
+    slab = Slab.attach(srv.slab_name)
+    try:
+        for k in range(blocks):
+            slab.put(f"c{k}", os.urandom(4 * KiB))
+        check = subprocess.Popen(
+            [sys.executable, "-m", "workers", "check", "--deep", "--slab-name", srv.slab_name],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        wait_for(lambda: slab.lock_state()[0] == check.pid or check.poll() is not None,
+                 timeout=30, interval=0.0002, what="the check's first hold")  # fmt: skip
+        return check
+    finally:
+        slab.close()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_z_stops_a_check_between_its_holds_of_the_lock(server_factory):
+    """Ctrl-Z (SIGTSTP) on ``eg-kv check`` took effect inside a hold about two times in
+    three, and every request waited until the operator typed ``fg``: it is held back
+    until the hold ends."""
+    from helpers.server_procs import stopped
+
+    srv = server_factory(workers=1, capacity="1GiB", extra=("--page-size", "4KiB"))
+    check = _checking(srv)
+    slab = Slab.attach(srv.slab_name)
+    tries = 0
+    try:
+        while check.poll() is None and tries < 40:
+            os.kill(check.pid, signal.SIGTSTP)
+            wait_for(lambda: stopped(check.pid) or check.poll() is not None, timeout=5,
+                     interval=0.0005, what="the check to stop")  # fmt: skip
+            holder = slab.lock_state()[0]
+            os.kill(check.pid, signal.SIGCONT)
+            assert holder != check.pid, f"stopped inside the lock at try {tries + 1}"
+            tries += 1
+            time.sleep(0.003)
+        assert check.wait(60) == 0, check.stdout.read()
+    finally:
+        if check.poll() is None:
+            check.kill()
+            check.wait()
+        slab.close()
+    assert tries >= 5, "the check ended before it was stopped often enough to tell"
+
+
+@pytest.mark.timeout(120)
+def test_a_check_stopped_inside_the_lock_is_continued_by_the_supervisor(server_factory):
+    """SIGSTOP (which nothing holds back) on ``eg-kv check`` inside a hold: the
+    supervisor, finding a process of no server's stopped there past the lock's limit,
+    continues it (it only said "stop that process", and every request waited)."""
+    srv = server_factory(workers=1, capacity="1GiB", extra=("--page-size", "4KiB"))
+    check = _checking(srv)
+    slab = Slab.attach(srv.slab_name)
+    try:
+        stop_a_lock_holder(slab, [check.pid])
+        assert check.wait(30) == 0, check.stdout.read()  # continued, and it finished
+        assert request(srv, "PUT", "/kv/after", b"a" * 100, timeout=5).status == 201
+    finally:
+        if check.poll() is None:
+            os.kill(check.pid, signal.SIGCONT)
+            check.kill()
+            check.wait()
+        slab.close()
+    assert f"pid {check.pid}, not a worker of this server, was stopped" in srv.log()
