@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 import posix_ipc
 
 from ..errors import SlabError
+from ..procs import pid_alive
 from ..shm import SHM_DIR, segment_name
 from ..units import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, MiB, human_size
 from . import layout as L
@@ -131,6 +132,20 @@ def _reserve(fd: int, size: int, old_size: int, progress: Progress | None = None
             raise
         if size > old_size:
             os.pwrite(fd, bytes(size - old_size), old_size)
+
+
+#: The suffix, before the creator's pid, of a slab being made (:meth:`SlabSegment.create`).
+CREATING = ".creating-"
+
+
+def _sweep_abandoned(name: str) -> None:
+    """Unlink this user's segments of ``name`` being made by a process that died."""
+    prefix = name.lstrip("/") + CREATING
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(SHM_DIR):
+            pid = entry[len(prefix) :]
+            if entry.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
+                _unlink_ours("/" + entry, None)
 
 
 def _unlink_ours(name: str, inode: Inode | None) -> bool:
@@ -257,13 +272,22 @@ class SlabSegment(SlabLocking):
         # The readers segment counts too: a slab that fits without it died of SIGBUS.
         if st is not None and st.f_bavail * st.f_frsize < g.total_size + rsize:
             raise _no_room(shm_dir, st.f_bavail * st.f_frsize, g.total_size, rsize)
+        exists = SlabError(
+            f"a slab named {name} exists already: attach to it, or remove it first "
+            "(eg-kv serve --fresh)"
+        )
+        if os.path.lexists(SHM_DIR + name):  # before seconds of allocation, not after
+            raise exists
+        _sweep_abandoned(name)
+        # Made under a name of its own and linked to ``name`` once formatted: a process
+        # killed while it allocates (seconds a GiB: the OOM killer's moment) leaves no
+        # half-made segment under the name, which every later start, --fresh included,
+        # refused as "not an eg-kv slab".
+        making = f"{name}{CREATING}{os.getpid()}"
         try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+            shm = posix_ipc.SharedMemory(making, posix_ipc.O_CREX, mode=0o600, size=0)
         except posix_ipc.ExistentialError:
-            raise SlabError(
-                f"a slab named {name} exists already: attach to it, or remove it first "
-                "(eg-kv serve --fresh)"
-            ) from None
+            raise exists from None
         made = os.fstat(shm.fd)
         try:
             _check_owned(shm.fd, name)  # O_EXCL made it ours, and a umask adds no bits: sure
@@ -276,11 +300,20 @@ class SlabSegment(SlabLocking):
             slab = cls(name, shm, g)
         except BaseException:
             shm.close_fd()
-            _unlink_ours(name, (made.st_dev, made.st_ino))
+            _unlink_ours(making, (made.st_dev, made.st_ino))
             raise
-        if prefault:
-            slab._prefault(may_write=True, progress=progress)  # nobody has it yet: zeros harmless
-        slab._format()
+        try:
+            if prefault:  # nobody has it yet: zeros harmless
+                slab._prefault(may_write=True, progress=progress)
+            slab._format()
+            os.link(SHM_DIR + making, SHM_DIR + name)
+        except BaseException as e:
+            slab.close()
+            _unlink_ours(making, (made.st_dev, made.st_ino))
+            if isinstance(e, FileExistsError):  # another process made it meanwhile
+                raise exists from None
+            raise
+        _unlink_ours(making, (made.st_dev, made.st_ino))
         try:
             slab._map_readers(create=True)
         except BaseException:
