@@ -139,14 +139,19 @@ class AsyncSetConnector:
                     release_lease: bool = False) -> T | None:  # fmt: skip
         """``GET`` the block from its home (see :meth:`AsyncServerConnector.fetch`); after a
         miss there, right after a change, from its previous home if ``may_start`` allows.
-        ``release_lease``: ends one of the caller's leases at each member asked."""
-        return await self._one(key, lambda c, a: c.fetch(a, sink, release_lease=release_lease),
-                               lambda r: r is None, may_start=may_start)  # fmt: skip
+        ``release_lease``: then ends one of the caller's leases at the member that granted
+        it (:meth:`release`)."""
+        got = await self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None,
+                              may_start=may_start)  # fmt: skip
+        if release_lease:
+            await self.release([key])
+        return got
 
     async def get(self, key: str | bytes, release_lease: bool = False) -> bytes | None:
-        return await self._one(
-            key, lambda c, a: c.get(a, release_lease=release_lease), lambda r: r is None
-        )
+        got = await self._one(key, lambda c, a: c.get(a), lambda r: r is None)
+        if release_lease:
+            await self.release([key])
+        return got
 
     get_into = AsyncServerConnector.get_into
     put = AsyncServerConnector.put

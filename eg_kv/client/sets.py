@@ -132,11 +132,15 @@ class SetConnector:
             may_start: ``may_start(timeout_s)``: whether a request bounded by ``timeout_s``
                 may still start now (:meth:`eg_kv.lmcache.write_gate.WriteGate.can_start`); asked
                 before the previous home is, after a miss at the home.
-            release_lease: end one of the caller's leases on the block, at each member
-                asked (the one that leased it is among them).
+            release_lease: then end one of the caller's leases on the block, at the
+                member that granted it (:meth:`release`; a GET's header would end it at
+                the members asked: another client's, where the lease was not taken).
         """
-        return self._one(key, lambda c, a: c.fetch(a, sink, release_lease=release_lease),
-                         lambda r: r is None, may_start=may_start)  # fmt: skip
+        got = self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None,
+                        may_start=may_start)  # fmt: skip
+        if release_lease:
+            self.release([key])
+        return got
 
     get = ServerConnector.get
     get_into = ServerConnector.get_into

@@ -84,6 +84,51 @@ def test_a_sets_release_goes_to_the_member_that_granted_the_lease(pair):
         assert at_a.release([key]) == 1  # the other engine's lease was still held
 
 
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_a_sets_get_that_releases_ends_the_lease_where_it_was_granted(pair, side):
+    """``get(key, release_lease=True)`` on a set: the GET's header ended a lease at each
+    member asked, the home's (another engine's) when the stand-in granted the set's."""
+    a, b = pair
+    a_id = f"127.0.0.1:{a.port}"
+    remote = {"local_reads": False}
+    config = KvCacheConfig(base_url=f"{a.url},{b.url}", **remote)
+    at_a = connect(KvCacheConfig(base_url=a.url, **remote))
+    at_b = connect(KvCacheConfig(base_url=b.url, **remote))
+
+    def homed_at_a(router) -> str:
+        """A key whose home is a, stored at both, leased at a by another engine; then a
+        is down for its back-off (b stands in)."""
+        key = next(k for k in (f"got-{side}-{i}" for i in range(200))
+                   if router.home(k)[1] == a_id)  # fmt: skip
+        assert at_a.put(key, bytes(ROW)) and at_b.put(key, bytes(ROW))
+        assert at_a.exists_many([key], lease_ms=60_000) == [True]
+        router.health.failed(a_id)
+        return key
+
+    async def run_async() -> None:
+        async with AsyncSetConnector(config) as kv:
+            await kv.exists_many([])  # started: its router is up
+            key = homed_at_a(kv.router)
+            assert await kv.try_exists_many([key], lease_ms=60_000) == [True]
+            kv.router.health.succeeded(a_id)
+            assert await kv.get(key, release_lease=True) == bytes(ROW)
+
+    try:
+        if side == "sync":
+            with SetConnector(config) as kv:
+                key = homed_at_a(kv.router)
+                assert kv.exists_many([key], lease_ms=60_000) == [True]
+                kv.router.health.succeeded(a_id)
+                assert kv.get(key, release_lease=True) == bytes(ROW)
+        else:
+            asyncio.run(run_async())
+        assert leases(b.url)[2] == 0  # the set's lease ended where it was granted
+        assert leases(a.url)[2] == 1  # the other engine's is still held
+    finally:
+        at_a.close()
+        at_b.close()
+
+
 def test_the_async_set_leases_and_releases_alike(pair):
     base = ",".join(s.url for s in pair)
     keys = [f"aset-lease-{k}" for k in range(20)]
