@@ -285,6 +285,8 @@ class EgKvRemoteConnector(RemoteConnector):
                 shapes, dtypes, fmt = self.meta_shapes, self.meta_dtypes, self.meta_fmt
             if not gate.is_open:
                 raise GateClosed("the connector is closed")
+            while filled:  # a set asks the previous home with the same sink after a body
+                filled.pop().ref_count_down()  # that failed its check: that buffer goes back
             # No busy loop: a full L1 is a miss now, not a wait LMCache never ends.
             obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
             if obj is None:
@@ -311,8 +313,9 @@ class EgKvRemoteConnector(RemoteConnector):
             got = self.client.fetch(self._address(key), sink)
         finally:
             self._gates.release(gate)
-        if got is None and filled:  # checked after the sink (checksum, tag, whole body)
-            filled[0].ref_count_down()
+        for obj in filled:  # checked after the sink (checksum, tag, whole body): a miss
+            if obj is not got:
+                obj.ref_count_down()
         return got
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:

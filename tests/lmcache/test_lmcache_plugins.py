@@ -460,3 +460,59 @@ def test_a_load_lmcache_stopped_waiting_for_gives_its_buffer_back(lmcache_loop):
         srv.stop()
         backend.close()
         cpu.memory_allocator.close()
+
+
+def test_a_sink_run_again_at_a_previous_home_leaks_no_buffer(server_factory, lmcache_loop):
+    """A server set asks the previous home with the same sink after the home's body failed
+    its check (right after a membership change, eg_kv.client.sets): the first buffer
+    was never given back, and each such load held one chunk of LMCache's L1 for good.
+    Two real servers; the set's two asks are written out (the window needs a change)."""
+    import mmap
+    from pathlib import Path
+
+    from eg_kv.client.connectors import connect
+    from eg_kv.client.settings import KvCacheConfig
+
+    home, previous = (server_factory(workers=1, capacity="32MiB") for _ in range(2))
+    metadata = engine_metadata()
+    config = engine_config(plugin_extra("egkv", previous.url, local_reads="false"),
+                           plugins=["egkv"])  # fmt: skip
+    cpu = LocalCPUBackend(config, metadata, dst_device="cpu")
+    backend = RemoteBackend(config, metadata, lmcache_loop, cpu, "cpu", plugin_name="egkv")
+    at_home = connect(KvCacheConfig(base_url=home.url, local_reads=False))
+    try:
+        conn = connector_of(backend)
+        key = engine_key(0xB0B)
+        obj = filled(cpu, metadata, 22)
+        backend.submit_put_task(key, obj).result(30)
+        obj.ref_count_down()
+        address = conn._address(key)
+        stored = conn.client.get(address)
+        assert at_home.put(address, stored)  # the home's copy: a byte changes in its slab
+        with (
+            open(Path("/dev/shm") / home.slab_name.lstrip("/"), "r+b") as f,
+            mmap.mmap(f.fileno(), 0) as mm,
+        ):
+            pos = mm.find(stored[-4096:])
+            assert pos >= 0
+            mm[pos + 100] ^= 0xFF
+        first_ask, then_ask = at_home, conn.client
+
+        class HomeThenPrevious:  # eg_kv.client.sets.SetConnector._one, its two asks
+            def fetch(self, address, sink, may_start=None, release_lease=False):
+                got = first_ask.fetch(address, sink)
+                return got if got is not None else then_ask.fetch(address, sink)
+
+        conn.client = HomeThenPrevious()
+        allocated = []
+        allocate = cpu.allocate
+        cpu.allocate = lambda *a, **kw: allocated.append(allocate(*a, **kw)) or allocated[-1]
+        got = asyncio.run_coroutine_threadsafe(conn.get(key), lmcache_loop).result(30)
+        conn.client = then_ask
+        assert got is not None and len(allocated) == 2 and got is allocated[1]
+        assert allocated[0].get_ref_count() == 0  # the home's failed fill went back
+        got.ref_count_down()
+    finally:
+        at_home.close()
+        backend.close()
+        cpu.memory_allocator.close()
