@@ -154,7 +154,7 @@ class AsyncServerConnector(OneServer):
         """
         local = self._core.local
         if local.due():
-            if probe:
+            if probe and self._core.probes_inline:
                 await self._probe()
             else:
                 task = asyncio.ensure_future(self._probe())

@@ -106,6 +106,14 @@ class ClientCore:
         self._unleased: dict[str, int] = {}
         self._unleased_lock = threading.Lock()
 
+    @property
+    def probes_inline(self) -> bool:
+        """Whether a call asks the server where its slab is before its own request, when
+        that is due (:class:`LocalReads`). Not a set's member (it reports its transport
+        errors): a member that accepts and never answers cost a get two timeouts, the
+        probe's then the request's, where a set promises one; its probe runs beside."""
+        return self.on_unreachable is None
+
     def _unreachable_hook(self, exc: BaseException) -> None:
         if self.on_unreachable is not None and isinstance(exc, OSError):
             # TimeoutError and ConnectionError are OSErrors; PoolWaitTimeout (our own

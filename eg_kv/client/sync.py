@@ -189,7 +189,7 @@ class ServerConnector(OneServer):
         """
         local = self._core.local
         if local.due():
-            if probe:
+            if probe and self._core.probes_inline:
                 self._probe()
             else:
                 threading.Thread(target=self._probe, name="eg-kv-local-probe", daemon=True).start()
