@@ -145,3 +145,9 @@ class DiskIndex:
         span = self.capacity
         entries.sort(key=lambda e: (e.offset - head) % span)
         self.ring = deque(entries)
+        # Each namespace's records oldest first, as its quota drops them: the scan added
+        # them in file order, the newest first once the head had wrapped.
+        self.ns_entries = {}
+        for e in entries:
+            if e.live:
+                self.ns_entries.setdefault(e.key[0], deque()).append(e)

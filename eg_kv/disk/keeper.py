@@ -257,7 +257,8 @@ class Keeper:
         """A ``DELETE`` of ``key`` the slab did not hold when the worker looked: one
         reference of its disk copy goes, unless the slab holds the block now (a promotion
         or a PUT since: ``wire.IN_SLAB``, the worker deletes it there). Waits for a
-        promotion being committed. None past ``deadline`` (the worker answered 503)."""
+        promotion being committed. None past ``deadline`` (the worker answered 503), and
+        while the scan has not found the record yet (the worker answers 503: retry)."""
         mark = self._committing.get(key)
         if mark is not None:
             wait = min(mark[0], deadline) - time.monotonic()
@@ -268,7 +269,8 @@ class Keeper:
         ns = self._ns_id(key[0])
         if ns is not None and self.slab.refs(key[1], ns):
             return wire.IN_SLAB
-        return int(self.store.delete(key))
+        there = self.store.delete(key)
+        return None if there is None else int(there)  # None: the scan may find it yet
 
     def _quota(self, ns: int) -> int:
         return self.slab.namespace_quota(ns) if ns else 0

@@ -61,6 +61,7 @@ class DiskStore:
         self.zero = files.buffer(D.HEADER)
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self.ready = threading.Event()  # the scan has rebuilt the index
+        #: Keys whose slab's last reference went while the scan ran: their records go.
         self.deleted_in_scan: set[Key] = set()
         #: The newest slab block of each address discarded lately (its last reference
         #: went): a spill of it, or of an older block, written meanwhile is not indexed.
@@ -181,15 +182,15 @@ class DiskStore:
         so a crash after the answer cannot bring the block back at the next scan."""
         return self._zeroer.submit(lambda: None)
 
-    def delete(self, key: Key) -> bool:
+    def delete(self, key: Key) -> bool | None:
         """Release one reference of ``key``'s record (a ``DELETE`` of a block only the disk
-        holds); the last drops it. Returns whether it was there."""
+        holds); the last drops it. Returns whether it was there; None while the scan has
+        not found it yet (it may be further on: the worker answers 503, retry; a 404 then
+        a drop of every reference at the scan was what it did)."""
         with self.lock:
             e = self.index.find(key)
             if e is None:
-                if not self.ready.is_set():
-                    self.deleted_in_scan.add(key)
-                return False
+                return None if not self.ready.is_set() else False
             if e.refs > 1:
                 e.refs -= 1
                 return True

@@ -66,9 +66,8 @@ class Promoting:
         try:
             refs = await tier.promote(tenant.namespace, h.address, self._found.seq)
             try:
-                if refs and h.commit():
-                    for _ in range(refs - 1):
-                        self._slab.add_ref(h.address, h.length, tenant.ns)
+                if refs and h.commit() and refs > 1:  # its copy's others, not dedup hits
+                    self._slab.add_ref(h.address, h.length, tenant.ns, refs - 1, hit=False)
             finally:
                 tier.promoted(tenant.namespace, h.address)
         except EgKvError as e:
@@ -187,7 +186,9 @@ async def adopt(request: web.Request, tenant: Tenant, address: str) -> bool:
     block = slab.block_ids([address], tenant.ns)[1][0]
     refs = await tier.adopt(tenant.namespace, address, checksum, block)
     try:
-        for _ in range(refs):
+        if refs > 1:  # the disk copy's references join the slab's: one dedup hit, this PUT
+            slab.add_ref(address, length, tenant.ns, refs - 1, hit=False)
+        if refs:
             slab.add_ref(address, length, tenant.ns)
     except EgKvError:
         return False

@@ -606,9 +606,15 @@ class Slab(SlabLeases):
                 raise Busy("the reservation table is full; retry")
         return PutHandle(self, address, raw, fp, length, r, first, n, 0, ns, checksum, engine)
 
-    def add_ref(self, address: str, length: int, ns: int = 0) -> int:
+    def add_ref(self, address: str, length: int, ns: int = 0, refs: int = 1,
+                hit: bool = True) -> int:  # fmt: skip
         """A dedup hit from the headers alone: one more reference if ``address`` is
         resident with ``length`` bytes.
+
+        Args:
+            refs: references to add (in one hold of the lock).
+            hit: count a dedup hit; False for references that come with a block from
+                the disk tier (its copy's, joining the slab's: no PUT of a block held).
 
         Returns:
             The block's id (what :meth:`take_back_ref` names), or 0 if it is absent.
@@ -623,7 +629,7 @@ class Slab(SlabLeases):
             i, s = self._find(raw, fp, ns)
             if s is None:
                 return 0
-            self._add_ref(i, s, address, length)
+            self._add_ref(i, s, address, length, refs, hit)
             return int(s[F_BLOCK_ID])
 
     def take_back_ref(self, address: str, block_id: int, ns: int = 0) -> None:
@@ -725,27 +731,31 @@ class Slab(SlabLeases):
             )
         return self._npages(length)
 
-    def _add_ref(self, i: int, s: L.SlotFields, address: str, length: int) -> bool:
-        """A dedup hit on slot ``i`` (fields ``s``): one more reference. Returns False.
+    def _add_ref(
+        self, i: int, s: L.SlotFields, address: str, length: int, refs: int = 1,
+        hit: bool = True,
+    ) -> bool:  # fmt: skip
+        """A dedup hit on slot ``i`` (fields ``s``): ``refs`` more references (a dedup
+        hit counted unless ``hit`` is False). Returns False.
 
         Raises:
             Conflict: the resident block has another length.
         """
         if s[F_LENGTH] != length:
             raise Conflict(_conflict_message(address, s[F_LENGTH], length))
-        # One more reference, and the reference bit set (a dedup hit is a use).
+        # More references, and the reference bit set (a dedup hit is a use).
         fields = list(s)
         fields[F_STATE], fields[F_REFBIT] = L.SLOT_READY, 1
-        fields[F_REFS] += 1
+        fields[F_REFS] += refs
         L.SLOT.pack_into(self._mm, self._slot_off(i), *fields)
         st, e, nsw = self._state, s[F_NS] * _NS_WORDS, self._nsw
-        st[L.ST_TOTAL_REFS] += 1
-        st[L.ST_LOGICAL_BYTES] += length
-        st[L.ST_DEDUP_HITS] += 1
+        st[L.ST_TOTAL_REFS] += refs
+        st[L.ST_LOGICAL_BYTES] += length * refs
+        st[L.ST_DEDUP_HITS] += hit
         if e:
-            nsw[e + _NS_REFS] += 1
-            nsw[e + _NS_LOGICAL_BYTES] += length
-            nsw[e + _NS_DEDUP_HITS] += 1
+            nsw[e + _NS_REFS] += refs
+            nsw[e + _NS_LOGICAL_BYTES] += length * refs
+            nsw[e + _NS_DEDUP_HITS] += hit
         return False
 
     def _publish(

@@ -156,6 +156,31 @@ def test_a_namespace_quota_bounds_its_bytes_on_disk(disk_dir):
     store.close()
 
 
+def test_after_a_restart_a_quota_drops_the_oldest_records_first(disk_dir):
+    """The scan adds records in file order: once the head has wrapped, the first are the
+    newest, and a namespace's quota dropped its newest records and kept its oldest."""
+
+    def put(store, address, quota=0):
+        data = address.encode() * (60 * KiB // len(address))
+        return store.append(("t", address), len(data), checksum_of(data),
+                            lambda v: v.__setitem__(slice(None), data), quota=quota)  # fmt: skip
+
+    store = _store(disk_dir, capacity=1 * MiB, max_block=64 * KiB)  # 15 records: 20 wrap
+    for i in range(20):
+        assert put(store, f"a{i:02d}") is not None
+    oldest_first = [k[1] for k in sorted(store.index.entries,
+                                         key=lambda k: store.index.entries[k].seq)]  # fmt: skip
+    store.close()
+    again = _store(disk_dir, capacity=1 * MiB, max_block=64 * KiB)
+    try:
+        put(again, "new", quota=again.index.ns_bytes["t"] - 2 * 60 * KiB)
+        kept = [a for a in oldest_first if ("t", a) in again.index.entries]
+        # the head's own overwrite takes the oldest; the quota then the next oldest two
+        assert kept == oldest_first[3:] and again.counters["quota_drops"] == 2, kept
+    finally:
+        again.close()
+
+
 def test_the_index_claims_in_order_and_wraps():
     idx = DiskIndex(D.FIRST + 10 * D.ALIGN)
     got = []
@@ -288,21 +313,40 @@ def test_a_spill_of_a_block_deleted_while_it_was_written_is_not_indexed(disk_dir
     again.close()
 
 
-def test_a_delete_during_the_scan_stays_deleted_after_the_next_restart(disk_dir):
-    """A DELETE that reaches the keeper while its scan runs drops the record when the
-    scan finds it, and its header goes too (before, the next restart's scan found it)."""
+def test_a_discard_during_the_scan_stays_deleted_after_the_next_restart(disk_dir):
+    """The slab's last reference of a block went while the keeper's scan ran: the record
+    is dropped when the scan finds it, and its header goes too (before, the next
+    restart's scan found it)."""
     store = _store(disk_dir)
     _put(store, "", "gone", b"g" * 5000)
     _put(store, "", "kept", b"k" * 5000)
     store.close()
     scanning = DiskStore(str(disk_dir), 4 * MiB, 256 * KiB)  # not scanned yet
-    assert not scanning.delete(("", "gone"))  # not indexed yet: noted for the scan
+    assert not scanning.discard(("", "gone"))  # not indexed yet: noted for the scan
     rebuild(scanning)
     assert scanning.index.find(("", "gone")) is None
     scanning.close()  # waits for the header's zeroing
     again = _store(disk_dir)
     assert again.index.find(("", "gone")) is None and _read(again, "", "kept") == b"k" * 5000
     again.close()
+
+
+def test_a_delete_during_the_scan_is_unknown_not_a_miss_that_drops_every_reference(disk_dir):
+    """A DELETE of a block only the disk holds, before the scan found its record: it was
+    answered "not there" (a 404), and the scan then dropped the record with all its
+    references. It is unknown now (the worker answers 503: retry), and once the scan has
+    run it releases one reference of three."""
+    data = b"d" * 5000
+    store = _store(disk_dir)
+    store.append(("", "d"), len(data), checksum_of(data), lambda v: v.__setitem__(
+        slice(None), data), 3)  # fmt: skip
+    store.close()
+    scanning = DiskStore(str(disk_dir), 4 * MiB, 256 * KiB)  # not scanned yet
+    assert scanning.delete(("", "d")) is None
+    rebuild(scanning)
+    assert scanning.index.find(("", "d")).refs == 3
+    assert scanning.delete(("", "d")) is True and scanning.index.find(("", "d")).refs == 2
+    scanning.close()
 
 
 def test_a_delete_waits_for_a_promotion_being_committed_then_goes_to_the_slab(disk_dir):

@@ -634,3 +634,23 @@ def test_spills_are_no_clients_reads(server_factory, disk_dir):
     st = stats(srv)
     assert _disk(srv)["spills"] >= 12
     assert st["get_hits"] == 0 and st["get_misses"] == 0
+
+
+def test_a_promotion_counts_no_dedup_hit_and_keeps_the_references(server_factory, disk_dir):
+    """A block PUT three times, then only on disk: one GET promotes it with its three
+    references. Each reference the promotion added counted a dedup hit (two for one GET,
+    with no PUT); the references stay exact (three DELETEs free it)."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    data = os.urandom(BLOCK)
+    for status in (201, 200, 200):
+        assert request(srv, "PUT", "/kv/three", data).status == status
+    for n in range(40):  # until the slab lets it go (a block of several references stays longer)
+        if _on_disk(srv, ["three"]):
+            break
+        _put_spilled(srv, {f"fill{n:02d}": os.urandom(BLOCK)})
+    assert _on_disk(srv, ["three"]) == ["three"]
+    hits = stats(srv)["dedup_hits"]
+    assert request(srv, "GET", "/kv/three").body == data
+    wait_for(lambda: _disk(srv)["promotions"] >= 1, what="the promotion")
+    assert stats(srv)["dedup_hits"] == hits
+    assert [request(srv, "DELETE", "/kv/three").status for _ in range(4)] == [204] * 3 + [404]
