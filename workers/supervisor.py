@@ -51,6 +51,7 @@ from eg_kv.slab.store import Slab
 from eg_kv.units import human_size
 
 from . import worker as worker_mod
+from .portclaim import PortClaim, PortTaken
 from .worker import BOOT_ERROR, make_ssl_context
 
 log = logging.getLogger("eg_kv.supervisor")
@@ -371,6 +372,7 @@ class Supervisor:
         if settings.disk:
             self.helpers.append(_Helper("the disk keeper", self._run_keeper))
         self._disk_lock = -1  # the disk tier's lock file, held while the server runs
+        self._port: PortClaim | None = None  # this port's, held while the server runs
         self._parent = os.getpid()  # the supervisor's pid, for its children to watch
 
     # ------------------------------------------------------------------ top level
@@ -384,6 +386,10 @@ class Supervisor:
         try:
             try:
                 self._tokens_text = self._read_tokens() if s.tokens_file else None
+                try:
+                    self._port = PortClaim(s.host, s.port)
+                except PortTaken as e:
+                    raise CannotServe(str(e)) from None
                 check_port_free(s.host, s.port)
                 if s.disk:  # refused here, with its reason, before anything is made
                     self._disk_lock = open_disk(s)
@@ -900,6 +906,8 @@ class Supervisor:
                             "(removed, or taken by another program): left alone", name)  # fmt: skip
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._port is not None:
+            self._port.release()
         for fd in (self._wake_r, self._wake_w, self._notify_r, self._notify_w):
             if fd >= 0:
                 with contextlib.suppress(OSError):

@@ -185,6 +185,31 @@ def test_port_of_another_eg_kv_is_taken(server_factory):
     assert request(first, "GET", "/healthz").status == 200
 
 
+def test_two_servers_started_together_on_one_port_do_not_both_serve(server_factory):
+    """The second starts while the first still makes its slab (nothing listens yet): the
+    probe of the port passed for both, and both served it through SO_REUSEPORT, each
+    client's blocks landing in one of two caches. The first holds the port's claim from
+    its start."""
+    port = free_port()
+    first = server_factory(workers=1, port=port, capacity="2GiB", wait=False)
+    claim = f"eg-kv-{os.getuid()}-127.0.0.1-{port}.lock"
+    wait_for(lambda: os.path.exists(os.path.join(tempfile.gettempdir(), claim)), timeout=30,
+             interval=0.005, what="the first server's claim")  # fmt: skip
+    second = server_factory(workers=1, port=port, wait=False)
+    assert second.proc.wait(30) == 3
+    assert f"taken by another eg-kv (pid {first.proc.pid}), starting" in second.log()
+
+    def serving() -> bool:
+        try:
+            return request(first, "GET", "/healthz").status == 200
+        except OSError:
+            return False
+
+    wait_for(serving, timeout=60, what="the first server")
+    assert first.stop() == 0
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), claim))  # its claim went
+
+
 def test_sigterm_drains_in_flight_upload(server_factory):
     srv = server_factory(workers=1, extra=("--drain-timeout", "20"))
     data = os.urandom(4 * MiB)

@@ -1,0 +1,96 @@
+"""One server per port: :class:`PortClaim`, a lock file held for the supervisor's life.
+
+The workers bind with ``SO_REUSEPORT``, so a second eg-kv of the same user started on the
+same port would share it silently, each client landing on one of two caches.
+:func:`~eg_kv_workers.supervisor.check_port_free` probes the port at start, but nothing
+holds it between the probe and the workers' bind (seconds of slab creation): two servers
+started together both passed. The claim is an ``flock`` on a file named for the user,
+host and port, taken before the probe and held until the supervisor exits (its forked
+processes share it, so a supervisor killed with its workers still serving keeps it until
+they exit too); the kernel lets it go with the last of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+
+from eg_kv.errors import EgKvError
+
+
+class PortTaken(EgKvError):
+    """Another eg-kv of this user is starting or serving on the port."""
+
+
+class PortClaim:
+    """The lock file of ``host:port`` for this user, held (see the module docstring).
+
+    Raises:
+        PortTaken: another process holds it (the message names its pid).
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        safe_host = host.replace("/", "_").replace(":", "_") or "any"
+        self.path = os.path.join(
+            tempfile.gettempdir(), f"eg-kv-{os.getuid()}-{safe_host}-{port}.lock"
+        )
+        self._fd = -1
+        _sweep_stale(f"eg-kv-{os.getuid()}-")
+        for _ in range(5):  # the file may be unlinked by its last holder as we open it
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+                os.close(fd)
+                raise PortTaken(
+                    f"{host}:{port} is taken by another eg-kv (pid {holder}), starting or "
+                    "serving: stop it first, or pick another --addr"
+                ) from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self._fd = fd
+                return
+            os.close(fd)  # locked a file its holder had just unlinked: open the new one
+        raise PortTaken(f"the lock file {self.path} keeps changing: is another eg-kv starting?")
+
+    def release(self) -> None:
+        """Remove the lock file and let the lock go (the supervisor's clean exit)."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)  # before the lock goes: a newcomer then makes a new file
+        os.close(self._fd)
+        self._fd = -1
+
+
+def _sweep_stale(prefix: str) -> None:
+    """Remove this user's claims nobody holds (their supervisors were killed): each is
+    locked first, so a claim being taken is never removed under its taker (who checks,
+    once locked, that the file it locked is still the one named)."""
+    tmp = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(prefix) and n.endswith(".lock")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(tmp, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                os.unlink(path)
+        except OSError:  # held: a server on that port
+            pass
+        finally:
+            os.close(fd)
