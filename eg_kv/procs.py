@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import weakref
 from typing import Any
@@ -45,6 +46,34 @@ def private_memory(pid: int) -> int:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     raise OSError(f"no RssAnon in /proc/{pid}/status")
+
+
+class PidFileHeld(Exception):
+    """Another process holds the lock of a pid file; ``holder`` is the pid it wrote."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
+def lock_pid_file(path: str, flags: int = 0) -> int:
+    """Open ``path`` (made 0600 if absent), take its ``flock`` without waiting and write
+    this process's pid in it; returns its fd (keep it open: closing it, or dying, lets the
+    lock go; forked children share it).
+
+    Raises:
+        PidFileHeld: another process holds it. OSError: it cannot be opened.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | flags, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        raise PidFileHeld(holder) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 #: Objects told when this process forks, in the child (while they live).

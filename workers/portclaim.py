@@ -18,6 +18,7 @@ import os
 import tempfile
 
 from eg_kv.errors import EgKvError
+from eg_kv.procs import PidFileHeld, lock_pid_file
 
 
 class PortTaken(EgKvError):
@@ -39,14 +40,11 @@ class PortClaim:
         self._fd = -1
         _sweep_stale(f"eg-kv-{os.getuid()}-")
         for _ in range(5):  # the file may be unlinked by its last holder as we open it
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
-                os.close(fd)
+                fd = lock_pid_file(self.path, os.O_NOFOLLOW)
+            except PidFileHeld as e:
                 raise PortTaken(
-                    f"{host}:{port} is taken by another eg-kv (pid {holder}), starting or "
+                    f"{host}:{port} is taken by another eg-kv (pid {e.holder}), starting or "
                     "serving: stop it first, or pick another --addr"
                 ) from None
             try:
@@ -54,8 +52,6 @@ class PortClaim:
             except FileNotFoundError:
                 same = False
             if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
                 self._fd = fd
                 return
             os.close(fd)  # locked a file its holder had just unlinked: open the new one

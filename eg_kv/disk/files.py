@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -25,6 +24,7 @@ import stat
 import time
 
 from ..errors import ConfigError
+from ..procs import PidFileHeld, lock_pid_file
 from ..units import human_size
 from . import layout as D
 
@@ -70,19 +70,13 @@ def lock_dir(path: str) -> int:
     Raises:
         ConfigError: another live server holds it (its pid named).
     """
-    fd = os.open(os.path.join(path, D.LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
-        os.close(fd)
+        return lock_pid_file(os.path.join(path, D.LOCK_FILE))
+    except PidFileHeld as e:
         raise ConfigError(
-            f"--disk {path}: in use by another eg-kv server (pid {holder}); stop it or give "
+            f"--disk {path}: in use by another eg-kv server (pid {e.holder}); stop it or give "
             "this one another directory"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def buffer(size: int) -> mmap.mmap:
