@@ -161,7 +161,9 @@ class Membership:
         self._weights: dict[str, float] = {}  # measured weights, by member id
         self._weighing: dict[str, concurrent.futures.Future[Any]] = {}  # weighings under way
         self._weigh_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._capped: set[tuple[str, float]] = set()  # (member, capacity) the cap held: logged
+        #: Members the weight cap holds now, logged once each (one whose reported capacity
+        #: changed at every refresh logged, and was kept, once per refresh for good).
+        self._capped: set[str] = set()
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()  # one refresh at a time
         self._view = View({}, Placement({}), None, time.monotonic(), self.refresh_s)
@@ -345,15 +347,15 @@ class Membership:
         """
         measured = {m: self._weights[m] for m in candidates if m in self._weights}
         weights = cap_weights(measured, WEIGHT_CAP_FACTOR)
-        for member_id, weight in weights.items():
-            held = (member_id, measured[member_id])
-            if weight < measured[member_id] and held not in self._capped:
-                self._capped.add(held)
-                log.warning(
-                    "eg-kv: member %s reports capacity %.0f bytes, over %gx the median; "
-                    "weighted as %.0f (WEIGHT_CAP_FACTOR)",
-                    member_id, measured[member_id], WEIGHT_CAP_FACTOR, weight,
-                )  # fmt: skip
+        capped = {m for m, weight in weights.items() if weight < measured[m]}
+        for member_id in capped - self._capped:
+            weight = weights[member_id]
+            log.warning(
+                "eg-kv: member %s reports capacity %.0f bytes, over %gx the median; "
+                "weighted as %.0f (WEIGHT_CAP_FACTOR)",
+                member_id, measured[member_id], WEIGHT_CAP_FACTOR, weight,
+            )  # fmt: skip
+        self._capped = capped  # a member no longer held (or gone) is said again if it is
         stand_in = sum(weights.values()) / len(weights) if weights else None
         members = {}
         for member_id, m in candidates.items():

@@ -511,3 +511,25 @@ def test_health_forgets_members_that_left_and_refuses_bad_bounds():
     for first, most in ((0, 1), (2, 1), (-1, 5)):
         with pytest.raises(ConfigError):
             Health(first, most)
+
+
+def test_a_capped_member_whose_capacity_changes_at_each_weighing_is_said_once(caplog):
+    """The note of capped members was keyed by (member, capacity): one reporting another
+    huge capacity at each refresh logged a warning, and kept a note, per refresh."""
+    capacity = {"a:1": 1 << 30, "b:1": 1 << 30, "c:1": 1 << 30, "liar:1": 2**50}
+    weighed = []
+
+    def weigh(member: Member) -> float | None:
+        if member.id == "liar:1":
+            capacity["liar:1"] += 1 << 30  # another over-cap figure each time
+            weighed.append(1)
+        return capacity[member.id]
+
+    with (
+        caplog.at_level("WARNING", "eg_kv"),
+        Membership(",".join(f"http://{m}" for m in capacity), weigh=weigh, refresh_s=0.05) as m,
+    ):
+        wait_for(lambda: len(weighed) >= 10, timeout=20, what="ten weighings")
+        assert m._capped == {"liar:1"}
+    said = [r for r in caplog.records if "over 4x the median" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
