@@ -39,6 +39,10 @@ DEFAULT_LIMIT = 1000
 #: and one of its lines (a block's is under 400 bytes).
 SNAPSHOT_ANSWER_MAX = 512 * 1024 * 1024
 _SNAPSHOT_LINE_MAX = 4096
+#: The most blocks a snapshot may list (a 1 TiB slab of 64 KiB pages holds 16 M): each
+#: held costs ~300 bytes here, so a server streaming short distinct lines cannot make a
+#: follower hold ~10 bytes for each byte it sent, up to 5 GiB at the answer's cap.
+SNAPSHOT_BLOCKS_MAX = 4 * 1024 * 1024
 #: A follower's pace (:class:`Pacer`): the least time between two of its requests (at most
 #: 20 a second against a server that answers at once), the backoff after an error or a
 #: gap (doubling, with jitter, from the first to the second), and the least time between
@@ -188,10 +192,16 @@ class SnapshotReader:
         """
         lines = (self._tail + data).split(b"\n")
         self._tail = lines.pop()
-        if len(self._tail) > _SNAPSHOT_LINE_MAX:
+        if len(self._tail) > _SNAPSHOT_LINE_MAX or max(map(len, lines), default=0) > (
+            _SNAPSHOT_LINE_MAX
+        ):  # every line, not only the unfinished one (a whole answer is one piece)
             raise _bad("snapshot")
         for line in lines:
             self._line(line)
+        if len(self._held) > SNAPSHOT_BLOCKS_MAX:
+            raise RemoteError(
+                f"the server's snapshot lists over {SNAPSHOT_BLOCKS_MAX} blocks: not taken"
+            )
 
     def result(self) -> Snapshot:
         """The snapshot, once the whole answer was fed.

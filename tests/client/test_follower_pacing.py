@@ -136,3 +136,63 @@ def test_the_pacer_backs_off_with_jitter_and_spaces_snapshots():
     pacer.answered()
     pacer.trouble()
     assert pacer.turn() == pytest.approx(0.1)
+
+
+@contextlib.contextmanager
+def snapshot_server(body: bytes):
+    """A server whose ``/kv/events/snapshot`` answers ``body``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server calls it by this name
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-ndjson")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("lie", ["too-many-blocks", "a-long-line"])
+def test_a_snapshot_past_its_bounds_is_refused_not_held(kind, lie, monkeypatch):
+    """Short distinct lines made a follower hold ~10 bytes for each byte a server sent
+    (5 GiB at the answer's cap); a long line inside a piece (the sync client's whole
+    answer is one) was parsed whatever its length. Both are refused now."""
+    import asyncio
+
+    from eg_kv.client import events
+    from eg_kv.client.aio import AsyncServerConnector
+    from eg_kv.errors import RemoteError
+
+    monkeypatch.setattr(events, "SNAPSHOT_BLOCKS_MAX", 1000)
+    lines = [b'{"epoch": "00"}']
+    if lie == "too-many-blocks":
+        lines += [b'{"hash": "b%d", "length": 1}' % i for i in range(1001)]
+    else:
+        lines += [b'{"hash": "' + b"x" * 5000 + b'", "length": 1}']
+    body = b"\n".join([*lines, b'{"seq": 5}', b""])
+    with snapshot_server(body) as url, pytest.raises(RemoteError, match="snapshot"):
+        if kind == "sync":
+            with ServerConnector(KvCacheConfig(base_url=url, local_reads=False)) as kv:
+                kv.snapshot()
+        else:
+
+            async def take() -> None:
+                async with AsyncServerConnector(
+                    KvCacheConfig(base_url=url, local_reads=False)
+                ) as kv:
+                    await kv.snapshot()
+
+            asyncio.run(take())
