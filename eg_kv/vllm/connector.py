@@ -163,6 +163,7 @@ class EgKvConnector(KVConnectorBase_V1):
     ``kv_connector_extra_config``: ``url`` / ``base_url`` (one server or a set), ``token``,
     ``timeout_s``, ... (every :class:`~eg_kv.client.settings.KvCacheConfig` field, over the
     ``EPISTEMIC_GRAPH_KVCACHE_*`` environment), ``io_threads``, ``max_pending_bytes``,
+    ``max_load_bytes`` (a step's loads staged at most this many bytes at a time),
     ``lease_ms`` (the lease a lookup takes on its hits, released by the scheduler once the
     step that loads them is over; 0: none),
     ``events`` (1: relay eg-kv's stores and removals on vLLM's KV-events stream, medium
@@ -545,8 +546,9 @@ class EgKvConnector(KVConnectorBase_V1):
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """GET this step's blocks (in parallel, into one staging buffer), then copy each
-        layer's slices into the paged KV; a block that did not arrive whole is reported."""
+        """GET this step's blocks (in parallel, into a staging buffer of at most
+        ``max_load_bytes``: in waves past it), then copy each layer's slices into the
+        paged KV; a block that did not arrive whole is reported."""
         meta = self._connector_metadata
         if not isinstance(meta, EgKvConnectorMetadata) or not meta.loads or not self._layers:
             return
@@ -554,35 +556,42 @@ class EgKvConnector(KVConnectorBase_V1):
         addresses = [a for t in meta.loads for a in self._addresses(t.digests)]
         if not block_ids:
             return
-        staging = torch.empty((len(block_ids), self._block_bytes), dtype=torch.uint8)
-        rows = staging.numpy()
-        assert self._load_pool is not None
-        # A block counts only when it filled its row exactly (see eg_kv.vllm.staging). Its
-        # own threads (saves queued behind would delay the forward pass) and one timeout
-        # for the whole load, however many waves of GETs it takes.
-        # The scheduler, whose lookups leased these blocks, releases them.
-        ok, bad = load_rows(
-            self._client,
-            addresses,
-            rows,
-            map_fn=self._load_pool.map,
-            deadline=time.monotonic() + self._settings.client.timeout_s,
-        )
+        # One timeout for the whole load, however many waves of GETs it takes (a GET
+        # started before it runs its own). The scheduler, whose lookups leased these
+        # blocks, releases them.
+        deadline = time.monotonic() + self._settings.client.timeout_s
+        wave = max(1, self._settings.max_load_bytes // self._block_bytes)
+        bad: list[int] = []
+        for first in range(0, len(block_ids), wave):
+            ids = block_ids[first : first + wave]
+            bad += (ids[i] for i in self._load_wave(ids, addresses[first : first + wave],
+                                                    deadline))  # fmt: skip
         if bad:
             log.warning(
                 "EgKvConnector: %d of %d blocks failed to load (missing, or not %d bytes); "
                 "reported for recompute",
                 len(bad),
-                len(rows),
+                len(block_ids),
                 self._block_bytes,
             )
-            self._load_errors.update(block_ids[i] for i in bad)
-            self._failed_steps[-1].update(block_ids[i] for i in bad)
+            self._load_errors.update(bad)
+            self._failed_steps[-1].update(bad)
         with self._lock:
-            self.counters["loaded_blocks"] += len(ok)
+            self.counters["loaded_blocks"] += len(block_ids) - len(bad)
             self.counters["load_failed_blocks"] += len(bad)
+
+    def _load_wave(self, block_ids: list[int], addresses: list[str], deadline: float) -> list[int]:
+        """Load one wave of blocks into the paged KV; returns the indices that failed."""
+        staging = torch.empty((len(block_ids), self._block_bytes), dtype=torch.uint8)
+        assert self._load_pool is not None
+        # A block counts only when it filled its row exactly (see eg_kv.vllm.staging), on
+        # its own threads (saves queued behind would delay the forward pass).
+        ok, bad = load_rows(
+            self._client, addresses, staging.numpy(), map_fn=self._load_pool.map,
+            deadline=deadline,
+        )  # fmt: skip
         if not ok:
-            return
+            return bad
         src_rows = staging[ok] if bad else staging
         for layer in self._layers:
             dst = layer.blocks
@@ -590,6 +599,7 @@ class EgKvConnector(KVConnectorBase_V1):
             part = src_rows[:, layer.offset : layer.offset + layer.nbytes]
             values = part.contiguous().view(dst.dtype).view(len(ok), *dst.shape[1:])
             dst.index_copy_(0, ids, values.to(dst.device))
+        return bad
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish in :meth:`start_load_kv` (a stored block holds every layer)."""

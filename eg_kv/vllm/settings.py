@@ -25,6 +25,9 @@ CONNECTOR_KEYS: dict[str, Any] = {
     "io_threads": 4,
     # Saved blocks waiting for their PUT, in bytes, before a save waits for room.
     "max_pending_bytes": 256 * 1024 * 1024,
+    # A step's loads are staged in host memory at most this many bytes at a time (waves):
+    # a whole 128k-token prompt of an 8B model, loaded in one step, staged ~16 GiB.
+    "max_load_bytes": 256 * 1024 * 1024,
     # The lease a scheduler lookup asks on its hits, in ms (the server grants at most its
     # --lease-ms); the scheduler releases it once the step that loads it is over. 0: no
     # leases (docs/leases.md).
@@ -43,6 +46,7 @@ class ConnectorSettings:
     client: KvCacheConfig
     io_threads: int = CONNECTOR_KEYS["io_threads"]
     max_pending_bytes: int = CONNECTOR_KEYS["max_pending_bytes"]
+    max_load_bytes: int = CONNECTOR_KEYS["max_load_bytes"]
     lease_ms: int = CONNECTOR_KEYS["lease_ms"]
     events: int = CONNECTOR_KEYS["events"]
 

@@ -103,6 +103,29 @@ def main() -> None:
             for name in layers
             for dst, src in ((0, 1), (3, 2), (4, 5))
         )
+        # The same loads staged a block at a time (max_load_bytes under two blocks).
+        extra = config.kv_transfer_config.kv_connector_extra_config
+        extra["max_load_bytes"] = loader._block_bytes + 1
+        try:
+            waves, in_waves = worker(fill=False)
+        finally:
+            del extra["max_load_bytes"]
+        waves.bind_connector_metadata(EgKvConnectorMetadata(loads=loads))
+        real_empty, staged = torch.empty, []
+
+        def empty(shape, *args, **kwargs):  # the staging buffers' rows, as allocated
+            staged.append(shape[0])
+            return real_empty(shape, *args, **kwargs)
+
+        torch.empty = empty
+        try:
+            waves.start_load_kv(None)  # type: ignore[arg-type]
+        finally:
+            torch.empty = real_empty
+        equal = equal and sorted(waves.get_block_ids_with_load_errors()) == errors and all(
+            torch.equal(in_waves[name][i], loaded[name][i]) for name in layers for i in range(8)
+        )  # fmt: skip
+        waves.shutdown()
         untouched = all(not loaded[name][6].any() for name in layers)
         loader_counters = dict(loader.counters)
         # The step's saves computed after the failed block 6 are not stored, this step's
@@ -130,7 +153,7 @@ def main() -> None:
         result = {
             "vllm": vllm.__version__, "saver": dict(saver.counters),
             "loader": loader_counters, "load_errors": errors, "equal": equal,
-            "block_6_untouched": untouched, "poisoned": poisoned,
+            "block_6_untouched": untouched, "poisoned": poisoned, "staged_rows": staged,
             "rollback_saves": rollback(config, kv), "dcp_refused": dcp_refused(config, kv),
             "leases": scheduler_leases(config, kv, url, saver, worker_caches=loaded),
             "silent_saves": silent_saves(config, kv, layers, worker_caches=loaded),

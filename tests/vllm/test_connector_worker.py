@@ -36,7 +36,8 @@ def test_worker_side_saves_and_loads_through_a_real_server(server_factory, vllm_
     got = json.loads(lines[-1][7:])
     assert got["saver"]["saved_blocks"] == 3 and got["saver"]["save_failed_blocks"] == 0
     assert got["loader"]["loaded_blocks"] == 3 and got["loader"]["load_failed_blocks"] == 1
-    assert got["equal"], got  # each layer's block bytes, as saved
+    assert got["equal"], got  # each layer's block bytes, as saved (and in waves alike)
+    assert got["staged_rows"] == [1, 1, 1, 1], got  # max_load_bytes: a block at a time
     assert got["load_errors"] == [6] and got["block_6_untouched"], got
     # computed after the failed block (that step, the next): not stored; others are
     assert got["poisoned"] == {"stored": [False, True, False, True], "skipped": 2}, got
