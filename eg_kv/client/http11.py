@@ -17,6 +17,7 @@ a zero-timeout poll before it carries another request (:meth:`Connection.dropped
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import ssl
@@ -182,6 +183,16 @@ class Connection:
                 self.sock.close()
             finally:
                 self.sock = None
+
+    def abort(self) -> None:
+        """From another thread: end the request in flight on this connection at once (its
+        thread's wait for the server returns, and the request fails; the connection is
+        not reused). The socket is shut down, not closed: its fd stays its thread's."""
+        sock = self.sock
+        if sock is not None:
+            self.will_close = True
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def reusable(self, resp: Response) -> bool:
         """Can the next request go on this connection? Only after a clean, complete answer."""

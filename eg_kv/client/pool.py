@@ -39,6 +39,7 @@ class Pool:
                 self.ssl_context.check_hostname = False
                 self.ssl_context.verify_mode = ssl.CERT_NONE
         self._idle: list[Connection] = []
+        self._busy: set[Connection] = set()  # in use by a request now
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(config.max_connections)
         self._closed = False
@@ -52,20 +53,34 @@ class Pool:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                return Connection(
+                conn = Connection(
                     self.host, self.port, self.host_header, self.ssl_context, self.server_name
                 )
-            if not conn.dropped():
-                return conn
-            conn.close()
+            elif conn.dropped():
+                conn.close()
+                continue
+            with self._lock:
+                self._busy.add(conn)
+            return conn
 
     def release(self, conn: Connection, reusable: bool) -> None:
-        if reusable and not self._closed:
-            with self._lock:
+        with self._lock:
+            self._busy.discard(conn)
+            keep = reusable and not self._closed and not conn.will_close  # (not aborted)
+            if keep:
                 self._idle.append(conn)
-        else:
+        if not keep:
             conn.close()
         self._slots.release()
+
+    def abort_busy(self) -> int:
+        """End every request in flight on this pool's connections (:meth:`Connection.abort`):
+        a server set cut this member as a straggler, and each request still waiting on it
+        held one of the set's shared threads for a whole ``timeout_s``. Returns how many."""
+        with self._lock:  # (a shutdown does not block; under the lock, no request that
+            for conn in self._busy:  # began after this call is ended by it)
+                conn.abort()
+            return len(self._busy)
 
     def close(self) -> None:
         with self._lock:

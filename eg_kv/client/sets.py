@@ -233,6 +233,8 @@ class SetConnector:
             late = [m for f, m in pending.items()
                     if not f.cancel() and now - began.get(m, now) >= half]  # fmt: skip
             wait.give_up(late)
+            for m in late:  # their requests would hold the shared threads a timeout_s each
+                self._members.get(ask.view, m).abort_in_flight()
         return out
 
     def _lookup(

@@ -73,6 +73,10 @@ class Transport:
         self.closed = True
         self.pool.close()
 
+    def abort_in_flight(self) -> int:
+        """End the requests in flight now (:meth:`Pool.abort_busy`); returns how many."""
+        return self.pool.abort_busy()
+
     def exchange(
         self,
         method: str,

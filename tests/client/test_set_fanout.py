@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from helpers.common import wait_for
 
 from eg_kv import wire
 from eg_kv.client.aio_sets import AsyncSetConnector
@@ -152,6 +153,34 @@ def test_jobs_left_in_the_shared_queue_do_not_mark_their_members_down(members):
             t.join(30)
         assert not {a.member_id, b.member_id} & set(kv.router.down())
         assert hung.member_id in kv.router.down()
+
+
+def test_requests_to_a_member_cut_as_a_straggler_free_the_shared_threads(members):
+    """One member hangs while 20 callers look up at once: the requests sent to it before
+    the cut held the sync set's 16 shared threads for their whole timeout_s, and a batch
+    over the two healthy members, after the hung one was down, queued behind them (2.44 s
+    where it takes 0.04). The cut ends those requests: the batch answers at once."""
+    hung, a, b = members(delay_s=None), members(), members()
+    with SetConnector(_config(hung, a, b)) as kv:
+        addresses = [f"{i:032x}" for i in range(300)]
+        a.held, b.held = set(addresses), set(addresses)
+        healthy = [x for x in addresses if kv.router.home(x)[1] != hung.member_id][:6]
+        start = threading.Barrier(20)
+
+        def caller() -> None:
+            start.wait()
+            kv.exists_many(addresses)  # unbounded: its first requests get the timeout_s
+
+        threads = [threading.Thread(target=caller) for _ in range(20)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: hung.member_id in kv.router.down(), timeout=10, what="the cut")
+        t0 = time.monotonic()
+        got = kv.try_exists_addresses(healthy)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+        assert got == [True] * len(healthy) and took < 0.5, (got, took)
 
 
 def test_a_second_round_has_only_what_the_first_left_of_the_deadline(members):
