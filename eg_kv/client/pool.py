@@ -50,18 +50,22 @@ class Pool:
                 "no free eg-kv connection within the timeout: raise max_connections"
             )
         while True:
-            with self._lock:
+            with self._lock:  # one hold on the usual path: an idle connection, reused
                 conn = self._idle.pop() if self._idle else None
+                if conn is not None:
+                    self._busy.add(conn)
             if conn is None:
                 conn = Connection(
                     self.host, self.port, self.host_header, self.ssl_context, self.server_name
                 )
-            elif conn.dropped():
-                conn.close()
-                continue
+                with self._lock:
+                    self._busy.add(conn)
+                return conn
+            if not conn.dropped():
+                return conn
             with self._lock:
-                self._busy.add(conn)
-            return conn
+                self._busy.discard(conn)
+            conn.close()
 
     def release(self, conn: Connection, reusable: bool) -> None:
         with self._lock:
