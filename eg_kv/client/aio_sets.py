@@ -342,10 +342,9 @@ class AsyncSetConnector:
             return None
         await self._start()
         view, up = self._router.up()
-        for member_id in up:
-            if await self._members.get(view, member_id).healthz() is not None:
-                return set_health(view, up)
-        return None
+        got = await asyncio.gather(*(self._members.get(view, m).healthz() for m in up))
+        answered = [m for m, answer in zip(up, got, strict=True) if answer is not None]
+        return set_health(view, answered) if answered else None
 
 
 #: The name this class had before the set connectors were named for what they serve.

@@ -150,7 +150,7 @@ class Router:
 
     def up(self) -> tuple[View, list[str]]:
         """The current view and its members that are not down, in id order (a set's
-        ``healthz`` asks them in turn)."""
+        ``healthz`` asks them at once)."""
         view = self.membership.view()
         down = self.health.down()
         return view, [m for m in view.placement.members if m not in down]
@@ -488,5 +488,5 @@ class Waiting:
 
 
 def set_health(view: View, up: Sequence[str]) -> dict[str, Any]:
-    """A set's ``/healthz`` answer once one of its members that are ``up`` answered."""
+    """A set's ``/healthz`` answer: ``up``, the members that answered (asked at once)."""
     return {"status": "ok", "members": len(view.members), "members_up": len(up)}

@@ -367,10 +367,14 @@ class SetConnector:
         if self._closed:
             return None
         view, up = self._router.up()
-        for member_id in up:
-            if self._members.get(view, member_id).healthz() is not None:
-                return set_health(view, up)
-        return None
+        try:  # in parallel, each bounded by its timeout_s: one hung member costs one
+            futures = [self._fanout.submit(self._members.get(view, m).healthz) for m in up]
+        except RuntimeError:  # close() shut the pool down
+            return None
+        done, _ = concurrent.futures.wait(futures, timeout=self.config.timeout_s + 1.0)
+        answered = [m for m, f in zip(up, futures, strict=True)
+                    if f in done and not f.cancelled() and f.result() is not None]  # fmt: skip
+        return set_health(view, answered) if answered else None
 
 
 #: The name this class had before the set connectors were named for what they serve.

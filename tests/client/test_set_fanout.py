@@ -183,6 +183,40 @@ def test_requests_to_a_member_cut_as_a_straggler_free_the_shared_threads(members
         assert got == [True] * len(healthy) and took < 0.5, (got, took)
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_sets_healthz_asks_its_members_at_once_and_counts_who_answered(kind):
+    """Three members that accept and never answer, one that answers: the set's healthz
+    asked them in turn (3.01 s at timeout_s=1) and said all four were up."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        silent = []
+        for _ in range(3):
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            s.listen(16)
+            silent.append(f"http://127.0.0.1:{s.getsockname()[1]}")
+        alive = LookupMember()
+        stack.callback(alive.close)
+        config = KvCacheConfig(base_url=",".join([*silent, alive.url]), timeout_s=1.0,
+                               local_reads=False)  # fmt: skip
+        t0 = time.monotonic()
+        if kind == "sync":
+            with SetConnector(config) as kv:
+                got = kv.healthz()
+        else:
+
+            async def ask():
+                async with AsyncSetConnector(config) as akv:
+                    await akv.exists_many([])  # started
+                    return await akv.healthz()
+
+            got = asyncio.run(ask())
+        took = time.monotonic() - t0
+    assert got == {"status": "ok", "members": 4, "members_up": 1}
+    assert took < 2.5, took  # one timeout (and the set's first weighing), not three
+
+
 def test_a_second_round_has_only_what_the_first_left_of_the_deadline(members):
     """Right after a member joined, a miss at the new home asks the previous home: that
     request had the config's whole timeout again, so one lookup could take two."""
