@@ -61,15 +61,32 @@ class AsyncSetConnector:
         self._members = MemberConnectors(self._router, build, self._dispose)
         self._router.listeners.append(self._members.prune)
         self._closed = False
+        #: Departed members' connectors, closed once their requests are over (their timer).
+        self._retired: dict[Any, asyncio.TimerHandle] = {}
+        self._closing: set[asyncio.Task[Any]] = set()
 
     def _dispose(self, conn: Any) -> None:
         """Close a departed member's connector on the loop its session lives on (prune
-        runs in the membership thread)."""
+        runs in the membership thread), once the requests in flight on it are over (a
+        request is bounded by timeout_s): closed at once, its session ended them (a hit
+        about to be answered was a miss, a PUT cut mid-body), where the sync set's finish."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return  # no session was opened on a loop that still runs
+
+        def close_later() -> None:
+            self._retired[conn] = loop.call_later(
+                self.config.timeout_s + 1.0, self._close_retired, conn
+            )
+
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            asyncio.run_coroutine_threadsafe(conn.close(), loop)
+            loop.call_soon_threadsafe(close_later)
+
+    def _close_retired(self, conn: Any) -> None:
+        if self._retired.pop(conn, None) is not None:
+            task = asyncio.ensure_future(conn.close())
+            self._closing.add(task)  # held until done: the loop keeps weak references
+            task.add_done_callback(self._closing.discard)
 
     @classmethod
     def from_env(cls, *, session: Any = None, **settings: Any) -> AsyncSetConnector:
@@ -112,8 +129,13 @@ class AsyncSetConnector:
             return
         self._closed = True
         await asyncio.get_running_loop().run_in_executor(None, self._router.close)
-        for conn in self._members.take_all():
+        retired, self._retired = self._retired, {}
+        for timer in retired.values():
+            timer.cancel()
+        for conn in [*self._members.take_all(), *retired]:
             await conn.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def _one(self, key: str | bytes, op: Callable[[Any, str], Any],
                    miss: Callable[[Any], bool], ask_previous: bool = True,

@@ -217,6 +217,39 @@ def test_a_sets_healthz_asks_its_members_at_once_and_counts_who_answered(kind):
     assert took < 2.5, took  # one timeout (and the set's first weighing), not three
 
 
+def test_the_async_set_lets_a_departed_members_requests_finish(members):
+    """A member's address changes (a pod started again elsewhere) while a lookup waits on
+    it: the membership thread prunes its connector. The async set closed its session at
+    once, which ended the lookup (a miss after 0.3 s, where the sync set's answered); it
+    closes it once its requests are over."""
+    import dataclasses
+    import types
+
+    from eg_kv.client.membership import View
+
+    a, b = members(), members(delay_s=1.0)
+
+    def moved(old: View) -> View:  # b's id at another host: a new connector's key
+        ms = dict(old.members)
+        ms[b.member_id] = dataclasses.replace(ms[b.member_id], host="127.0.0.2")
+        return View(types.MappingProxyType(ms), old.placement, old.placement,
+                    time.monotonic(), old.window_s)  # fmt: skip
+
+    async def run() -> list[bool] | None:
+        async with AsyncSetConnector(_config(a, b)) as kv:
+            on_b = _homed(kv, b)[:3]
+            b.held = set(on_b)
+            await kv.exists_many([])  # started
+            timer = threading.Timer(0.3, lambda: kv._members.prune(moved(kv.router.view())))
+            timer.start()
+            try:
+                return await kv.try_exists_addresses(on_b)
+            finally:
+                timer.join()
+
+    assert asyncio.run(run()) == [True, True, True]
+
+
 def test_a_second_round_has_only_what_the_first_left_of_the_deadline(members):
     """Right after a member joined, a miss at the new home asks the previous home: that
     request had the config's whole timeout again, so one lookup could take two."""
