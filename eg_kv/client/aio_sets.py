@@ -21,8 +21,19 @@ from .bodies import byte_views
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
 from .interface import AsyncSink, Unreachable
+from .membership import View
 from .placement import prefix_hits
-from .router import Ask, BatchPlan, MemberConnectors, Router, Waiting, absent, set_health
+from .router import (
+    NOT_NOTED,
+    Ask,
+    BatchPlan,
+    MemberConnectors,
+    Router,
+    Waiting,
+    absent,
+    delete_answer,
+    set_health,
+)
 from .rules import KvCacheStats, to_address, to_addresses
 from .setstats import MemberStats, set_stats
 from .settings import KvCacheConfig
@@ -137,16 +148,30 @@ class AsyncSetConnector:
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
-    async def _one(self, key: str | bytes, op: Callable[[Any, str], Any],
-                   miss: Callable[[Any], bool], ask_previous: bool = True,
-                   may_start: Callable[[float], bool] | None = None) -> Any:  # fmt: skip
+    async def _begin(self, key: str | bytes) -> str | None:
+        """``key``'s address once the set has started; None once it is closed."""
         address = to_address(key)
         if self._closed:
             return None
         await self._start()
-        view, home = self._router.home(address)
-        if home is None:
+        return address
+
+    async def _home_of(self, key: str | bytes) -> tuple[View, str, str] | None:
+        """(the view, ``key``'s home in it, its address); None once closed or with no
+        member up."""
+        address = await self._begin(key)
+        if address is None:
             return None
+        view, home = self._router.home(address)
+        return None if home is None else (view, home, address)
+
+    async def _one(self, key: str | bytes, op: Callable[[Any, str], Any],
+                   miss: Callable[[Any], bool], ask_previous: bool = True,
+                   may_start: Callable[[float], bool] | None = None) -> Any:  # fmt: skip
+        at = await self._home_of(key)
+        if at is None:
+            return None
+        view, home, address = at
         result = await op(self._members.get(view, home), address)
         if ask_previous and miss(result):
             before = self._router.previous(view, address, home)
@@ -183,9 +208,13 @@ class AsyncSetConnector:
         self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE
     ) -> int | None:
         parts = byte_views(parts)  # TypeError: not a miss
-        return await self._one(
-            key, lambda c, a: c.put_status(a, parts, engine), lambda _r: False, False
-        )
+        at = await self._home_of(key)
+        if at is None:
+            return None
+        view, home, address = at
+        status = await self._members.get(view, home).put_status(address, parts, engine)
+        self._router.stored(address, home, status)
+        return status
 
     async def contains(self, key: str | bytes) -> bool:
         return bool(await self._one(key, lambda c, a: c.contains(a), lambda r: not r))
@@ -201,7 +230,15 @@ class AsyncSetConnector:
     async def delete_status(self, key: str | bytes) -> int | None:
         """Like :meth:`SetConnector.delete_status
         <eg_kv.client.sets.SetConnector.delete_status>`."""
-        return await self._one(key, lambda c, a: c.delete_status(a), absent)
+        address = await self._begin(key)
+        if address is None:
+            return None
+        view, where = self._router.delete_home(address)
+        if where == NOT_NOTED:
+            return await self._one(key, lambda c, a: c.delete_status(a), absent)
+        if where not in view.members:  # noted at a member down now, or gone
+            return delete_answer(where)
+        return await self._members.get(view, where).delete_status(address)
 
     async def _parallel(
         self, ask: Ask, lease_ms: int | None = None

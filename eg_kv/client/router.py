@@ -123,6 +123,8 @@ class Router:
         self.health = Health()
         #: The member that granted each lease the set's lookups took: releases go there.
         self.lease_homes = LeaseHomes()
+        #: The member that took each reference the set's PUTs stored: DELETEs go there.
+        self.put_homes = LeaseHomes()
         #: Called with each new view after a membership change (from the refresh thread).
         self.listeners: list[Callable[[View], None]] = []
         nameservers, dns_port = _nameservers(config.dns_server)
@@ -182,6 +184,29 @@ class Router:
             if home is not None:
                 by_home.setdefault(home, []).append(address)
         return view, by_home
+
+    def stored(self, address: str, member: str, status: int | None) -> None:
+        """A PUT of ``address`` at ``member`` answered ``status``: a reference was taken
+        there (201, 200), and a DELETE of it goes there (:meth:`delete_home`)."""
+        if status in (200, 201):
+            self.put_homes.granted(((address, member),))
+
+    def delete_home(self, address: str) -> tuple[View, str]:
+        """Where a DELETE of ``address`` goes: the member one of this set's PUTs stored it
+        at (the oldest noted; the home then may be another, whose reference is another
+        client's), :data:`NOT_NOTED` (none noted: its home), :data:`NOTED_DOWN` (noted
+        at a member down now: ask later) or :data:`NOTED_GONE` (at one that left: its
+        reference left with it)."""
+        view = self.membership.view()
+        noted = self.put_homes.take((address,))[0]
+        if noted is None:
+            return view, NOT_NOTED
+        if noted not in view.members:
+            return view, NOTED_GONE
+        if noted in self.health.down():
+            self.put_homes.granted(((address, noted),))  # still this set's to release
+            return view, NOTED_DOWN
+        return view, noted
 
     def only_member(self) -> tuple[View, str]:
         """The current view and its one member: what a set's event log is.
@@ -485,6 +510,16 @@ class Waiting:
     def give_up(self, member_ids: Iterable[str]) -> None:
         """The round is answered without these members: marked down."""
         self._router.late(member_ids, time.monotonic() - self._started)
+
+
+#: :meth:`Router.delete_home`'s answers besides a member id (never one: "host:port").
+NOT_NOTED, NOTED_DOWN, NOTED_GONE = "", "down", "gone"
+
+
+def delete_answer(where: str) -> int | None:
+    """A DELETE's status when :meth:`Router.delete_home` names no member to send it to:
+    None (down: unknown, ask again) or 404 (the member that held it left)."""
+    return None if where == NOTED_DOWN else 404
 
 
 def set_health(view: View, up: Sequence[str]) -> dict[str, Any]:

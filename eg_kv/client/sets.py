@@ -26,14 +26,17 @@ from ..engine import NO_ENGINE, EngineName
 from .bodies import byte_views
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
+from .membership import View
 from .placement import prefix_hits
 from .router import (
+    NOT_NOTED,
     Ask,
     BatchPlan,
     MemberConnectors,
     Router,
     Waiting,
     absent,
+    delete_answer,
     set_health,
 )
 from .rules import KvCacheStats, batches, to_address, to_addresses
@@ -103,15 +106,22 @@ class SetConnector:
 
     # -- one address
 
-    def _one(self, key: str | bytes, op: Callable[[Any, str], T], miss: Callable[[T], bool],
-             ask_previous: bool = True,
-             may_start: Callable[[float], bool] | None = None) -> T | None:  # fmt: skip
+    def _home_of(self, key: str | bytes) -> tuple[View, str, str] | None:
+        """(the view, ``key``'s home in it, its address); None once closed or with no
+        member up."""
         address = to_address(key)
         if self._closed:
             return None
         view, home = self._router.home(address)
-        if home is None:
+        return None if home is None else (view, home, address)
+
+    def _one(self, key: str | bytes, op: Callable[[Any, str], T], miss: Callable[[T], bool],
+             ask_previous: bool = True,
+             may_start: Callable[[float], bool] | None = None) -> T | None:  # fmt: skip
+        at = self._home_of(key)
+        if at is None:
             return None
+        view, home, address = at
         result = op(self._members.get(view, home), address)
         if ask_previous and miss(result):
             before = self._router.previous(view, address, home)
@@ -150,9 +160,16 @@ class SetConnector:
     def put_status(
         self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE
     ) -> int | None:
-        """``PUT`` at the address's home (its next-ranked member while it is down)."""
+        """``PUT`` at the address's home (its next-ranked member while it is down); the
+        member is noted for a DELETE of the reference (:meth:`delete_status`)."""
         parts = byte_views(parts)  # TypeError: not a miss
-        return self._one(key, lambda c, a: c.put_status(a, parts, engine), lambda _r: False, False)
+        at = self._home_of(key)
+        if at is None:
+            return None
+        view, home, address = at
+        status = self._members.get(view, home).put_status(address, parts, engine)
+        self._router.stored(address, home, status)
+        return status
 
     def contains(self, key: str | bytes) -> bool:
         """``HEAD`` at the home (and the previous home once, right after a change)."""
@@ -167,11 +184,21 @@ class SetConnector:
         return self.delete_status(key) == 204
 
     def delete_status(self, key: str | bytes) -> int | None:
-        """``DELETE`` one reference where the block lives: its home, else (right after a
-        change, and only when the home answered 404) its previous home. A lost answer at
-        the home is not sent on: the home may have applied it, and one DELETE releases
-        one reference, never two."""
-        return self._one(key, lambda c, a: c.delete_status(a), absent)
+        """``DELETE`` one reference: at the member one of this set's PUTs stored it at
+        (:meth:`Router.delete_home`: its home may be another now, whose reference is
+        another client's); else where the block lives: its home, else (right after a
+        change, and only when the home answered 404) its previous home. A lost answer is
+        not sent on: the member may have applied it, and one DELETE releases one
+        reference, never two."""
+        address = to_address(key)
+        if self._closed:
+            return None
+        view, where = self._router.delete_home(address)
+        if where == NOT_NOTED:
+            return self._one(key, lambda c, a: c.delete_status(a), absent)
+        if where not in view.members:  # noted at a member down now, or gone
+            return delete_answer(where)
+        return self._members.get(view, where).delete_status(address)
 
     # -- batches
 

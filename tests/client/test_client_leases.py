@@ -129,6 +129,50 @@ def test_a_sets_get_that_releases_ends_the_lease_where_it_was_granted(pair, side
         at_b.close()
 
 
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_a_sets_delete_releases_its_reference_where_its_put_stored_it(pair, side):
+    """While the home was down the set's PUT went to the stand-in; once the home is up,
+    its DELETE went to the home: it ended a reference another client took there (which
+    the home could then free) and left the set's own at the stand-in."""
+    a, b = pair
+    a_id = f"127.0.0.1:{a.port}"
+    config = KvCacheConfig(base_url=f"{a.url},{b.url}", local_reads=False)
+    at_a = connect(KvCacheConfig(base_url=a.url, local_reads=False))
+
+    def refs() -> tuple[int, int]:
+        return stats(a.url)["total_refs"], stats(b.url)["total_refs"]
+
+    def homed_at_a(router) -> str:
+        key = next(k for k in (f"del-{side}-{i}" for i in range(200))
+                   if router.home(k)[1] == a_id)  # fmt: skip
+        assert at_a.put(key, bytes(ROW))  # another client's reference, at the home
+        router.health.failed(a_id)  # b stands in for its back-off
+        return key
+
+    async def run_async() -> None:
+        async with AsyncSetConnector(config) as kv:
+            await kv.exists_many([])  # started
+            key = homed_at_a(kv.router)
+            assert await kv.put(key, bytes(ROW))
+            kv.router.health.succeeded(a_id)
+            assert refs() == (1, 1)
+            assert await kv.delete(key)
+
+    try:
+        if side == "sync":
+            with SetConnector(config) as kv:
+                key = homed_at_a(kv.router)
+                assert kv.put(key, bytes(ROW))
+                kv.router.health.succeeded(a_id)
+                assert refs() == (1, 1)
+                assert kv.delete(key)
+        else:
+            asyncio.run(run_async())
+        assert refs() == (1, 0)  # the set's reference went; the other client's stays
+    finally:
+        at_a.close()
+
+
 def test_the_async_set_leases_and_releases_alike(pair):
     base = ",".join(s.url for s in pair)
     keys = [f"aset-lease-{k}" for k in range(20)]
