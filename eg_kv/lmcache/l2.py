@@ -75,6 +75,9 @@ Completion = tuple[int, bool, str, "list[bool] | None"]
 #: Keys remembered with the address this connector stored them under (for deletes): a
 #: delete releases only a reference it took. 65536 entries of ~200 bytes: ~13 MiB at most.
 MAX_STORED = 65536
+#: References one key's stores are remembered for (LMCache storing a key again and again
+#: without a delete): a delete releases these.
+MAX_REFS_PER_KEY = 16
 
 #: Lookups of at most this many keys run on the thread that submits them (LMCache's,
 #: under its adapter lock) instead of the pool: the hand-off to a pool thread and back
@@ -175,7 +178,9 @@ class RemoteKVL2Connector:
         self._efd_open = True
         self._gates = GateSet()
         self._warn = StoreWarnings(self._client, "eg-kv LMCache L2 adapter")
-        self._stored: OrderedDict[str, str] = OrderedDict()  # key -> address it went to
+        #: key -> the address of each reference its stores took (a key stored twice holds
+        #: two: a delete releases both), newest keys last.
+        self._stored: OrderedDict[str, list[str]] = OrderedDict()
         # Only leases this connector's lookups took are released (eg_kv.client.lease_record).
         self._leases = LeaseRecord(self._client, lease_ms)
         self._inline_after = 0.0  # monotonic time before which lookups use the pool
@@ -236,8 +241,10 @@ class RemoteKVL2Connector:
         if status not in (200, 201):
             return False
         with self._lock:
-            self._stored[key] = address
-            self._stored.move_to_end(key)
+            refs = self._stored.pop(key, [])
+            if len(refs) < MAX_REFS_PER_KEY:  # past it, the rest age out by eviction
+                refs.append(address)
+            self._stored[key] = refs
             while len(self._stored) > MAX_STORED:
                 self._stored.popitem(last=False)
         return True
@@ -286,8 +293,8 @@ class RemoteKVL2Connector:
 
     def _delete(self, key: str) -> bool:
         with self._lock:
-            address = self._stored.pop(key, None)
-        return address is not None and self._client.delete(address)
+            refs = self._stored.pop(key, [])
+        return bool(refs) and all([self._client.delete(address) for address in refs])
 
     def submit_batch_exists(self, keys: Sequence[str]) -> int:
         """Ask which keys are resident with one ``POST /kv/batch/exists``.

@@ -173,3 +173,21 @@ def test_l2_stores_name_each_chunk_by_lmcaches_chunk_hash(server_factory):
         logged = json.loads(answer.read())["events"]
     assert sorted(e.get("engine_hash") for e in logged) == [k.split("@")[3] for k in keys]
     assert chunk_name("model@0@0@not-hex") == NO_ENGINE == chunk_name("no-fields")
+
+
+def test_a_key_stored_twice_is_gone_after_one_delete(server_factory):
+    """Each store of a key takes a reference; the connector remembered the key once, so
+    its delete released one and the block stayed (LMCache had deleted the key)."""
+    srv = server_factory(workers=1, capacity="16MiB")
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=10, num_workers=2, local_reads=False)
+    try:
+        keys, block = lm_keys(1), bytearray(os.urandom(4096))
+        for _ in range(2):
+            f_set = conn.submit_batch_set(keys, [memoryview(block)])
+            assert wait_completions(conn, {f_set})[f_set][3] == [True]
+        f_del = conn.submit_batch_delete(keys)
+        assert wait_completions(conn, {f_del})[f_del][3] == [True]
+        f_after = conn.submit_batch_exists(keys)
+        assert wait_completions(conn, {f_after})[f_after][3] == [False]
+    finally:
+        conn.close()
