@@ -26,6 +26,22 @@ def pid_alive(pid: int) -> bool:
     return pid_state(pid) not in ("Z", "X")
 
 
+def maps_file(pid: int, path: str) -> bool:
+    """Whether process ``pid`` has ``path`` mapped (its ``/proc/<pid>/maps``): a pid that
+    runs but does not map a slab is not its owner (pids are reused: a container starts
+    again with small ones). True when that cannot be read (another user's process: it
+    may be the owner)."""
+    needle = f" {path}".encode()
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return any(line.rstrip(b"\n").removesuffix(b" (deleted)").endswith(needle)
+                       for line in f)  # fmt: skip
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
 def pid_stopped(pid: int) -> bool:
     """True while ``pid`` is stopped (SIGSTOP, Ctrl-Z) or traced."""
     return pid_state(pid) in ("T", "t")

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from eg_kv.config import ENV_TOKEN, Settings, format_size, is_loopback
 from eg_kv.errors import ConfigError, EgKvError, SlabError
-from eg_kv.procs import pid_alive, pid_stopped
+from eg_kv.procs import maps_file, pid_alive, pid_stopped
 from eg_kv.server import runstate, tenants
 from eg_kv.server.hints import tick as tick_hints
 from eg_kv.server.metrics import forget_process
@@ -123,6 +123,12 @@ class _Worker:
     @property
     def ready(self) -> bool:
         return self.ready_at > 0
+
+
+def _serves(owner: int, name: str) -> bool:
+    """Whether ``owner``, the pid a slab records, is a running eg-kv with that slab: alive
+    and mapping it (a pid reused by another process refused every start, --fresh too)."""
+    return owner != os.getpid() and pid_alive(owner) and maps_file(owner, SHM_DIR + name)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -250,7 +256,7 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                     "the segment yourself once you know nothing uses it"
                 ) from None
             owner = Slab.segment_owner_pid(name)
-            if owner != os.getpid() and pid_alive(owner):  # a running eg-kv of another version
+            if _serves(owner, name):  # a running eg-kv of another version
                 raise SlabError(
                     f"slab {name} ({SHM_DIR}{name}) belongs to a running eg-kv (pid {owner}) "
                     "of another layout version, so --fresh leaves it alone: stop that server "
@@ -263,7 +269,7 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                      "size unknown" if size is None else human_size(size))  # fmt: skip
         else:
             owner = slab.owner_pid
-            if owner != os.getpid() and pid_alive(owner):
+            if _serves(owner, name):
                 slab.close()
                 raise SlabError(
                     f"slab {name} belongs to a running eg-kv (pid {owner}): stop it first, "

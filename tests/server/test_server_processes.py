@@ -290,6 +290,31 @@ def test_warm_restart_with_keep(server_factory):
     assert not Slab.exists_named(name), "without --keep the slab goes at exit"
 
 
+def test_a_kept_slab_whose_owner_pid_was_reused_is_taken_again(server_factory):
+    """The slab records its owner's pid; after a restart (a container's pids are small and
+    reused) that pid may be another process's: every start was refused, --fresh too. An
+    owner is a running process that maps the slab."""
+    import struct
+
+    from eg_kv.slab import layout as L
+
+    name = unique_slab_name("reused")
+    first = server_factory(workers=1, slab_name=name, extra=("--keep",))
+    assert request(first, "PUT", "/kv/kept", b"kept").status == 201
+    assert first.stop() == 0
+    other = subprocess.Popen(["sleep", "60"])  # whatever got the old pid
+    try:
+        with open("/dev/shm" + name, "r+b") as f:
+            f.seek(L.OWNER_PID_OFFSET)
+            f.write(struct.pack("=q", other.pid))
+        second = server_factory(workers=1, slab_name=name, port=first.port)
+        assert "re-attached" in second.log()
+        assert request(second, "GET", "/kv/kept").body == b"kept"
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_fresh_discards_a_kept_slab(server_factory):
     name = unique_slab_name("fresh")
     first = server_factory(workers=1, slab_name=name, extra=("--keep",))
