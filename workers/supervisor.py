@@ -769,8 +769,10 @@ class Supervisor:
                 continue
             if w.pid != self._lock_seen[0] and now - self._lock_stuck_at < s.heartbeat_timeout_s:
                 continue  # most likely waiting for the lock: the holder is the culprit
-            if w.pid == self._lock_seen[0] and now - self._lock_seen[2] <= self._lock_limit:
-                continue  # in the lock (a repair there does not beat): the lock's limit judges
+            if (w.pid == self._lock_seen[0] and now - self._lock_seen[2] <= self._lock_limit
+                    and not pid_stopped(w.pid)):  # fmt: skip
+                continue  # running in the lock (a repair there does not beat): the lock's
+                # limit judges it; a stopped holder is the heartbeat's, as any stopped worker
             self._kill_wedged(w, f"has not beat for {age:.1f} s (stopped or stuck)")
 
     @property
