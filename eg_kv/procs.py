@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import weakref
@@ -26,16 +27,33 @@ def pid_alive(pid: int) -> bool:
     return pid_state(pid) not in ("Z", "X")
 
 
-def maps_file(pid: int, path: str) -> bool:
-    """Whether process ``pid`` has ``path`` mapped (its ``/proc/<pid>/maps``): a pid that
-    runs but does not map a slab is not its owner (pids are reused: a container starts
-    again with small ones). True when that cannot be read (another user's process: it
-    may be the owner)."""
-    needle = f" {path}".encode()
+def uses_file(pid: int, path: str) -> bool:
+    """Whether process ``pid`` has the file at ``path`` mapped or open (its
+    ``/proc/<pid>/maps`` and ``fd``, by device and inode: a slab made under another name
+    and linked to this one shows its first name there). A pid that runs but does not use
+    a slab is not its owner (pids are reused: a container starts again with small ones).
+    True when that cannot be read (another user's process: it may be the owner); False
+    when ``path`` is gone.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}".encode()
+    ino = str(st.st_ino).encode()
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
-            return any(line.rstrip(b"\n").removesuffix(b" (deleted)").endswith(needle)
-                       for line in f)  # fmt: skip
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) > 4 and fields[4] == ino and fields[3] == dev:
+                    return True
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.stat(f"/proc/{pid}/fd/{fd}"), st):
+                    return True
+        return False
     except FileNotFoundError:
         return False
     except OSError:

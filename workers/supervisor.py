@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from eg_kv.config import ENV_TOKEN, Settings, format_size, is_loopback
 from eg_kv.errors import ConfigError, EgKvError, SlabError
-from eg_kv.procs import maps_file, pid_alive, pid_stopped
+from eg_kv.procs import pid_alive, pid_stopped, uses_file
 from eg_kv.server import runstate, tenants
 from eg_kv.server.hints import tick as tick_hints
 from eg_kv.server.metrics import forget_process
@@ -127,8 +127,8 @@ class _Worker:
 
 def _serves(owner: int, name: str) -> bool:
     """Whether ``owner``, the pid a slab records, is a running eg-kv with that slab: alive
-    and mapping it (a pid reused by another process refused every start, --fresh too)."""
-    return owner != os.getpid() and pid_alive(owner) and maps_file(owner, SHM_DIR + name)
+    and using it (a pid reused by another process refused every start, --fresh too)."""
+    return owner != os.getpid() and pid_alive(owner) and uses_file(owner, SHM_DIR + name)
 
 
 def check_port_free(host: str, port: int) -> None:

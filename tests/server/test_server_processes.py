@@ -315,6 +315,20 @@ def test_a_kept_slab_whose_owner_pid_was_reused_is_taken_again(server_factory):
         other.wait()
 
 
+@pytest.mark.parametrize("extra", [(), ("--fresh",)], ids=["plain", "fresh"])
+def test_a_running_servers_slab_is_refused_to_a_second_server(server_factory, extra):
+    """Another port, the same --slab-name: the first server's slab belongs to it (a
+    running process that maps it, by inode: it was made under another name and linked),
+    and the second stops, --fresh or not."""
+    name = unique_slab_name("taken")
+    first = server_factory(workers=1, slab_name=name)
+    assert request(first, "PUT", "/kv/mine", b"mine").status == 201
+    second = server_factory(workers=1, slab_name=name, extra=extra, wait=False)
+    assert second.proc.wait(30) == 1
+    assert f"belongs to a running eg-kv (pid {first.proc.pid})" in second.log()
+    assert request(first, "GET", "/kv/mine").body == b"mine"
+
+
 def test_fresh_discards_a_kept_slab(server_factory):
     name = unique_slab_name("fresh")
     first = server_factory(workers=1, slab_name=name, extra=("--keep",))
