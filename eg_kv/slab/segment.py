@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 import posix_ipc
 
 from ..errors import SlabError
-from ..procs import pid_alive
+from ..procs import pid_alive, uses_file
 from ..shm import SHM_DIR, segment_name
 from ..units import DEFAULT_MAX_BLOCK_SIZE, DEFAULT_PAGE_SIZE, MiB, human_size
 from . import layout as L
@@ -139,12 +139,19 @@ CREATING = ".creating-"
 
 
 def _sweep_abandoned(name: str) -> None:
-    """Unlink this user's segments of ``name`` being made by a process that died."""
+    """Unlink this user's segments of ``name`` left being made: by a process that died,
+    by one whose pid is this process's now (a container starts again with the same small
+    pids), or by one that runs but does not use it (its pid reused)."""
     prefix = name.lstrip("/") + CREATING
     with contextlib.suppress(OSError):
         for entry in os.listdir(SHM_DIR):
             pid = entry[len(prefix) :]
-            if entry.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
+            if not (entry.startswith(prefix) and pid.isdigit()):
+                continue
+            maker = int(pid)
+            if maker == os.getpid() or not pid_alive(maker) or not uses_file(
+                maker, SHM_DIR + "/" + entry
+            ):
                 _unlink_ours("/" + entry, None)
 
 
@@ -265,6 +272,7 @@ class SlabSegment(SlabLocking):
             raise SlabError("max block size must be at least 1 byte")
         g = L.Geometry.plan(capacity, page_size, max_block_size)
         rsize = L.readers_size(g.nslots)
+        _sweep_abandoned(name)  # before the room is counted: a half-made one takes some
         try:
             st = os.statvfs(shm_dir)
         except OSError:
@@ -278,7 +286,6 @@ class SlabSegment(SlabLocking):
         )
         if os.path.lexists(SHM_DIR + name):  # before seconds of allocation, not after
             raise exists
-        _sweep_abandoned(name)
         # Made under a name of its own and linked to ``name`` once formatted: a process
         # killed while it allocates (seconds a GiB: the OOM killer's moment) leaves no
         # half-made segment under the name, which every later start, --fresh included,

@@ -48,7 +48,8 @@ def shm_name():
     """A fresh slab name; afterwards its segments are removed, whoever owns them."""
     name = unique_slab_name("own")
     yield name
-    for path in (SHM + name, SHM + name + L.READERS_SUFFIX):
+    left = [SHM + "/" + e for e in os.listdir(SHM) if e.startswith(name[1:] + ".creating-")]
+    for path in (SHM + name, SHM + name + L.READERS_SUFFIX, *left):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
@@ -375,6 +376,23 @@ def test_a_creator_killed_while_it_allocates_leaves_nothing_that_blocks_the_next
         assert slab.get("a") == b"x"
         assert sorted(e for e in os.listdir(SHM) if e.startswith(base)) == [
             base, base + L.READERS_SUFFIX.lstrip("/")]  # fmt: skip
+    finally:
+        slab.close()
+        slab.unlink()
+
+
+def test_a_half_made_slab_left_under_this_processs_pid_is_swept(shm_name):
+    """A container starts again with the same small pids: the dead creator's leftover
+    carried this process's pid, and every create said the slab "exists already"."""
+    base = shm_name.lstrip("/")
+    leftover = os.path.join(SHM, f"{base}.creating-{os.getpid()}")
+    fd = os.open(leftover, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 8 * MiB)  # half allocated
+    os.close(fd)
+    slab = Slab.create(shm_name, 64 * MiB, page_size=64 * KiB)
+    try:
+        assert not os.path.exists(leftover)
+        assert slab.put("a", b"x") and slab.get("a") == b"x"
     finally:
         slab.close()
         slab.unlink()
