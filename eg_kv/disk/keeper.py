@@ -79,6 +79,11 @@ MAX_INFLIGHT = 64
 #: a peer that asks without reading would grow the keeper's memory without bound).
 MAX_UNREAD = 8 * 1024 * 1024
 ANSWER_DRAIN_S = 5.0
+#: A DELETE's answer waits for its record's header to be zeroed at most until this long
+#: before its worker's deadline (a discard's, before ZEROED_WAIT_S: its worker waits
+#: eg_kv.disk.tier.CALL_TIMEOUT_S): an answer past it is a 503 for a change applied.
+ZEROED_MARGIN_S = 0.15
+ZEROED_WAIT_S = 0.5
 #: Promotions between their ``promote`` and ``promoted`` at once (each for
 #: ``wire.COMMIT_S`` at most): past it, a promotion is declined (served, not published).
 MAX_COMMITTING = 4096
@@ -357,8 +362,11 @@ class Keeper:
         # comes with every PUT that creates a block: a thread hop each cost the keeper,
         # whose writer thread shares its GIL, more than the change.
         if op == wire.DELETE:  # (past its deadline the worker answered 503: not applied)
-            return await self._zeroed(await self._delete((args[0], args[1]),
-                                                         int(args[2]) / 1000))  # fmt: skip
+            key, deadline = (args[0], args[1]), int(args[2]) / 1000
+            answer = await self._delete(key, deadline)
+            if answer == 1 and self.store.index.find(key) is None:  # its last: dropped
+                await self._zeroed(deadline)
+            return answer
         if op == wire.PROMOTE:
             return self._promote((args[0], args[1]), int(args[2]))
         if op == wire.PROMOTED:
@@ -368,7 +376,10 @@ class Keeper:
             return None
         if op == wire.DISCARD:  # (a block id bounds it: a copy of a later block stays)
             block = int(args[2]) if len(args) > 2 else 0
-            return await self._zeroed(store.discard((args[0], args[1]), block))
+            dropped = store.discard((args[0], args[1]), block)
+            if dropped:
+                await self._zeroed(time.monotonic() + ZEROED_WAIT_S)
+            return dropped
         if op == wire.ADOPT:
             return self._adopt((args[0], args[1]), args[2], args[3])
         if op == wire.STATS:
@@ -390,14 +401,17 @@ class Keeper:
             return None
         raise ValueError(f"unknown op {op!r}")
 
-    async def _zeroed(self, answer: Any) -> Any:
-        """``answer``, once the headers of the records it dropped are zeroed in the file:
-        the worker answers its client then, and a keeper or server killed after that
-        must not find the record at its next scan (it did in 4 of 6 tries, the zeroing
-        queued behind a spill's write)."""
-        if answer:
-            await asyncio.wrap_future(self.store.zeroed())
-        return answer
+    async def _zeroed(self, until: float) -> None:
+        """Wait until the headers of the records dropped so far are zeroed in the file,
+        or ``until`` (monotonic; a margin before the worker stops waiting for the
+        answer, which must reach it: a DELETE it answers 503 is sent again, and would end
+        a second reference). The worker answers its client after: a keeper or server
+        killed then must not find the record at its next scan (it did in 4 of 6 tries,
+        the zeroing queued behind a spill's write)."""
+        wait = until - ZEROED_MARGIN_S - time.monotonic()
+        if wait > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.wrap_future(self.store.zeroed()), wait)
 
     def _list(self, ns: str | None, listing: int) -> list[Any] | None:
         """A page of the blocks the disk holds (namespace ``ns``'s, or all): the first

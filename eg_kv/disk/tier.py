@@ -199,14 +199,17 @@ class DiskTier:
         """The promotion :meth:`promote` answered is published, or not: DELETEs go on."""
         self._report(wire.PROMOTED, namespace, address)
 
-    async def discard(self, namespace: str, address: str, block: int = 0) -> bool:
+    async def discard(
+        self, namespace: str, address: str, block: int = 0, wait: bool = True
+    ) -> bool:
         """The slab's last reference of ``address`` (slab block ``block``; 0: unknown)
         went: drop the disk's copy too, waiting :data:`DISCARD_WAIT_S` at most for a
-        keeper that does not answer. Past that, it gets it again once it does
+        keeper that does not answer (``wait``: the block was spilled; one never spilled
+        has no copy to wait for). Past that, it gets it again once it does
         (:meth:`_send_undone`): a new keeper follows the event log from its head, and
         would never learn of the ``DELETE``."""
         got = await self._call(wire.DISCARD, namespace, address, block)
-        until = time.monotonic() + DISCARD_WAIT_S
+        until = time.monotonic() + (DISCARD_WAIT_S if wait else 0.0)
         while got is None and time.monotonic() < until:  # a new keeper, or this one back
             await asyncio.sleep(RETRY_S)
             got = await self._call(wire.DISCARD, namespace, address, block, probe=True)

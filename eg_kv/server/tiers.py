@@ -147,11 +147,12 @@ async def delete(request: web.Request, tenant: Tenant, address: str) -> bool:
     slab, tier = request.app[SLAB], request.app.get(DISK)
     for _ in range(3):  # the keeper may find it in the slab since (a promotion, a PUT)
         block = slab.block_ids([address], tenant.ns)[1][0] if tier is not None else 0
+        spilled = tier is not None and slab.spilled(address, tenant.ns)
         if slab.delete(address, tenant.ns):
             if tier is not None:
                 refs = slab.refs(address, tenant.ns)
-                if not refs:
-                    await tier.discard(tenant.namespace, address, block)
+                if not refs:  # a copy on disk: its keeper must have the discard
+                    await tier.discard(tenant.namespace, address, block, wait=spilled)
                 else:
                     tier.count_refs(tenant.namespace, address, refs)
             return True

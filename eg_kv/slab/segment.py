@@ -149,8 +149,10 @@ def _sweep_abandoned(name: str) -> None:
             if not (entry.startswith(prefix) and pid.isdigit()):
                 continue
             maker = int(pid)
-            if maker == os.getpid() or not pid_alive(maker) or not uses_file(
-                maker, SHM_DIR + "/" + entry
+            if (
+                maker == os.getpid()
+                or not pid_alive(maker)
+                or not uses_file(maker, SHM_DIR + "/" + entry)
             ):
                 _unlink_ours("/" + entry, None)
 

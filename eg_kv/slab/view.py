@@ -378,6 +378,20 @@ class SlabView:
         _i, s, checksum = self._read(self._find_summed, raw, fp, ns)
         return None if s is None else (s[F_LENGTH], checksum)
 
+    def spilled(self, address: str, ns: int = 0) -> bool:
+        """Whether the block resident under ``address`` has a copy on the disk tier (its
+        slot says so: :mod:`eg_kv.disk`). Counts nothing, reads no data."""
+        raw, fp = self._key(address, ns)
+
+        def flagged(raw: bytes, fp: int, ns: int) -> bool:
+            i, s = self._find(raw, fp, ns)
+            if s is None:
+                return False
+            off = self._slot_off(i) + L.SLOT_META_OFFSET + L.META_FLAGS_OFFSET
+            return bool(self._mm[off] & L.META_SPILLED)
+
+        return bool(self._read(flagged, raw, fp, ns))
+
     def exists(self, address: str, ns: int = 0) -> bool:
         """Whether a block is resident under ``address`` (no data touched)."""
         return self.length(address, ns) is not None

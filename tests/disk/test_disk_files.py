@@ -524,3 +524,33 @@ def test_a_delete_is_answered_once_its_header_is_gone_from_the_file(keeper_on):
         assert scanned.index.find(("", "d")) is None and scanned.index.find(("", "e")) is None
     finally:
         scanned.close()
+
+
+def test_a_delete_is_answered_before_its_worker_stops_waiting_whatever_the_zeroing(keeper_on):
+    """A spill's write can hold the file longer than a worker waits for the keeper (0.5 s):
+    the answer waited for the zeroing and came too late, the worker answered 503 for a
+    reference released, and the client's retry released a second one."""
+    import asyncio
+    import time
+
+    _, store, keeper = keeper_on
+    data = b"r" * 5000
+    store.append(("", "r"), len(data), checksum_of(data), lambda v: v.__setitem__(
+        slice(None), data), 2)  # fmt: skip
+    store.append(("", "s"), len(data), checksum_of(data), lambda v: v.__setitem__(
+        slice(None), data), 1)  # fmt: skip
+
+    async def scenario() -> list[tuple[object, float]]:
+        out = []
+        with store.io:  # a long spill's write
+            for address in ("r", "s"):  # a reference of two; the last of one
+                t0 = time.monotonic()
+                deadline_ms = int((t0 + 0.5) * 1000)
+                answer = await keeper._do("delete", ["", address, deadline_ms])
+                out.append((answer, time.monotonic() - t0))
+        return out
+
+    (r_answer, r_took), (s_answer, s_took) = asyncio.run(scenario())
+    assert (r_answer, s_answer) == (1, 1) and r_took < 0.1  # nothing to zero: at once
+    assert s_took < 0.45, s_took  # before the worker's 0.5 s
+    assert store.index.find(("", "r")).refs == 1 and store.index.find(("", "s")) is None

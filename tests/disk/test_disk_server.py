@@ -654,3 +654,21 @@ def test_a_promotion_counts_no_dedup_hit_and_keeps_the_references(server_factory
     wait_for(lambda: _disk(srv)["promotions"] >= 1, what="the promotion")
     assert stats(srv)["dedup_hits"] == hits
     assert [request(srv, "DELETE", "/kv/three").status for _ in range(4)] == [204] * 3 + [404]
+
+
+def test_a_delete_of_a_block_never_spilled_does_not_wait_for_a_stopped_keeper(
+    server_factory, disk_dir
+):
+    """The keeper is stopped: a block PUT meanwhile was never spilled, so its DELETE has
+    no disk copy to wait for (it waited the 5 s a spilled block's discard may, about a
+    client's whole timeout). A spilled block's DELETE still waits for the keeper."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    keeper = _disk(srv)["pid"]
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        assert request(srv, "PUT", "/kv/fresh", os.urandom(BLOCK)).status == 201
+        t0 = time.monotonic()
+        assert request(srv, "DELETE", "/kv/fresh").status == 204
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        os.kill(keeper, signal.SIGCONT)
