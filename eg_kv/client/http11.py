@@ -173,6 +173,7 @@ class Connection:
         self.sock: socket.socket | None = None
         self.will_close = False
         self.used = False  # has answered at least one request (so may have gone stale)
+        self.aborted = False  # ended from another thread (:meth:`abort`): never resent
         self._buf = bytearray()
         self._pos = 0
         self._scratch = bytearray(_RECV)
@@ -188,9 +189,9 @@ class Connection:
         """From another thread: end the request in flight on this connection at once (its
         thread's wait for the server returns, and the request fails; the connection is
         not reused). The socket is shut down, not closed: its fd stays its thread's."""
+        self.aborted = self.will_close = True  # not resent as a stale connection's
         sock = self.sock
         if sock is not None:
-            self.will_close = True
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
@@ -232,6 +233,8 @@ class Connection:
         stale_ok = self.used and may_resend
         if self.sock is None:
             self._connect(deadline)
+        if self.aborted:  # ended while it connected
+            raise ConnectionAbortedError("the request was ended (its member was cut)")
         sock = self.sock
         assert sock is not None
         msg = bytearray(b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (
@@ -259,7 +262,7 @@ class Connection:
                 sock.settimeout(deadline.left())
                 sock.sendall(p)
         except (BrokenPipeError, ConnectionResetError) as e:
-            if stale_ok:
+            if stale_ok and not self.aborted:
                 raise StaleConnection(str(e)) from None
             raise
         return self._read_head(method == "HEAD", deadline, stale_ok)
@@ -350,12 +353,12 @@ class Connection:
             try:
                 n = self._fill(deadline)
             except ConnectionResetError as e:
-                if stale_ok and self._pos == len(self._buf):
+                if stale_ok and not self.aborted and self._pos == len(self._buf):
                     raise StaleConnection(str(e)) from None
                 raise
             if not n:
                 self.will_close = True
-                if stale_ok and self._pos == len(self._buf):
+                if stale_ok and not self.aborted and self._pos == len(self._buf):
                     raise StaleConnection("server closed the kept-alive connection")
                 raise ProtocolError("connection closed before a complete response head")
         head = bytes(self._buf[self._pos : end])

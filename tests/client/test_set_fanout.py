@@ -183,6 +183,22 @@ def test_requests_to_a_member_cut_as_a_straggler_free_the_shared_threads(members
         assert got == [True] * len(healthy) and took < 0.5, (got, took)
 
 
+def test_a_request_ended_at_the_cut_is_not_sent_again(members):
+    """On a kept-alive connection, the ended request looked like one the server had
+    closed before answering, and went out again on a new connection: its thread waited
+    a whole timeout_s more (and a change would have been sent twice)."""
+    hung, a = members(delay_s=None), members()
+    with SetConnector(_config(hung, a)) as kv:
+        on_hung = _homed(kv, hung)[:3]
+        on_a = _homed(kv, a)[:3]
+        conn = kv._members.get(kv.router.view(), hung.member_id)
+        assert conn.healthz() is not None  # a kept-alive connection to it
+        assert kv.exists_many(on_hung + on_a) == [False] * 3 + [False] * 3
+        assert hung.member_id in kv.router.down()
+        time.sleep(0.5)  # a resend would have reached it by now
+        assert hung.lookups == 1
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_sets_healthz_asks_its_members_at_once_and_counts_who_answered(kind):
     """Three members that accept and never answer, one that answers: the set's healthz
