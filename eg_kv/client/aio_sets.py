@@ -238,7 +238,9 @@ class AsyncSetConnector:
             return await self._one(key, lambda c, a: c.delete_status(a), absent)
         if where not in view.members:  # noted at a member down now, or gone
             return delete_answer(where)
-        return await self._members.get(view, where).delete_status(address)
+        status = await self._members.get(view, where).delete_status(address)
+        self._router.delete_answered(address, where, status)
+        return status
 
     async def _parallel(
         self, ask: Ask, lease_ms: int | None = None

@@ -191,6 +191,13 @@ class Router:
         if status in (200, 201):
             self.put_homes.granted(((address, member),))
 
+    def delete_answered(self, address: str, member: str, status: int | None) -> None:
+        """A DELETE of ``address`` at ``member`` (:meth:`delete_home`) answered ``status``:
+        a 503 was not applied (the caller asks again), so the reference is still noted
+        there; a lost answer (None) may have been, and is not asked again there."""
+        if status == 503:
+            self.put_homes.granted(((address, member),))
+
     def delete_home(self, address: str) -> tuple[View, str]:
         """Where a DELETE of ``address`` goes: the member one of this set's PUTs stored it
         at (the oldest noted; the home then may be another, whose reference is another

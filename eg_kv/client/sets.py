@@ -198,7 +198,9 @@ class SetConnector:
             return self._one(key, lambda c, a: c.delete_status(a), absent)
         if where not in view.members:  # noted at a member down now, or gone
             return delete_answer(where)
-        return self._members.get(view, where).delete_status(address)
+        status = self._members.get(view, where).delete_status(address)
+        self._router.delete_answered(address, where, status)
+        return status
 
     # -- batches
 

@@ -32,6 +32,8 @@ class LookupMember:
         self.held: set[str] = set()
         self.lookups = 0
         self.requests = 0  # of every kind
+        self.deletes = 0
+        self.delete_status = 204  # what a DELETE is answered
         self._closing = threading.Event()
         owner = self
 
@@ -51,6 +53,16 @@ class LookupMember:
             def do_GET(self) -> None:  # health and stats
                 owner.requests += 1
                 self._send(200, b'{"status":"ok","capacity_bytes":33554432}', wire.JSON_TYPE)
+
+            def do_PUT(self) -> None:  # stored (the body read and dropped)
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                owner.requests += 1
+                self._send(201, b"", "text/plain")
+
+            def do_DELETE(self) -> None:
+                owner.requests += 1
+                owner.deletes += 1
+                self._send(owner.delete_status, b"", "text/plain")
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -197,6 +209,23 @@ def test_a_request_ended_at_the_cut_is_not_sent_again(members):
         assert hung.member_id in kv.router.down()
         time.sleep(0.5)  # a resend would have reached it by now
         assert hung.lookups == 1
+
+
+def test_a_delete_answered_503_is_asked_again_where_the_put_went(members):
+    """A set's DELETE goes to the member its PUT stored the block at; a 503 there (not
+    applied: ask again) spent that note, and the retry went to the home, whose reference
+    is another client's."""
+    a, b = members(), members()
+    with SetConnector(_config(a, b)) as kv:
+        key = _homed(kv, a)[0]
+        kv.router.health.failed(a.member_id)  # b stands in
+        assert kv.put(key, b"x" * 10)
+        kv.router.health.succeeded(a.member_id)
+        b.delete_status = 503
+        assert kv.delete_status(key) == 503
+        b.delete_status = 204
+        assert kv.delete_status(key) == 204
+        assert (a.deletes, b.deletes) == (0, 2)
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
