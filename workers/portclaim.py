@@ -4,8 +4,8 @@ The workers bind with ``SO_REUSEPORT``, so a second eg-kv of the same user start
 same port would share it silently, each client landing on one of two caches.
 :func:`~eg_kv_workers.supervisor.check_port_free` probes the port at start, but nothing
 holds it between the probe and the workers' bind (seconds of slab creation): two servers
-started together both passed. The claim is an ``flock`` on a file named for the user,
-host and port, taken before the probe and held until the supervisor exits (its forked
+started together both passed. The claim is an ``flock`` on a file named for the user and
+port, taken before the probe and held until the supervisor exits (its forked
 processes share it, so a supervisor killed with its workers still serving keeps it until
 they exit too); the kernel lets it go with the last of them.
 """
@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import tempfile
 
 from eg_kv.errors import EgKvError
 from eg_kv.procs import PidFileHeld, lock_pid_file
+
+#: Where the claims are: the system's temporary folder, not $TMPDIR (one per host).
+CLAIMS_DIR = "/tmp"
 
 
 class PortTaken(EgKvError):
@@ -33,10 +35,9 @@ class PortClaim:
     """
 
     def __init__(self, host: str, port: int) -> None:
-        safe_host = host.replace("/", "_").replace(":", "_") or "any"
-        self.path = os.path.join(
-            tempfile.gettempdir(), f"eg-kv-{os.getuid()}-{safe_host}-{port}.lock"
-        )
+        # By port alone: one host spelled two ways (localhost, 127.0.0.1, 0.0.0.0) is
+        # one port, and two servers on one port of two addresses are rare enough to stop.
+        self.path = os.path.join(CLAIMS_DIR, f"eg-kv-{os.getuid()}-port-{port}.lock")
         self._fd = -1
         _sweep_stale(f"eg-kv-{os.getuid()}-")
         for _ in range(5):  # the file may be unlinked by its last holder as we open it
@@ -46,6 +47,10 @@ class PortClaim:
                 raise PortTaken(
                     f"{host}:{port} is taken by another eg-kv (pid {e.holder}), starting or "
                     "serving: stop it first, or pick another --addr"
+                ) from None
+            except OSError as e:  # (another user's file of that name, a full /tmp)
+                raise PortTaken(
+                    f"cannot take the lock file {self.path} of port {port}: {e}"
                 ) from None
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))
@@ -71,7 +76,7 @@ def _sweep_stale(prefix: str) -> None:
     """Remove this user's claims nobody holds (their supervisors were killed): each is
     locked first, so a claim being taken is never removed under its taker (who checks,
     once locked, that the file it locked is still the one named)."""
-    tmp = tempfile.gettempdir()
+    tmp = CLAIMS_DIR
     try:
         names = [n for n in os.listdir(tmp) if n.startswith(prefix) and n.endswith(".lock")]
     except OSError:

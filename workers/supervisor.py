@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from eg_kv.config import ENV_TOKEN, Settings, format_size, is_loopback
 from eg_kv.errors import ConfigError, EgKvError, SlabError
-from eg_kv.procs import pid_alive, pid_stopped, uses_file
+from eg_kv.procs import pid_alive, pid_state, pid_stopped, uses_file
 from eg_kv.server import runstate, tenants
 from eg_kv.server.hints import tick as tick_hints
 from eg_kv.server.metrics import forget_process
@@ -785,7 +785,8 @@ class Supervisor:
         if w is not None:
             if not w.killed:
                 self._kill_wedged(w, f"has held the slab lock for {held:.1f} s")
-        elif h is None and pid_stopped(holder):  # an operator's tool, stopped (kill -STOP)
+        elif h is None and pid_state(holder) == "T":  # an operator's tool, kill -STOP: not
+            # traced ("t": a debugger's, which SIGCONT would not resume)
             log.error("pid %d, not a worker of this server, was stopped holding the slab "
                       "lock for %.1f s: every request waited; continuing it (SIGCONT)",
                       holder, held)  # fmt: skip

@@ -198,10 +198,6 @@ class SnapshotReader:
             raise _bad("snapshot")
         for line in lines:
             self._line(line)
-        if len(self._held) > SNAPSHOT_BLOCKS_MAX:
-            raise RemoteError(
-                f"the server's snapshot lists over {SNAPSHOT_BLOCKS_MAX} blocks: not taken"
-            )
 
     def result(self) -> Snapshot:
         """The snapshot, once the whole answer was fed.
@@ -232,6 +228,9 @@ class SnapshotReader:
                 key = (block.namespace, block.hash)
                 if doc.get("kind", "stored") == "stored":
                     self._held[key] = block
+                    if len(self._held) > SNAPSHOT_BLOCKS_MAX:  # as it grows, not per piece
+                        raise RemoteError(f"the server's snapshot lists over "
+                                          f"{SNAPSHOT_BLOCKS_MAX} blocks: not taken")  # fmt: skip
                 elif doc["kind"] == "removed":
                     self._held.pop(key, None)
                 else:

@@ -294,7 +294,11 @@ class RemoteKVL2Connector:
     def _delete(self, key: str) -> bool:
         with self._lock:
             refs = self._stored.pop(key, [])
-        return bool(refs) and all([self._client.delete(address) for address in refs])
+        kept = [a for a in refs if not self._client.delete(a)]  # not released: still ours
+        if kept:
+            with self._lock:
+                self._stored[key] = kept + self._stored.pop(key, [])
+        return bool(refs) and not kept
 
     def submit_batch_exists(self, keys: Sequence[str]) -> int:
         """Ask which keys are resident with one ``POST /kv/batch/exists``.

@@ -192,8 +192,8 @@ def test_two_servers_started_together_on_one_port_do_not_both_serve(server_facto
     its start."""
     port = free_port()
     first = server_factory(workers=1, port=port, capacity="2GiB", wait=False)
-    claim = f"eg-kv-{os.getuid()}-127.0.0.1-{port}.lock"
-    wait_for(lambda: os.path.exists(os.path.join(tempfile.gettempdir(), claim)), timeout=30,
+    claim = f"eg-kv-{os.getuid()}-port-{port}.lock"
+    wait_for(lambda: os.path.exists(os.path.join("/tmp", claim)), timeout=30,
              interval=0.005, what="the first server's claim")  # fmt: skip
     second = server_factory(workers=1, port=port, wait=False)
     assert second.proc.wait(30) == 3
@@ -207,7 +207,7 @@ def test_two_servers_started_together_on_one_port_do_not_both_serve(server_facto
 
     wait_for(serving, timeout=60, what="the first server")
     assert first.stop() == 0
-    assert not os.path.exists(os.path.join(tempfile.gettempdir(), claim))  # its claim went
+    assert not os.path.exists(os.path.join("/tmp", claim))  # its claim went
 
 
 def test_sigterm_drains_in_flight_upload(server_factory):
