@@ -294,11 +294,14 @@ class RemoteKVL2Connector:
     def _delete(self, key: str) -> bool:
         with self._lock:
             refs = self._stored.pop(key, [])
-        kept = [a for a in refs if not self._client.delete(a)]  # not released: still ours
+        answers = [self._client.delete_status(a) for a in refs]
+        # Not applied (503): still ours, for a later delete. A lost answer may have been
+        # applied: never sent again (it could end another client's reference).
+        kept = [a for a, st in zip(refs, answers, strict=True) if st == 503]
         if kept:
             with self._lock:
                 self._stored[key] = kept + self._stored.pop(key, [])
-        return bool(refs) and not kept
+        return bool(refs) and all(st == 204 for st in answers)
 
     def submit_batch_exists(self, keys: Sequence[str]) -> int:
         """Ask which keys are resident with one ``POST /kv/batch/exists``.
