@@ -21,17 +21,16 @@ from .bodies import byte_views
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
 from .interface import AsyncSink, Unreachable
+from .lease_homes import NOT_NOTED, delete_answer
 from .membership import View
 from .placement import prefix_hits
 from .router import (
-    NOT_NOTED,
     Ask,
     BatchPlan,
     MemberConnectors,
     Router,
     Waiting,
     absent,
-    delete_answer,
     set_health,
 )
 from .rules import KvCacheStats, to_address, to_addresses
@@ -213,7 +212,7 @@ class AsyncSetConnector:
             return None
         view, home, address = at
         status = await self._members.get(view, home).put_status(address, parts, engine)
-        self._router.stored(address, home, status)
+        self._router.put_homes.stored(address, home, status)
         return status
 
     async def contains(self, key: str | bytes) -> bool:
@@ -239,7 +238,7 @@ class AsyncSetConnector:
         if where not in view.members:  # noted at a member down now, or gone
             return delete_answer(where)
         status = await self._members.get(view, where).delete_status(address)
-        self._router.delete_answered(address, where, status)
+        self._router.put_homes.delete_answered(address, where, status)
         return status
 
     async def _parallel(

@@ -1,5 +1,5 @@
-"""Which member of a server set granted each lease the set's lookups took:
-:class:`LeaseHomes`.
+"""Which member of a server set granted each lease the set's lookups took
+(:class:`LeaseHomes`), and which took each reference its PUTs stored (:class:`PutHomes`).
 
 A lease is ended by a release at the member that granted it. A set's release went to each
 address's home as the set saw it at the release, which is not always the member that
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
-__all__ = ["MAX_NOTED", "MAX_PER_ADDRESS", "LeaseHomes"]
+__all__ = ["MAX_NOTED", "MAX_PER_ADDRESS", "NOT_NOTED", "LeaseHomes", "PutHomes", "delete_answer"]
 
 #: Addresses noted at most (about 150 bytes each); past it the oldest are forgotten.
 MAX_NOTED = 65536
@@ -78,3 +78,48 @@ class LeaseHomes:
                 out.append(held.pop(0))
                 members[address] = held[0] if len(held) == 1 else held
         return out
+
+
+#: :meth:`PutHomes.where`'s answers besides a member id (never one: "host:port").
+NOT_NOTED, NOTED_DOWN, NOTED_GONE = "", "down", "gone"
+
+
+class PutHomes(LeaseHomes):
+    """The member that took each reference a set's PUTs stored, by address: a DELETE goes
+    there. After a home was down, the set's PUT went to its stand-in; a DELETE at the
+    home, up again, ended a reference another client took there, while the set's own
+    stayed at the stand-in."""
+
+    def stored(self, address: str, member: str, status: int | None) -> None:
+        """A PUT of ``address`` at ``member`` answered ``status``: a reference was taken
+        there (201, 200)."""
+        if status in (200, 201):
+            self.granted(((address, member),))
+
+    def delete_answered(self, address: str, member: str, status: int | None) -> None:
+        """A DELETE at the member :meth:`where` named answered ``status``: a 503 was not
+        applied (the caller asks again), so the reference is noted there again; a lost
+        answer (None) may have been, and is not asked again there."""
+        if status == 503:
+            self.granted(((address, member),))
+
+    def where(self, address: str, members: Collection[str], down: Collection[str]) -> str:
+        """Where a DELETE of ``address`` goes: the member one of the set's PUTs stored it
+        at (the oldest noted), :data:`NOT_NOTED` (none: its home), :data:`NOTED_DOWN`
+        (noted at a member down now: ask later) or :data:`NOTED_GONE` (at one that left
+        ``members``: its reference left with it)."""
+        noted = self.take((address,))[0]
+        if noted is None:
+            return NOT_NOTED
+        if noted not in members:
+            return NOTED_GONE
+        if noted in down:
+            self.granted(((address, noted),))  # still the set's to release
+            return NOTED_DOWN
+        return noted
+
+
+def delete_answer(where: str) -> int | None:
+    """A DELETE's status when :meth:`PutHomes.where` names no member to send it to: None
+    (down: unknown, ask again) or 404 (the member that held it left)."""
+    return None if where == NOTED_DOWN else 404

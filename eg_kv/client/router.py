@@ -52,7 +52,7 @@ from ..config import parse_addr
 from ..errors import ConfigError
 from .health import Health
 from .interface import KvConnector, Unreachable
-from .lease_homes import LeaseHomes
+from .lease_homes import LeaseHomes, PutHomes
 from .members import Member, parse_server_set
 from .membership import Membership, View
 from .placement import merge
@@ -124,7 +124,7 @@ class Router:
         #: The member that granted each lease the set's lookups took: releases go there.
         self.lease_homes = LeaseHomes()
         #: The member that took each reference the set's PUTs stored: DELETEs go there.
-        self.put_homes = LeaseHomes()
+        self.put_homes = PutHomes()
         #: Called with each new view after a membership change (from the refresh thread).
         self.listeners: list[Callable[[View], None]] = []
         nameservers, dns_port = _nameservers(config.dns_server)
@@ -185,35 +185,11 @@ class Router:
                 by_home.setdefault(home, []).append(address)
         return view, by_home
 
-    def stored(self, address: str, member: str, status: int | None) -> None:
-        """A PUT of ``address`` at ``member`` answered ``status``: a reference was taken
-        there (201, 200), and a DELETE of it goes there (:meth:`delete_home`)."""
-        if status in (200, 201):
-            self.put_homes.granted(((address, member),))
-
-    def delete_answered(self, address: str, member: str, status: int | None) -> None:
-        """A DELETE of ``address`` at ``member`` (:meth:`delete_home`) answered ``status``:
-        a 503 was not applied (the caller asks again), so the reference is still noted
-        there; a lost answer (None) may have been, and is not asked again there."""
-        if status == 503:
-            self.put_homes.granted(((address, member),))
-
     def delete_home(self, address: str) -> tuple[View, str]:
-        """Where a DELETE of ``address`` goes: the member one of this set's PUTs stored it
-        at (the oldest noted; the home then may be another, whose reference is another
-        client's), :data:`NOT_NOTED` (none noted: its home), :data:`NOTED_DOWN` (noted
-        at a member down now: ask later) or :data:`NOTED_GONE` (at one that left: its
-        reference left with it)."""
+        """The current view and where a DELETE of ``address`` goes
+        (:meth:`PutHomes.where <eg_kv.client.lease_homes.PutHomes.where>`)."""
         view = self.membership.view()
-        noted = self.put_homes.take((address,))[0]
-        if noted is None:
-            return view, NOT_NOTED
-        if noted not in view.members:
-            return view, NOTED_GONE
-        if noted in self.health.down():
-            self.put_homes.granted(((address, noted),))  # still this set's to release
-            return view, NOTED_DOWN
-        return view, noted
+        return view, self.put_homes.where(address, view.members, self.health.down())
 
     def only_member(self) -> tuple[View, str]:
         """The current view and its one member: what a set's event log is.
@@ -517,16 +493,6 @@ class Waiting:
     def give_up(self, member_ids: Iterable[str]) -> None:
         """The round is answered without these members: marked down."""
         self._router.late(member_ids, time.monotonic() - self._started)
-
-
-#: :meth:`Router.delete_home`'s answers besides a member id (never one: "host:port").
-NOT_NOTED, NOTED_DOWN, NOTED_GONE = "", "down", "gone"
-
-
-def delete_answer(where: str) -> int | None:
-    """A DELETE's status when :meth:`Router.delete_home` names no member to send it to:
-    None (down: unknown, ask again) or 404 (the member that held it left)."""
-    return None if where == NOTED_DOWN else 404
 
 
 def set_health(view: View, up: Sequence[str]) -> dict[str, Any]:

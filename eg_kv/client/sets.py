@@ -26,17 +26,16 @@ from ..engine import NO_ENGINE, EngineName
 from .bodies import byte_views
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
 from .events import EventBatch, Snapshot
+from .lease_homes import NOT_NOTED, delete_answer
 from .membership import View
 from .placement import prefix_hits
 from .router import (
-    NOT_NOTED,
     Ask,
     BatchPlan,
     MemberConnectors,
     Router,
     Waiting,
     absent,
-    delete_answer,
     set_health,
 )
 from .rules import KvCacheStats, batches, to_address, to_addresses
@@ -168,7 +167,7 @@ class SetConnector:
             return None
         view, home, address = at
         status = self._members.get(view, home).put_status(address, parts, engine)
-        self._router.stored(address, home, status)
+        self._router.put_homes.stored(address, home, status)
         return status
 
     def contains(self, key: str | bytes) -> bool:
@@ -199,7 +198,7 @@ class SetConnector:
         if where not in view.members:  # noted at a member down now, or gone
             return delete_answer(where)
         status = self._members.get(view, where).delete_status(address)
-        self._router.delete_answered(address, where, status)
+        self._router.put_homes.delete_answered(address, where, status)
         return status
 
     # -- batches
@@ -263,7 +262,7 @@ class SetConnector:
                     if not f.cancel() and now - began.get(m, now) >= half]  # fmt: skip
             wait.give_up(late)
             for m in late:  # their requests would hold the shared threads a timeout_s each
-                self._members.get(ask.view, m).abort_in_flight()
+                self._members.get(ask.view, m)._abort_in_flight()
         return out
 
     def _lookup(

@@ -124,7 +124,7 @@ class ServerConnector(OneServer):
         self._http.close()
         self._core.local.close()
 
-    def abort_in_flight(self) -> int:
+    def _abort_in_flight(self) -> int:
         """End this connector's requests in flight now (each is a miss, never resent): a
         server set that cut this member as a straggler frees the threads waiting on it.
         Returns how many were ended."""
