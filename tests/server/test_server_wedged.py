@@ -457,42 +457,54 @@ def _checking(srv, blocks: int = 1000):
         slab.close()
 
 
-@pytest.mark.timeout(120)
+_SLOW_HOLD = """
+import sys, time
+from eg_kv.slab.check import _SlicedCheck
+from eg_kv.slab.store import Slab
+
+def step(pos, deadline):  # one slice of the walk that takes a second
+    print("in", flush=True)
+    time.sleep(1.0)
+    return pos
+
+_SlicedCheck(Slab.attach(sys.argv[1]), 0.005)._hold(None, step, 0)
+print("out", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
 def test_ctrl_z_stops_a_check_between_its_holds_of_the_lock(server_factory):
-    """Ctrl-Z (SIGTSTP) on ``eg-kv check`` took effect inside a hold about two times in
-    three, and every request waited until the operator typed ``fg``: it is held back
-    until the hold ends. Checks are run again until 20 stops were made (a quick one may
-    end first)."""
+    """Ctrl-Z (SIGTSTP) on ``eg-kv check`` took effect inside a hold of the lock about two
+    times in three, and every request waited until the operator typed ``fg``: it is held
+    back until the hold ends. A real check's hold (``_SlicedCheck._hold``) made to last a
+    second, in a process of its own, stopped while it holds the lock."""
+    import subprocess
+    import sys
+
+    from helpers.common import ROOT
     from helpers.server_procs import stopped
 
-    srv = server_factory(workers=1, capacity="1GiB", extra=("--page-size", "4KiB"))
+    srv = server_factory(workers=1)
     slab = Slab.attach(srv.slab_name)
-    tries = 0
+    check = subprocess.Popen([sys.executable, "-c", _SLOW_HOLD, srv.slab_name], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        for _ in range(20):
-            check = _checking(srv, blocks=200)
-            try:
-                while check.poll() is None and tries < 20:
-                    os.kill(check.pid, signal.SIGTSTP)
-                    wait_for(lambda c=check: stopped(c.pid) or c.poll() is not None,
-                             timeout=5, interval=0.0005, what="the check to stop")  # fmt: skip
-                    if check.poll() is not None:  # it ended (and was reaped) first
-                        break
-                    holder = slab.lock_state()[0]
-                    os.kill(check.pid, signal.SIGCONT)
-                    assert holder != check.pid, f"stopped inside the lock at try {tries + 1}"
-                    tries += 1
-                    time.sleep(0.003)
-                assert check.wait(60) == 0, check.stdout.read()
-            finally:
-                if check.poll() is None:
-                    check.kill()
-                    check.wait()
-            if tries >= 20:
-                break
+        assert check.stdout.readline() == "in\n"
+        assert slab.lock_state()[0] == check.pid
+        os.kill(check.pid, signal.SIGTSTP)
+        time.sleep(0.3)  # a stop delivered inside the hold would have taken by now
+        assert not stopped(check.pid), "stopped inside the lock"
+        wait_for(lambda: stopped(check.pid), timeout=10, what="the stop after the hold")
+        assert slab.lock_state()[0] != check.pid  # stopped outside the lock
+        assert request(srv, "PUT", "/kv/meanwhile", b"m", timeout=5).status == 201
+        os.kill(check.pid, signal.SIGCONT)
+        assert check.stdout.readline() == "out\n" and check.wait(10) == 0
     finally:
+        if check.poll() is None:
+            os.kill(check.pid, signal.SIGCONT)
+            check.kill()
+            check.wait()
         slab.close()
-    assert tries >= 20, f"only {tries} stops in 20 checks"
 
 
 @pytest.mark.timeout(120)
