@@ -192,11 +192,11 @@ class SnapshotReader:
         """
         lines = (self._tail + data).split(b"\n")
         self._tail = lines.pop()
-        if len(self._tail) > _SNAPSHOT_LINE_MAX or max(map(len, lines), default=0) > (
-            _SNAPSHOT_LINE_MAX
-        ):  # every line, not only the unfinished one (a whole answer is one piece)
+        if len(self._tail) > _SNAPSHOT_LINE_MAX:
             raise _bad("snapshot")
-        for line in lines:
+        for line in lines:  # every line, not only the unfinished one (a whole answer is
+            if len(line) > _SNAPSHOT_LINE_MAX:  # one piece to the sync client)
+                raise _bad("snapshot")
             self._line(line)
 
     def result(self) -> Snapshot:

@@ -30,23 +30,19 @@ RUN_S = 2.5
 
 
 @contextlib.contextmanager
-def lying_server(gap: bool):
-    """A server whose ``/kv/events`` answers at once: nothing new, or always ``gap``."""
-    asked: Counter[str] = Counter()
+def answering_server(answer):
+    """A loopback HTTP server whose GETs get ``answer(path)``: ``(body, content type)``,
+    or None for a 404. Yields its URL."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # http.server calls it by this name
-            path = self.path.split("?")[0]
-            asked[path] += 1
-            if path == "/kv/events/snapshot":  # NDJSON: the epoch, no block, the end
-                body = b'{"epoch": "00"}\n{"seq": 5}\n'
-            elif path == "/kv/events":
-                body = json.dumps({"epoch": "00", "events": [], "next": 5, "gap": gap}).encode()
-            else:
+            got = answer(self.path.split("?")[0])
+            if got is None:
                 self.send_error(404)
                 return
+            body, kind = got
             self.send_response(200)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -58,11 +54,29 @@ def lying_server(gap: bool):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+@contextlib.contextmanager
+def lying_server(gap: bool):
+    """A server whose ``/kv/events`` answers at once: nothing new, or always ``gap``."""
+    asked: Counter[str] = Counter()
+
+    def answer(path: str) -> tuple[bytes, str] | None:
+        asked[path] += 1
+        if path == "/kv/events/snapshot":  # NDJSON: the epoch, no block, the end
+            return b'{"epoch": "00"}\n{"seq": 5}\n', "application/json"
+        if path == "/kv/events":
+            doc = {"epoch": "00", "events": [], "next": 5, "gap": gap}
+            return json.dumps(doc).encode(), "application/json"
+        return None
+
+    with answering_server(answer) as url:
+        yield url, asked
 
 
 def assert_paced(asked: Counter[str], seconds: float) -> None:
@@ -138,32 +152,6 @@ def test_the_pacer_backs_off_with_jitter_and_spaces_snapshots():
     assert pacer.turn() == pytest.approx(0.1)
 
 
-@contextlib.contextmanager
-def snapshot_server(body: bytes):
-    """A server whose ``/kv/events/snapshot`` answers ``body``."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # http.server calls it by this name
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-ndjson")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
-
-
 @pytest.mark.parametrize("kind", ["sync", "async"])
 @pytest.mark.parametrize("lie", ["too-many-blocks", "a-long-line"])
 def test_a_snapshot_past_its_bounds_is_refused_not_held(kind, lie, monkeypatch):
@@ -183,7 +171,8 @@ def test_a_snapshot_past_its_bounds_is_refused_not_held(kind, lie, monkeypatch):
     else:
         lines += [b'{"hash": "' + b"x" * 5000 + b'", "length": 1}']
     body = b"\n".join([*lines, b'{"seq": 5}', b""])
-    with snapshot_server(body) as url, pytest.raises(RemoteError, match="snapshot"):
+    served = answering_server(lambda _path: (body, "application/x-ndjson"))
+    with served as url, pytest.raises(RemoteError, match="snapshot"):
         if kind == "sync":
             with ServerConnector(KvCacheConfig(base_url=url, local_reads=False)) as kv:
                 kv.snapshot()
