@@ -42,6 +42,12 @@ class ChecksumMismatch(NotFound):
     handed on. A 404 where the server finds it (``eg-kv check --deep``, a disk record)."""
 
 
+class ChecksumMissing(ChecksumMismatch):
+    """A block answer carries no checksum header: not the server's slab (every eg-kv server
+    sends one) but the path to it (a proxy that drops headers, or not an eg-kv server). A
+    miss, counted; the clients warn once per server, not once per block."""
+
+
 class BodyMismatch(BadRequest):
     """A PUT's body does not match the checksum it carried: nothing was stored (400)."""
 
@@ -153,6 +159,11 @@ class Failures:
         self.count = 0
         self._logged: set[str] = set()
         self._lock = threading.Lock()
+
+    def add(self) -> None:
+        """Count one failure without logging it (its cause is logged once elsewhere)."""
+        with self._lock:
+            self.count += 1
 
     def record(self, address: str, detail: str) -> None:
         """Count one failure of ``address``; log it the first time (an error: wrong bytes

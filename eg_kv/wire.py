@@ -108,6 +108,12 @@ RELEASE_HEADER = "X-Eg-Kv-Release"
 #: ``PUT`` (optional: the server refuses a body that does not match it) and on every
 #: ``GET`` and ``HEAD`` answer of a block (the clients check the bytes against it).
 CHECKSUM_HEADER = "X-Eg-Kv-Checksum"
+#: On every ``GET`` and ``HEAD`` answer of a block: the address asked, echoed. HTTP/1.1
+#: ties an answer to its request only by order, so an answer a server or proxy sent unasked
+#: (a repeat, on an idle kept-alive connection) would be read as the next request's; the
+#: clients compare it with the address they asked for, and a mismatch is a miss that
+#: closes the connection (never another block's bytes, checksum and all).
+ADDRESS_HEADER = "X-Eg-Kv-Address"
 
 
 def is_compact(content_type: str | None) -> bool:

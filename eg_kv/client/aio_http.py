@@ -16,14 +16,16 @@ from aiohttp.payload import Payload
 
 from ..blockkey import Opening
 from ..errors import RemoteError
-from ..wire import CHECKSUM_HEADER, LEASE_REFUSED_HEADER
+from ..wire import ADDRESS_HEADER, CHECKSUM_HEADER, LEASE_REFUSED_HEADER
 from .core import BLOCK_TYPE, ClientCore
 from .events import SNAPSHOT_ANSWER_MAX, Snapshot, SnapshotReader
 from .interface import AsyncSink
 from .rules import (
     SMALL_ANSWER_MAX,
     Miss,
+    OutOfStep,
     block_to_read,
+    check_echo,
     check_final,
     compact_answer,
     json_answer,
@@ -245,6 +247,9 @@ class Transport:
                 async with session.request(method, self._origin + target, data=body, **kw) as resp:
                     try:
                         result = await on_response(resp)
+                    except OutOfStep:
+                        _drop(resp)
+                        raise
                     except BaseException:
                         resp.close()  # an answer left unread or unusable: framing in doubt
                         raise
@@ -261,6 +266,17 @@ class Transport:
         raise RemoteError("unreachable")  # pragma: no cover
 
 
+def _drop(resp: aiohttp.ClientResponse) -> None:
+    """Close ``resp``'s connection, even where aiohttp already gave it back to its pool (it
+    does as soon as a body is all in, before anyone read it): its next answer, sent out of
+    step, must not be read as another request's."""
+    resp.close()
+    protocol = getattr(resp, "_protocol", None)  # aiohttp 3.14: kept after the release
+    transport = getattr(protocol, "transport", None)
+    if transport is not None:
+        transport.close()
+
+
 async def whole_block(core: ClientCore, address: str, resp: aiohttp.ClientResponse) -> bytes | None:
     """A block answer read whole, its checksum and block-key tag checked; None for an
     answer that is not a block to read (read to its end first).
@@ -273,6 +289,7 @@ async def whole_block(core: ClientCore, address: str, resp: aiohttp.ClientRespon
     if not block_to_read(resp.status, length, encoding, core.config.max_block_size):
         await read_small(resp)
         return None
+    check_echo(address, resp.headers.get(ADDRESS_HEADER))
     body = await resp.read()
     if len(body) != length:
         raise Miss(f"body of {len(body)} bytes, {length} announced")
@@ -304,6 +321,7 @@ async def block_body(
     if not block_to_read(resp.status, length, resp.headers.get("Content-Encoding"), limit):
         await read_small(resp)
         return None
+    check_echo(address, resp.headers.get(ADDRESS_HEADER))
     left = length or 0
     verifier = core.verifier(resp.headers.get(CHECKSUM_HEADER))
     key = core.config.block_key

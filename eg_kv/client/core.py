@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from .. import wire
 from ..blockkey import ForgedBlock
-from ..checksum import SOCKET_PIECE, ChecksumMismatch, Failures, Verifier
+from ..checksum import SOCKET_PIECE, ChecksumMismatch, ChecksumMissing, Failures, Verifier
 from ..checksum import decode as decode_checksum
 from ..errors import ConfigError, RemoteError, Unauthorized
 from ..slab.local import LocalSlab, LocalUnavailable
@@ -46,6 +46,7 @@ from ..wire import AUTHORIZATION, BLOCK_PREFIX
 from ..wire import BLOCK_TYPE as BLOCK_TYPE
 from ..wire import JSON_TYPE as JSON_TYPE
 from .localreads import LocalReads
+from .rules import OutOfStep
 from .settings import ACCEPT_IDENTITY, KvCacheConfig, resolve_config
 
 T = TypeVar("T")
@@ -83,6 +84,7 @@ class ClientCore:
             self.headers[AUTHORIZATION] = f"Bearer {config.token}"
         self._warned_401 = False
         self._warned_unreachable = False
+        self._warned: set[str] = set()
         #: Called with each transport error (refused, reset, timed out) of this
         #: connector: a server set marks the member down (:mod:`eg_kv.client.sets`).
         self.on_unreachable: Callable[[BaseException], None] | None = None
@@ -137,8 +139,14 @@ class ClientCore:
             self.warn_unauthorized()
         elif isinstance(exc, (ConnectionRefusedError, socket.gaierror)):
             self.warn_unreachable(exc)
+        elif isinstance(exc, ChecksumMissing):
+            self.checksum_failures.add()
+            self._warn_once("checksum", "%s: every such load is a miss; does a proxy drop "
+                            "the X-Eg-Kv-* headers?", exc)  # fmt: skip
         elif isinstance(exc, ChecksumMismatch):
             self.checksum_failures.record(address, str(exc))
+        elif isinstance(exc, OutOfStep):
+            self._warn_once("step", "%s (a miss; warned once)", exc)
         elif isinstance(exc, ForgedBlock):
             self.forged_blocks.record(address, str(exc))
         self._unreachable_hook(exc)
@@ -212,7 +220,7 @@ class ClientCore:
         if not self.checks_checksums:
             return None
         if checksum is None:
-            raise ChecksumMismatch(f"the block answer carries no {wire.CHECKSUM_HEADER}")
+            raise ChecksumMissing(f"the block answer carries no {wire.CHECKSUM_HEADER}")
         return decode_checksum(checksum)
 
     def check_body(self, checksum: bytes | str | None, body: Any) -> None:
@@ -378,6 +386,13 @@ class ClientCore:
                 "is the server running, and is the URL right?",
                 self.config.base_url, type(exc).__name__, exc,
             )  # fmt: skip
+
+    def _warn_once(self, kind: str, message: str, *args: object) -> None:
+        """Warn of ``kind`` once per connector (so once per server): what a server or the
+        path to it does to every answer must not flood the engine's log."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("eg-kv at %s: " + message, self.config.base_url, *args)
 
     def warn_unauthorized(self) -> None:
         """Warn, once per connector, that the server refused the token."""

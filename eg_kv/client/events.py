@@ -169,6 +169,18 @@ def parse_events(doc: Any) -> EventBatch:
         raise _bad("events") from None
 
 
+def after(batch: EventBatch, since: int) -> bool:
+    """Whether ``batch`` answers a read after ``since``: every event past it and past the
+    one before, and ``next`` at or past both. An answer that is not (a stale one a caching
+    proxy kept, a replay) would take a follower back: it resyncs instead, as after a gap."""
+    last = since
+    for ev in batch.events:
+        if ev.seq <= last:
+            return False
+        last = ev.seq
+    return batch.next >= last
+
+
 class SnapshotReader:
     """Builds a :class:`Snapshot` from ``GET /kv/events/snapshot``'s NDJSON stream
     (:mod:`eg_kv.server.events`), a line at a time as the bytes come: what it holds is the
@@ -194,8 +206,8 @@ class SnapshotReader:
         self._tail = lines.pop()
         if len(self._tail) > _SNAPSHOT_LINE_MAX:
             raise _bad("snapshot")
-        for line in lines:  # every line, not only the unfinished one (a whole answer is
-            if len(line) > _SNAPSHOT_LINE_MAX:  # one piece to the sync client)
+        for line in lines:  # every line, not only the unfinished one (a piece may hold
+            if len(line) > _SNAPSHOT_LINE_MAX:  # several, parse_snapshot's the whole answer)
                 raise _bad("snapshot")
             self._line(line)
 
@@ -307,7 +319,7 @@ def follow(
     while True:
         sleep(pacer.turn())
         batch = source.events(since, wait, DEFAULT_LIMIT, epoch)
-        if batch.gap:
+        if batch.gap or not after(batch, since):
             pacer.trouble()
             sleep(pacer.turn(snapshot=True))
             snap = source.snapshot()
@@ -336,7 +348,7 @@ async def follow_async(
     while True:
         await asyncio.sleep(pacer.turn())
         batch = await source.events(since, wait, DEFAULT_LIMIT, epoch)
-        if batch.gap:
+        if batch.gap or not after(batch, since):
             pacer.trouble()
             await asyncio.sleep(pacer.turn(snapshot=True))
             snap = await source.snapshot()

@@ -22,7 +22,9 @@ import select
 import socket
 import ssl
 import time
+from collections.abc import Callable
 
+from ..wire import whole_number
 from .dial import open_tcp
 
 #: Largest response head accepted (status line + headers).
@@ -32,6 +34,12 @@ MAX_INTERIM = 16
 #: Bodies up to this size are sent in the same ``sendall`` as the head.
 COALESCE = 64 * 1024
 _RECV = 256 * 1024
+#: The most a body reader hands on at a time (:meth:`Response.read_pieces`).
+PIECE = 64 * 1024
+
+
+#: The digits of a chunk size (hex).
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 
 class ProtocolError(Exception):
@@ -81,12 +89,13 @@ class Response:
             self.length = None
             self.chunked = True
         elif cl is not None:
-            try:
-                self.length = int(cl)
-            except ValueError:
-                raise ProtocolError(f"bad Content-Length {cl[:20]!r}") from None
-            if self.length < 0:
-                raise ProtocolError("negative Content-Length")
+            # ASCII digits alone (RFC 9112: 1*DIGIT): ``int`` took ``+6``, ``0_6`` and
+            # `` 6``, framings a proxy may read otherwise (answers out of step); two
+            # Content-Length headers that differ are refused when the head is read.
+            length = whole_number(cl.decode("latin-1"))
+            if length is None:
+                raise ProtocolError(f"bad Content-Length {cl[:20]!r}")
+            self.length = length
         else:
             self.length = None  # the body runs to the end of the connection
             conn.will_close = True
@@ -120,41 +129,58 @@ class Response:
             ProtocolError: the body is larger than ``limit`` or malformed.
             ShortBody: it ended early.
         """
+        parts: list[bytes] = []
+        self.read_pieces(limit, parts.append, piece=max(1, limit))  # a Content-Length: one piece
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def read_pieces(self, limit: int, feed: Callable[[bytes], object], piece: int = PIECE) -> None:
+        """Hand the rest of the body to ``feed``, at most ``piece`` bytes at a time and
+        ``limit`` in all: a stream's reader (the snapshot's) holds a piece, never the whole
+        answer, and nothing is allocated for a length announced before it comes.
+
+        Raises:
+            ProtocolError: the body is larger than ``limit`` or malformed.
+            ShortBody: it ended early.
+        """
         if self._left is not None:
             if self._left > limit:
                 raise ProtocolError(f"answer of {self._left} bytes is over {limit}")
-            buf = bytearray(self._left)
-            self.read_exact(memoryview(buf))
-            return bytes(buf)
-        if self.chunked:
-            return self._read_chunked(limit)
-        data = self._conn.read_to_close(limit, self._deadline)
-        self._left = 0
-        return data
+            while self._left:
+                buf = bytearray(min(piece, self._left))
+                self.read_exact(memoryview(buf))
+                feed(bytes(buf))
+        elif self.chunked:
+            self._read_chunked(limit, feed, piece)
+        else:
+            self._conn.read_to_close(limit, self._deadline, feed)
+            self._left = 0
 
-    def _read_chunked(self, limit: int) -> bytes:
-        out = bytearray()
+    def _read_chunked(self, limit: int, feed: Callable[[bytes], object], piece: int) -> None:
         conn, dl = self._conn, self._deadline
+        total = 0  # body bytes so far
         framing = 0  # bytes of chunk-size lines (extensions included) and trailers
         while True:
             line = conn.read_line(dl)
             framing += len(line) + 2
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise ProtocolError("bad chunk size") from None
+            digits = line.split(b";", 1)[0].strip()
+            if not digits or len(digits) > 15 or digits.strip(_HEX_DIGITS):  # 1*HEXDIG
+                raise ProtocolError("bad chunk size")
+            size = int(digits, 16)
             if size == 0:
                 while line := conn.read_line(dl):  # trailers, then the empty line
                     framing += len(line) + 2
                     if framing > MAX_HEAD:
                         raise ProtocolError(f"chunked answer's trailers are over {MAX_HEAD}")
                 self._left = 0
-                return bytes(out)
-            if len(out) + size + framing > limit + MAX_HEAD:  # endless tiny chunks too
+                return
+            if total + size + framing > limit + MAX_HEAD:  # endless tiny chunks too
                 raise ProtocolError(f"chunked answer is over {limit} bytes")
-            chunk = bytearray(size)
-            conn.read_into(memoryview(chunk), dl)
-            out += chunk
+            total += size
+            while size:
+                buf = bytearray(min(piece, size))
+                conn.read_into(memoryview(buf), dl)
+                feed(bytes(buf))
+                size -= len(buf)
             if conn.read_line(dl):
                 raise ProtocolError("chunk not followed by CRLF")
 
@@ -372,7 +398,10 @@ class Connection:
             name, sep, value = line.partition(b":")
             if not sep:
                 raise ProtocolError("malformed header line")
-            headers[name.strip().lower()] = value.strip()
+            name, value = name.strip().lower(), value.strip()
+            if name == b"content-length" and headers.get(name, value) != value:
+                raise ProtocolError("two Content-Length headers that differ")
+            headers[name] = value
         return int(parts[1]), headers, parts[0]
 
     def read_into(self, view: memoryview, deadline: Deadline) -> None:
@@ -409,15 +438,23 @@ class Connection:
             if not self._fill(deadline):
                 raise ShortBody("connection closed inside a chunked body")
 
-    def read_to_close(self, limit: int, deadline: Deadline) -> bytes:
-        """A body framed by the connection's close: all of it, at most ``limit`` bytes."""
-        while self._fill(deadline):
-            if len(self._buf) - self._pos > limit:
-                raise ProtocolError(f"answer is over {limit} bytes")
-        data = bytes(self._buf[self._pos :])
-        self._pos = len(self._buf)
+    def read_to_close(
+        self, limit: int, deadline: Deadline, feed: Callable[[bytes], object]
+    ) -> None:
+        """A body framed by the connection's close, handed to ``feed`` as it comes (a
+        read's bytes at a time): at most ``limit`` bytes."""
         self.will_close = True
-        return data
+        total = 0
+        while True:
+            data = bytes(self._buf[self._pos :])
+            self._pos = len(self._buf)
+            total += len(data)
+            if total > limit:
+                raise ProtocolError(f"answer is over {limit} bytes")
+            if data:
+                feed(data)
+            if not self._fill(deadline):
+                return
 
 
 def host_header(host: str, port: int, https: bool) -> bytes:

@@ -42,6 +42,30 @@ class Miss(Exception):
     """Internal to the clients: the answer cannot be used (a miss, never raised to users)."""
 
 
+class OutOfStep(Miss):
+    """A block answer echoes another address than the one asked
+    (:data:`~eg_kv.wire.ADDRESS_HEADER`): the connection's answers are out of step with its
+    requests (a server or proxy sent one unasked). A miss; the connection is closed."""
+
+
+def check_echo(address: str, echoed: bytes | str | None) -> None:
+    """Check that a block answer is for ``address``, by the address it echoes (None: a
+    server that echoes none, which predates the header: nothing to check).
+
+    Raises:
+        OutOfStep: it echoes another address.
+    """
+    if echoed is None:
+        return
+    if isinstance(echoed, bytes):
+        echoed = echoed.decode("latin-1")
+    if echoed != address:
+        raise OutOfStep(
+            f"the answer to GET {address[:80]} is for {echoed[:80]!r}: a server or proxy sent "
+            "an answer nobody asked for; the connection is dropped"
+        )
+
+
 # --------------------------------------------------------------------------- stats
 
 

@@ -32,7 +32,7 @@ from . import plans
 from .bodies import byte_views, into_bytes
 from .core import OVER_HTTP, OneServer
 from .events import DEFAULT_LIMIT as DEFAULT_EVENTS_LIMIT
-from .events import EventBatch, Snapshot, parse_snapshot
+from .events import EventBatch, Snapshot
 from .interface import MayStart, ReadExact, Sink, Unreachable
 from .localreads import ROUTE as LOCAL_ROUTE
 from .members import parse_server_set
@@ -168,7 +168,7 @@ class ServerConnector(OneServer):
             return self._exchange(
                 "GET",
                 core.block_path(address),
-                partial(block_body, core, sink),
+                partial(block_body, core, address, sink),
                 headers=RELEASE_HEAD if release_header else b"",
             )
         except Exception as exc:
@@ -407,7 +407,7 @@ class ServerConnector(OneServer):
                 headers=COMPACT_HEAD,
             )
         if isinstance(step, plans.GetSnapshot):
-            return parse_snapshot(self._exchange("GET", step.target, snapshot_body))
+            return self._exchange("GET", step.target, snapshot_body)
         return self._exchange("GET", step.target, json_body, timeout_s=step.timeout_s)
 
     def stats(self) -> KvCacheStats:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from ..errors import RemoteError
 from ..wire import (
+    ADDRESS_HEADER,
     ADDRESSES_TYPE,
     BLOCK_TYPE,
     CHECKSUM_HEADER,
@@ -21,7 +22,7 @@ from ..wire import (
     RELEASE_HEADER,
 )
 from .core import ClientCore
-from .events import SNAPSHOT_ANSWER_MAX
+from .events import SNAPSHOT_ANSWER_MAX, Snapshot, SnapshotReader
 from .http11 import Deadline, Response, StaleConnection
 from .interface import Sink
 from .pool import Pool
@@ -29,6 +30,7 @@ from .rules import (
     SMALL_ANSWER_MAX,
     Miss,
     block_to_read,
+    check_echo,
     check_final,
     compact_answer,
     json_answer,
@@ -46,6 +48,7 @@ COMPACT_HEAD = b"Content-Type: %s\r\n" % ADDRESSES_TYPE.encode()
 RELEASE_HEAD = b"%s: 1\r\n" % RELEASE_HEADER.encode()
 _REFUSED = LEASE_REFUSED_HEADER.lower().encode()
 _CHECKSUM = CHECKSUM_HEADER.lower().encode()
+_ADDRESS = ADDRESS_HEADER.lower().encode()
 
 
 def lease_line(lease_ms: int | None) -> bytes:
@@ -164,18 +167,23 @@ def with_refusal(parse: Callable[[Response], T], resp: Response) -> tuple[T, boo
     return parse(resp), resp.headers.get(_REFUSED) is not None
 
 
-def snapshot_body(resp: Response) -> bytes:
+def snapshot_body(resp: Response) -> Snapshot:
+    """The snapshot, parsed a piece at a time as the body comes (never held whole: an 8 MiB
+    answer of short lines, read whole and split at once, took 166 MiB)."""
     check_final(resp.status)
     if resp.status != 200:
         raise Miss(f"HTTP {resp.status}")
-    return resp.read_all(SNAPSHOT_ANSWER_MAX)
+    reader = SnapshotReader()
+    resp.read_pieces(SNAPSHOT_ANSWER_MAX, reader.feed)
+    return reader.result()
 
 
-def block_body(core: ClientCore, sink: Sink[T], resp: Response) -> T | None:
+def block_body(core: ClientCore, address: str, sink: Sink[T], resp: Response) -> T | None:
     """A block answer handed to ``sink`` (already keyed), its checksum checked; None for an
     answer that is not a block to read (read to its end first).
 
     Raises:
+        OutOfStep: the answer is another address's (nothing handed to ``sink``).
         Miss: the sink left part of the body unread. What :meth:`ClientCore.checked` raises.
     """
     raw = resp.headers.get(b"content-encoding")
@@ -183,6 +191,7 @@ def block_body(core: ClientCore, sink: Sink[T], resp: Response) -> T | None:
     if not block_to_read(resp.status, resp.length, encoding, core.config.max_block_size):
         resp.read_all(SMALL_ANSWER_MAX)
         return None
+    check_echo(address, resp.headers.get(_ADDRESS))
 
     def read_exact(view: memoryview) -> None:
         resp.read_exact(memoryview(view).cast("B"))

@@ -149,17 +149,18 @@ class FastLane:
             body, extra = one_line(internal_reason(e)).encode(), b""
             status, content_type, length, checksum = 500, TEXT, len(body), None
         self._send(conn, message.version, method, status, content_type, length, checksum,
-                   body, extra, start)  # fmt: skip
+                   body, extra, start, address=address)  # fmt: skip
         return True
 
     def _send(
         self, conn: StampedHandler, version: Any, method: str, status: int, content_type: str,
         length: int, checksum: int | None, body: bytes, extra: bytes, start: float,
-        keep: bool = True,
+        keep: bool = True, address: str = "",
     ) -> None:  # fmt: skip
         """Write an answer, count it, and keep the connection for the next request (or
-        close it once the answer is out: ``keep`` False)."""
-        head = head_for(version, keep, status, content_type, length, checksum, extra)
+        close it once the answer is out: ``keep`` False). ``address``: a block answer's
+        (one with a ``checksum``), echoed."""
+        head = head_for(version, keep, status, content_type, length, checksum, extra, address)
         transport = conn.transport
         if transport is not None:
             # A HEAD's answer says the length of the body a GET would get, and sends none.

@@ -32,7 +32,7 @@ import time
 
 from aiohttp import web
 
-from ..wire import CHECKSUM_HEADER, JSON_TYPE, WORKER_HEADER
+from ..wire import ADDRESS_HEADER, BLOCK_PREFIX, CHECKSUM_HEADER, JSON_TYPE, WORKER_HEADER
 from ._compat import SentResponse, count_sent
 
 #: The ``Server`` header of every answer.
@@ -43,6 +43,7 @@ TEXT = "text/plain; charset=utf-8"
 JSON = f"{JSON_TYPE}; charset=utf-8"
 
 _CHECKSUM = CHECKSUM_HEADER.encode("ascii")
+_ADDRESS = ADDRESS_HEADER.encode("ascii")
 _HEADS: dict[tuple[tuple[int, int], int, str, bool], bytes] = {}
 _PID = [str(os.getpid())]
 #: The Date line and the second it was made for, cached per second.
@@ -127,10 +128,14 @@ def head(
     Args:
         length: the Content-Length to announce; None sends none (204).
         close: the server wants this connection closed after the response (draining).
-        checksum: a block's checksum, sent as :data:`~eg_kv.wire.CHECKSUM_HEADER`.
+        checksum: a block's checksum, sent as :data:`~eg_kv.wire.CHECKSUM_HEADER` (with
+            the address asked, :data:`~eg_kv.wire.ADDRESS_HEADER`).
     """
     keep = not close and request.keep_alive
-    return head_for(request.version, keep, status, content_type, length, checksum), keep
+    address = "" if checksum is None else request.path[len(BLOCK_PREFIX) :]
+    return head_for(
+        request.version, keep, status, content_type, length, checksum, address=address
+    ), keep
 
 
 def head_for(
@@ -141,6 +146,7 @@ def head_for(
     length: int | None,
     checksum: int | None = None,
     extra: bytes = b"",
+    address: str = "",
 ) -> bytes:
     """The response head for a request of HTTP ``version`` (:func:`head`'s, without the
     request: the fast lane's answers, :mod:`eg_kv.server.lane`).
@@ -148,13 +154,16 @@ def head_for(
     Args:
         keep: the connection stays open after this answer.
         extra: header lines to add, each ending ``\r\n`` (an error's ``Retry-After``).
+        address: a block answer's address (with ``checksum``), echoed as
+            :data:`~eg_kv.wire.ADDRESS_HEADER`.
     """
     prefix = _head(version, status, content_type, keep)
     if length is None:
         return prefix + extra + _date()
     if checksum is not None:
-        return b"%sContent-Length: %d\r\n%s: %016x\r\n%s%s" % (
-            prefix, length, _CHECKSUM, checksum, extra, _date()
+        return b"%sContent-Length: %d\r\n%s: %016x\r\n%s: %s\r\n%s%s" % (
+            prefix, length, _CHECKSUM, checksum, _ADDRESS, address.encode("ascii"), extra,
+            _date(),
         )  # fmt: skip
     return b"%sContent-Length: %d\r\n%s%s" % (prefix, length, extra, _date())
 

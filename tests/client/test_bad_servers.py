@@ -16,7 +16,14 @@ import time
 
 import pytest
 from helpers.common import ROOT, wait_for
-from helpers.kvcache import RawServer, bad_server, lm_keys, open_client, wait_completions
+from helpers.kvcache import (
+    LAX_FRAMINGS,
+    RawServer,
+    bad_server,
+    lm_keys,
+    open_client,
+    wait_completions,
+)
 
 from eg_kv.errors import RemoteError
 from eg_kv.kvcache import RemoteKVL2Connector
@@ -92,6 +99,34 @@ def test_interim_answers_never_shift_answers_onto_the_next_request(kind):
         assert kv.put("k4", bytes(BIG)) is True
         assert kv.get("k5") == b"k5"
     assert srv.accepted == 1  # the connection stayed in step, so it was kept
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_answer_out_of_step_is_a_miss_never_another_blocks_bytes(kind, caplog):
+    """A server or proxy that sends a connection's previous answer again before each
+    answer: HTTP/1.1 ties answers to requests only by order, so get("k2") returned k1's
+    bytes, checksum and all, and each answer after was one behind. The address each block
+    answer echoes tells them apart: a miss, warned once, and the connection dropped."""
+    with RawServer("stale") as srv, open_client(kind, base_url=srv.url, timeout_s=5,
+                                                local_reads=False) as kv:  # fmt: skip
+        assert kv.get("k1") == b"k1"
+        assert kv.get("k2") is None  # k1's answer again: not k1's bytes
+        assert kv.get("k3") == b"k3"  # the first answer on a new connection
+        assert kv.get("k4") is None
+        assert srv.accepted == 2  # each dropped after its mismatch
+    warned = [r for r in caplog.records if "nobody asked for" in r.getMessage()]
+    assert len(warned) == 1
+
+
+@pytest.mark.parametrize("mode", sorted(LAX_FRAMINGS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_framing_http_does_not_allow_is_a_miss(kind, mode):
+    """``Content-Length: +2`` or ``0_2`` (Python's ``int`` took both), two that differ
+    (the last won), chunk sizes ``0x2`` and ``-2``: a proxy may frame such an answer
+    otherwise, and its answers then go out of step. The right bytes so framed: a miss."""
+    with RawServer(mode) as srv, open_client(kind, base_url=srv.url, timeout_s=5,
+                                             local_reads=False) as kv:  # fmt: skip
+        assert kv.get("k1") is None
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -265,6 +300,38 @@ def test_a_bad_server_costs_no_more_memory_than_the_largest_block(kind):
         if mode != "early_hints":
             assert seen["got"] == "None", (mode, seen)
         assert seen["took"] < 3 * (2 * 0.5 + 1.0), (mode, seen)
+
+
+_SNAPSHOT_MEMORY = r"""
+import json, sys
+sys.path.insert(0, "tests")
+from helpers.kvcache import open_client
+
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+
+with open_client(sys.argv[1], base_url=sys.argv[2], timeout_s=30, local_reads=False) as kv:
+    base = hwm()
+    snap = kv.snapshot()
+    print(json.dumps({"growth": hwm() - base, "seq": snap.seq, "blocks": len(snap.blocks)}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_long_snapshot_is_read_a_piece_at_a_time(kind):
+    """The sync client read the whole snapshot answer (up to 512 MiB, allocated as soon as
+    its length was announced) and split it at once: 16 MiB of short lines took 56 MiB.
+    Both clients hold a piece and the blocks listed."""
+    with RawServer("long_snapshot") as srv:
+        proc = subprocess.run([sys.executable, "-c", _SNAPSHOT_MEMORY, kind, srv.url],
+                              capture_output=True, text=True, timeout=100, cwd=ROOT,
+                              env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert (out["seq"], out["blocks"]) == (5, 0)
+    assert out["growth"] < 8 * 1024 * 1024, out
 
 
 @pytest.mark.parametrize("kind", KINDS)

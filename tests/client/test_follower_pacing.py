@@ -185,3 +185,29 @@ def test_a_snapshot_past_its_bounds_is_refused_not_held(kind, lie, monkeypatch):
                     await kv.snapshot()
 
             asyncio.run(take())
+
+
+def test_follow_resyncs_on_an_answer_that_is_not_after_its_since():
+    """An events answer that goes back (a stale one a caching proxy kept, a replay) was
+    applied: the follower believed a removed block held again, and asked for ``since=1``
+    next. It is taken as a gap now: a snapshot."""
+    stored = {"seq": 1, "kind": "stored", "reason": "put", "hash": "p1", "length": 5}
+    removed = {**stored, "seq": 2, "kind": "removed", "reason": "delete"}
+
+    reads: Counter[str] = Counter()
+
+    def answer(path: str) -> tuple[bytes, str]:
+        if path == "/kv/events/snapshot":
+            return b'{"epoch": "e"}\n{"seq": 0}\n', "application/json"
+        reads[path] += 1  # the first read (since=0) is answered right, the next stale
+        events, nxt = ([stored, removed], 2) if reads[path] == 1 else ([stored], 1)
+        body = {"events": events, "next": nxt, "gap": False, "epoch": "e"}
+        return json.dumps(body).encode(), "application/json"
+
+    with answering_server(answer) as url, ServerConnector(base_url=url, timeout_s=5) as kv:
+        got = []
+        for item in follow(kv, wait=0, sleep=lambda s: None):
+            got.append(("event", item.seq) if hasattr(item, "kind") else ("snapshot", item.seq))
+            if len(got) == 4:
+                break
+    assert got == [("snapshot", 0), ("event", 1), ("event", 2), ("snapshot", 0)]

@@ -26,7 +26,7 @@ from typing import Any
 
 from eg_kv.checksum import encode as encode_checksum
 from eg_kv.checksum import of as checksum_of
-from eg_kv.wire import CHECKSUM_HEADER
+from eg_kv.wire import ADDRESS_HEADER, CHECKSUM_HEADER
 
 HEAD_END = b"\r\n\r\n"
 #: Headers that make a read change state (a lookup that leases, a GET that releases).
@@ -75,6 +75,8 @@ class RawServer:
         gzip: a ``200`` (GET, POST) or ``503`` (others) whose small gzip body inflates to
             256 MiB.
         reset: read the request, then reset the connection (RST, no answer).
+        stale: correct answers (``early_hints``'), but each GET after a connection's first
+            is sent that connection's previous GET answer first: answers out of step.
 
     Attributes:
         accepted: connections accepted so far.
@@ -95,6 +97,7 @@ class RawServer:
         self.applied = 0
         self.after_head = 0
         self.client_closed = threading.Event()
+        self._last_answer: dict[int, bytes] = {}  # "stale": each connection's last GET answer
         self._stop = threading.Event()
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -263,6 +266,39 @@ class RawServer:
             else:
                 conn.sendall(self._correct_answer(method, target))
             return True
+        if self.mode == "long_snapshot":
+            # A snapshot of 16 MiB of short lines that change nothing (removals of blocks
+            # it never listed), then its end: a reader that holds the answer whole, or
+            # splits it at once, holds many times that.
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(LONG_SNAPSHOT))  # fmt: skip
+            conn.sendall(LONG_SNAPSHOT)
+            return True
+        if self.mode in LAX_FRAMINGS:
+            # A block's right bytes under a framing HTTP/1.1 does not allow (a proxy may
+            # read it otherwise): to be refused, not read as the client's guess.
+            address = target.rsplit(b"/", 1)[-1]
+            head = _block_answer(address, address).split(b"\r\n\r\n")[0]
+            head = head.replace(b"Content-Length: %d" % len(address), LAX_FRAMINGS[self.mode])
+            if b"chunked" in LAX_FRAMINGS[self.mode]:
+                size = b"0x%x" % len(address) if self.mode == "chunk_0x" else b"-%x" % len(address)
+                body = b"%s\r\n%s\r\n0\r\n\r\n" % (size, address)
+            else:
+                body = address
+            conn.sendall(head + b"\r\n\r\n" + body)
+            return True
+        if self.mode == "stale":
+            # Out of step (a proxy that replays): each GET after a connection's first gets
+            # that connection's previous answer first, then its own.
+            answer = self._correct_answer(method, target)
+            if method == b"GET":
+                last = self._last_answer.get(conn.fileno())
+                if last is not None:
+                    conn.sendall(last)
+                    self._stop.wait(0.01)
+                self._last_answer[conn.fileno()] = answer
+            conn.sendall(answer)
+            return True
         if self.mode == "closelate":  # reads the request, says nothing for 0.9 s, closes
             self._stop.wait(0.9)
             return False
@@ -367,8 +403,27 @@ class RawServer:
         elif method == b"HEAD":
             return b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"
         else:
-            return _block_answer(target.rsplit(b"/", 1)[-1])
+            address = target.rsplit(b"/", 1)[-1]
+            return _block_answer(address, address)
         return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+#: The answer of RawServer's ``long_snapshot`` mode: an empty snapshot at seq 5.
+LONG_SNAPSHOT = (
+    b'{"epoch": "e"}\n'
+    + b'{"hash": "h", "length": 1, "kind": "removed"}\n' * (16 * 1024 * 1024 // 46)
+    + b'{"seq": 5}\n'
+)
+#: RawServer modes whose block answers are framed as HTTP/1.1 does not allow, for blocks
+#: of two bytes (``/kv/k1``): the header that replaces the answer's ``Content-Length: 2``
+#: (chunk sizes ``0x2`` and ``-2``).
+LAX_FRAMINGS = {
+    "cl_plus": b"Content-Length: +2",
+    "cl_underscore": b"Content-Length: 0_2",
+    "cl_twice": b"Content-Length: 99\r\nContent-Length: 2",
+    "chunk_0x": b"Transfer-Encoding: chunked",
+    "chunk_neg": b"Transfer-Encoding: chunked",
+}
 
 
 def _checksum_line(body: bytes) -> bytes:
@@ -376,11 +431,14 @@ def _checksum_line(body: bytes) -> bytes:
     return b"%s: %s\r\n" % (CHECKSUM_HEADER.encode(), encode_checksum(checksum_of(body)).encode())
 
 
-def _block_answer(body: bytes) -> bytes:
-    """A correct server's answer of a block holding ``body``."""
-    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (
+def _block_answer(body: bytes, address: bytes | None = None) -> bytes:
+    """A correct server's answer of a block holding ``body`` (echoing ``address``, as
+    today's servers do; None: none, as older ones)."""
+    echo = b"" if address is None else b"%s: %s\r\n" % (ADDRESS_HEADER.encode(), address)
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s%s\r\n%s" % (
         len(body),
         _checksum_line(body),
+        echo,
         body,
     )
 

@@ -94,6 +94,7 @@ def test_reads_are_answered_alike(srv, method, size):
     line, headers, answer = lane
     assert (line, headers["content-length"]) == ("HTTP/1.1 200 OK", str(size))
     assert headers["x-eg-kv-checksum"] == encode_checksum(checksum_of(body))
+    assert headers["x-eg-kv-address"] == f"ln-r-{method}-{size}"  # what the clients check
     assert answer == (body if method == "GET" else b"")
 
 
