@@ -5,10 +5,13 @@ the same block: issue 31).
 A slot counts its leases (:mod:`eg_kv.slab.leases`); the holder records in the readers
 segment (:mod:`eg_kv.slab.layout`) say whose they are: one record per block and holder,
 with that holder's count and when its newest lease ends. Records are found by open
-addressing on (block id, holder) within :data:`PROBE` places, and written only under the
-slab's lock. A record whose end has passed holds nothing: it is taken again by the next
-lease that needs room, so a holder that never releases costs its records only until its
-leases end. Block ids are never reused, so a record of a block that went names nothing.
+addressing on the block id within :data:`PROBE` places (every holder's record of a block in
+one run of places), and written only under the slab's lock. A record whose end has passed
+holds nothing: it is taken again by the next lease that needs room, so a holder that never
+releases costs its records only until its leases end. A block that goes while leased (a
+``DELETE``, a quota's eviction) frees its records at once (:meth:`LeaseHolders.drop`): a
+tenant that leased and deleted blocks in a loop kept records of blocks gone until their
+leases would have ended, filled the table, and left every other tenant's lookups unleased.
 
 A lookup whose leases find no room in the table within :data:`PROBE` places takes none
 (the caller answers its hits unleased, as past a lease cap).
@@ -96,11 +99,24 @@ class LeaseHolders:
             words[w + _ID] = _FREED
         return True
 
+    def drop(self, block: int) -> None:
+        """Free every record of ``block``, which has gone (its leases with it)."""
+        words, mask = self._words, self._mask
+        r = (block * _MIX) & mask
+        for _ in range(PROBE):
+            w = r * _W
+            rid = words[w + _ID]
+            if rid == 0:  # never used: no record of the block lies past it
+                return
+            if rid == block:
+                words[w + _ID] = _FREED
+            r = (r + 1) & mask
+
     def _find(self, block: int, holder: int, now: int, claim: bool) -> int:
         """The record of (``block``, ``holder``); with ``claim``, else the first one free
         on its way (freed, ended, or never used). -1: none within :data:`PROBE`."""
         words, mask = self._words, self._mask
-        r = ((block * _MIX) ^ holder) & mask
+        r = (block * _MIX) & mask
         room = -1
         for _ in range(PROBE):
             w = r * _W

@@ -395,6 +395,13 @@ NO_PAGE = -1
 #: taken when its put began (its length field is then the block's id): a writer killed
 #: before the put ended leaves it, and its reference is taken back (not a page is freed).
 RESV_DEDUP = -2
+#: Reservation entries after the pages' own, for the references of dedup hits whose
+#: bodies are still arriving (RESV_DEDUP), and only for them: one client's stalled dedup
+#: PUTs (a connection each, holding no page) filled a table of one entry per page, and
+#: every other tenant's large PUT got 503 "the reservation table is full". Past these, a
+#: dedup hit goes on without its entry (its reference is then not given back if its writer
+#: is killed mid-body: a count one too high, never a block lost or served wrong).
+DEDUP_ENTRIES = 4096
 
 
 def _align(n: int, to: int = ALIGN) -> int:
@@ -426,10 +433,11 @@ class Geometry:
         There is one reservation entry per page: every put in flight holds at least one
         page, so the table can never fill before the pages do (a fixed 1024 entries was
         full of 1,024 stalled two-page uploads while the slab was 87% free). At 32 bytes
-        per page it costs 0.05% of 64 KiB pages, 0.8% of 4 KiB ones.
+        per page it costs 0.05% of 64 KiB pages, 0.8% of 4 KiB ones. Then
+        :data:`DEDUP_ENTRIES` more for dedup hits in flight (128 KiB).
         """
         npages = capacity // page_size
-        nresv = max(1, npages)
+        nresv = max(1, npages) + DEDUP_ENTRIES
         nslots = 1 << max(4, (2 * npages - 1).bit_length())
         resv_off = NS_OFFSET + NS_TABLE_SIZE
         slots_off = _align(resv_off + nresv * RESV_SIZE)

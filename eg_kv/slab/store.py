@@ -207,6 +207,9 @@ class Slab(SlabLeases):
                      self._slot_engine(i))  # fmt: skip
         if self._slot_leases[i]:  # a DELETE of a leased block: its pages are no longer leased
             self._count_leased(s[F_NS], -s[F_NPAGES])
+            holders = self._holders()
+            if holders is not None:  # nor are its holders' records taken
+                holders.drop(s[F_BLOCK_ID])
         self._free_pages(s[F_FIRST], s[F_NPAGES])
         self._remove_slot(i)
         st[L.ST_UNIQUE_BLOCKS] -= 1
@@ -455,28 +458,38 @@ class Slab(SlabLeases):
     def _reserve(self, first: int, npages: int, length: int, ns: int = 0) -> int:
         """Record a put's pages under this pid, charged to namespace ``ns`` (its quota
         counts them until they are published or given back); the entry's index, or -1
-        if none is free."""
-        st, nr = self._state, self.geometry.nresv
-        r = self._free_resv_entry(st[L.ST_RESV_HINT] % nr)
+        if none is free.
+
+        The table's first entries (one per page) are the page-holding puts', the rest
+        (:data:`~eg_kv.slab.layout.DEDUP_ENTRIES`) a dedup hit's (``first`` RESV_DEDUP):
+        those can never take the room a put's pages need."""
+        st, g = self._state, self.geometry
+        if first == L.RESV_DEDUP:
+            r = self._free_resv_entry(g.npages, g.npages, g.nresv) if g.nresv > g.npages else -1
+        else:
+            nr = min(g.npages, g.nresv) or 1
+            r = self._free_resv_entry(st[L.ST_RESV_HINT] % nr, 0, nr)
         if r >= 0:
             L.RESV.pack_into(self._mm, self._resv_off(r), self._pid, first, npages, ns, length)
-            st[L.ST_RESV_HINT] = (r + 1) % nr
+            if first != L.RESV_DEDUP:
+                st[L.ST_RESV_HINT] = r + 1
             st[L.ST_RESV_PAGES] += npages
             if ns:  # the default namespace's is derived (the slab's less the others')
                 self._nsw[ns * _NS_WORDS + _NS_RESV_PAGES] += npages
         return r
 
-    def _free_resv_entry(self, start: int) -> int:
-        """The first free reservation entry from ``start`` on (wrapping), or -1.
+    def _free_resv_entry(self, start: int, first: int, end: int) -> int:
+        """The first free reservation entry of ``first``..``end`` from ``start`` on
+        (wrapping), or -1.
 
         Entries are taken in turn from a rotating hint, so the one at the hint is nearly
         always free; otherwise the pid column is searched in C, a slice at a time (past
         131,072 entries in use: 2-6 ms here, against 50 ms entry by entry).
         """
-        pids, nr = self._resv_pids, self.geometry.nresv
+        pids = self._resv_pids
         if pids[start] == 0:
             return start
-        for lo, hi in ((start, nr), (0, start)):
+        for lo, hi in ((start, end), (first, start)):
             while lo < hi:
                 end = min(hi, lo + _RESV_SCAN)
                 with contextlib.suppress(ValueError):

@@ -421,9 +421,11 @@ class SlabView:
         places = self._places[ns]
         seq, ids, found_at, slots = self._read(self._ids_of, addresses, ns, places)
         if slots:  # hits a probe found: where they lie, now that the read held
-            places = self._memo(self._places, _NO_PLACES, ns, len(slots))
-            probed, blocks = [addresses[n] for n in found_at], [ids[n] for n in found_at]
-            places.update(zip(probed, zip(slots, blocks, strict=True), strict=True))
+            keep = min(len(slots), self._key_cap)  # a batch of more: its first, up to the cap
+            places = self._memo(self._places, _NO_PLACES, ns, keep)
+            at = found_at[:keep]
+            probed, blocks = [addresses[n] for n in at], [ids[n] for n in at]
+            places.update(zip(probed, zip(slots[:keep], blocks, strict=True), strict=True))
         return seq, ids
 
     def _ids_of(

@@ -69,3 +69,26 @@ def test_a_block_leased_twice_by_one_holder_needs_two_releases():
     assert holders.take([5, 5], 3, now + 1000, now)
     assert holders.release(5, 3, now) and holders.release(5, 3, now)
     assert not holders.release(5, 3, now)
+
+
+def test_a_leased_block_that_goes_frees_its_holders_records(small: Slab):
+    """A DELETE of a leased block gave its pages back but left its holder records taken
+    until the leases would have ended: a tenant that leased and deleted in a loop filled
+    the table (with no page leased), and every other tenant's lookups went unleased."""
+    alice, bob = holder_of("alice"), holder_of("bob")
+    records = len(small._holds) // L.HOLD_RECORD_WORDS
+    for _ in range(2 * records):
+        small.put("a1", bytes(100))
+        assert small.exists_leased(["a1"], 0, 60000, 1.0, alice) == ([True], True)
+        assert small.delete("a1")  # the last reference: the block goes, leased
+    assert small.stats()["leased_blocks"] == 0
+    small.put("v1", bytes(100))
+    assert small.exists_leased(["v1"], 0, 60000, 1.0, bob) == ([True], True)
+    # A block leased by several holders frees every one's record.
+    small.put("s1", bytes(100))
+    for name in ("carol", "dave", "erin"):
+        assert small.exists_leased(["s1"], 0, 60000, 1.0, holder_of(name))[1]
+    assert small.delete("s1")
+    ids = small._holds[L.HOLD_RECORD_WORDS * 0 :: L.HOLD_RECORD_WORDS]
+    live = [b for b in ids.tolist() if b > 0]
+    assert len(live) == 1  # bob's of v1, no other

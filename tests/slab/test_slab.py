@@ -228,7 +228,7 @@ def test_reservation_table_never_fills_before_the_pages(slab_name):
     """One entry per page: 2,048 one-page puts in flight (the old table held 1,024) all
     reserve, and the next one finds no room (507), not a full table (503)."""
     with Slab.create(slab_name, 8 * MiB, page_size=4 * KiB, max_block_size=MiB) as s:
-        assert s.geometry.nresv == s.geometry.npages == 2048
+        assert s.geometry.nresv == s.geometry.npages + L.DEDUP_ENTRIES == 2048 + 4096
         handles = [s.begin_put(f"p{i}", 4 * KiB) for i in range(2048)]
         with pytest.raises(InsufficientStorage):
             s.begin_put("one-more", 4 * KiB)
@@ -522,3 +522,41 @@ def test_get_counts_stay_exact_when_every_process_entry_is_taken(slab):
             h.close()
     st = slab.stats()  # closing folds each entry's counts into the totals
     assert (st["get_hits"], st["get_misses"]) == (len(handles) + 1, len(handles))
+
+
+def test_a_lookup_remembers_no_more_places_than_its_namespaces_cap(slab_name):
+    """The memo of where each hit lies is capped per namespace (``share_key_cache``), as
+    the address memo is: one lookup of 1,024 hits left 1,024 places in each namespace,
+    past the cap (a worker's memory grew with its tenants)."""
+    s = Slab.create(slab_name, 16 * 1024 * 1024, page_size=4096)
+    try:
+        ids = s.bind_namespaces({f"t{i}": 0 for i in range(200)})
+        s.share_key_cache(len(ids))
+        cap = s._key_cap
+        addresses = [f"blk{i}" for i in range(1024)]
+        for ns in (ids["t1"], ids["t2"]):
+            for a in addresses:
+                s.put(a, b"x", ns)
+            assert s.block_ids(addresses, ns)[1].count(0) == 0
+            assert 0 < len(s._places[ns]) <= cap < len(addresses)
+            assert all(s.block_ids(addresses, ns)[1])  # answers whole, memo or not
+    finally:
+        s.close()
+
+
+def test_stalled_dedup_puts_never_take_the_entries_a_puts_pages_need(slab_name):
+    """A dedup hit in flight holds a reservation entry and no page: one client's stalled
+    dedup PUTs (one connection each) filled a table of one entry per page, and another
+    tenant's large PUT got 503. They have entries of their own now, and past those they
+    go on without one."""
+    with Slab.create(slab_name, 256 * KiB, page_size=4 * KiB, max_block_size=MiB) as s:
+        s.put("mine", data(8 * KiB))
+        dedups = [s.begin_put("mine", 8 * KiB) for _ in range(L.DEDUP_ENTRIES + 100)]
+        assert all(h.dedup for h in dedups)
+        assert sum(h.ref_entry >= 0 for h in dedups) == L.DEDUP_ENTRIES
+        big = s.begin_put("victim", 128 * KiB)  # 32 of the 64 pages: room for its entry
+        big.write(data(128 * KiB))
+        assert big.commit() is True
+        for h in dedups:
+            h.abort()
+        assert s.refs("mine") == 1 and s.check() == []
