@@ -212,7 +212,8 @@ class StampedHandler(web_protocol.RequestHandler):
 
     __slots__ = (
         "body_at", "body_req", "body_seen", "head_at", "head_bytes", "head_of", "head_over",
-        "held_at", "in_lane", "intake", "lane", "rx_at", "wpaused_at", "wpaused_size",
+        "held_at", "in_lane", "intake", "lane", "rx_at", "tail_body", "wpaused_at",
+        "wpaused_size",
     )  # fmt: skip
 
     def __init__(self, manager: web_server.Server, *, lane: Lane | None = None, **kwargs) -> None:
@@ -228,16 +229,26 @@ class StampedHandler(web_protocol.RequestHandler):
         #: Bytes read since a request last completed, and whether that passed
         #: :data:`MAX_HEAD_BYTES` (reading stopped; the sweeper answers 431).
         self.head_bytes, self.head_over = 0, False
+        #: The body of the request parsed last (None: none, or the lane's, all in): while
+        #: it is not all in, bytes read are its; after, the next request's head.
+        self.tail_body: streams.StreamReader | None = None
 
     def data_received(self, data: bytes) -> None:
         if not data:  # aiohttp re-parsing what it buffered, on resume_reading
+            parsed = self._request_count
             self._parse(data)
+            if self._request_count != parsed:
+                self.tail_body = self._messages[-1][1] if self._messages else None
             return
         now = self._loop.time()
         self.rx_at = now
         parsed = self._request_count  # requests parsed on this connection so far
-        # waiting(), inlined: this runs for every read from the socket
-        if self.head_of != parsed and (self._waiter is not None or not parsed):
+        # Bytes after a request whose body is all in are the next request's head, however
+        # busy the connection is (waiting, handling, lingering): a head queued behind a
+        # long poll was neither timed nor counted (1.8 MiB of header lines a connection).
+        tail = self.tail_body
+        head = self.intake is None and (tail is None or tail.is_eof())
+        if head and self.head_of != parsed:
             self.head_of, self.head_at = parsed, now  # the first bytes of a head
         self._parse(data)
         messages, waiter = self._messages, self._waiter
@@ -251,9 +262,11 @@ class StampedHandler(web_protocol.RequestHandler):
             # own full queue, and start() resumes it when it takes the request.
             self._pause_reading_for_buffer()
         count = self._request_count  # aiohttp counts a request as it parses its head
-        if count != parsed or self.intake is not None or (waiter is None and count):
-            # A request completed in this read, or one is handled (its body is its own
-            # handler's to bound): no head is piling up.
+        if count != parsed:  # the newest request's body: what the next bytes may be
+            self.tail_body = messages[-1][1] if messages else None
+        if count != parsed or not head:
+            # A request completed in this read, or these were a body (its handler's to
+            # bound): no head is piling up.
             self.head_bytes = 0
         else:
             self.head_bytes += len(data)
@@ -422,7 +435,8 @@ class StampedHandler(web_protocol.RequestHandler):
         return self._reading_paused or self._buffer_paused
 
     def head_arriving(self) -> bool:
-        """Whether a head has begun and not been parsed yet (while :meth:`waiting`)."""
+        """Whether a head has begun and not been parsed yet (while the connection waits,
+        or behind requests it still handles)."""
         return self.head_of == self._request_count
 
     def idle_since(self) -> float:

@@ -236,6 +236,18 @@ class Connections:
         """Close every connection past one of its time limits."""
         lim = self.limits
         for c in list(self._open):
+            # A head that grows too large or too slow, whether the connection waits for
+            # it or has requests before it still in hand (a head behind a long poll).
+            if c.head_over:
+                text = f"request head over {MAX_HEAD_BYTES // 1024} KiB"
+                self._close(c, HEAD, _one_line_reply(_HEAD_SIZE_REPLY, text))
+                continue
+            # Not while the server holds reading: complete heads may wait unparsed then.
+            late = now - c.head_at > lim.header_timeout
+            if c.head_arriving() and late and not c.reading_held():
+                text = f"request head not complete within {lim.header_timeout:g} s"
+                self._close(c, HEAD, _one_line_reply(_HEAD_TIMEOUT_REPLY, text))
+                continue
             if not c.waiting():  # a request is queued or handled
                 if c.writing_paused:
                     # Cut only an answer that moved no byte for body_timeout: a slow
@@ -259,14 +271,7 @@ class Connections:
                     # reserved pages (and a share of the uploads' room) for good.
                     self._close(c, RATE)
                 continue
-            if c.head_over:
-                text = f"request head over {MAX_HEAD_BYTES // 1024} KiB"
-                self._close(c, HEAD, _one_line_reply(_HEAD_SIZE_REPLY, text))
-            elif c.head_arriving():
-                if now - c.head_at > lim.header_timeout:
-                    text = f"request head not complete within {lim.header_timeout:g} s"
-                    self._close(c, HEAD, _one_line_reply(_HEAD_TIMEOUT_REPLY, text))
-            elif now - c.idle_since() > lim.keepalive_timeout:
+            if not c.head_arriving() and now - c.idle_since() > lim.keepalive_timeout:
                 self._close(c, IDLE)
 
     def log_closed(self, now: float) -> None:
