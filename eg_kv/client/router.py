@@ -77,6 +77,11 @@ STRAGGLER_FACTOR = 4.0
 #: ... and never less than this (a loaded host answers in tens of ms, not hundreds);
 #: always within the batch's one deadline, ``timeout_s``.
 STRAGGLER_FLOOR_S = 0.25
+#: The least of a batch's deadline a member's later request (its next 1,024 addresses, or
+#: the second round) is sent with: one given a sliver timed out at a healthy member, and
+#: a timeout marks a member down. Less than this left, the request is not sent (its
+#: addresses are misses, the member's record untouched).
+MIN_LEFT_S = 0.02
 #: The address a probe looks up: any valid address will do, it need not exist.
 PROBE_ADDRESS = to_address("eg-kv:probe")
 
@@ -373,6 +378,7 @@ class Ask:
         deadline: the batch's one deadline (``time.monotonic()``).
         bounded: whether the caller's deadline is shorter than the config's timeout (then
             every request is bounded by what is left of it, not only the later ones).
+        again: the second round (every request in it is a later one).
     """
 
     view: View
@@ -380,6 +386,7 @@ class Ask:
     addresses: Sequence[str]
     deadline: float
     bounded: bool
+    again: bool = False
 
     def jobs(self) -> list[tuple[str, list[str]]]:
         """``(member_id, its addresses)`` for each member asked."""
@@ -390,13 +397,14 @@ class Ask:
         (the config's timeout) for a member's first request of an unbounded batch.
 
         Raises:
-            TimeoutError: nothing is left of the deadline for a later request.
+            TimeoutError: nothing is left of the deadline, or, for a later request, less
+                than :data:`MIN_LEFT_S` (nothing is sent).
         """
         if first and not self.bounded:
             return None
         left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the batch's deadline passed")
+        if left <= (MIN_LEFT_S if self.again or not first else 0.0):
+            raise TimeoutError("the batch's deadline passed, or all but a sliver of it")
         return left
 
 
@@ -431,7 +439,7 @@ class BatchPlan:
         self._again = self._router.second_plan(
             self._view, self._addresses, self.found, self._groups
         )
-        if self._again and time.monotonic() < self._deadline:
+        if self._again and self._deadline - time.monotonic() > MIN_LEFT_S:
             yield self._ask(self._again, again=True)
         if self._leasing:
             self._note_leases()
@@ -439,7 +447,9 @@ class BatchPlan:
     def _ask(self, groups: Groups, again: bool = False) -> Ask:
         # A second round has only what the first left of the deadline, first requests
         # too (each had the config's whole timeout: one batch could take two of them).
-        return Ask(self._view, groups, self._addresses, self._deadline, self._bounded or again)
+        return Ask(
+            self._view, groups, self._addresses, self._deadline, self._bounded or again, again
+        )
 
     def take(self, answers: dict[str, list[bool] | None]) -> None:
         """A round's answers: ``{member_id: one bool per address, or None (failed)}``; a

@@ -6,6 +6,7 @@ did, never for another member's failure or this client's own queue."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.server
 import itertools
 import socket
@@ -380,3 +381,23 @@ def test_an_async_set_is_built_without_blocking_its_loop(members):
     assert built < 0.3, f"the constructor took {built:.2f} s"
     assert longest_gap < 0.6, f"the loop stood still for {longest_gap:.2f} s"
     assert got is not None  # the live member answered its part
+
+
+def test_a_later_request_is_not_sent_with_a_sliver_of_the_deadline():
+    """A member's later request (its next 1,024 addresses, or the second round) went out
+    with whatever was left of the batch's deadline, a millisecond if so: it timed out at
+    a healthy member, and the timeout marked the member down. Under MIN_LEFT_S left, it
+    is not sent; a caller's own short bound on a first request still is."""
+    from eg_kv.client.membership import View
+    from eg_kv.client.placement import Placement
+    from eg_kv.client.router import MIN_LEFT_S, Ask
+
+    view = View({}, Placement({"m": 1.0}))
+    soon = Ask(view, {"m": [0]}, ["a" * 32], time.monotonic() + MIN_LEFT_S / 2, True)
+    assert 0 < soon.timeout(first=True) <= MIN_LEFT_S / 2  # the caller's bound: sent
+    with pytest.raises(TimeoutError):
+        soon.timeout(first=False)  # a later request: not sent
+    with pytest.raises(TimeoutError):
+        dataclasses.replace(soon, again=True).timeout(first=True)  # the second round's
+    later = dataclasses.replace(soon, deadline=time.monotonic() + 10 * MIN_LEFT_S)
+    assert later.timeout(first=False) > MIN_LEFT_S
