@@ -198,9 +198,11 @@ class AsyncServerConnector(OneServer):
         read: Callable[[aiohttp.ClientResponse], Awaitable[T | None]],
         slab: LocalSlab | None,
         release_lease: bool,
+        timeout_s: float | None = None,
     ) -> T | None:
         """``GET /kv/<addr>`` with ``read`` taking the answer (:meth:`get`'s, :meth:`fetch`'s);
-        None on any error. ``release_lease``: as :meth:`get`'s."""
+        None on any error. ``release_lease``: as :meth:`get`'s; ``timeout_s``: the GET's
+        deadline, when shorter than the config's."""
         core = self._core
         release_header = core.release_header(slab, address, release_lease)
         try:
@@ -209,6 +211,7 @@ class AsyncServerConnector(OneServer):
                 core.block_path(address),
                 read,
                 headers=_RELEASE if release_header else None,
+                timeout_s=timeout_s,
             )
         except Exception as exc:  # asyncio.TimeoutError included
             core.miss("GET", address, exc)
@@ -239,9 +242,11 @@ class AsyncServerConnector(OneServer):
         sink: AsyncSink[T],
         may_start: MayStart | None = None,
         release_lease: bool = False,
+        timeout_s: float | None = None,
     ) -> T | None:
         """``GET /kv/<addr>`` and hand the body to ``await sink(length, read_exact)``; None
-        on a miss. ``release_lease``: as :meth:`get`'s.
+        on a miss. ``release_lease``: as :meth:`get`'s; ``timeout_s``: the GET's deadline,
+        when shorter than the config's.
 
         ``sink`` must await ``read_exact(view)`` with views that add up to ``length`` bytes
         (in order) and return its result; if it raises, the block is a miss. A body cut
@@ -266,7 +271,7 @@ class AsyncServerConnector(OneServer):
         if local is not OVER_HTTP:
             return None  # a miss
         return await self._over_http(
-            address, partial(block_body, core, address, sink), slab, release_lease
+            address, partial(block_body, core, address, sink), slab, release_lease, timeout_s
         )
 
     async def get_into(

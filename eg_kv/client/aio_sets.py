@@ -24,12 +24,10 @@ from .interface import AsyncSink, Unreachable
 from .lease_homes import NOT_NOTED, delete_answer
 from .membership import View
 from .placement import prefix_hits
+from .rounds import Ask, BatchPlan, Waiting, fetch_steps
 from .router import (
-    Ask,
-    BatchPlan,
     MemberConnectors,
     Router,
-    Waiting,
     absent,
     set_health,
 )
@@ -182,13 +180,15 @@ class AsyncSetConnector:
 
     async def fetch(self, key: str | bytes, sink: AsyncSink[T],
                     may_start: Callable[[float], bool] | None = None,
-                    release_lease: bool = False) -> T | None:  # fmt: skip
+                    release_lease: bool = False, timeout_s: float | None = None,
+                    ) -> T | None:  # fmt: skip
         """``GET`` the block from its home (see :meth:`AsyncServerConnector.fetch`); after a
         miss there, right after a change, from its previous home if ``may_start`` allows.
         ``release_lease``: then ends one of the caller's leases at the member that granted
-        it (:meth:`release`)."""
-        got = await self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None,
-                              may_start=may_start)  # fmt: skip
+        it (:meth:`release`). ``timeout_s``: one deadline for both requests
+        (:func:`~eg_kv.client.rounds.fetch_steps`)."""
+        op, gate = fetch_steps(sink, may_start, timeout_s)
+        got = await self._one(key, op, lambda r: r is None, may_start=gate)
         if release_lease:
             await self.release([key])
         return got
@@ -246,7 +246,7 @@ class AsyncSetConnector:
     ) -> dict[str, list[bool] | None]:
         """A round's lookups, every member's at once on this loop, all answered by the
         batch's deadline; a member still out when the round stops waiting for it
-        (:class:`~eg_kv.client.router.Waiting`) is cancelled, missing from the answer and
+        (:class:`~eg_kv.client.rounds.Waiting`) is cancelled, missing from the answer and
         marked down."""
 
         async def one(m: str, part: list[str]) -> list[bool] | None:

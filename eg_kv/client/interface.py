@@ -56,9 +56,11 @@ class KvConnector(Protocol):
         sink: Sink[T],
         may_start: MayStart | None = None,
         release_lease: bool = False,
+        timeout_s: float | None = None,
     ) -> T | None:
         """``GET`` a block into ``sink``; ``may_start`` gates a set's second request;
-        ``release_lease`` ends one of the caller's leases on it."""
+        ``release_lease`` ends one of the caller's leases on it; ``timeout_s`` bounds
+        the call (a set's second request included) when shorter than the config's."""
 
     def get(self, key: str | bytes, release_lease: bool = False) -> bytes | None: ...
     def get_into(
@@ -120,9 +122,11 @@ class AsyncKvConnector(Protocol):
         sink: AsyncSink[T],
         may_start: MayStart | None = None,
         release_lease: bool = False,
+        timeout_s: float | None = None,
     ) -> T | None:
         """``GET`` a block into ``sink``; ``may_start`` gates a set's second request;
-        ``release_lease`` ends one of the caller's leases on it."""
+        ``release_lease`` ends one of the caller's leases on it; ``timeout_s`` bounds
+        the call (a set's second request included) when shorter than the config's."""
 
     async def get(self, key: str | bytes, release_lease: bool = False) -> bytes | None: ...
     async def get_into(

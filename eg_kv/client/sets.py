@@ -29,12 +29,10 @@ from .events import EventBatch, Snapshot
 from .lease_homes import NOT_NOTED, delete_answer
 from .membership import View
 from .placement import prefix_hits
+from .rounds import Ask, BatchPlan, Waiting, fetch_steps
 from .router import (
-    Ask,
-    BatchPlan,
     MemberConnectors,
     Router,
-    Waiting,
     absent,
     set_health,
 )
@@ -132,7 +130,7 @@ class SetConnector:
 
     def fetch(self, key: str | bytes, sink: Callable[..., T],
               may_start: Callable[[float], bool] | None = None,
-              release_lease: bool = False) -> T | None:  # fmt: skip
+              release_lease: bool = False, timeout_s: float | None = None) -> T | None:  # fmt: skip
         """``GET`` the block from its home (see :meth:`ServerConnector.fetch`).
 
         Args:
@@ -144,9 +142,11 @@ class SetConnector:
             release_lease: then end one of the caller's leases on the block, at the
                 member that granted it (:meth:`release`; a GET's header would end it at
                 the members asked: another client's, where the lease was not taken).
+            timeout_s: one deadline for both requests, when shorter than the config's
+                (:func:`~eg_kv.client.rounds.fetch_steps`).
         """
-        got = self._one(key, lambda c, a: c.fetch(a, sink), lambda r: r is None,
-                        may_start=may_start)  # fmt: skip
+        op, gate = fetch_steps(sink, may_start, timeout_s)
+        got = self._one(key, op, lambda r: r is None, may_start=gate)
         if release_lease:
             self.release([key])
         return got
@@ -230,7 +230,7 @@ class SetConnector:
     def _parallel(self, ask: Ask, lease_ms: int | None = None) -> dict[str, list[bool] | None]:
         """A round's lookups, one request per member, in parallel threads, all answered by
         the batch's deadline; a member still out when the round stops waiting for it
-        (:class:`~eg_kv.client.router.Waiting`) is missing from the answer and marked
+        (:class:`~eg_kv.client.rounds.Waiting`) is missing from the answer and marked
         down. One group is sent from the caller's thread (nothing to wait for beside it)."""
         jobs = ask.jobs()
         if len(jobs) <= 1:

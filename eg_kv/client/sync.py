@@ -136,6 +136,7 @@ class ServerConnector(OneServer):
         sink: Sink[T],
         may_start: MayStart | None = None,
         release_lease: bool = False,
+        timeout_s: float | None = None,
     ) -> T | None:
         """GET a block and hand its body to ``sink(length, read_exact)``; None on a miss.
 
@@ -152,6 +153,9 @@ class ServerConnector(OneServer):
         a leasing lookup: ``exists_many(..., lease_ms=...)``), hit or miss. Over HTTP it
         is a header on the GET; a local read (which cannot write the slab) releases it
         with one ``POST /kv/batch/release`` afterwards.
+
+        ``timeout_s``: the GET's deadline, when shorter than the config's (a load's own
+        deadline: a GET started just before it ran a whole ``timeout_s`` past it).
 
         Never raises on a transport or protocol error.
         """
@@ -170,6 +174,7 @@ class ServerConnector(OneServer):
                 core.block_path(address),
                 partial(block_body, core, address, sink),
                 headers=RELEASE_HEAD if release_header else b"",
+                timeout_s=timeout_s,
             )
         except Exception as exc:
             core.miss("GET", address, exc)

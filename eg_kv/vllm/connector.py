@@ -556,9 +556,9 @@ class EgKvConnector(KVConnectorBase_V1):
         addresses = [a for t in meta.loads for a in self._addresses(t.digests)]
         if not block_ids:
             return
-        # One timeout for the whole load, however many waves of GETs it takes (a GET
-        # started before it runs its own). The scheduler, whose lookups leased these
-        # blocks, releases them.
+        # One timeout for the whole load, however many waves of GETs it takes: each GET
+        # gets what is left of it (eg_kv.vllm.staging.load_rows). The scheduler, whose
+        # lookups leased these blocks, releases them.
         deadline = time.monotonic() + self._settings.client.timeout_s
         wave = max(1, self._settings.max_load_bytes // self._block_bytes)
         bad: list[int] = []

@@ -30,7 +30,7 @@ _T = TypeVar("_T")
 class BlockReader(Protocol):
     """What a load needs of a client (every eg-kv sync client has it)."""
 
-    def fetch(self, key: str | bytes, sink: Any) -> Any: ...
+    def fetch(self, key: str | bytes, sink: Any, *, timeout_s: float | None = None) -> Any: ...
 
 
 def load_rows(
@@ -44,7 +44,9 @@ def load_rows(
     """GET ``addresses[i]`` into ``rows[i]`` (a writable buffer of one stored block's
     exact length), with ``map_fn`` (e.g. a thread pool's ``map``) running the GETs.
     ``deadline`` (``time.monotonic()``): a GET that would start after it is a failed
-    block, unsent, so a silent server costs a load one timeout, not one per wave of GETs.
+    block, unsent, and each one sent is bounded by what is left of it, so a silent server
+    costs a load one timeout (not one per wave of GETs, nor a GET started just before the
+    deadline that ran its own whole timeout past it).
 
     Returns:
         ``(ok, failed)``: the indices (``rows`` is any indexable of buffers with a
@@ -57,7 +59,8 @@ def load_rows(
         raise ValueError(f"{len(addresses)} addresses for {len(rows)} rows")
 
     def one(i: int) -> bool:
-        if deadline is not None and time.monotonic() > deadline:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
             return False
         address, row = addresses[i], memoryview(rows[i]).cast("B")
 
@@ -66,7 +69,7 @@ def load_rows(
             return True
 
         try:
-            return client.fetch(address, sink) is True
+            return client.fetch(address, sink, timeout_s=left) is True
         except Exception:  # a client that raises counts as a failed block, never a crash
             return False
 

@@ -390,7 +390,7 @@ def test_a_later_request_is_not_sent_with_a_sliver_of_the_deadline():
     is not sent; a caller's own short bound on a first request still is."""
     from eg_kv.client.membership import View
     from eg_kv.client.placement import Placement
-    from eg_kv.client.router import MIN_LEFT_S, Ask
+    from eg_kv.client.rounds import MIN_LEFT_S, Ask
 
     view = View({}, Placement({"m": 1.0}))
     soon = Ask(view, {"m": [0]}, ["a" * 32], time.monotonic() + MIN_LEFT_S / 2, True)

@@ -114,7 +114,7 @@ def test_a_server_that_never_answers_fails_every_block_in_time():
 
 def test_a_raising_client_is_a_failed_block_not_a_crash():
     class Broken:
-        def fetch(self, key, sink):
+        def fetch(self, key, sink, timeout_s=None):
             raise OSError("boom")
 
     assert load_rows(Broken(), _addresses(2), [bytearray(8), bytearray(8)]) == ([], [0, 1])
@@ -122,22 +122,46 @@ def test_a_raising_client_is_a_failed_block_not_a_crash():
         load_rows(Broken(), _addresses(2), [bytearray(8)])
 
 
+def _silent_load(members: int, blocks: int, threads: int, timeout_s: float):
+    """A load of ``blocks`` with a 1 s deadline from ``members`` servers that never
+    answer: (what load_rows returned, seconds it took)."""
+    import time
+
+    servers = [RawServer("silent") for _ in range(members)]
+    try:
+        url = ",".join(s.url for s in servers)
+        c = connect(KvCacheConfig.from_env({}, base_url=url, timeout_s=timeout_s,
+                                           local_reads=False))  # fmt: skip
+        try:
+            addrs = _addresses(blocks)
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(threads) as pool:
+                got = load_rows(c, addrs, [bytearray(64) for _ in addrs], map_fn=pool.map,
+                                deadline=time.monotonic() + 1.0)  # fmt: skip
+            return got, time.monotonic() - t0
+        finally:
+            c.close()
+    finally:
+        for s in servers:
+            s.stop()
+
+
 @pytest.mark.slow
 def test_a_silent_server_costs_a_load_one_timeout_not_one_per_wave():
     """Twelve blocks on two threads against a server that never answers: GETs that would
     start past the load's deadline are failures unsent (six waves took six timeouts)."""
-    import time
-
-    with RawServer("silent") as raw:
-        c = connect(KvCacheConfig.from_env({}, base_url=raw.url, timeout_s=1.0))
-        try:
-            addrs = _addresses(12)
-            t0 = time.monotonic()
-            with ThreadPoolExecutor(2) as pool:
-                got = load_rows(c, addrs, [bytearray(64) for _ in addrs], map_fn=pool.map,
-                                deadline=time.monotonic() + 1.0)  # fmt: skip
-            took = time.monotonic() - t0
-        finally:
-            c.close()
+    got, took = _silent_load(1, 12, 2, timeout_s=1.0)
     assert got == ([], list(range(12)))
     assert took < 3.0, f"the load took {took:.1f} s"
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_every_get_of_a_load_ends_by_the_loads_deadline(members):
+    """A GET started just before the load's deadline ran its own whole timeout past it
+    (a load took up to twice ``timeout_s``; over a set, the previous home's ask added
+    one more). Every GET now gets what is left of the load's one deadline, and a set's
+    second ask starts only while some of it is left: a load of silent servers with a
+    5 s timeout and a 1 s deadline takes about 1 s."""
+    got, took = _silent_load(members, 4, 4, timeout_s=5.0)
+    assert got == ([], list(range(4)))
+    assert took < 2.0, f"a load with a 1 s deadline took {took:.1f} s"
