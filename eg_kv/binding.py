@@ -111,10 +111,17 @@ def weights_of(name: str, revision: str = "") -> str:
     path = name
     digest = xxhash.xxh3_128()
     found = False
-    for name in sorted(os.listdir(path)):
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:  # not this process's to read (another user's): no identity known
+        return ""
+    for name in names:
         if not name.endswith(WEIGHT_SUFFIXES):
             continue
-        st = os.stat(os.path.join(path, name))
+        try:
+            st = os.stat(os.path.join(path, name))
+        except OSError:  # a dangling link (a snapshot whose blob went), a file going away
+            continue
         digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         found = True
     return f"files:{digest.hexdigest()}" if found else ""

@@ -385,14 +385,18 @@ class AsyncServerConnector(OneServer):
         addresses: Sequence[str],
         timeout_s: float | None = None,
         lease_ms: int | None = None,
+        local_only: bool = False,
     ) -> list[bool] | None:
         """:meth:`try_exists_many` for ready-made addresses. Never raises.
 
         Args:
             timeout_s: the deadline of each request, when shorter than the config's.
             lease_ms: lease the hits (see :meth:`exists_many`).
+            local_only: answer from the server's slab mapped here, or None with nothing
+                sent (on another host, before the slab is mapped, or where the server
+                must answer): for a caller that may not wait for a request.
         """
-        plan = plans.try_exists(self._core, addresses, timeout_s, lease_ms)
+        plan = plans.try_exists(self._core, addresses, timeout_s, lease_ms, local_only)
         return await drive_async(plan, self._answer)
 
     async def contains_prefix(

@@ -314,6 +314,7 @@ class AsyncSetConnector:
         addresses: Sequence[str],
         timeout_s: float | None = None,
         lease_ms: int | None = None,
+        local_only: bool = False,
     ) -> list[bool] | None:
         """Like :meth:`AsyncServerConnector.try_exists_addresses`; a member that failed
         costs its share (its addresses are misses); None only when no member answered.
@@ -321,7 +322,10 @@ class AsyncSetConnector:
         Args:
             timeout_s: the batch's one deadline, when shorter than the config's.
             lease_ms: each member leases the hits of its part.
+            local_only: None, at once (a set answers from its members, over HTTP).
         """
+        if local_only:
+            return None
         found, answered = await self._lookup(list(addresses), timeout_s, lease_ms)
         return found if answered else None
 

@@ -86,6 +86,7 @@ class KvConnector(Protocol):
         addresses: Sequence[str],
         timeout_s: float | None = None,
         lease_ms: int | None = None,
+        local_only: bool = False,
     ) -> list[bool] | None: ...
     def contains_prefix(self, keys: Sequence[str | bytes], lease_ms: int | None = None) -> int: ...
     def release(self, keys: Sequence[str | bytes]) -> int:
@@ -152,6 +153,7 @@ class AsyncKvConnector(Protocol):
         addresses: Sequence[str],
         timeout_s: float | None = None,
         lease_ms: int | None = None,
+        local_only: bool = False,
     ) -> list[bool] | None: ...
     async def contains_prefix(
         self, keys: Sequence[str | bytes], lease_ms: int | None = None

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from ..errors import EgKvError
-from ..wire import EVENTS_PATH, EVENTS_SNAPSHOT_PATH, HEALTHZ_PATH, STATS_PATH
+from ..errors import EgKvError, InvalidAddress
+from ..wire import BATCH_EXISTS_MAX, EVENTS_PATH, EVENTS_SNAPSHOT_PATH, HEALTHZ_PATH, STATS_PATH
 from .core import ClientCore
 from .events import EventBatch, Snapshot, events_target, parse_events
 from .rules import CompactRefused, KvCacheStats, batch_answer, batches, leading_hits
@@ -174,9 +174,23 @@ def exists_many(core: ClientCore, addresses: list[str], lease_ms: int | None) ->
 
 
 def try_exists(
-    core: ClientCore, addresses: Sequence[str], timeout_s: float | None, lease_ms: int | None
+    core: ClientCore,
+    addresses: Sequence[str],
+    timeout_s: float | None,
+    lease_ms: int | None,
+    local_only: bool = False,
 ) -> Plan[list[bool] | None]:
-    """A flag per address, or None when any batch failed ("could not ask")."""
+    """A flag per address, or None when any batch failed ("could not ask"). With
+    ``local_only``: answered from the slab mapped here, or None with nothing sent (a
+    caller that cannot wait for a request, and must not send a leasing one twice)."""
+    if local_only:
+        slab = yield NO_PROBE
+        if slab is None or len(addresses) > BATCH_EXISTS_MAX:
+            return None
+        try:
+            return core.local_lookup(slab, list(addresses), lease_ms)
+        except InvalidAddress:
+            return None
     out: list[bool] = []
     for chunk in batches(addresses):
         found = yield from _try_batch(core, chunk, timeout_s, lease_ms)

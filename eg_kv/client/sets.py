@@ -302,6 +302,7 @@ class SetConnector:
         addresses: Sequence[str],
         timeout_s: float | None = None,
         lease_ms: int | None = None,
+        local_only: bool = False,
     ) -> list[bool] | None:
         """Like :meth:`ServerConnector.try_exists_addresses`; a member that failed costs
         its share (its addresses are misses); None only when no member answered.
@@ -309,7 +310,10 @@ class SetConnector:
         Args:
             timeout_s: the batch's one deadline, when shorter than the config's.
             lease_ms: each member leases the hits of its part.
+            local_only: None, at once (a set answers from its members, over HTTP).
         """
+        if local_only:
+            return None
         found, answered = self._lookup(list(addresses), timeout_s, lease_ms)
         return found if answered else None
 

@@ -355,6 +355,7 @@ class ServerConnector(OneServer):
         addresses: Sequence[str],
         timeout_s: float | None = None,
         lease_ms: int | None = None,
+        local_only: bool = False,
     ) -> list[bool] | None:
         """:meth:`try_exists_many` for ready-made addresses (no per-key mapping: the L2
         connector's lookups are latency-bound). Never raises.
@@ -362,8 +363,11 @@ class ServerConnector(OneServer):
         Args:
             timeout_s: the deadline of each request, when shorter than the config's.
             lease_ms: lease the hits (see :meth:`exists_many`).
+            local_only: answer from the server's slab mapped here, or None with nothing
+                sent (on another host, before the slab is mapped, or where the server
+                must answer): for a caller that may not wait for a request.
         """
-        plan = plans.try_exists(self._core, addresses, timeout_s, lease_ms)
+        plan = plans.try_exists(self._core, addresses, timeout_s, lease_ms, local_only)
         return drive(plan, self._answer)
 
     def contains_prefix(self, keys: Sequence[str | bytes], lease_ms: int | None = None) -> int:

@@ -84,8 +84,9 @@ MAX_REFS_PER_KEY = 16
 #: was a third of a 16-key lookup (scripts/bench_lookup.py). Bigger batches go to the
 #: pool, so that hashing and the answer never hold LMCache's lock for long.
 INLINE_MAX_KEYS = 64
-#: An inline lookup's deadline: past it the batch goes to the pool (a lookup changes
-#: nothing, so asking again is safe), and LMCache's lock is held no longer than this.
+#: An inline lookup's deadline: past it the batch goes to the pool (a lookup without
+#: leases changes nothing, so asking again is safe; a leasing one is inline only where the
+#: slab mapped here answers it), and LMCache's lock is held no longer than this.
 INLINE_TIMEOUT_S = 0.05
 #: After an inline lookup failed, lookups go to the pool for this long (a slow or dead
 #: server costs the submitting thread one inline deadline per period, not one per batch).
@@ -184,6 +185,7 @@ class RemoteKVL2Connector:
         # Only leases this connector's lookups took are released (eg_kv.client.lease_record).
         self._leases = LeaseRecord(self._client, lease_ms)
         self._inline_after = 0.0  # monotonic time before which lookups use the pool
+        self._lookup_warned = False  # a lookup that failed without a request was logged
 
     def __repr__(self) -> str:
         return f"RemoteKVL2Connector({self.config.base_url!r})"
@@ -289,19 +291,27 @@ class RemoteKVL2Connector:
         Returns:
             The future id its completion will carry (per-key: deleted or not).
         """
-        return self._submit_per_key(keys, lambda _i, key, _gate: self._delete(key), len(keys))
+        return self._submit_per_key(keys, lambda _i, key, gate: self._delete(key, gate), len(keys))
 
-    def _delete(self, key: str) -> bool:
+    def _delete(self, key: str, gate: WriteGate) -> bool:
         with self._lock:
             refs = self._stored.pop(key, [])
-        answers = [self._client.delete_status(a) for a in refs]
+        # One DELETE per reference, each only while the batch's deadline has room for it
+        # (a key stored 16 times took 16 timeouts of a stalled server: 80 s at the
+        # defaults); those not sent are kept for a later delete.
+        answers: list[int | None] = []
+        for address in refs:
+            if not gate.can_start(self.config.timeout_s):
+                break
+            answers.append(self._client.delete_status(address))
+        unsent = refs[len(answers) :]
         # Not applied (503): still ours, for a later delete. A lost answer may have been
         # applied: never sent again (it could end another client's reference).
-        kept = [a for a, st in zip(refs, answers, strict=True) if st == 503]
+        kept = [a for a, st in zip(refs, answers, strict=False) if st == 503] + unsent
         if kept:
             with self._lock:
                 self._stored[key] = kept + self._stored.pop(key, [])
-        return bool(refs) and all(st == 204 for st in answers)
+        return bool(refs) and not unsent and all(st == 204 for st in answers)
 
     def submit_batch_exists(self, keys: Sequence[str]) -> int:
         """Ask which keys are resident with one ``POST /kv/batch/exists``.
@@ -322,7 +332,7 @@ class RemoteKVL2Connector:
         if self._closed:
             self._complete(fid, False, "eg-kv connector is closed", [False] * len(keys))
             return fid
-        client = self._client
+        client, leasing = self._client, self._leases.asked
         # Inline only against one server (connect() built the direct client for it): a
         # set's lookup fans out over several members.
         if (
@@ -330,20 +340,35 @@ class RemoteKVL2Connector:
             and len(keys) <= INLINE_MAX_KEYS
             and time.monotonic() >= self._inline_after
         ):
-            addresses = self.addresses.addresses(keys)
-            found = client.try_exists_addresses(
-                addresses,
-                min(INLINE_TIMEOUT_S, self.config.timeout_s),
-                lease_ms=self._leases.asked,
-            )
+            try:
+                addresses = self.addresses.addresses(keys)
+            except Exception as exc:  # an error is a failed lookup, never LMCache's to catch
+                self._lookup_failed(fid, len(keys), exc)
+                return fid
+            if leasing:
+                # A leasing lookup changes state: never sent twice. Inline only where the
+                # slab mapped here answers it (no request); else one request, on the pool.
+                # (One timed out inline and asked again took every hit's lease twice.)
+                found = client.try_exists_addresses(addresses, lease_ms=leasing, local_only=True)
+            else:
+                found = client.try_exists_addresses(
+                    addresses, min(INLINE_TIMEOUT_S, self.config.timeout_s)
+                )
+                if found is None:
+                    self._inline_after = time.monotonic() + INLINE_BACKOFF_S
             if found is not None:
                 self._complete(fid, True, "", self._leases.note(addresses, found))
                 return fid
-            self._inline_after = time.monotonic() + INLINE_BACKOFF_S
 
         def run() -> None:
-            addresses = self.addresses.addresses(keys)
-            found = self._client.try_exists_addresses(addresses, lease_ms=self._leases.asked)
+            try:
+                if self._closed:
+                    raise ConnectionAbortedError("eg-kv connector is closed")
+                addresses = self.addresses.addresses(keys)
+                found = self._client.try_exists_addresses(addresses, lease_ms=leasing)
+            except Exception as exc:  # a completion whatever happens: LMCache waits for it
+                self._lookup_failed(fid, len(keys), exc)
+                return
             if found is None:  # could not ask: a failed lookup, which LMCache counts as misses
                 self._complete(fid, False, "eg-kv batch exists failed", [False] * len(keys))
             else:
@@ -351,6 +376,15 @@ class RemoteKVL2Connector:
 
         self._spawn(fid, run)
         return fid
+
+    def _lookup_failed(self, fid: int, n: int, exc: BaseException) -> None:
+        """Complete lookup ``fid`` of ``n`` keys as failed (LMCache counts misses), for an
+        error no request raised (a model whose weights cannot be read, to bind them)."""
+        if not self._lookup_warned:  # once: every lookup would say the same
+            self._lookup_warned = True
+            log.warning("eg-kv lookups fail: %s: %s (each a miss; warned once)",
+                        type(exc).__name__, exc)  # fmt: skip
+        self._complete(fid, False, f"eg-kv lookup failed: {type(exc).__name__}", [False] * n)
 
     def drain_completions(self) -> list[Completion]:
         """Every completion queued so far, oldest first; resets the eventfd.
@@ -383,7 +417,9 @@ class RemoteKVL2Connector:
                 return
             self._closed = True
         self._gates.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # Queued work runs, each failing at once (closed gates, a closed lookup): a
+        # cancelled one would never complete, and LMCache waits on every future id.
+        self._pool.shutdown(wait=True, cancel_futures=False)
         self._client.close()
         with self._lock:
             # Under the lock: no completion can write to the number once it is closed

@@ -512,6 +512,6 @@ def wait_completions(conn: Any, fids: set[int], timeout: float = 30.0) -> dict:
 LM_MODEL = "Qwen/Qwen2.5-7B-Instruct"
 
 
-def lm_keys(n: int, start: int = 0) -> list[str]:
+def lm_keys(n: int, start: int = 0, model: str = LM_MODEL) -> list[str]:
     """Keys in LMCache's native-connector format (they hold ``/``)."""
-    return [f"{LM_MODEL}@{1:08x}@0@{(start + i).to_bytes(32, 'big').hex()}" for i in range(n)]
+    return [f"{model}@{1:08x}@0@{(start + i).to_bytes(32, 'big').hex()}" for i in range(n)]

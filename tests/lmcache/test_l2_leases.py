@@ -142,3 +142,127 @@ def test_a_load_releases_only_what_this_connectors_lookup_leased(server_factory)
         wait_for(lambda: release_requests() >= expected, what="the marker counted")  # noqa: B023
         assert release_requests() == expected
     other.close()
+
+
+def _workers(srv) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(srv.pid).children() if p.status() != "zombie"]
+
+
+def test_a_leasing_lookup_is_sent_once_even_when_the_server_is_slow(server_factory):
+    """A lookup over HTTP was tried inline for 50 ms, then sent again on the pool: with
+    the server a little slow, both reached it and every hit was leased twice (one lease
+    left after the load, pinning the block). A leasing lookup is inline only where the
+    slab mapped here answers it; over HTTP it is one request, on the pool."""
+    import signal
+    import time
+
+    srv = server_factory(workers=1)
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=5, local_reads=False)
+    try:
+        keys = lm_keys(4)
+        f = conn.submit_batch_set(keys, [memoryview(bytes(CHUNK)) for _ in keys])
+        assert wait_completions(conn, {f})[f][1] is True
+        before = stats(srv.url)["leases_taken"]
+        worker = _workers(srv)
+        for pid in worker:  # slow: stopped for 0.3 s (the supervisor cuts at 5 s)
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            f = conn.submit_batch_exists(keys)
+            time.sleep(0.3)
+        finally:
+            for pid in worker:
+                os.kill(pid, signal.SIGCONT)
+        assert wait_completions(conn, {f})[f][3] == [True] * 4
+        assert stats(srv.url)["leases_taken"] - before == 4  # once each, not 8
+        f = conn.submit_batch_get(keys, [memoryview(bytearray(CHUNK)) for _ in keys])
+        assert wait_completions(conn, {f})[f][3] == [True] * 4
+        assert stats(srv.url)["leased_blocks"] == 0
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("n", [2, 65])  # inline, and on the pool
+def test_a_model_with_a_dangling_weights_link_is_stored_and_looked_up(server_factory, n, tmp_path):
+    """A model directory with a dangling weights link (a snapshot whose blob went): the
+    binding raised, so every store failed; a lookup inline raised into LMCache's thread,
+    one on the pool never completed (LMCache's scheduler waits for it). The link is
+    skipped now, and any error a lookup meets is a failed lookup."""
+    os.symlink(tmp_path / "gone-blob", tmp_path / "model-00001.safetensors")
+    srv = server_factory(workers=1)
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=5, local_reads=False)
+    try:
+        keys = lm_keys(n, model=str(tmp_path))
+        f = conn.submit_batch_set(keys, [memoryview(bytes(CHUNK)) for _ in keys])
+        assert wait_completions(conn, {f})[f][3] == [True] * n
+        f = conn.submit_batch_exists(keys)
+        assert wait_completions(conn, {f}, timeout=10)[f][3] == [True] * n
+    finally:
+        conn.close()
+
+
+def _stopped(srv):
+    """Stop the server's workers (SIGSTOP) for a ``with`` block: a stalled server."""
+    import contextlib
+    import signal
+
+    @contextlib.contextmanager
+    def hold():
+        worker = _workers(srv)
+        for pid in worker:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in worker:
+                os.kill(pid, signal.SIGCONT)
+
+    return hold()
+
+
+def test_close_completes_every_batch_it_had_queued(server_factory):
+    """close() cancelled the batches still queued on the pool: their completions never
+    came (4 of 5 against a stalled server), and whoever waits on a future id waits for
+    good. They run now, each failing at once."""
+    srv = server_factory(workers=1)
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=1, local_reads=False, num_workers=2)
+    keys = lm_keys(2)
+    f = conn.submit_batch_set(keys, [memoryview(bytes(CHUNK)) for _ in keys])
+    assert wait_completions(conn, {f})[f][1] is True
+    with _stopped(srv):
+        fids = {conn.submit_batch_get(keys, [memoryview(bytearray(CHUNK)) for _ in keys])
+                for _ in range(3)}  # fmt: skip
+        fids.add(conn.submit_batch_exists(lm_keys(100, start=10)))
+        fids.add(conn.submit_batch_set(lm_keys(2, start=200),
+                                       [memoryview(bytes(CHUNK)) for _ in range(2)]))  # fmt: skip
+        conn.close()
+    done = [c[0] for c in conn.drain_completions()]
+    assert sorted(done) == sorted(fids)  # each once
+
+
+def test_a_delete_of_a_key_stored_many_times_keeps_to_its_deadline(server_factory):
+    """A key stored N times holds N references, deleted one DELETE after another: against
+    a stalled server that was N timeouts (80 s at the defaults, past LMCache's own 30 s
+    wait). Each DELETE starts only while the batch's deadline has room; the rest are kept
+    for a later delete, which releases them."""
+    import time
+
+    srv = server_factory(workers=1)
+    conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=1, local_reads=False)
+    try:
+        (key,) = lm_keys(1)
+        for _ in range(4):
+            f = conn.submit_batch_set([key], [memoryview(bytes(CHUNK))])
+            assert wait_completions(conn, {f})[f][1] is True
+        with _stopped(srv):
+            t0 = time.monotonic()
+            f = conn.submit_batch_delete([key])
+            got = wait_completions(conn, {f}, timeout=10)[f]
+            took = time.monotonic() - t0
+        assert got[3] == [False] and took < 3.0, (got, took)  # not 4 timeouts
+        f = conn.submit_batch_delete([key])  # the references kept: released now
+        wait_completions(conn, {f})
+        assert stats(srv.url)["unique_blocks"] == 0
+    finally:
+        conn.close()
