@@ -58,6 +58,8 @@ async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
             loaded = await tiers.load(request, tenant, address)
             if loaded is None:
                 raise absent(address)
+            # Served from the disk: a hit (a promotion another GET made is read below).
+            request.app[SLAB].retract_miss(tenant.ns, hit=loaded is not tiers.PROMOTED)
             if isinstance(loaded, Loaded):
                 return reply(request, 200, loaded.data, BLOCK_TYPE, checksum=loaded.checksum)
             if isinstance(loaded, tiers.Promoting):

@@ -110,8 +110,12 @@ class SlabNamespaces(SlabStats):
         else:
             flags = nsw[L.NS_USED : L.NS_COUNT * _NS_WORDS : _NS_WORDS].tolist()
             names = list(itertools.compress(range(L.NS_COUNT), flags))
-        total = None if only else self.stats(timeout)
+        total = None
         with self._locked(timeout, write=False):
+            # The slab's totals in the same hold as the namespaces' (apart, a PUT between
+            # the two made the default namespace's counts -1 and back: a counter reset).
+            if not only:
+                total = self._counters_locked()
             for ns in names:
                 e = ns * _NS_WORDS
                 if not nsw[e + L.NS_USED]:
@@ -130,9 +134,13 @@ class SlabNamespaces(SlabStats):
         # The default namespace's counters are the slab's less the named ones' (the hot
         # paths of a server without tenants then pay nothing for namespaces).
         if total is not None:
+            total = self._stats_from(total)
             default = out[""][1]
             for key in (*L.NS_DERIVED, *L.NS_EVENTS):
-                default[key] = total[key] - sum(int(v[key]) for k, (_, v) in out.items() if k)
+                # Hits and misses of named namespaces are counted without the lock (one
+                # may land between the reads): never below 0.
+                rest = sum(int(v[key]) for k, (_, v) in out.items() if k)
+                default[key] = max(0, total[key] - rest)
             default["dedup_savings_bytes"] = int(default["logical_bytes"]) - int(
                 default["resident_bytes"]
             )

@@ -18,15 +18,25 @@ class SlabStats(SlabEventLog):
         Raises:
             LockTimeout: the lock stayed taken for ``timeout`` seconds.
         """
-        st, ps = self._state, self.page_size
         with self._locked(timeout, write=False):
-            out = {k: st[i] for k, i in L.DERIVED_COUNTERS.items()}
-            out.update({k: st[i] for k, i in L.EVENT_COUNTERS.items()})
-            free = st[L.ST_FREE_COUNT]
-            procs = self._procs
-            for e in range(0, L.NPROCS * L.PROC_WORDS, L.PROC_WORDS):
-                out["get_hits"] += procs[e + 1]
-                out["get_misses"] += procs[e + 2]
+            out = self._counters_locked()
+        return self._stats_from(out)
+
+    def _counters_locked(self) -> dict[str, int]:
+        """The counters the lock guards (call it holding the lock): :meth:`stats` then
+        adds what is counted without it (:meth:`_stats_from`)."""
+        st, procs = self._state, self._procs
+        out = {k: st[i] for k, i in L.DERIVED_COUNTERS.items()}
+        out.update({k: st[i] for k, i in L.EVENT_COUNTERS.items()})
+        out["free_pages"] = st[L.ST_FREE_COUNT]
+        for e in range(0, L.NPROCS * L.PROC_WORDS, L.PROC_WORDS):
+            out["get_hits"] += procs[e + 1]
+            out["get_misses"] += procs[e + 2]
+        return out
+
+    def _stats_from(self, out: dict[str, int]) -> dict[str, int]:
+        """:meth:`stats` from what :meth:`_counters_locked` read."""
+        ps, free = self.page_size, out.pop("free_pages")
         # Local readers' counts, as if their reads had come over HTTP.
         for hits, misses in self._reader_counts().values():
             out["get_hits"] += hits

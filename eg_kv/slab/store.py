@@ -797,7 +797,8 @@ class Slab(SlabLeases):
         st[L.ST_RESIDENT_BYTES] += length
         st[L.ST_LOGICAL_BYTES] += length
         st[L.ST_SLOT_PAGES] += npages
-        st[L.ST_PUTS_CREATED] += 1
+        created = 0 if record else 1  # a promotion from the disk tier is no client's PUT
+        st[L.ST_PUTS_CREATED] += created
         if 8 * (st[L.ST_SLOT_PAGES] - st[L.ST_LEASED_PAGES]) < st[L.ST_SLOT_PAGES]:
             st[L.ST_UNLEASED_HINT] = i + 1  # almost all leased: the next victim, known
         if ns:
@@ -807,7 +808,7 @@ class Slab(SlabLeases):
             nsw[e + _NS_RESIDENT_BYTES] += length
             nsw[e + _NS_LOGICAL_BYTES] += length
             nsw[e + _NS_PAGES] += npages
-            nsw[e + _NS_PUTS_CREATED] += 1
+            nsw[e + _NS_PUTS_CREATED] += created
         if ev is not None:
             ev.commit()
 
@@ -891,6 +892,12 @@ class Slab(SlabLeases):
         self._count_aborted_read(ns)
         with self._locked():
             self._state[L.ST_CHECKSUM_FAILURES] += 1
+
+    def retract_miss(self, ns: int = 0, hit: bool = True) -> None:
+        """A GET the slab missed (counted a miss) and the disk tier answered: take the miss
+        back, and count a hit unless a second read of the slab counts its own (the
+        dashboards' hit ratio read 0% while every GET was answered 200)."""
+        self._count_read(1 if hit else 0, -1, ns)
 
     def _count_read(self, hit: int, miss: int, ns: int = 0) -> None:
         """Count get hits and misses in this process's own entry (no lock, one writer),

@@ -112,9 +112,15 @@ def test_evictions_spill_and_hits_come_back(server_factory, disk_dir):
                     json.dumps({"addresses": [*first, "s999"]}).encode()).json()  # fmt: skip
     assert batch == {"exists": [True, True, True, False], "prefix_hits": 3, "on_disk": [0, 1, 2]}
 
+    before = stats(srv)
     assert _all_back(srv, blocks) == {"equal": 32, "miss": 0}
     disk = _disk(srv)
     assert disk["disk_hits"] >= 24 and disk["promotions"] >= 24 and disk["checksum_failures"] == 0
+    # 32 GETs answered 200: 32 hits, whichever tier answered (a disk hit counted a miss,
+    # and its promotion a PUT no client made).
+    after = stats(srv)
+    assert (after["get_hits"] - before["get_hits"], after["get_misses"] - before["get_misses"],
+            after["puts_created"] - before["puts_created"]) == (32, 0, 0)  # fmt: skip
     assert disk["spills"] == 32 and disk["blocks"] == 32 and disk["direct_io"] is True
 
 
