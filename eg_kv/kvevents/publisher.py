@@ -85,6 +85,12 @@ __all__ = ["Publisher", "PublisherOptions", "ReplayCut", "Topics"]
 
 log = logging.getLogger("eg_kv.kvevents")
 
+#: The publisher's counters (written to its counters file once a second; every one is
+#: exported on ``/metrics``, eg_kv.server.metrics).
+COUNTERS = ("published", "batches", "skipped", "burnt", "replays", "resyncs",
+            "resyncs_put_off", "replays_dropped", "extras_late", "extras_bad",
+            "replay_ms")  # fmt: skip
+
 
 class ReplayCut(Exception):
     """A replay answer was cut short (too slow, or its resync could not be made): its
@@ -254,10 +260,7 @@ class Publisher:
         self._at: dict[int, int] = {}
         #: Each namespace's batch being filled this step: (first position, events).
         self._pending: dict[int, tuple[int, list[Any]]] = {}
-        self.counters = {"published": 0, "batches": 0, "skipped": 0, "burnt": 0,
-                         "replays": 0, "resyncs": 0, "resyncs_put_off": 0,
-                         "replays_dropped": 0, "extras_late": 0, "extras_bad": 0,
-                         "replay_ms": 0}  # fmt: skip
+        self.counters = dict.fromkeys(COUNTERS, 0)
         #: (namespace id, address) -> (packed token ids, LoRA name), newest last.
         self.extras: OrderedDict[tuple[int, bytes], tuple[bytes, str]] = OrderedDict()
         self.extras_in = None

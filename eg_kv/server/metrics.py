@@ -268,10 +268,15 @@ _KV_EVENTS = {
     "burnt": "Topic seq numbers the publisher skipped, the log no longer holding their events",
     "replays": "Replay requests answered",
     "resyncs": "Replays answered by a resync (a walk of the slot table)",
-    "replay_ms": "Time the publisher spent answering replays and resyncs (ms; at most half "
+    "resyncs_put_off": "Resyncs asked within a second of the last one, answered later",
+    "replays_dropped": "Replay requesters dropped (cut off, or too many waiting)",
+    "replay_ms": "Time the publisher spent answering replays and resyncs (at most half "
     "its time, the rest is the live stream's)",
     "extras_late": "Stores published without the token ids their worker sent (late)",
+    "extras_bad": "Messages on the extras socket that were not a worker's (dropped)",
 }
+#: Counters the publisher keeps in ms, exported in seconds (Prometheus' base unit).
+_KV_EVENTS_MS = {"replay_ms": "replay_seconds"}
 
 
 def _read_counters(path: str) -> dict[str, int] | None:
@@ -290,8 +295,9 @@ def _kv_events_families(counters: dict[str, Any]) -> list:
     for name, doc in _KV_EVENTS.items():
         value = counters.get(name)
         if isinstance(value, int):
-            family = CounterMetricFamily(f"eg_kv_kv_events_{name}", doc)
-            family.add_metric([], value)
+            seconds = _KV_EVENTS_MS.get(name)
+            family = CounterMetricFamily(f"eg_kv_kv_events_{seconds or name}", doc)
+            family.add_metric([], value / 1000 if seconds else value)
             out.append(family)
     return out
 

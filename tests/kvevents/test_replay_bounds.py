@@ -317,3 +317,17 @@ def test_requesters_asking_again_and_again_get_at_most_half_the_publishers_time(
         ctx.term()
         slab.close()
         slab.unlink()
+
+
+def test_every_publisher_counter_is_on_metrics():
+    """The publisher counted dropped replay requesters and bad extras messages that
+    /metrics never showed; every counter it keeps has a series now (time in seconds)."""
+    from eg_kv.kvevents.publisher import COUNTERS
+    from eg_kv.server.metrics import _KV_EVENTS, _kv_events_families
+
+    assert set(COUNTERS) == set(_KV_EVENTS)
+    names = {f.name for f in _kv_events_families(dict.fromkeys(COUNTERS, 1500))}
+    assert "eg_kv_kv_events_replays_dropped" in names
+    assert "eg_kv_kv_events_replay_seconds" in names and "eg_kv_kv_events_replay_ms" not in names
+    (replay,) = [f for f in _kv_events_families({"replay_ms": 1500}) if "replay" in f.name]
+    assert replay.samples[0].value == 1.5
