@@ -211,7 +211,7 @@ class AsyncServerConnector(OneServer):
                 core.block_path(address),
                 read,
                 headers=_RELEASE if release_header else None,
-                timeout_s=timeout_s,
+                timeout_s=None if timeout_s is None else min(timeout_s, self.config.timeout_s),
             )
         except Exception as exc:  # asyncio.TimeoutError included
             core.miss("GET", address, exc)
@@ -392,9 +392,10 @@ class AsyncServerConnector(OneServer):
         Args:
             timeout_s: the deadline of each request, when shorter than the config's.
             lease_ms: lease the hits (see :meth:`exists_many`).
-            local_only: answer from the server's slab mapped here, or None with nothing
-                sent (on another host, before the slab is mapped, or where the server
-                must answer): for a caller that may not wait for a request.
+            local_only: answer from the server's slab mapped here, or None with no
+                lookup sent (on another host, before the slab is mapped, or where the
+                server must answer): for a caller that may not wait for a request. (A
+                probe of where the slab is may go out on a thread of its own.)
         """
         plan = plans.try_exists(self._core, addresses, timeout_s, lease_ms, local_only)
         return await drive_async(plan, self._answer)

@@ -187,7 +187,8 @@ class AsyncSetConnector:
         ``release_lease``: then ends one of the caller's leases at the member that granted
         it (:meth:`release`). ``timeout_s``: one deadline for both requests
         (:func:`~eg_kv.client.rounds.fetch_steps`)."""
-        op, gate = fetch_steps(sink, may_start, timeout_s)
+        bound = None if timeout_s is None else min(timeout_s, self.config.timeout_s)
+        op, gate = fetch_steps(sink, may_start, bound)
         got = await self._one(key, op, lambda r: r is None, may_start=gate)
         if release_lease:
             await self.release([key])

@@ -130,7 +130,7 @@ class Response:
             ShortBody: it ended early.
         """
         parts: list[bytes] = []
-        self.read_pieces(limit, parts.append, piece=max(1, limit))  # a Content-Length: one piece
+        self.read_pieces(limit, parts.append, piece=limit)  # a Content-Length: one piece
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def read_pieces(self, limit: int, feed: Callable[[bytes], object], piece: int = PIECE) -> None:
@@ -142,6 +142,7 @@ class Response:
             ProtocolError: the body is larger than ``limit`` or malformed.
             ShortBody: it ended early.
         """
+        piece = max(1, piece)
         if self._left is not None:
             if self._left > limit:
                 raise ProtocolError(f"answer of {self._left} bytes is over {limit}")

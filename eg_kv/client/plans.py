@@ -181,7 +181,7 @@ def try_exists(
     local_only: bool = False,
 ) -> Plan[list[bool] | None]:
     """A flag per address, or None when any batch failed ("could not ask"). With
-    ``local_only``: answered from the slab mapped here, or None with nothing sent (a
+    ``local_only``: answered from the slab mapped here, or None with no lookup sent (a
     caller that cannot wait for a request, and must not send a leasing one twice)."""
     if local_only:
         slab = yield NO_PROBE

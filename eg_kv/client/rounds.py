@@ -38,6 +38,8 @@ def fetch_steps(
     deadline = time.monotonic() + timeout_s
 
     def op(c: Any, a: str) -> Any:
+        # At least MIN_LEFT_S: fetch_steps' caller does not start one with less, and a
+        # second ask gets past the gate only with more.
         return c.fetch(a, sink, timeout_s=max(deadline - time.monotonic(), MIN_LEFT_S))
 
     def gate(_fresh_s: float) -> bool:

@@ -145,7 +145,8 @@ class SetConnector:
             timeout_s: one deadline for both requests, when shorter than the config's
                 (:func:`~eg_kv.client.rounds.fetch_steps`).
         """
-        op, gate = fetch_steps(sink, may_start, timeout_s)
+        bound = None if timeout_s is None else min(timeout_s, self.config.timeout_s)
+        op, gate = fetch_steps(sink, may_start, bound)
         got = self._one(key, op, lambda r: r is None, may_start=gate)
         if release_lease:
             self.release([key])

@@ -174,7 +174,7 @@ class ServerConnector(OneServer):
                 core.block_path(address),
                 partial(block_body, core, address, sink),
                 headers=RELEASE_HEAD if release_header else b"",
-                timeout_s=timeout_s,
+                timeout_s=None if timeout_s is None else min(timeout_s, self.config.timeout_s),
             )
         except Exception as exc:
             core.miss("GET", address, exc)
@@ -363,9 +363,10 @@ class ServerConnector(OneServer):
         Args:
             timeout_s: the deadline of each request, when shorter than the config's.
             lease_ms: lease the hits (see :meth:`exists_many`).
-            local_only: answer from the server's slab mapped here, or None with nothing
-                sent (on another host, before the slab is mapped, or where the server
-                must answer): for a caller that may not wait for a request.
+            local_only: answer from the server's slab mapped here, or None with no
+                lookup sent (on another host, before the slab is mapped, or where the
+                server must answer): for a caller that may not wait for a request. (A
+                probe of where the slab is may go out on a thread of its own.)
         """
         plan = plans.try_exists(self._core, addresses, timeout_s, lease_ms, local_only)
         return drive(plan, self._answer)

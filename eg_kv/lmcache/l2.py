@@ -276,8 +276,10 @@ class RemoteKVL2Connector:
         return self._client.fetch(address, sink, may_start=gate.can_start)
 
     def _release_leases(self, keys: list[str]) -> None:
-        """End the leases this connector's lookups took on a finished load batch's keys."""
-        if self._leases.lease_ms > 0:
+        """End the leases this connector's lookups took on a finished load batch's keys;
+        none once closed (they end by themselves within ``lease_ms``: a release per queued
+        batch, against a stalled server, made close() wait a timeout each)."""
+        if self._leases.lease_ms > 0 and not self._closed:
             self._leases.release(self.addresses.addresses(keys))
 
     def submit_batch_delete(self, keys: Sequence[str]) -> int:

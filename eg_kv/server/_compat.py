@@ -211,8 +211,8 @@ class StampedHandler(web_protocol.RequestHandler):
     """
 
     __slots__ = (
-        "body_at", "body_req", "body_seen", "head_at", "head_bytes", "head_of", "head_over",
-        "held_at", "in_lane", "intake", "lane", "rx_at", "tail_body", "wpaused_at",
+        "body_at", "body_pending", "body_req", "body_seen", "head_at", "head_bytes", "head_of",
+        "head_over", "held_at", "in_lane", "intake", "lane", "rx_at", "wpaused_at",
         "wpaused_size",
     )  # fmt: skip
 
@@ -229,16 +229,16 @@ class StampedHandler(web_protocol.RequestHandler):
         #: Bytes read since a request last completed, and whether that passed
         #: :data:`MAX_HEAD_BYTES` (reading stopped; the sweeper answers 431).
         self.head_bytes, self.head_over = 0, False
-        #: The body of the request parsed last (None: none, or the lane's, all in): while
-        #: it is not all in, bytes read are its; after, the next request's head.
-        self.tail_body: streams.StreamReader | None = None
+        #: Whether the request parsed last has body still to come: the bytes read are
+        #: its then; after, the next request's head.
+        self.body_pending = False
 
     def data_received(self, data: bytes) -> None:
         if not data:  # aiohttp re-parsing what it buffered, on resume_reading
             parsed = self._request_count
             self._parse(data)
             if self._request_count != parsed:
-                self.tail_body = self._messages[-1][1] if self._messages else None
+                self._note_newest_body()
             return
         now = self._loop.time()
         self.rx_at = now
@@ -246,9 +246,9 @@ class StampedHandler(web_protocol.RequestHandler):
         # Bytes after a request whose body is all in are the next request's head, however
         # busy the connection is (waiting, handling, lingering): a head queued behind a
         # long poll was neither timed nor counted (1.8 MiB of header lines a connection).
-        tail = self.tail_body
-        head = self.intake is None and (tail is None or tail.is_eof())
-        if head and self.head_of != parsed:
+        # The empty lines a client may send between requests start no head's clock.
+        head = self.intake is None and not self.body_pending
+        if head and self.head_of != parsed and data.strip(b"\r\n"):
             self.head_of, self.head_at = parsed, now  # the first bytes of a head
         self._parse(data)
         messages, waiter = self._messages, self._waiter
@@ -262,8 +262,8 @@ class StampedHandler(web_protocol.RequestHandler):
             # own full queue, and start() resumes it when it takes the request.
             self._pause_reading_for_buffer()
         count = self._request_count  # aiohttp counts a request as it parses its head
-        if count != parsed:  # the newest request's body: what the next bytes may be
-            self.tail_body = messages[-1][1] if messages else None
+        if count != parsed:
+            self._note_newest_body()
         if count != parsed or not head:
             # A request completed in this read, or these were a body (its handler's to
             # bound): no head is piling up.
@@ -274,6 +274,19 @@ class StampedHandler(web_protocol.RequestHandler):
                 self.head_over = True
                 if self.transport is not None:
                     self.transport.pause_reading()
+
+    def _note_newest_body(self) -> None:
+        """Note whether the newest request parsed has body still to come (the next bytes
+        are its), until its end arrives (a callback: no reference to the body is kept, whose
+        unread bytes a kept one held for the keep-alive's 75 s)."""
+        messages = self._messages
+        payload = messages[-1][1] if messages else None  # none queued: the lane's, all in
+        self.body_pending = payload is not None and not payload.is_eof()
+        if payload is not None and self.body_pending:
+            payload.on_eof(self._body_in)
+
+    def _body_in(self) -> None:
+        self.body_pending = False
 
     def _parse(self, data: bytes) -> None:
         """Hand ``data`` to aiohttp's parser, or to the lane."""

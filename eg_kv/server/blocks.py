@@ -23,7 +23,7 @@ from ..slab.view import BlockReader
 from ..wire import BLOCK_TYPE, RELEASE_HEADER
 from . import replies, tiers
 from .answers import closing, reply
-from .keys import AUTH, SLAB
+from .keys import AUTH, DISK, SLAB
 from .lookups import release_on_load
 from .replies import written
 from .tenants import Tenant
@@ -53,18 +53,21 @@ async def get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
 async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     address = request.match_info["hash"]
     try:
-        found = request.app[SLAB].read_or_open(address, tenant.ns)
+        slab, disk = request.app[SLAB], request.app.get(DISK) is not None
+        found = slab.read_or_open(address, tenant.ns, miss=not disk)
         if found is None:
             loaded = await tiers.load(request, tenant, address)
+            # A hit if the disk served it, else a miss (a promotion another GET made
+            # meanwhile is counted by the read below).
+            if loaded is not tiers.PROMOTED:
+                slab.count_get(tenant.ns, hit=loaded is not None)
             if loaded is None:
                 raise absent(address)
-            # Served from the disk: a hit (a promotion another GET made is read below).
-            request.app[SLAB].retract_miss(tenant.ns, hit=loaded is not tiers.PROMOTED)
             if isinstance(loaded, Loaded):
                 return reply(request, 200, loaded.data, BLOCK_TYPE, checksum=loaded.checksum)
             if isinstance(loaded, tiers.Promoting):
                 return await _send_promoting(request, loaded)
-            found = request.app[SLAB].read_or_open(address, tenant.ns)
+            found = slab.read_or_open(address, tenant.ns)
             if found is None:
                 raise NotFound(f"no block {address} (evicted as soon as it was promoted)")
         checksum, reader = found

@@ -221,14 +221,16 @@ class Connections:
                 _FULL_REPLY, f"this worker holds {self.limits.max_connections} busy "
                 "connections (--max-connections); retry"))  # fmt: skip
 
-    def _close(self, c: Connection, why: str, last_words: bytes = b"") -> None:
+    def _close(self, c: Connection, why: str, last_words: bytes = b"", cut: bool = False) -> None:
+        """Close ``c``, counted under ``why``: ``last_words`` first (an answer of its own),
+        or, with ``cut``, at once (a handler's answer in flight must not be waited for)."""
         self._open.pop(c, None)
         self.closed_by[why] += 1
         transport = c.transport
         if transport is not None:
             if last_words and not transport.is_closing():
                 transport.write(last_words)
-            elif transport.get_write_buffer_size():
+            elif cut or transport.get_write_buffer_size():
                 transport.abort()  # it would never flush: the client does not read
         c.force_close()
 
@@ -237,16 +239,20 @@ class Connections:
         lim = self.limits
         for c in list(self._open):
             # A head that grows too large or too slow, whether the connection waits for
-            # it or has requests before it still in hand (a head behind a long poll).
-            if c.head_over:
-                text = f"request head over {MAX_HEAD_BYTES // 1024} KiB"
-                self._close(c, HEAD, _one_line_reply(_HEAD_SIZE_REPLY, text))
-                continue
-            # Not while the server holds reading: complete heads may wait unparsed then.
+            # it or has requests before it still in hand (a head behind a long poll). One
+            # in hand would take the answer for its own, and an answer being sent has no
+            # room for one: such a connection is cut without it.
             late = now - c.head_at > lim.header_timeout
-            if c.head_arriving() and late and not c.reading_held():
-                text = f"request head not complete within {lim.header_timeout:g} s"
-                self._close(c, HEAD, _one_line_reply(_HEAD_TIMEOUT_REPLY, text))
+            # (Not while the server holds reading: complete heads may wait unparsed then.)
+            if c.head_over or (c.head_arriving() and late and not c.reading_held()):
+                if not c.waiting():
+                    self._close(c, HEAD, cut=True)
+                elif c.head_over:
+                    text = f"request head over {MAX_HEAD_BYTES // 1024} KiB"
+                    self._close(c, HEAD, _one_line_reply(_HEAD_SIZE_REPLY, text))
+                else:
+                    text = f"request head not complete within {lim.header_timeout:g} s"
+                    self._close(c, HEAD, _one_line_reply(_HEAD_TIMEOUT_REPLY, text))
                 continue
             if not c.waiting():  # a request is queued or handled
                 if c.writing_paused:

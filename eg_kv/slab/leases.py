@@ -329,6 +329,9 @@ class SlabLeases(SlabChecks):
         self._slot_leases[i] = 0
         s = self._read_slot(i)
         self._count_leased(s[L.F_NS], -s[L.F_NPAGES])
+        holders = self._holders()
+        if holders is not None:  # the block goes: its holders' records with it
+            holders.drop(s[L.F_BLOCK_ID])
         if self._slot_lease_end[i] <= (now or now_ms()):
             self._state[L.ST_LEASES_EXPIRED] += held
 

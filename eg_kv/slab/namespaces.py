@@ -94,8 +94,9 @@ class SlabNamespaces(SlabStats):
         self, only: int | None = None, timeout: float | None = None
     ) -> dict[str, dict[str, int | str]]:
         """Each namespace's counters by name (the contract's eight fields first), or only
-        namespace ``only``'s. The default namespace's get hits and misses are the slab's
-        less the others' (those of named namespaces are counted without the lock).
+        namespace ``only``'s. The default namespace's counters are the slab's less the
+        named ones', read in one hold of the lock; its get hits and misses are its own
+        (:meth:`~eg_kv.slab.store.Slab._count_read`), as each named one's.
 
         Raises:
             LockTimeout: the lock stayed taken for ``timeout`` seconds.
@@ -124,7 +125,7 @@ class SlabNamespaces(SlabStats):
                 one.update({k: nsw[e + i] for k, i in L.NS_EVENTS.items()})
                 one["quota_bytes"] = nsw[e + _NS_QUOTA]
                 one["quota_used_bytes"] = one["reserved_bytes"] = 0  # set below
-                if ns:  # the default namespace's are derived below
+                if ns:  # the default namespace's are set below
                     hits, misses = local.get(ns, (0, 0))
                     one["get_hits"] = int(one["get_hits"]) + hits
                     one["get_misses"] = int(one["get_misses"]) + misses
@@ -134,13 +135,15 @@ class SlabNamespaces(SlabStats):
         # The default namespace's counters are the slab's less the named ones' (the hot
         # paths of a server without tenants then pay nothing for namespaces).
         if total is not None:
-            total = self._stats_from(total)
+            hits, misses = local.get(0, (0, 0))
+            own = {"get_hits": total["get_hits"] + hits, "get_misses": total["get_misses"] + misses}
+            total = self._stats_from(total, local)
             default = out[""][1]
             for key in (*L.NS_DERIVED, *L.NS_EVENTS):
-                # Hits and misses of named namespaces are counted without the lock (one
-                # may land between the reads): never below 0.
-                rest = sum(int(v[key]) for k, (_, v) in out.items() if k)
-                default[key] = max(0, total[key] - rest)
+                if key in own:  # counted where the read was: never a difference
+                    default[key] = own[key]
+                else:  # counted under the lock, read in the same hold: exact
+                    default[key] = total[key] - sum(int(v[key]) for k, (_, v) in out.items() if k)
             default["dedup_savings_bytes"] = int(default["logical_bytes"]) - int(
                 default["resident_bytes"]
             )

@@ -20,10 +20,11 @@ class SlabStats(SlabEventLog):
         """
         with self._locked(timeout, write=False):
             out = self._counters_locked()
-        return self._stats_from(out)
+        return self._stats_from(out, self._reader_counts())
 
     def _counters_locked(self) -> dict[str, int]:
-        """The counters the lock guards (call it holding the lock): :meth:`stats` then
+        """The counters the lock guards (call it holding the lock), with the default
+        namespace's get hits and misses (its processes' own words): :meth:`stats` then
         adds what is counted without it (:meth:`_stats_from`)."""
         st, procs = self._state, self._procs
         out = {k: st[i] for k, i in L.DERIVED_COUNTERS.items()}
@@ -34,11 +35,16 @@ class SlabStats(SlabEventLog):
             out["get_misses"] += procs[e + 2]
         return out
 
-    def _stats_from(self, out: dict[str, int]) -> dict[str, int]:
-        """:meth:`stats` from what :meth:`_counters_locked` read."""
+    def _stats_from(self, out: dict[str, int], local: dict[int, tuple[int, int]]) -> dict[str, int]:
+        """:meth:`stats` from what :meth:`_counters_locked` read, and the local readers'
+        counts (``local``: :meth:`_reader_counts`)."""
         ps, free = self.page_size, out.pop("free_pages")
+        # The named namespaces' reads, counted in their entries (summed in C).
+        nsw, step = self._nsw, L.NS_WORDS
+        out["get_hits"] += sum(nsw[L.NS_GET_HITS : L.NS_COUNT * step : step])
+        out["get_misses"] += sum(nsw[L.NS_GET_MISSES : L.NS_COUNT * step : step])
         # Local readers' counts, as if their reads had come over HTTP.
-        for hits, misses in self._reader_counts().values():
+        for hits, misses in local.values():
             out["get_hits"] += hits
             out["get_misses"] += misses
         out["checksum_failures"] += self._reader_checksum_failures()

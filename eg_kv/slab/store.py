@@ -464,8 +464,10 @@ class Slab(SlabLeases):
         (:data:`~eg_kv.slab.layout.DEDUP_ENTRIES`) a dedup hit's (``first`` RESV_DEDUP):
         those can never take the room a put's pages need."""
         st, g = self._state, self.geometry
-        if first == L.RESV_DEDUP:
-            r = self._free_resv_entry(g.npages, g.npages, g.nresv) if g.nresv > g.npages else -1
+        if first == L.RESV_DEDUP and g.nresv > g.npages:
+            r = self._free_resv_entry(g.npages, g.npages, g.nresv)
+        elif first == L.RESV_DEDUP:  # a slab made before the dedup entries: the one table
+            r = self._free_resv_entry(st[L.ST_RESV_HINT] % g.nresv, 0, g.nresv)
         else:
             nr = min(g.npages, g.nresv) or 1
             r = self._free_resv_entry(st[L.ST_RESV_HINT] % nr, 0, nr)
@@ -893,15 +895,19 @@ class Slab(SlabLeases):
         with self._locked():
             self._state[L.ST_CHECKSUM_FAILURES] += 1
 
-    def retract_miss(self, ns: int = 0, hit: bool = True) -> None:
-        """A GET the slab missed (counted a miss) and the disk tier answered: take the miss
-        back, and count a hit unless a second read of the slab counts its own (the
-        dashboards' hit ratio read 0% while every GET was answered 200)."""
-        self._count_read(1 if hit else 0, -1, ns)
+    def count_get(self, ns: int = 0, hit: bool = True) -> None:
+        """Count a GET the slab missed (read with ``miss=False``) once the disk tier has
+        answered it: a hit if it served the block (the dashboards' hit ratio read 0% while
+        every GET was answered 200), else a miss. Counted once, never taken back (a
+        counter that goes back is a reset to Prometheus)."""
+        self._count_read(1 if hit else 0, 0 if hit else 1, ns)
 
     def _count_read(self, hit: int, miss: int, ns: int = 0) -> None:
-        """Count get hits and misses in this process's own entry (no lock, one writer),
-        and in namespace ``ns``'s entry (no lock: a concurrent reader may lose one)."""
+        """Count get hits and misses: a named namespace's in its entry (no lock: a
+        concurrent reader may lose one), the default namespace's in this process's own
+        entry (no lock, one writer). Each read is counted in one place, so the default
+        namespace's counts are its own, not the slab's less the named ones' (two words
+        written apart: a scrape between them saw the default's count go back)."""
         # One word each for a plain hit or miss (an aborted read moves both): every
         # read-modify-write of slab memory is a cache line a busy worker may not hold.
         if ns:
@@ -910,6 +916,7 @@ class Slab(SlabLeases):
                 self._nsw[e + _NS_GET_HITS] += hit
             if miss:
                 self._nsw[e + _NS_GET_MISSES] += miss
+            return
         me = self._me if self._me != -1 else self._claim_proc_entry()
         if me < 0:
             with self._locked():

@@ -286,11 +286,17 @@ class SlabView:
         return i, s, _unpack_checksum(self._mm, self._slots_off + i * _SLOT_SIZE + _META)[0]
 
     def _look(
-        self, address: str, ns: int, limit: int = UNLIMITED, use: bool = True
+        self,
+        address: str,
+        ns: int,
+        limit: int = UNLIMITED,
+        use: bool = True,
+        miss: bool = True,
     ) -> tuple[L.SlotFields, int] | None:
         """The block's slot fields and checksum, its use recorded (a counted hit); None: a
         counted miss. ``use`` False: the server's own read (a spill), neither counted nor
-        a use that earns the block a second chance.
+        a use that earns the block a second chance. ``miss`` False: a miss is the caller's
+        to count (the disk tier may answer it: :meth:`eg_kv.slab.store.Slab.count_get`).
 
         Raises:
             Longer: the block is longer than ``limit`` bytes (nothing counted).
@@ -298,7 +304,7 @@ class SlabView:
         raw, fp = self._key(address, ns)
         i, s, checksum = self._read(self._find_summed, raw, fp, ns)
         if s is None:
-            if use:
+            if use and miss:
                 self._count_read(0, 1, ns)
             return None
         if s[F_LENGTH] > limit:
@@ -309,7 +315,12 @@ class SlabView:
         return s, checksum
 
     def read_or_open(
-        self, address: str, ns: int = 0, limit: int = UNLIMITED, use: bool = True
+        self,
+        address: str,
+        ns: int = 0,
+        limit: int = UNLIMITED,
+        use: bool = True,
+        miss: bool = True,
     ) -> tuple[int, bytes | BlockReader] | None:
         """The block's checksum, and a one-page block's bytes, copied, or a
         :class:`BlockReader` for a longer block; None (a counted miss) if absent.
@@ -321,12 +332,14 @@ class SlabView:
             limit: the longest block to read (the fast lane's: a longer one is streamed).
             use: False for the server's own reads (the disk keeper's spills): no hit or
                 miss counted, no second chance given.
+            miss: False: a miss is not counted (the caller counts the GET once the disk
+                tier answered it).
 
         Raises:
             BlockGone: the one-page block was evicted or released while it was copied.
             Longer: the block is longer than ``limit`` (nothing read or counted).
         """
-        found = self._look(address, ns, limit, use)
+        found = self._look(address, ns, limit, use, miss)
         if found is None:
             return None
         s, checksum = found

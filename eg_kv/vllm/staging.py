@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from ..client.rounds import MIN_LEFT_S
 from .trailers import read_row
 
 __all__ = ["BlockReader", "load_rows"]
@@ -43,10 +44,11 @@ def load_rows(
 ) -> tuple[list[int], list[int]]:
     """GET ``addresses[i]`` into ``rows[i]`` (a writable buffer of one stored block's
     exact length), with ``map_fn`` (e.g. a thread pool's ``map``) running the GETs.
-    ``deadline`` (``time.monotonic()``): a GET that would start after it is a failed
-    block, unsent, and each one sent is bounded by what is left of it, so a silent server
-    costs a load one timeout (not one per wave of GETs, nor a GET started just before the
-    deadline that ran its own whole timeout past it).
+    ``deadline`` (``time.monotonic()``): a GET that would start after it (or with less
+    than :data:`~eg_kv.client.rounds.MIN_LEFT_S` of it left) is a failed block, unsent,
+    and each one sent is bounded by what is left of it, so a silent server costs a load
+    one timeout (not one per wave of GETs, nor a GET started just before the deadline
+    that ran its own whole timeout past it).
 
     Returns:
         ``(ok, failed)``: the indices (``rows`` is any indexable of buffers with a
@@ -60,8 +62,8 @@ def load_rows(
 
     def one(i: int) -> bool:
         left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            return False
+        if left is not None and left < MIN_LEFT_S:  # a sliver would time out at a healthy
+            return False  # server, and a server set's member would be marked down
         address, row = addresses[i], memoryview(rows[i]).cast("B")
 
         def sink(length: int, read_exact: Callable[[memoryview], None]) -> bool:

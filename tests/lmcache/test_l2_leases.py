@@ -224,12 +224,15 @@ def _stopped(srv):
 def test_close_completes_every_batch_it_had_queued(server_factory):
     """close() cancelled the batches still queued on the pool: their completions never
     came (4 of 5 against a stalled server), and whoever waits on a future id waits for
-    good. They run now, each failing at once."""
+    good. They run now, each failing at once (and sending no release of the leases the
+    lookup took: they end by themselves)."""
     srv = server_factory(workers=1)
     conn = RemoteKVL2Connector(base_url=srv.url, timeout_s=1, local_reads=False, num_workers=2)
     keys = lm_keys(2)
     f = conn.submit_batch_set(keys, [memoryview(bytes(CHUNK)) for _ in keys])
     assert wait_completions(conn, {f})[f][1] is True
+    f = conn.submit_batch_exists(keys)  # leased: each load batch below releases
+    assert wait_completions(conn, {f})[f][3] == [True, True]
     with _stopped(srv):
         fids = {conn.submit_batch_get(keys, [memoryview(bytearray(CHUNK)) for _ in keys])
                 for _ in range(3)}  # fmt: skip

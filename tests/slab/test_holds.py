@@ -92,3 +92,20 @@ def test_a_leased_block_that_goes_frees_its_holders_records(small: Slab):
     ids = small._holds[L.HOLD_RECORD_WORDS * 0 :: L.HOLD_RECORD_WORDS]
     live = [b for b in ids.tolist() if b > 0]
     assert len(live) == 1  # bob's of v1, no other
+
+
+def test_a_leased_block_its_quota_evicts_frees_its_holders_records(small: Slab):
+    """A namespace over its quota evicts its own leased blocks: the eviction cleared the
+    slot's leases first, so the records were left (the DELETE case alone was covered)."""
+    capped = small.bind_namespaces({"capped": 8 * PAGE})["capped"]
+    alice = holder_of("alice")
+    mine = [f"c{i}" for i in range(8)]
+    for k in mine:
+        small.put(k, bytes(PAGE), capped)
+    assert small.exists_leased(mine, capped, 60000, 1.0, alice) == ([True] * 8, True)
+    for k in range(4):  # four more pages through a quota of eight: a leased block goes
+        small.put(f"c-new{k}", bytes(PAGE), capped)
+    gone = [k for k in mine if not small.exists(k, capped)]
+    assert gone
+    ids = small._holds[:: L.HOLD_RECORD_WORDS].tolist()
+    assert sum(b > 0 for b in ids) == 8 - len(gone)  # the records of those left, no other
