@@ -10,7 +10,8 @@ import json
 import time
 
 import pytest
-from helpers.kvcache import RawServer
+from helpers.common import wait_for
+from helpers.kvcache import RawServer, wait_completions
 
 from eg_kv import wire
 from eg_kv.client.connectors import RemoteKVConnector
@@ -82,8 +83,12 @@ def test_a_small_lmcache_lookup_is_answered_before_submit_returns(srv):
         keys = [f"m@0@0@{i:064x}" for i in range(16)]
         with RemoteKVConnector(base_url=srv.url) as kv:
             assert kv.put(conn.addresses.address(keys[3]), b"z")
+        # The first lookup maps the server's slab (its probe runs beside); from then on a
+        # lookup is answered from it inline: the completion is queued before submit
+        # returns (no pool thread, no wait, no request).
         fid = conn.submit_batch_exists(keys)
-        # Inline: the completion is already queued (no pool thread, no wait).
+        assert wait_completions(conn, {fid})[fid][3] == [i == 3 for i in range(16)]
+        fid = conn.submit_batch_exists(keys)
         assert conn.drain_completions() == [(fid, True, "", [i == 3 for i in range(16)])]
         big = [f"m@0@0@{i:064x}" for i in range(lmcache_l2.INLINE_MAX_KEYS + 1)]
         fid = conn.submit_batch_exists(big)
@@ -98,22 +103,24 @@ def test_a_small_lmcache_lookup_is_answered_before_submit_returns(srv):
 
 
 @pytest.mark.slow
-def test_an_inline_lookup_never_holds_lmcache_for_the_whole_timeout():
-    # A server that never answers: the inline attempt gives up after INLINE_TIMEOUT_S and
-    # the batch goes to the pool; the next submit goes straight to the pool (back-off).
+@pytest.mark.parametrize("lease_ms", [0, 5000])
+def test_an_inline_lookup_never_holds_lmcache_for_the_whole_timeout(lease_ms):
+    # A server that never answers. Without leases: the inline attempt gives up after
+    # INLINE_TIMEOUT_S and the batch goes to the pool; the next submit goes straight to
+    # the pool (back-off): three requests. A leasing lookup is never tried inline over
+    # HTTP (asked twice, it leased its hits twice): one request per batch, from the pool.
     with RawServer("silent") as srv:
         # local_reads off: the silent server's requests are counted (no slab probe).
-        conn = RemoteKVL2Connector(base_url=srv.url, num_workers=2, timeout_s=6, local_reads=False)
+        conn = RemoteKVL2Connector(base_url=srv.url, num_workers=2, timeout_s=6,
+                                   local_reads=False, lease_ms=lease_ms)  # fmt: skip
         try:
             keys = [f"m@0@0@{i:064x}" for i in range(16)]
             for _ in range(2):
                 t0 = time.monotonic()
                 conn.submit_batch_exists(keys)
                 assert time.monotonic() - t0 < 3.0  # well under timeout_s (6 s)
-            # One inline attempt, then one request per batch from the pool.
-            wait_deadline = time.monotonic() + 5
-            while len(srv.requests) < 3 and time.monotonic() < wait_deadline:
-                time.sleep(0.01)
-            assert len(srv.requests) == 3
+            want = 2 if lease_ms else 3
+            wait_for(lambda: len(srv.requests) >= want, timeout=5, what="the lookups")
+            assert len(srv.requests) == want
         finally:
             conn.close()
