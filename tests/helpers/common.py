@@ -4,6 +4,7 @@ free ports, and waiting on a condition with a deadline."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 import uuid
@@ -16,8 +17,32 @@ def unique_slab_name(tag: str = "t") -> str:
     return f"/eg-kv-test-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def _below_ephemeral() -> range:
+    """Ports below the kernel's ephemeral range, which ``bind(0)`` and every outgoing
+    connection take theirs from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(max(10000, low - 12000), low)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback port for a server a test starts, picked at random below the
+    ephemeral range: one picked by ``bind(0)`` and bound later was sometimes taken
+    meanwhile by another test's socket (in CI, an example server's port answered by
+    another test's HTTP server, which both failed)."""
+    ports = _below_ephemeral()
+    for _ in range(200 if len(ports) > 100 else 0):
+        port = random.choice(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no such range here: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
