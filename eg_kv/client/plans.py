@@ -184,7 +184,9 @@ def try_exists(
     ``local_only``: answered from the slab mapped here, or None with no lookup sent (a
     caller that cannot wait for a request, and must not send a leasing one twice)."""
     if local_only:
-        slab = yield NO_PROBE
+        slab = core.local.slab  # asked of the connector only while none is mapped (lookup())
+        if slab is None:
+            slab = yield NO_PROBE
         if slab is None or len(addresses) > BATCH_EXISTS_MAX:
             return None
         try:
