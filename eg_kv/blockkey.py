@@ -43,7 +43,7 @@ import blake3
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from .checksum import SOCKET_PIECE, read_hashed
+from .checksum import HASH_PIECE, read_hashed
 from .errors import ConfigError, NotFound
 
 log = logging.getLogger("eg_kv.blockkey")
@@ -111,7 +111,7 @@ class Opening:
 
         def read_data(view: memoryview) -> None:
             self.advance(view)
-            read_hashed(read_exact, update, view, SOCKET_PIECE)
+            read_hashed(read_exact, update, view, HASH_PIECE)
 
         return read_data
 

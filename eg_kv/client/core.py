@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from .. import wire
 from ..blockkey import ForgedBlock
-from ..checksum import SOCKET_PIECE, ChecksumMismatch, ChecksumMissing, Failures, Verifier
+from ..checksum import HASH_PIECE, ChecksumMismatch, ChecksumMissing, Failures, Verifier
 from ..checksum import decode as decode_checksum
 from ..errors import ConfigError, RemoteError, Unauthorized
 from ..slab.local import LocalSlab, LocalUnavailable
@@ -168,7 +168,7 @@ class ClientCore:
         expected = self._expected(checksum)
         if expected is None:
             return sink(length, read_exact)
-        verifier = Verifier(expected, read_exact, SOCKET_PIECE)
+        verifier = Verifier(expected, read_exact, HASH_PIECE)
         result = sink(length, verifier.read_exact)
         verifier.check()
         return result

@@ -25,13 +25,13 @@ import mmap
 from collections.abc import Callable
 from typing import Any
 
-from ..checksum import SOCKET_PIECE
+from ..checksum import HASH_PIECE
 from ..slab.store import PutHandle
 from ._compat import StampedHandler
 
 #: Where a dedup hit's bytes are read and dropped (one per worker: the loop is one
 #: thread). Anonymous memory: its pages take room only once a dedup hit's body used them.
-_SCRATCH = memoryview(mmap.mmap(-1, SOCKET_PIECE))
+_SCRATCH = memoryview(mmap.mmap(-1, HASH_PIECE))
 
 
 class BodyIntake(asyncio.BufferedProtocol):
@@ -74,7 +74,7 @@ class BodyIntake(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         handle = self.handle
-        room = handle.room(SOCKET_PIECE)
+        room = handle.room(HASH_PIECE)
         if room is None:  # a dedup hit: its bytes are dropped
             room = _SCRATCH[: min(len(_SCRATCH), handle.length - handle.pos)]
         self._view = room

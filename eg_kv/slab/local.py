@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..checksum import ChecksumMismatch, Verifier
+from ..checksum import HASH_PIECE, ChecksumMismatch, Verifier
 from ..errors import SlabError
 from ..procs import after_fork_in_child
 from ..shm import SHM_DIR
@@ -429,7 +429,7 @@ class LocalSlab(SlabView):
                 result = sink(reader.length, copier.read_exact)
                 copier.finish()
             else:
-                verifier = Verifier(reader.checksum, copier.read_exact)
+                verifier = Verifier(reader.checksum, copier.read_exact, HASH_PIECE)
                 result = sink(reader.length, verifier.read_exact)
                 copier.finish()  # the block was still there: a mismatch is its bytes'
                 try:
