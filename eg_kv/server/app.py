@@ -240,7 +240,7 @@ def make_app(
     events_stats = runstate.kv_events_stats(events_dir) if events_dir else None
     app[METRICS] = Metrics(metrics_path, events_stats)
     app[DRAIN] = Drain()
-    app[SPOOL] = SpoolBudget(settings.chunked_spool)
+    app[SPOOL] = SpoolBudget(settings.chunked_spool, shared=app[AUTH].tenants_mode)
     app[EVENT_READS], app[EVENT_WAITERS], app[SNAPSHOTS] = event_gates()
     app[HEALTH] = health or health_from(
         run_dir, settings.workers, runstate.health_window(settings.heartbeat_timeout_s)

@@ -52,26 +52,47 @@ class SpoolBudget:
 
     A chunked body's length is known only at its end, so it waits in a memory file
     outside the slab; without a bound, stalled chunked uploads pinned 720 MiB of them.
+    With tenants (``--tokens``), one namespace's uploads may hold at most half of it, so
+    a tenant that stalls its uploads leaves the other half to the rest (uploads in the
+    slab are bounded per tenant by its quota, see ``Slab._room``).
+
+    Args:
+        limit: the spool's bytes (``--chunked-spool``).
+        shared: tenants share it (each namespace held to half).
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, shared: bool = False):
         self.limit, self.held = limit, 0
+        self.ns_limit = limit // 2 if shared else limit
+        self._by_ns: dict[int, int] = {}  # namespace -> bytes; at most one per namespace
 
-    def take(self, n: int, own: int) -> None:
-        """Count ``n`` more bytes of an upload that holds ``own`` bytes already.
+    def take(self, n: int, own: int, ns: int = 0) -> None:
+        """Count ``n`` more bytes of an upload to namespace ``ns`` that holds ``own`` bytes
+        already.
 
         One upload alone may always grow to the maximum block size; beyond the limit
-        while others hold spool, it is refused.
+        (or its namespace's half, with tenants) while others hold spool, it is refused.
 
         Raises:
-            Busy: the worker's spool is full.
+            Busy: the worker's spool, or the namespace's share of it, is full.
         """
         if self.held + n > self.limit and self.held > own:
             raise Busy(
                 f"chunked uploads on this worker hold {self.held} of {self.limit} spool bytes "
                 "(--chunked-spool); retry shortly, or send a Content-Length"
             )
+        mine = self._by_ns.get(ns, 0)
+        if mine + n > self.ns_limit and mine > own:
+            raise Busy(
+                f"this tenant's chunked uploads on this worker hold {mine} of the "
+                f"{self.ns_limit} spool bytes one tenant may (half the --chunked-spool); "
+                "retry shortly, or send a Content-Length"
+            )
         self.held += n
+        self._by_ns[ns] = mine + n
 
-    def give_back(self, n: int) -> None:
+    def give_back(self, n: int, ns: int = 0) -> None:
         self.held -= n
+        left = self._by_ns.pop(ns, 0) - n
+        if left:
+            self._by_ns[ns] = left

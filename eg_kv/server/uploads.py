@@ -278,7 +278,7 @@ async def _put_chunked(
                     f"chunked body is over the maximum block size of {human_size(limit)} "
                     "(the server's --max-block-size)"
                 )
-            budget.take(len(chunk), total)
+            budget.take(len(chunk), total, ns)
             total += len(chunk)
             view = memoryview(chunk)
             while view:
@@ -297,5 +297,5 @@ async def _put_chunked(
         finally:
             handle.abort()
     finally:
-        budget.give_back(total)
+        budget.give_back(total, ns)
         os.close(fd)

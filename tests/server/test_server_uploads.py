@@ -17,6 +17,7 @@ import posix_ipc
 import pytest
 from helpers.common import ROOT, free_port, unique_slab_name, wait_for
 from helpers.server_http import request, stats, status_of
+from helpers.tenants import token_of, write_tokens
 
 from eg_kv.slab.store import Slab
 
@@ -165,9 +166,11 @@ def test_many_small_stalled_uploads_do_not_fill_the_reservation_table(
 # ---------------------------------------------------------------- chunked spool (item 5)
 
 
-def _chunked_head(address: str) -> bytes:
-    return b"PUT /kv/%s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" % (
-        address.encode()
+def _chunked_head(address: str, token: str | None = None) -> bytes:
+    auth = b"Authorization: Bearer %s\r\n" % token.encode() if token else b""
+    return b"PUT /kv/%s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n%s\r\n" % (
+        address.encode(),
+        auth,
     )
 
 
@@ -177,6 +180,20 @@ def _chunks(data: bytes, step: int = 256 * KiB) -> bytes:
         piece = data[i : i + step]
         out += b"%x\r\n%s\r\n" % (len(piece), piece)
     return out
+
+
+def _answers(socks: list[socket.socket], n: int, what: str) -> dict[socket.socket, bytes]:
+    """The answers of the first ``n`` of ``socks`` the server answers (waited for)."""
+    answered: dict[socket.socket, bytes] = {}
+
+    def enough() -> bool:
+        ready, _, _ = select.select([s for s in socks if s not in answered], [], [], 0.05)
+        for s in ready:
+            answered[s] = _response(s)
+        return len(answered) >= n
+
+    wait_for(enough, timeout=20, what=what)
+    return answered
 
 
 def test_stalled_chunked_uploads_have_a_memory_budget(server_factory):
@@ -190,15 +207,7 @@ def test_stalled_chunked_uploads_have_a_memory_budget(server_factory):
             s = _connect(srv)
             s.sendall(_chunked_head(f"chunk-stall-{k}") + _chunks(b"c" * (3 * MiB // 2)))
             socks.append(s)
-        answered: dict[socket.socket, bytes] = {}
-
-        def two_refused() -> bool:
-            ready, _, _ = select.select([s for s in socks if s not in answered], [], [], 0.05)
-            for s in ready:
-                answered[s] = _response(s)
-            return len(answered) >= 2
-
-        wait_for(two_refused, timeout=20, what="two chunked uploads to be refused")
+        answered = _answers(socks, 2, "two chunked uploads to be refused")
         for reply in answered.values():
             assert status_of(reply) == 503, reply[:300]
             assert _header(reply, b"Retry-After") == b"1"
@@ -221,6 +230,38 @@ def test_stalled_chunked_uploads_have_a_memory_budget(server_factory):
     wait_for(big_fits, timeout=20, what="the spool budget to come back")
     assert request(srv, "GET", "/kv/big-chunked").body == big
     assert stats(srv)["reserved_pages"] == 0
+
+
+def test_one_tenants_stalled_chunked_uploads_hold_at_most_half_the_spool(server_factory, tmp_path):
+    """With tenants, one tenant's three stalled chunked uploads of 1.5 MiB against a 4 MiB
+    spool hold at most half of it (the first alone, the others refused), so another
+    tenant's chunked PUT of 1.5 MiB still lands while they stall (once it got 503: the
+    stalled tenant held the whole spool)."""
+    path = write_tokens(tmp_path / "tokens.toml", [
+        {"name": "stalls", "namespace": "a"}, {"name": "honest", "namespace": "b"},
+    ])  # fmt: skip
+    srv = server_factory(workers=1, capacity="64MiB",
+                         extra=("--chunked-spool", "4MiB", "--tokens", str(path)))  # fmt: skip
+    socks = []
+    try:
+        for k in range(3):
+            s = _connect(srv)
+            s.sendall(_chunked_head(f"stall-{k}", token_of("stalls"))
+                      + _chunks(b"c" * (3 * MiB // 2)))  # fmt: skip
+            socks.append(s)
+        answered = _answers(socks, 2, "two of the stalled tenant's uploads refused")
+        for reply in answered.values():
+            assert status_of(reply) == 503, reply[:300]
+            assert b"one tenant may (half the --chunked-spool)" in reply
+        data = os.urandom(3 * MiB // 2)
+        with _connect(srv) as s:
+            s.sendall(_chunked_head("honest", token_of("honest")) + _chunks(data) + b"0\r\n\r\n")
+            reply = _response(s)
+            assert status_of(reply) == 201, reply[:300]
+        assert request(srv, "GET", "/kv/honest", token=token_of("honest")).body == data
+    finally:
+        for s in socks:
+            s.close()
 
 
 @pytest.mark.parametrize(
