@@ -14,18 +14,31 @@ ALIASES = {"url": "base_url"}
 
 
 def split_options(
-    options: Mapping[str, Any] | None, own_keys: Mapping[str, Any], who: str
+    options: Mapping[str, Any] | None, own_keys: Mapping[str, Any], who: str, where: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a component's options into client keywords and its own keys (``url`` is
     ``base_url``): the vLLM connector and tier and the SGLang backend share it.
+
+    A ``token`` is refused: each engine logs these options at start (vLLM its
+    ``non-default args``, SGLang its server args), so the token comes from the
+    environment only.
+
+    Args:
+        who: the component, first in every message. where: the engine's name for the
+            options, for the token's message.
 
     Returns:
         ``(client_kw, own)``: :class:`KvCacheConfig` keywords, and the keys of ``own_keys``.
 
     Raises:
-        ConfigError: an unknown key (naming the known ones) or one given twice (``url``
-            and ``base_url``); the message starts with ``who``.
+        ConfigError: a token, an unknown key (naming the known ones) or one given twice
+            (``url`` and ``base_url``); the message starts with ``who``.
     """
+    if options and "token" in options:
+        raise ConfigError(
+            f"{who}: the engine logs its {where} at start, so the token is read only from "
+            f"EPISTEMIC_GRAPH_KVCACHE_TOKEN: take it out of the {where}"
+        )
     client_kw: dict[str, Any] = {}
     own: dict[str, Any] = {}
     for key, value in (options or {}).items():

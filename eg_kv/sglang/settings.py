@@ -38,13 +38,9 @@ def backend_options(extra: dict[str, Any] | None) -> tuple[KvCacheConfig, dict[s
         ConfigError: a token in the config, an unknown key, or a bad value.
     """
     options = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
-    if "token" in options:
-        raise ConfigError(
-            "EgKvHiCacheStorage: SGLang logs its extra config, so the token is read only "
-            "from EPISTEMIC_GRAPH_KVCACHE_TOKEN: take it out of "
-            "--hicache-storage-backend-extra-config"
-        )
-    client_kw, own = split_options(options, BACKEND_KEYS, "EgKvHiCacheStorage")
+    client_kw, own = split_options(
+        options, BACKEND_KEYS, "EgKvHiCacheStorage", "--hicache-storage-backend-extra-config"
+    )
     settings = {**BACKEND_KEYS, **own}
     for name in ("lease_ms", "io_threads"):
         try:

@@ -1,8 +1,9 @@
 """The connector's settings: vLLM's ``kv_connector_extra_config`` over the
 ``EPISTEMIC_GRAPH_KVCACHE_*`` environment.
 
-Every :class:`~eg_kv.client.settings.KvCacheConfig` keyword is accepted (``base_url``,
-``addr``, ``token``, ``timeout_s``, ``max_connections``, ``verify_tls``, ...), with
+Every :class:`~eg_kv.client.settings.KvCacheConfig` keyword but the token is accepted
+(``base_url``, ``addr``, ``timeout_s``, ``max_connections``, ``verify_tls``, ...; vLLM logs
+its config at start, so the token comes from the environment only), with
 ``url`` as another name for ``base_url``; a server set (``"http://a:9130,http://b:9130"``,
 ``dns+`` / ``dnssrv+`` URLs) works because the client handles it. The connector's own keys
 are in :data:`CONNECTOR_KEYS`. No vLLM import.
@@ -62,8 +63,9 @@ def settings_from(
             ``base_url``), or a value the client config refuses.
     """
     client_kw, own = split_options(
-        extra, CONNECTOR_KEYS, "EgKvConnector (kv_connector_extra_config)"
-    )
+        extra, CONNECTOR_KEYS, "EgKvConnector (kv_connector_extra_config)",
+        "kv_connector_extra_config",
+    )  # fmt: skip
     client = KvCacheConfig.from_env(env, **client_kw)
     say_once(client.block_key)  # what this engine's loads can detect, once
     values: dict[str, Any] = {}

@@ -3,9 +3,10 @@
 
 A tier entry is ``{"type": "EgKvTier", "module_path": "eg_kv.vllm.tier", "url": ...}``;
 vLLM hands every key but ``type``, ``module_path`` and ``backpressure`` to the tier. Every
-:class:`~eg_kv.client.settings.KvCacheConfig` keyword is accepted (``url`` is ``base_url``:
-one server, a list, ``dns+`` / ``dnssrv+``; ``token``, ``timeout_s``, ...; the token is
-best left to ``EPISTEMIC_GRAPH_KVCACHE_TOKEN``), and the tier's own keys in
+:class:`~eg_kv.client.settings.KvCacheConfig` keyword but the token is accepted (``url``
+is ``base_url``: one server, a list, ``dns+`` / ``dnssrv+``; ``timeout_s``, ...; vLLM logs
+its config, so the token comes from ``EPISTEMIC_GRAPH_KVCACHE_TOKEN`` only), and the
+tier's own keys in
 :data:`TIER_KEYS`.
 """
 
@@ -112,7 +113,9 @@ def tier_settings_from(
         ConfigError: an unknown key (naming the known ones), a key given twice (``url``
             and ``base_url``), a value out of range, or one the client config refuses.
     """
-    client_kw, own = split_options(options, TIER_KEYS, "EgKvTier")
+    client_kw, own = split_options(
+        options, TIER_KEYS, "EgKvTier", "kv_connector_extra_config (the tier's entry)"
+    )
     client = KvCacheConfig.from_env(env, **client_kw)
     say_once(client.block_key)  # what this engine's loads can detect, once
     # A set's fall-through can take two timeouts.
