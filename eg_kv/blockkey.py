@@ -43,7 +43,7 @@ import blake3
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from .checksum import HASH_PIECE, read_hashed
+from .checksum import HASH_PIECE, Failures, read_hashed
 from .errors import ConfigError, NotFound
 
 log = logging.getLogger("eg_kv.blockkey")
@@ -72,6 +72,16 @@ _T = TypeVar("_T")
 class ForgedBlock(NotFound):
     """A block whose tag does not match its address and bytes under this engine's key:
     not stored by a holder of the key (a forger, a lying server, another fleet): a miss."""
+
+
+def forged_failures(where: str) -> Failures:
+    """A count of blocks whose block-key tag failed (forged: a miss each), logged once per
+    address; ``where`` counts them (a client, a server set)."""
+    return Failures(
+        where, "failed its block-key tag",
+        "not stored by a holder of this engine's block key (a forger, a lying server, "
+        "an engine with another key), or changed since",
+    )  # fmt: skip
 
 
 class Opening:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import wire
-from ..blockkey import ForgedBlock
+from ..blockkey import ForgedBlock, forged_failures
 from ..checksum import HASH_PIECE, ChecksumMismatch, ChecksumMissing, Failures, Verifier
 from ..checksum import decode as decode_checksum
 from ..errors import ConfigError, RemoteError, Unauthorized
@@ -97,11 +97,7 @@ class ClientCore:
         #: Blocks whose bytes failed their checksum (a miss each), logged once per address.
         self.checksum_failures = Failures("client")
         #: Blocks whose block-key tag failed (forged: a miss each), logged once per address.
-        self.forged_blocks = Failures(
-            "client", "failed its block-key tag",
-            "not stored by a holder of this engine's block key (a forger, a lying server, "
-            "an engine with another key), or changed since",
-        )  # fmt: skip
+        self.forged_blocks = forged_failures("client")
         #: Batch lookups go in the compact format until a server refuses it (then JSON).
         self.compact_batches = True
         #: Hits answered unleased (a lease cap), by address: their releases are not sent.

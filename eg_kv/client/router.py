@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ..blockkey import forged_failures
 from ..checksum import Failures
 from ..config import parse_addr
 from ..errors import ConfigError
@@ -317,6 +318,8 @@ class MemberConnectors:
         #: Blocks any member's answer failed their checksum: one count and one log line
         #: per address for the whole set, whichever member served it.
         self.checksum_failures = Failures("server set")
+        #: Blocks any member's answer failed their block-key tag (forged), the same way.
+        self.forged_blocks = forged_failures("server set")
 
     def get(self, view: View, member_id: str) -> Any:
         member = view.members[member_id]
@@ -330,6 +333,7 @@ class MemberConnectors:
                 down = functools.partial(_member_unreachable, self._router, member_id)
                 conn = self._build(member_config(self._router.config, member), down)
                 conn._core.checksum_failures = self.checksum_failures
+                conn._core.forged_blocks = self.forged_blocks
                 self._conns[key] = conn
             return conn
 

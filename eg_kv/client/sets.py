@@ -375,6 +375,11 @@ class SetConnector:
         """Blocks any member's answer failed their checksum (each a miss)."""
         return self._members.checksum_failures.count
 
+    @property
+    def forged_blocks(self) -> int:
+        """Blocks any member's answer failed their block-key tag (each a miss)."""
+        return self._members.forged_blocks.count
+
     def member_stats(self) -> list[MemberStats]:
         """Each member's stats (in parallel), sorted by member id."""
         if self._closed:  # nothing is asked of a member after close()

@@ -272,13 +272,13 @@ class EgKvTier(SecondaryTierManager):
             return
 
         def run() -> None:
-            try:
-                release(addresses)
+            try:  # the count the server ended (0: the request failed; they expire anyway)
+                ended = int(release(addresses))
             except Exception as exc:  # the leases expire on their own
                 log.debug("EgKvTier: releasing %d leases failed: %s", len(addresses), exc)
             else:
                 with self._lock:
-                    self.counters["leases_released"] += len(addresses)
+                    self.counters["leases_released"] += ended
 
         self._releases.submit(run)
 
@@ -409,6 +409,7 @@ class EgKvTier(SecondaryTierManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Send this step's lookups as one batch; release the leases left behind."""
         self._lookups.flush()
+        self._to_release.extend(self._lookups.take_unused())
         if self._to_release:
             addresses, self._to_release = self._to_release, []
             self._release(addresses)

@@ -20,8 +20,9 @@ step") and must never block the scheduler. :class:`StepLookups` keeps a verdict 
   whose load failed (:meth:`StepLookups.mark_miss`) is not offered again and again;
 * a hit's probe took a lease on the server when ``probe`` asked for one: the addresses
   of hits not yet loaded are in :attr:`StepLookups.leased`; :meth:`consume` removes the
-  ones a load takes (the load ends their leases) and :meth:`cleanup` returns those a
-  finished request leaves behind (the tier releases them).
+  ones a load takes (the load ends their leases); :meth:`cleanup` returns those a
+  finished request leaves behind, and :meth:`take_unused` those that answered after their
+  requests finished or that a refresh leased again (the tier releases both).
 
 Only the scheduler thread calls these methods; the background threads only run
 ``probe`` and hand back its answer through a future.
@@ -97,6 +98,9 @@ class StepLookups:
         self._generation = 0
         #: Addresses whose probe answered hit (a lease, when one was asked) not yet loaded.
         self.leased: set[str] = set()
+        #: Leased addresses no request will load: a hit that answered after its requests
+        #: finished, or one a refresh leased again (:meth:`take_unused` hands them over).
+        self._unused: list[str] = []
         self.counters = {
             "probes": 0,
             "probed_keys": 0,
@@ -128,7 +132,9 @@ class StepLookups:
         ):
             # A hit this old may have lost its lease: ask the server again.
             self.counters["refreshed"] += 1
-            self.leased.discard(verdict.address)
+            if verdict.address in self.leased:  # its new probe takes a lease of its own
+                self.leased.discard(verdict.address)
+                self._unused.append(verdict.address)
             verdict = self._renew(key, verdict.address, verdict.requests)
         if verdict is None:
             verdict = self._renew(key, self._address_of(key), set())
@@ -206,8 +212,8 @@ class StepLookups:
             if hit:
                 self.counters["hits"] += 1
                 self.leased.add(verdict.address)
-            if not verdict.requests:
-                self._forget(key, verdict)
+            if not verdict.requests:  # its requests finished while it was asked
+                self._unused.extend(self._forget(key, verdict))
 
     def _forget(self, key: Hashable, verdict: _Verdict) -> list[str]:
         del self._verdicts[key]
@@ -249,6 +255,14 @@ class StepLookups:
             verdict.requests.discard(req_id)
             if not verdict.requests and verdict.result is not None:
                 unused.extend(self._forget(key, verdict))
+        return unused
+
+    def take_unused(self) -> list[str]:
+        """The leased addresses no request will load, found since the last call: hits
+        answered after their requests finished, and hits leased again by a refresh (the
+        tier releases them)."""
+        self._apply()
+        unused, self._unused = self._unused, []
         return unused
 
     def close(self) -> None:

@@ -27,6 +27,8 @@ from eg_kv.blockkey import (
     from_env,
 )
 from eg_kv.client.aio import AsyncServerConnector
+from eg_kv.client.aio_sets import AsyncSetConnector
+from eg_kv.client.sets import SetConnector
 from eg_kv.client.settings import KvCacheConfig
 from eg_kv.client.sync import ServerConnector
 from eg_kv.errors import ConfigError
@@ -162,6 +164,30 @@ def test_blocks_forged_by_another_token_holder_load_zero_times(server, local_rea
     # Control: an engine without a key loads every forged block (what a checksum allows).
     with ServerConnector(KvCacheConfig(base_url=server.url, local_reads=local_reads)) as open_:
         assert [open_.get(address) for address in forged] == list(forged.values())
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+def test_a_server_set_counts_the_forged_blocks_its_members_refused(server_factory, client):
+    """A set's ``forged_blocks`` is every member's (SGLang's and the tier's stats read it):
+    it was 0 whatever the members refused."""
+    a, b = (server_factory(workers=1, capacity="16MiB") for _ in range(2))
+    urls = f"{a.url},{b.url}"
+    forged = {f"sf-{i}": os.urandom(4 * KiB + OVERHEAD) for i in range(6)}
+    with SetConnector(KvCacheConfig(base_url=urls)) as forger:
+        assert all(forger.put(address, data) for address, data in forged.items())
+    config = keyed(urls, local_reads=False)
+    if client == "sync":
+        with SetConnector(config) as engine:
+            loaded = [engine.get(address) for address in forged]
+            count = engine.forged_blocks
+    else:
+
+        async def run() -> tuple[list[bytes | None], int]:
+            async with AsyncSetConnector(config) as engine:
+                return [await engine.get(address) for address in forged], engine.forged_blocks
+
+        loaded, count = asyncio.run(run())
+    assert loaded == [None] * 6 and count == 6
 
 
 class _LyingHandler(http.server.BaseHTTPRequestHandler):

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from helpers.common import wait_for
 from helpers.kvcache import RawServer
 
 from eg_kv.client.connectors import connect
@@ -118,6 +119,47 @@ def test_unloaded_hits_are_returned_for_release_and_old_hits_are_asked_again(cli
         assert _wait_answers(lookups, [7], "a") == [True]
         assert lookups.cleanup("a") == [_address(7)]  # never loaded: release its lease
     finally:
+        lookups.close()
+
+
+def _lease_counts(c) -> tuple[int, int]:
+    extra = c.stats().extra
+    return extra.get("leases_taken", 0), extra.get("leases_released", 0)
+
+
+def test_every_lease_a_probe_takes_is_loaded_or_released(client):
+    """Two ways a lease was lost (held until ``lease_ms``, pinning the block): a request
+    that finished while its probe was in flight (the late hit was forgotten), and a hit
+    asked again for its age (the refresh's second lease replaced the first)."""
+    for i in range(2):
+        assert client.put(_address(i), b"z" * 10)
+    gate = threading.Event()
+
+    def probe(addresses: list[str]) -> list[bool] | None:
+        gate.wait(10)
+        return client.try_exists_addresses(addresses, lease_ms=60_000)
+
+    now = [100.0]
+    lookups = StepLookups(probe, _address, deadline_s=30.0, max_age_s=1.0,
+                          clock=lambda: now[0])  # fmt: skip
+    try:
+        taken0, released0 = _lease_counts(client)
+        assert lookups.lookup(0, "gone") is None
+        lookups.flush()  # the probe is in flight (held at the gate)
+        assert lookups.cleanup("gone") == []  # its verdict is not in yet
+        gate.set()
+        wait_for(lambda: lookups.take_unused() == [_address(0)], timeout=10,
+                 what="the late hit's lease handed over for release")  # fmt: skip
+        assert _wait_answers(lookups, [1], "waits") == [True]
+        now[0] += 2.0  # older than max_age_s: asked again, with a lease of its own
+        assert _wait_answers(lookups, [1], "waits") == [True]
+        assert lookups.take_unused() == [_address(1)]  # the first lease, to end
+        to_end = [_address(0), _address(1), *lookups.consume([_address(1)])]
+        assert client.release(to_end) == 3
+        taken, released = _lease_counts(client)
+        assert (taken - taken0, released - released0) == (3, 3)
+    finally:
+        gate.set()
         lookups.close()
 
 
