@@ -67,6 +67,7 @@ from .rules import (
     KvCacheStats,
     Miss,
     batch_body,
+    capped,
     exists_answer,
     parts_checksum,
     to_address,
@@ -211,7 +212,7 @@ class AsyncServerConnector(OneServer):
                 core.block_path(address),
                 read,
                 headers=_RELEASE if release_header else None,
-                timeout_s=None if timeout_s is None else min(timeout_s, self.config.timeout_s),
+                timeout_s=capped(timeout_s, self.config.timeout_s),
             )
         except Exception as exc:  # asyncio.TimeoutError included
             core.miss("GET", address, exc)
@@ -307,8 +308,9 @@ class AsyncServerConnector(OneServer):
         return await self.put_status(key, parts) in (200, 201)
 
     async def put_status(
-        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE
-    ) -> int | None:
+        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE,
+        timeout_s: float | None = None,
+    ) -> int | None:  # fmt: skip
         """``PUT /kv/<addr>`` of the concatenation of ``parts`` (bytes-like, no copy).
 
         Returns:
@@ -321,6 +323,7 @@ class AsyncServerConnector(OneServer):
             status = await self._exchange(
                 "PUT", self._core.block_path(address), drained, body=Parts(views),
                 headers={CHECKSUM_HEADER: parts_checksum(views), **engine_headers(engine)},
+                timeout_s=capped(timeout_s, self.config.timeout_s),
             )  # fmt: skip
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss("PUT", address, exc)

@@ -31,7 +31,7 @@ from .router import (
     absent,
     set_health,
 )
-from .rules import KvCacheStats, to_address, to_addresses
+from .rules import KvCacheStats, capped, to_address, to_addresses
 from .setstats import MemberStats, set_stats
 from .settings import KvCacheConfig
 from .sync import member_connector
@@ -187,7 +187,7 @@ class AsyncSetConnector:
         ``release_lease``: then ends one of the caller's leases at the member that granted
         it (:meth:`release`). ``timeout_s``: one deadline for both requests
         (:func:`~eg_kv.client.rounds.fetch_steps`)."""
-        bound = None if timeout_s is None else min(timeout_s, self.config.timeout_s)
+        bound = capped(timeout_s, self.config.timeout_s)
         op, gate = fetch_steps(sink, may_start, bound)
         got = await self._one(key, op, lambda r: r is None, may_start=gate)
         if release_lease:
@@ -205,14 +205,15 @@ class AsyncSetConnector:
     put_parts = AsyncServerConnector.put_parts
 
     async def put_status(
-        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE
-    ) -> int | None:
+        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE,
+        timeout_s: float | None = None,
+    ) -> int | None:  # fmt: skip
         parts = byte_views(parts)  # TypeError: not a miss
         at = await self._home_of(key)
         if at is None:
             return None
         view, home, address = at
-        status = await self._members.get(view, home).put_status(address, parts, engine)
+        status = await self._members.get(view, home).put_status(address, parts, engine, timeout_s)
         self._router.put_homes.stored(address, home, status)
         return status
 

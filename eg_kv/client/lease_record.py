@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..procs import after_fork_in_child
@@ -29,14 +29,23 @@ MAX_LEASED = 65536
 class LeaseRecord:
     """The leases one client's lookups took, by address (thread-safe, bounded)."""
 
-    def __init__(self, client: Any, lease_ms: int, max_leased: int = MAX_LEASED) -> None:
+    def __init__(
+        self,
+        client: Any,
+        lease_ms: int,
+        max_leased: int = MAX_LEASED,
+        send: Callable[[list[str]], Any] | None = None,
+    ) -> None:
         """Args:
         client: what ``release(addresses)`` is sent to (a connector or a set).
         lease_ms: the lease a lookup asks (0: none, and nothing is recorded).
         max_leased: addresses remembered; past it the oldest are forgotten (their
             leases end on their own).
+        send: sends the releases instead of ``client.release`` on the caller's thread
+            (:meth:`eg_kv.client.release_queue.ReleaseQueue.submit`: an engine's thread
+            that must not wait on a server).
         """
-        self._client = client
+        self._send = send or client.release
         self.lease_ms = lease_ms
         self._max = max_leased
         self._leased: Counter[str] = Counter()
@@ -89,4 +98,4 @@ class LeaseRecord:
                     if count:
                         leased.append(address)
         if leased:
-            self._client.release(leased)
+            self._send(leased)

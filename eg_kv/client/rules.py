@@ -106,6 +106,12 @@ class KvCacheStats:
 # --------------------------------------------------------------------------- keys
 
 
+def capped(timeout_s: float | None, config_s: float) -> float | None:
+    """A call's own deadline (``timeout_s``: what is left of an engine's batch), never
+    longer than the config's ``config_s``; None: the config's."""
+    return None if timeout_s is None else min(timeout_s, config_s)
+
+
 def to_address(key: str | bytes) -> str:
     """The server address for a key.
 

@@ -36,7 +36,7 @@ from .router import (
     absent,
     set_health,
 )
-from .rules import KvCacheStats, batches, to_address, to_addresses
+from .rules import KvCacheStats, batches, capped, to_address, to_addresses
 from .setstats import MemberStats, member_line, set_stats
 from .settings import KvCacheConfig
 from .sync import ServerConnector, member_connector
@@ -145,7 +145,7 @@ class SetConnector:
             timeout_s: one deadline for both requests, when shorter than the config's
                 (:func:`~eg_kv.client.rounds.fetch_steps`).
         """
-        bound = None if timeout_s is None else min(timeout_s, self.config.timeout_s)
+        bound = capped(timeout_s, self.config.timeout_s)
         op, gate = fetch_steps(sink, may_start, bound)
         got = self._one(key, op, lambda r: r is None, may_start=gate)
         if release_lease:
@@ -158,16 +158,18 @@ class SetConnector:
     put_parts = ServerConnector.put_parts
 
     def put_status(
-        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE
-    ) -> int | None:
+        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE,
+        timeout_s: float | None = None,
+    ) -> int | None:  # fmt: skip
         """``PUT`` at the address's home (its next-ranked member while it is down); the
-        member is noted for a DELETE of the reference (:meth:`delete_status`)."""
+        member is noted for a DELETE of the reference (:meth:`delete_status`).
+        ``timeout_s``: the PUT's deadline, when shorter than the config's."""
         parts = byte_views(parts)  # TypeError: not a miss
         at = self._home_of(key)
         if at is None:
             return None
         view, home, address = at
-        status = self._members.get(view, home).put_status(address, parts, engine)
+        status = self._members.get(view, home).put_status(address, parts, engine, timeout_s)
         self._router.put_homes.stored(address, home, status)
         return status
 

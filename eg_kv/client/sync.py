@@ -41,6 +41,7 @@ from .rules import (
     KvCacheStats,
     Miss,
     batch_body,
+    capped,
     checksum_line,
     exists_answer,
     to_address,
@@ -174,7 +175,7 @@ class ServerConnector(OneServer):
                 core.block_path(address),
                 partial(block_body, core, address, sink),
                 headers=RELEASE_HEAD if release_header else b"",
-                timeout_s=None if timeout_s is None else min(timeout_s, self.config.timeout_s),
+                timeout_s=capped(timeout_s, self.config.timeout_s),
             )
         except Exception as exc:
             core.miss("GET", address, exc)
@@ -262,14 +263,16 @@ class ServerConnector(OneServer):
         return self.put_status(key, parts) in (200, 201)
 
     def put_status(
-        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE
-    ) -> int | None:
+        self, key: str | bytes, parts: Iterable[Any], engine: EngineName = NO_ENGINE,
+        timeout_s: float | None = None,
+    ) -> int | None:  # fmt: skip
         """``PUT /kv/<addr>`` of the concatenation of ``parts`` (bytes-like, no copy).
 
         A body over 64 KiB asks ``Expect: 100-continue`` first: a server that answers from
         the head alone (a dedup hit, a refusal) is never sent it. A PUT is never sent
         twice. ``engine``: the block's name as its engine knows it (:mod:`eg_kv.engine`),
-        which the server's KV events publish.
+        which the server's KV events publish. ``timeout_s``: the PUT's deadline, when
+        shorter than the config's (what is left of an engine's batch).
 
         Returns:
             The final HTTP status (201 stored, 200 deduplicated, 409, 413, 503, 507, 401,
@@ -284,6 +287,7 @@ class ServerConnector(OneServer):
                 drained,
                 body=views,
                 headers=PUT_HEAD + checksum_line(views) + engine_header_lines(engine),
+                timeout_s=capped(timeout_s, self.config.timeout_s),
             )
         except Exception as exc:
             self._core.miss("PUT", address, exc)

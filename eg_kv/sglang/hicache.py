@@ -43,6 +43,8 @@ from ..binding import declared_binding
 from ..blockkey import say_once
 from ..client.connectors import connect
 from ..client.lease_record import LeaseRecord
+from ..client.release_queue import ReleaseQueue
+from ..client.rounds import MIN_LEFT_S
 from ..engine import EngineName
 from .pages import PageFormat, engine_names, page_format, page_views, view_at
 from .settings import backend_options
@@ -96,7 +98,11 @@ class EgKvHiCacheStorage(HiCacheStorage):
         self.config, self.settings = backend_options(storage_config.extra_config)
         say_once(self.config.block_key)  # what this engine's loads can detect, once
         self.client = connect(self.config)  # one server, or a set (eg_kv.client.sets)
-        self._leases = LeaseRecord(self.client, self.settings["lease_ms"])
+        # Releases go on a thread of their own: SGLang's threads never wait on a server.
+        self._releases = ReleaseQueue(self.client.release)
+        self._leases = LeaseRecord(
+            self.client, self.settings["lease_ms"], send=self._releases.submit
+        )
         self._pool = ThreadPoolExecutor(
             max_workers=self.settings["io_threads"], thread_name_prefix="eg-kv-hicache"
         )
@@ -158,7 +164,7 @@ class EgKvHiCacheStorage(HiCacheStorage):
         run = found.index(False) if False in found else len(found)
         self._leases.note(addresses[:run], found[:run])
         if self._leases.asked and any(found[run:]):
-            self.client.release(
+            self._releases.submit(
                 [a for a, hit in zip(addresses[run:], found[run:], strict=True) if hit]
             )
         self._counters.add(lookups=1, hit_pages=run)
@@ -204,9 +210,10 @@ class EgKvHiCacheStorage(HiCacheStorage):
         deadline = time.monotonic() + self.config.timeout_s
 
         def load(address: str, page: list[memoryview]) -> bool:
-            if time.monotonic() > deadline:  # the batch ran out of time: a miss, unsent
+            left = deadline - time.monotonic()
+            if left < MIN_LEFT_S:  # the batch ran out of time: a miss, unsent
                 return False
-            return bool(self.client.fetch(address, _page_sink(page)))
+            return bool(self.client.fetch(address, _page_sink(page), timeout_s=left))
 
         done = self._each(load, addresses, views, local=True)
         self._leases.release(addresses)
@@ -273,9 +280,10 @@ class EgKvHiCacheStorage(HiCacheStorage):
         names = engine_names(keys, self.format.page_tokens if self.format else 0)
 
         def put(address: str, item: tuple[list[memoryview], EngineName]) -> bool:
-            if time.monotonic() > deadline:  # the batch ran out of time: not stored, unsent
+            left = deadline - time.monotonic()
+            if left < MIN_LEFT_S:  # the batch ran out of time: not stored, unsent
                 return False
-            return self.client.put_status(address, item[0], item[1]) in (200, 201)
+            return self.client.put_status(address, item[0], item[1], left) in (200, 201)
 
         items = [(pages[n], names[n]) for n in todo]
         stored = self._each(put, [addresses[n] for n in todo], items)
@@ -367,6 +375,7 @@ class EgKvHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         """Stop the threads and close the connections (idempotent)."""
         self._pool.shutdown(wait=True)
+        self._releases.close()  # releases still queued end on their own
         self.client.close()
 
 

@@ -26,15 +26,13 @@ leases end on their own), so the scheduler never waits on a server.
 from __future__ import annotations
 
 import collections
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from ..client.release_queue import MAX_QUEUED, ReleaseQueue
 
 __all__ = ["MAX_HELD", "MAX_QUEUED", "SchedulerLeases"]
 
-#: Release batches queued for the release thread at most.
-MAX_QUEUED = 64
 #: Requests whose lookup leases are held at most (the oldest is released past it).
 MAX_HELD = 4096
 
@@ -54,10 +52,8 @@ class SchedulerLeases:
         self._step = 0
         self._held: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
         self._due: collections.deque[tuple[int, list[str]]] = collections.deque()
-        self._pool: ThreadPoolExecutor | None = None
-        self._queued = 0
-        self._lock = threading.Lock()
-        self.counters = {"released": 0, "release_batches": 0, "release_dropped": 0}
+        self._queue = ReleaseQueue(release, MAX_QUEUED)
+        self.counters = self._queue.counters
 
     def looked_up(self, req_id: str, addresses: Sequence[str]) -> None:
         """A lookup of ``req_id`` answered: it leased ``addresses`` (releases the
@@ -94,43 +90,11 @@ class SchedulerLeases:
 
     def release_now(self, addresses: Sequence[str]) -> None:
         """Release ``addresses`` on the release thread (dropped past :data:`MAX_QUEUED`)."""
-        if not addresses:
-            return
-        with self._lock:
-            if self._queued >= MAX_QUEUED:
-                self.counters["release_dropped"] += 1
-                return
-            self._queued += 1
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="eg-kv-release")
-            pool = self._pool
-        batch = list(addresses)
-
-        def run() -> None:
-            released = 0
-            try:
-                released = int(self._release(batch))
-            finally:
-                with self._lock:
-                    self._queued -= 1
-                    self.counters["released"] += released
-                    self.counters["release_batches"] += 1
-
-        try:
-            pool.submit(run)
-        except RuntimeError:  # closed: the leases end on their own
-            with self._lock:
-                self._queued -= 1
+        self._queue.submit(addresses)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the releases queued; whether all were sent."""
-        pool = self._pool
-        if pool is not None:
-            try:
-                pool.submit(lambda: None).result(timeout=timeout_s)
-            except Exception:  # still sending (a slow server), or closed
-                return False
-        return self._queued == 0
+        return self._queue.drain(timeout_s)
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Release what is held and due, wait up to ``timeout_s`` for the releases to be
@@ -140,12 +104,9 @@ class SchedulerLeases:
         self._due.clear()
         self._held.clear()
         self.release_now(rest)
-        self.drain(timeout_s)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._queue.close(timeout_s)
 
     def stats(self) -> dict[str, Any]:
         """The counters and what is held now."""
         held = sum(map(len, self._held.values())) + sum(len(b) for _, b in self._due)
-        with self._lock:
-            return {**self.counters, "held": held}
+        return {**self.counters, "held": held}

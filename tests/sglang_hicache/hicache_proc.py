@@ -322,6 +322,41 @@ def scenario_silent() -> dict:
     return out
 
 
+def scenario_stalled() -> dict:
+    """A server that answered the lookups and then stalls (it accepts and never answers):
+    each call ends within its one timeout_s (1 s). A GET started late ran its own whole
+    timeout past the batch's, a PUT too, and the lease releases were sent on SGLang's
+    thread with a timeout of their own: a get took 2.0 s, a set 1.8 s, an exists 1.0 s."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as silent:  # never accepts
+        engine = Engine(False, "page_first", url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                        timeout_s=1, io_threads=1, lease_ms=60000)  # fmt: skip
+        backend, keys = engine.backend, keys_of("stalled", 8)
+        slots = engine.slots(8)
+
+        def answered(found, pause=0.0):  # the lookup the server answered before it stalled
+            def lookup(addresses, *args, **kw):
+                time.sleep(pause)
+                return found[: len(addresses)]
+
+            backend.client.try_exists_addresses = lookup
+
+        def timed(call) -> tuple[object, float]:
+            t0 = time.monotonic()
+            return call(), round(time.monotonic() - t0, 2)
+
+        answered([True] * 8)
+        out = {"exists": backend.batch_exists(keys)}  # 8 leased
+        out["get"], out["get_s"] = timed(lambda: backend.batch_get_v1(keys, slots))
+        answered([True, True, False] + [True] * 5)  # hits after the gap: released
+        out["gap"], out["gap_s"] = timed(lambda: backend.batch_exists(keys))
+        answered([False] * 8, pause=0.8)  # the held check answered late
+        out["set"], out["set_s"] = timed(lambda: backend.batch_set_v1(keys, slots))
+        engine.close()
+    return out
+
+
 def scenario_strided() -> dict:
     """The legacy get into a target whose elements are not contiguous: a miss, and not a
     byte written (a flat view of it covered whatever lay after its first element)."""

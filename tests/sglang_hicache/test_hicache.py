@@ -137,6 +137,15 @@ def test_a_silent_server_costs_a_store_one_timeout_not_one_per_page(found):
 
 
 @needs_sglang
+def test_a_server_that_stalls_after_a_lookup_costs_each_call_one_timeout(found):
+    got = found["stalled"]
+    assert got["exists"] == 8 and got["get"] == [False] * 8 and got["set"] == [False] * 8
+    assert got["gap"] == 2
+    # timeout_s 1: each call within it (they took 2.0 s, 1.8 s and 1.0 s).
+    assert got["get_s"] < 1.5 and got["set_s"] < 1.5 and got["gap_s"] < 0.5
+
+
+@needs_sglang
 def test_a_legacy_get_into_a_strided_target_is_a_miss_that_writes_nothing(found):
     got = found["strided"]
     assert got == {"stored": True, "got": [False], "untouched": True}
