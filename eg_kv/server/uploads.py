@@ -111,12 +111,16 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
         length = put_fields(request.headers, slab.max_block_size)[0]
         if request.headers.get("Expect", "").lower() != "100-continue":
             return await _final_answer(request, _expect_refused(), start)
-        if length and (block_id := slab.add_ref(address, length, tenant.ns)):
+        if length and (block_id := slab.add_ref(address, length, tenant.ns, hit=False)):
             try:
-                return await _final_answer(request, web.Response(status=200, text="dedup\n"), start)
+                answer = await _final_answer(
+                    request, web.Response(status=200, text="dedup\n"), start
+                )
             except BaseException:  # the 200 never went out (the client left): no reference
                 slab.take_back_ref(address, block_id, tenant.ns)
                 raise
+            slab.count_dedup_hit(tenant.ns)
+            return answer
     except EgKvError as e:
         return await _final_answer(request, error_response(e.status, str(e)), start)
     await _continue(request)

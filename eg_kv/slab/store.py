@@ -598,8 +598,8 @@ class Slab(SlabLeases):
         self._refuse_early(address, n, ns)
         with self._locked():
             i, s = self._find(raw, fp, ns)
-            if s is not None:
-                self._add_ref(i, s, address, length)
+            if s is not None:  # a dedup hit: counted once its put ends (_commit)
+                self._add_ref(i, s, address, length, hit=False)
                 h = PutHandle(self, address, raw, fp, length, -1, L.NO_PAGE, 0, s[F_BLOCK_ID], ns)
                 # Its reference, noted under this pid: given back if the writer dies first.
                 h.ref_entry = self._reserve(L.RESV_DEDUP, 0, s[F_BLOCK_ID], ns)
@@ -629,7 +629,8 @@ class Slab(SlabLeases):
         Args:
             refs: references to add (in one hold of the lock).
             hit: count a dedup hit; False for references that come with a block from
-                the disk tier (its copy's, joining the slab's: no PUT of a block held).
+                the disk tier (its copy's, joining the slab's: no PUT of a block held), or
+                for a hit counted once its answer went out (:meth:`count_dedup_hit`).
 
         Returns:
             The block's id (what :meth:`take_back_ref` names), or 0 if it is absent.
@@ -647,9 +648,20 @@ class Slab(SlabLeases):
             self._add_ref(i, s, address, length, refs, hit)
             return int(s[F_BLOCK_ID])
 
+    def count_dedup_hit(self, ns: int = 0) -> None:
+        """Count a dedup hit whose :meth:`add_ref` (``hit=False``) was answered: a hit is
+        counted once it went out, so no counter goes back when a client leaves first."""
+        with self._locked():
+            self._count_dedup_hit(ns)
+
+    def _count_dedup_hit(self, ns: int) -> None:
+        self._state[L.ST_DEDUP_HITS] += 1
+        if ns:
+            self._nsw[ns * _NS_WORDS + _NS_DEDUP_HITS] += 1
+
     def take_back_ref(self, address: str, block_id: int, ns: int = 0) -> None:
         """Undo an :meth:`add_ref` whose answer never went out (the client left): not a
-        DELETE (no delete is counted, the dedup hit is not), and only of the same block."""
+        DELETE (no delete is counted, nor a dedup hit), and only of the same block."""
         raw, fp = self._key(address, ns)
         self._take_back_ref(raw, fp, ns, block_id)
 
@@ -816,9 +828,10 @@ class Slab(SlabLeases):
 
     def _commit(self, h: PutHandle) -> bool:
         if h.resv < 0:  # a dedup hit: its reference was taken when the put began
-            if h.ref_entry >= 0:
-                with self._locked():
+            with self._locked():
+                if h.ref_entry >= 0:
                     self._unreserve(h.ref_entry)
+                self._count_dedup_hit(h.ns)
             return False
         with self._locked():
             i, s = self._find(h.raw, h.fp, h.ns)
@@ -870,11 +883,9 @@ class Slab(SlabLeases):
             self._undo_dedup(i, s, ns, block_id)
 
     def _undo_dedup(self, i: int, s: L.SlotFields | None, ns: int, block_id: int) -> None:
-        """Take a dedup hit back: its count, and its reference on slot ``i`` (fields
-        ``s``) if that holds block ``block_id`` (under the lock)."""
-        self._state[L.ST_DEDUP_HITS] -= 1
-        if ns:
-            self._nsw[ns * _NS_WORDS + _NS_DEDUP_HITS] -= 1
+        """Take a dedup hit that did not end back: its reference on slot ``i`` (fields
+        ``s``) if that holds block ``block_id`` (under the lock). It was not counted yet
+        (a hit counts once its put ends: a counter that went back read as a reset)."""
         if s is not None and s[F_BLOCK_ID] == block_id:
             self._drop_ref(i, s)  # the last one if every other was deleted meanwhile
 

@@ -265,19 +265,24 @@ def test_add_ref_counts_a_dedup_hit_from_the_headers(slab):
         slab.add_ref("here", 5)
     st = slab.stats()
     assert (st["total_refs"], st["dedup_hits"], st["logical_bytes"]) == (2, 1, 600 * KiB)
-    # Two more hits taken back (their answers never went out): one named a block that was
-    # replaced meanwhile (only the hit is undone), one this block (its reference too).
-    assert slab.add_ref("here", 300 * KiB) == slab.add_ref("here", 300 * KiB) == block_id
+    # The server's hits are counted once answered (hit=False, then count_dedup_hit): two
+    # taken back (their answers never went out) count nothing, and nothing goes back. One
+    # named a block replaced meanwhile (no reference goes), one this block (its own does).
+    taken = [slab.add_ref("here", 300 * KiB, hit=False) for _ in range(3)]
+    assert taken == [block_id] * 3 and slab.stats()["dedup_hits"] == 1
     slab.take_back_ref("here", block_id + 1)
     slab.take_back_ref("here", block_id)
+    slab.count_dedup_hit()  # the third's answer went out
     st = slab.stats()
-    assert (st["total_refs"], st["dedup_hits"], st["deletes"]) == (3, 1, 0)
+    assert (st["total_refs"], st["dedup_hits"], st["deletes"]) == (4, 2, 0)
 
 
 def test_streamed_dedup_hit_takes_its_reference_at_once_and_back_on_abort(slab):
+    """Its reference at once; its count when it ends, so an abort takes nothing counted
+    back (dedup_hits went back, a reset to Prometheus)."""
     slab.put("d", data(200 * KiB))
-    h = slab.begin_put("d", 200 * KiB)
-    assert h.dedup and slab.stats()["total_refs"] == 2 and slab.stats()["dedup_hits"] == 1
+    h = slab.begin_put("d", 200 * KiB)  # the hit counts once the put ends
+    assert h.dedup and slab.stats()["total_refs"] == 2 and slab.stats()["dedup_hits"] == 0
     h.write(data(100 * KiB))
     with pytest.raises(BadRequest, match="cut short"):
         h.commit()  # aborts: the reference goes back
