@@ -381,7 +381,7 @@ class Keeper:
                 await self._zeroed(time.monotonic() + ZEROED_WAIT_S)
             return dropped
         if op == wire.ADOPT:
-            return self._adopt((args[0], args[1]), args[2], args[3])
+            return self._adopt((args[0], args[1]), args[2], args[3], int(args[4]))
         if op == wire.STATS:
             stats = store.stats()
             stats["spill_queue"] = self.spills.qsize()
@@ -446,19 +446,22 @@ class Keeper:
                            e.engine.block_size, e.engine.lora_id] for e in page if e.live],
                 done]  # fmt: skip
 
-    def _adopt(self, key: Key, checksum: int, block: int) -> int:
-        """A PUT created ``key`` in the slab as ``block``: if the disk holds it with the
-        same bytes, it was a dedup hit (returns the copy's refs); a copy with other bytes
-        is stale. The spill of that very block (which may be done already) is no copy."""
+    def _adopt(self, key: Key, checksum: int, block: int, length: int) -> list[Any]:
+        """A PUT created ``key`` in the slab as ``block`` (``length`` bytes): what the
+        disk's copy makes of it, as a resident block would (``[verdict, number]``, the
+        verdicts of :mod:`eg_kv.disk.wire`). A copy stands: the same bytes or the same
+        length are a dedup hit (this PUT's reference joins it), another length a
+        conflict; it went with all its references once (a holder's GET then got other
+        bytes, and the last of its DELETEs was refused). The spill of that very block
+        (which may be done already) is no copy."""
         with self.store.lock:
             e = self.store.index.find(key)
-            if e is not None and e.block != block and e.checksum == checksum:
-                e.refs += 1  # the PUT's own reference, on the copy too
-                return e.refs - 1
-        if e is None or e.block == block:
-            return 0
-        self.discard(key)
-        return 0
+            if e is None or e.block == block:
+                return [wire.NEW, 0]
+            if e.length != length:
+                return [wire.CONFLICT, e.length]
+            e.refs += 1  # the PUT's own reference, on the copy too
+            return [wire.SAME if e.checksum == checksum else wire.OTHER, e.refs - 1]
 
     # ------------------------------------------------------------------ process
 

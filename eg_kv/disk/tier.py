@@ -236,10 +236,16 @@ class DiskTier:
         if self._undone and (self._flushing is None or self._flushing.done()):
             self._flushing = asyncio.ensure_future(self._send_undone())
 
-    async def adopt(self, namespace: str, address: str, checksum: int, block: int) -> int:
-        """A PUT created ``address`` as slab block ``block``: the refs of the disk's copy
-        of the same bytes (0: none; a PUT of a disk-resident block is a dedup hit)."""
-        return int(await self._call(wire.ADOPT, namespace, address, checksum, block) or 0)
+    async def adopt(
+        self, namespace: str, address: str, checksum: int, block: int, length: int
+    ) -> tuple[str, int]:
+        """A PUT created ``address`` as slab block ``block`` of ``length`` bytes: the
+        disk's verdict on its copy (:data:`eg_kv.disk.wire.NEW` ... ``CONFLICT``) and its
+        number (see the keeper's ``_adopt``); NEW when the keeper did not answer."""
+        got = await self._call(wire.ADOPT, namespace, address, checksum, block, length)
+        if not isinstance(got, list) or len(got) != 2:
+            return wire.NEW, 0
+        return str(got[0]), int(got[1])
 
     async def listing(self, namespace: str | None) -> AsyncIterator[list[list[Any]]]:
         """The blocks the disk holds (``namespace``'s, or all), a page at a time:

@@ -44,6 +44,12 @@ from typing import Any
 import msgspec
 
 FIND, DELETE, DISCARD, ADOPT = "find", "delete", "discard", "adopt"
+#: ADOPT's verdicts on the disk's copy of an address a PUT just created in the slab, with
+#: a number: NEW (no copy, or the spill of this very block), SAME (the same bytes: its
+#: references, this PUT's joined), OTHER (the same length, other bytes: the copy stands,
+#: as a resident block would, with this PUT's reference; its references), CONFLICT
+#: (another length: the copy stands; its length).
+NEW, SAME, OTHER, CONFLICT = "new", "same", "other", "conflict"
 STATS, BAD, LOADED, REFS, LIST = "stats", "bad", "loaded", "refs", "list"
 PROMOTE, PROMOTED = "promote", "promoted"
 #: A ``delete``'s answer when the slab holds the block now (promoted or PUT meanwhile).

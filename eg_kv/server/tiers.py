@@ -21,8 +21,8 @@ from aiohttp import web
 from ..disk import wire
 from ..disk.layout import ALIGN
 from ..disk.tier import DiskTier, Found, Loaded
-from ..errors import Busy, EgKvError
-from ..slab.store import PutHandle, Slab
+from ..errors import Busy, Conflict, EgKvError
+from ..slab.store import PutHandle, Slab, conflict_message
 from .keys import DISK, SETTINGS, SLAB
 from .tenants import Tenant
 
@@ -174,8 +174,13 @@ def count_dedup(request: web.Request, tenant: Tenant, address: str) -> None:
 
 
 async def adopt(request: web.Request, tenant: Tenant, address: str) -> bool:
-    """A PUT created ``address`` in the slab: True if the disk held the same bytes (a
-    dedup hit: its references join the slab's)."""
+    """A PUT created ``address`` in the slab: True if the disk held a copy of the same
+    length, so the PUT was a dedup hit, as it would have been with the copy resident (the
+    copy's references join the slab's block, or this PUT's joins the copy's).
+
+    Raises:
+        Conflict: the disk holds a copy of another length (the PUT's block is taken back).
+    """
     tier = request.app.get(DISK)
     if tier is None:
         return False
@@ -185,12 +190,23 @@ async def adopt(request: web.Request, tenant: Tenant, address: str) -> bool:
         return False
     length, checksum = described
     block = slab.block_ids([address], tenant.ns)[1][0]
-    refs = await tier.adopt(tenant.namespace, address, checksum, block)
-    try:
-        if refs > 1:  # the disk copy's references join the slab's: one dedup hit, this PUT
-            slab.add_ref(address, length, tenant.ns, refs - 1, hit=False)
-        if refs:
-            slab.add_ref(address, length, tenant.ns)
+    verdict, number = await tier.adopt(tenant.namespace, address, checksum, block, length)
+    if verdict == wire.NEW:
+        return False
+    if verdict == wire.CONFLICT:
+        if slab.withdraw(address, tenant.ns, block):
+            raise Conflict(conflict_message(address, number, length))
+        await tier.discard(tenant.namespace, address, block)  # these bytes were taken meanwhile
+        return False
+    if verdict == wire.OTHER and slab.withdraw(address, tenant.ns, block):
+        slab.count_dedup_hit(tenant.ns)
+        return True  # the copy's bytes stand, with this PUT's reference
+    try:  # its references join the slab's block: one dedup hit, this PUT
+        if number:
+            slab.add_ref(address, length, tenant.ns, number, hit=False)
+        slab.add_ref(address, length, tenant.ns)
     except EgKvError:
         return False
-    return refs > 0
+    if verdict == wire.OTHER:  # the copy's bytes were taken meanwhile: theirs go
+        await tier.discard(tenant.namespace, address, block)
+    return True

@@ -194,12 +194,17 @@ class Slab(SlabLeases):
     def _npages(self, length: int) -> int:
         return -(-length // self.page_size)
 
-    def _drop_block(self, i: int, s: L.SlotFields, evicted: bool = False, reason: int = 0) -> None:
+    def _drop_block(
+        self, i: int, s: L.SlotFields, evicted: bool = False, reason: int = 0, held: bool = False
+    ) -> None:
         """Release slot ``i``'s block entirely (last delete, or an eviction if ``evicted``:
         counted here, one call per evicted block rather than two). ``reason``: the event
-        log's (:mod:`eg_kv.slab.events`; 0: evict or delete, as ``evicted`` says)."""
+        log's (:mod:`eg_kv.slab.events`; 0: evict or delete, as ``evicted`` says).
+        ``held``: the disk tier holds the address: no removal is logged."""
         st, ev = self._state, self._events
-        if ev is not None and evicted and self._mm[self._slot_off(i) + _META_FLAGS] & _SPILLED:
+        if ev is not None and (held or (
+            evicted and self._mm[self._slot_off(i) + _META_FLAGS] & _SPILLED
+        )):  # fmt: skip
             ev = None  # the disk tier holds it: a move between tiers, not a removal
         if ev is not None:  # pending before the change, published after (crash safety)
             ev.begin(REMOVED, reason or (R_EVICT if evicted else R_DELETE), s[F_NS],
@@ -769,7 +774,7 @@ class Slab(SlabLeases):
             Conflict: the resident block has another length.
         """
         if s[F_LENGTH] != length:
-            raise Conflict(_conflict_message(address, s[F_LENGTH], length))
+            raise Conflict(conflict_message(address, s[F_LENGTH], length))
         # More references, and the reference bit set (a dedup hit is a use).
         fields = list(s)
         fields[F_STATE], fields[F_REFBIT] = L.SLOT_READY, 1
@@ -987,6 +992,24 @@ class Slab(SlabLeases):
 
     # ------------------------------------------------------------------ the disk tier
 
+    def withdraw(self, address: str, ns: int, block_id: int) -> bool:
+        """Take back block ``block_id``, which a PUT just created under ``address`` where
+        the disk tier already holds another copy (other bytes, or another length): the
+        disk's copy stands, as a resident block would have (a dedup hit, or a 409), and no
+        removal is logged (the address is still held). Counted as nothing.
+
+        Returns:
+            Whether it was withdrawn: False if another reference was taken meanwhile (a
+            dedup hit of these bytes: they stay).
+        """
+        raw, fp = self._key(address, ns)
+        with self._locked():
+            i, s = self._find(raw, fp, ns)
+            if s is None or s[F_BLOCK_ID] != block_id or s[F_REFS] != 1:
+                return False
+            self._drop_block(i, s, held=True)
+            return True
+
     def mark_spilled(self, address: str, ns: int, block_id: int, record: int) -> int:
         """The disk tier holds block ``block_id`` (resident under ``address``) as its record
         ``record``: say so in its slot, so that its eviction is a move between tiers, not
@@ -1040,7 +1063,7 @@ class Slab(SlabLeases):
             self._nsw[e + _NS_LOGICAL_BYTES] -= s[F_LENGTH]
 
 
-def _conflict_message(address: str, resident: int, wanted: int) -> str:
+def conflict_message(address: str, resident: int, wanted: int) -> str:
     return (
         f"block {address} is resident with {resident} bytes, not {wanted}: "
         "delete it first or use another address"

@@ -156,6 +156,36 @@ def test_dedup_and_delete_hold_across_tiers(server_factory, disk_dir):
     assert request(srv, "DELETE", f"/kv/{other}").status == 404
 
 
+def test_a_put_of_other_bytes_answers_alike_whichever_tier_holds_the_block(
+    server_factory, disk_dir
+):
+    """Two holders' block, then a PUT of other bytes under its address: resident, it is a
+    dedup hit (same length: 200, the old bytes stay, three references) or a 409 (another
+    length). Only on disk it was a 201: the copy went with both its references, a GET
+    gave the new bytes and one DELETE was left. Now the same answers from either tier."""
+    srv = _serve(server_factory, disk_dir)
+    blocks = _blocks("held", 2)
+    for data_address, data in blocks.items():
+        assert request(srv, "PUT", f"/kv/{data_address}", data).status == 201
+        assert request(srv, "PUT", f"/kv/{data_address}", data).status == 200
+    for i in range(60):  # until the slab evicts both (spilled first)
+        _put_spilled(srv, _blocks(f"push{i}-", 2))
+        if len(_on_disk(srv, list(blocks))) == 2:
+            break
+    assert len(_on_disk(srv, list(blocks))) == 2
+    same, other = blocks
+    r = request(srv, "PUT", f"/kv/{same}", os.urandom(BLOCK))  # same length, other bytes
+    assert (r.status, r.body) == (200, b"dedup\n")
+    r = request(srv, "PUT", f"/kv/{other}", os.urandom(BLOCK // 2))  # another length
+    assert r.status == 409 and b"delete it first" in r.body, r.body
+    assert request(srv, "GET", f"/kv/{other}").body == blocks[other]
+    for address, refs in ((same, 3), (other, 2)):
+        assert request(srv, "GET", f"/kv/{address}").body == blocks[address]
+        for _ in range(refs):
+            assert request(srv, "DELETE", f"/kv/{address}").status == 204
+        assert request(srv, "GET", f"/kv/{address}").status == 404
+
+
 def test_a_restart_keeps_the_cache(server_factory, disk_dir):
     """After SIGTERM (the slab is removed with the server, as after a reboot) every
     spilled block is served again, verified, from the same directory; deletes stay."""
