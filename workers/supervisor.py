@@ -214,6 +214,7 @@ def open_disk(settings: Settings) -> int:
         path = files.check_dir(settings.disk)
         fd = files.lock_dir(path)
         try:
+            files.socket_path(path)  # a directory there: the keeper could never bind
             sb = files.make_data(path, settings.disk_capacity)
         except BaseException:
             os.close(fd)

@@ -14,7 +14,6 @@ cache the host's other work lives in; buffers are anonymous ``mmap`` s (page ali
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import mmap
@@ -68,15 +67,45 @@ def lock_dir(path: str) -> int:
     closing it, or dying, releases the lock).
 
     Raises:
-        ConfigError: another live server holds it (its pid named).
+        ConfigError: another live server holds it (its pid named), or it cannot be opened
+            (a directory in its place).
     """
+    name = os.path.join(path, D.LOCK_FILE)
     try:
-        return lock_pid_file(os.path.join(path, D.LOCK_FILE))
+        return lock_pid_file(name)
     except PidFileHeld as e:
         raise ConfigError(
             f"--disk {path}: in use by another eg-kv server (pid {e.holder}); stop it or give "
             "this one another directory"
         ) from None
+    except OSError as e:
+        raise _unusable(name, e) from None
+
+
+def _unusable(name: str, e: OSError) -> ConfigError:
+    """The one-line refusal of a file of the directory that cannot be used."""
+    return ConfigError(
+        f"--disk {os.path.dirname(name)}: cannot use {os.path.basename(name)} "
+        f"({e.strerror}); remove or rename it"
+    )
+
+
+def socket_path(path: str) -> str:
+    """The keeper's socket in directory ``path``, where a socket (or nothing) is.
+
+    Raises:
+        ConfigError: something else is in its place (the keeper could not bind, ever).
+    """
+    name = os.path.join(path, D.SOCKET_FILE)
+    try:
+        mode = os.lstat(name).st_mode
+    except FileNotFoundError:
+        return name
+    except OSError as e:
+        raise _unusable(name, e) from None
+    if not stat.S_ISSOCK(mode):
+        raise _unusable(name, OSError(errno.EEXIST, "not a socket"))
+    return name
 
 
 def buffer(size: int) -> mmap.mmap:
@@ -103,14 +132,20 @@ def make_data(path: str, capacity: int) -> D.Super:
     records are dropped, said in the log).
 
     Raises:
-        ConfigError: the disk has no room for ``capacity`` bytes (fallocate failed).
+        ConfigError: the disk has no room for ``capacity`` bytes (fallocate failed), or
+            the file cannot be read (a directory in its place).
     """
     name = os.path.join(path, D.DATA_FILE)
-    with contextlib.suppress(FileNotFoundError):
+    try:
         with open(name, "rb") as f:
             sb = D.unpack_super(f.read(D.HEADER))
         if sb is not None and sb.capacity == capacity and os.path.getsize(name) >= capacity:
             return sb
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a directory in its place, an unreadable file
+        raise _unusable(name, e) from None
+    else:
         log.warning("disk tier: %s is not a data file of %s; making it anew (its records "
                     "are dropped)", name, human_size(capacity))  # fmt: skip
     sb = D.Super(capacity, int(time.time() * 1000), D.FIRST, secrets.token_bytes(D.KEY_SIZE))

@@ -50,8 +50,8 @@ from ..slab.events import (
 )
 from ..slab.layout import NS_COUNT
 from ..slab.store import BlockGone, Slab
+from . import files, wire
 from . import layout as D
-from . import wire
 from .index import Entry, Key
 from .scan import rebuild
 from .store import DiskStore
@@ -101,6 +101,7 @@ class Keeper:
         if ring is None:
             raise ValueError("the disk tier follows the event log: --events must not be 0")
         self.slab, self.ring, self.store = slab, ring, store
+        self.socket = files.socket_path(store.path)  # ConfigError: a directory there
         self.since = ring.head
         self.spills: queue.Queue[tuple[int, Key, int, int, EngineName] | None] = queue.Queue(
             SPILL_QUEUE
@@ -467,9 +468,9 @@ class Keeper:
 
     async def run(self, stopped: Callable[[], bool]) -> None:
         """Serve the socket, follow the log and spill until ``stopped()``."""
-        path = os.path.join(self.store.path, D.SOCKET_FILE)
+        path = self.socket
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+            os.unlink(path)  # a socket a keeper before this one left (socket_path checked)
         server = await asyncio.start_unix_server(self.serve, path)
         os.chmod(path, 0o600)
         threading.Thread(target=rebuild, args=(self.store,), name="disk-scan", daemon=True).start()

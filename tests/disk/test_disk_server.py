@@ -313,6 +313,20 @@ def test_a_second_server_on_the_directory_is_refused(server_factory, disk_dir, t
     assert srv.healthz()["workers_up"] == 2
 
 
+@pytest.mark.parametrize("name", [D.DATA_FILE, D.LOCK_FILE, D.SOCKET_FILE])
+def test_a_directory_in_place_of_a_file_of_the_tier_is_refused_in_one_line(disk_dir, name):
+    """It was a 23-26 line traceback (the data file, the lock), or a keeper that died and
+    was started again every second, forever (its socket)."""
+    (disk_dir / name).mkdir()
+    out = subprocess.run(serve_cmd("--addr", f"127.0.0.1:{free_port()}", "--capacity", "4MiB",
+                                   "--disk", str(disk_dir), "--disk-capacity", "64MiB"),
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert out.returncode != 0 and len(errors) == 1, out.stderr
+    assert f"cannot use {name} (" in errors[0] and "remove or rename it" in errors[0]
+    assert "Traceback" not in out.stderr
+
+
 def test_a_client_reading_the_slab_itself_gets_disk_hits_over_http(server_factory, disk_dir):
     """On the server's host the client reads the slab itself; a block the slab evicted is
     asked of the server, which has it on disk (LocalInfo's ``disk``)."""
