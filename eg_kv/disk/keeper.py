@@ -473,7 +473,8 @@ class Keeper:
             os.unlink(path)  # a socket a keeper before this one left (socket_path checked)
         server = await asyncio.start_unix_server(self.serve, path)
         os.chmod(path, 0o600)
-        threading.Thread(target=rebuild, args=(self.store,), name="disk-scan", daemon=True).start()
+        threading.Thread(target=_rebuild_or_exit, args=(self.store,), name="disk-scan",
+                         daemon=True).start()  # fmt: skip
         writer = threading.Thread(target=self.write_spills, name="disk-writer", daemon=True)
         writer.start()
         try:
@@ -510,3 +511,15 @@ def _filler(reader: Any) -> Callable[[memoryview], None]:
         reader.read_into(view)
 
     return fill_from_slab
+
+
+def _rebuild_or_exit(store: DiskStore) -> None:
+    """The index rebuild, or the keeper's end: a scan that fails (a read error of a bad
+    sector) left the keeper up and never ready, for good (nothing spilled, every DELETE of
+    a disk-only block a 503, the scan's deletes kept without bound). Exiting, it is
+    started again by the supervisor, and an error that stays shows as its restarts."""
+    try:
+        rebuild(store)
+    except BaseException as e:
+        log.error("disk tier: the index rebuild failed (%s); the keeper exits", e)
+        os._exit(1)

@@ -554,3 +554,44 @@ def test_a_delete_is_answered_before_its_worker_stops_waiting_whatever_the_zeroi
     assert (r_answer, s_answer) == (1, 1) and r_took < 0.1  # nothing to zero: at once
     assert s_took < 0.45, s_took  # before the worker's 0.5 s
     assert store.index.find(("", "r")).refs == 1 and store.index.find(("", "s")) is None
+
+
+_FAILING_SCAN = """
+import asyncio, errno, os, sys
+from eg_kv.disk import scan
+from eg_kv.disk.keeper import Keeper
+from eg_kv.disk.store import DiskStore
+from eg_kv.slab.store import Slab
+
+def bad_sector(*args):  # what a read error of the disk does to the scan
+    raise OSError(errno.EIO, "Input/output error")
+
+scan._records = bad_sector
+slab = Slab.attach(sys.argv[1])
+store = DiskStore(sys.argv[2], 16 * 1024 * 1024, 1024 * 1024)
+store.sb = store.sb._replace(high_water=store.capacity)  # a file written to its end
+print("running", flush=True)
+asyncio.run(Keeper(slab, store).run(lambda: False))
+"""
+
+
+def test_a_keeper_whose_scan_fails_exits_to_be_started_again(disk_dir):
+    """A rebuild that raised (a bad sector) left the keeper running and never ready, for
+    good: nothing spilled again, DELETEs of disk-only blocks 503 forever. It exits now,
+    saying why (the supervisor starts another)."""
+    import subprocess
+    import sys
+
+    from eg_kv.slab.store import Slab
+
+    slab = Slab.create(f"/eg-kv-test-scanfail-{os.getpid()}", 4 * MiB, 64 * KiB)
+    try:
+        slab.setup_events(1024)
+        _store(disk_dir, capacity=16 * MiB, max_block=1 * MiB).close()
+        out = subprocess.run([sys.executable, "-c", _FAILING_SCAN, slab.name, str(disk_dir)],
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert out.stdout.startswith("running") and out.returncode == 1, out.stderr[-2000:]
+        assert "the index rebuild failed ([Errno 5] Input/output error)" in out.stderr
+    finally:
+        slab.close()
+        slab.unlink()
