@@ -464,6 +464,41 @@ class Keeper:
             e.refs += 1  # the PUT's own reference, on the copy too
             return [wire.SAME if e.checksum == checksum else wire.OTHER, e.refs - 1]
 
+    # ------------------------------------------------------------------ start
+
+    def _scan(self) -> None:
+        """The index rebuild, then the slab's marks checked against it; or the keeper's
+        end: a scan that fails (a read error of a bad sector) left the keeper up and never
+        ready, for good (nothing spilled, every DELETE of a disk-only block a 503, the
+        scan's deletes kept without bound). Exiting, it is started again by the
+        supervisor, and an error that stays shows as its restarts."""
+        try:
+            rebuild(self.store)
+            self._unmark_lost()
+        except BaseException as e:
+            log.error("disk tier: the index rebuild failed (%s); the keeper exits", e)
+            os._exit(1)
+
+    def _unmark_lost(self) -> int:
+        """Clear the slab's marks of copies the disk does not hold (a data file made anew
+        under a kept slab: another capacity, a damaged or removed file): such a block's
+        eviction was taken for a move, so it left both tiers with no removal logged, and
+        a router kept it. Returns the marks cleared."""
+        index, lock = self.store.index, self.store.lock
+        cleared = 0
+        for ns, address, length, record in self.slab.spilled_marks():
+            name = self._name(ns)
+            with lock:
+                e = index.find((name, address)) if name is not None else None
+                held = e is not None and e.live and e.seq == record
+            if not held:
+                self.slab.disk_dropped(address, ns, length)  # resident: the mark goes
+                cleared += 1
+        if cleared:
+            log.warning("disk tier: %d blocks the slab says are on disk are not in %s; "
+                        "they are the slab's alone again", cleared, self.store.path)  # fmt: skip
+        return cleared
+
     # ------------------------------------------------------------------ process
 
     async def run(self, stopped: Callable[[], bool]) -> None:
@@ -473,8 +508,7 @@ class Keeper:
             os.unlink(path)  # a socket a keeper before this one left (socket_path checked)
         server = await asyncio.start_unix_server(self.serve, path)
         os.chmod(path, 0o600)
-        threading.Thread(target=_rebuild_or_exit, args=(self.store,), name="disk-scan",
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(target=self._scan, name="disk-scan", daemon=True).start()
         writer = threading.Thread(target=self.write_spills, name="disk-writer", daemon=True)
         writer.start()
         try:
@@ -511,15 +545,3 @@ def _filler(reader: Any) -> Callable[[memoryview], None]:
         reader.read_into(view)
 
     return fill_from_slab
-
-
-def _rebuild_or_exit(store: DiskStore) -> None:
-    """The index rebuild, or the keeper's end: a scan that fails (a read error of a bad
-    sector) left the keeper up and never ready, for good (nothing spilled, every DELETE of
-    a disk-only block a 503, the scan's deletes kept without bound). Exiting, it is
-    started again by the supervisor, and an error that stays shows as its restarts."""
-    try:
-        rebuild(store)
-    except BaseException as e:
-        log.error("disk tier: the index rebuild failed (%s); the keeper exits", e)
-        os._exit(1)

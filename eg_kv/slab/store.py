@@ -106,6 +106,8 @@ _T = TypeVar("_T")
 #: Where a slot's META flags lie (from the slot's start), and the disk tier's flag.
 _META_FLAGS = L.SLOT_META_OFFSET + L.META_FLAGS_OFFSET
 _SPILLED = L.META_SPILLED
+#: A slot's META flags byte -> 1 where it has the spilled bit (bytes.translate's table).
+_SPILLED_BIT = bytes(int(bool(b & _SPILLED)) for b in range(256))
 _RECORD = struct.Struct("<Q")
 #: The META of a slot rebuilt without one (check's repair): no checksum, nothing else.
 _NO_META = (0, 0, 0, 0, 0, 0, b"")
@@ -1025,6 +1027,27 @@ class Slab(SlabLeases):
             self._mm[off + L.META_FLAGS_OFFSET] |= _SPILLED
             self._state[L.ST_SPILLS] += 1  # an eviction may look for spilled victims again
             return int(s[F_REFS])
+
+    def spilled_marks(self) -> list[tuple[int, str, int, int]]:
+        """The resident blocks whose slots say the disk tier holds a copy, as
+        ``(ns, address, length, record)``: what the keeper checks against its index once
+        its scan is done (a data file made anew holds none of them). Read without the lock
+        (a flag column in C, then each marked slot): :meth:`disk_dropped` decides under it.
+        """
+        step, first = L.SLOT_SIZE, self._slots_off + _META_FLAGS
+        flags = self._mm[first : first + self._nslots * step : step].translate(_SPILLED_BIT)
+        out = []
+        i = flags.find(1)
+        while i >= 0:
+            s = self._read_slot(i)
+            if s[F_STATE] == L.SLOT_READY:
+                off = self._slot_off(i)
+                record = _RECORD.unpack_from(self._mm, off + L.SLOT_META_OFFSET
+                                             + L.META_DISK_OFFSET)[0]  # fmt: skip
+                address = self._slot_address(i, s[L.F_ALEN]).decode("ascii", "replace")
+                out.append((int(s[F_NS]), address, int(s[F_LENGTH]), record))
+            i = flags.find(1, i + 1)
+        return out
 
     def disk_dropped(
         self, address: str, ns: int, length: int, reason: int = R_DISK,

@@ -203,6 +203,28 @@ def test_a_restart_keeps_the_cache(server_factory, disk_dir):
     assert _all_back(again, blocks) == {"equal": 23, "miss": 0}
 
 
+def test_a_kept_slab_over_a_data_file_made_anew_logs_its_blocks_removals(server_factory, disk_dir):
+    """The slab kept (``--keep``), the data file made anew (another capacity): the slab's
+    marks said the disk held its blocks, so their evictions were taken for moves: they
+    left both tiers with no removal logged (5 of 6, and a router kept them). The marks of
+    copies the new file lacks are cleared once its scan is done."""
+    srv = _serve(server_factory, disk_dir, extra_args=("--keep",))
+    wait_for(lambda: _disk(srv).get("ready"), what="the disk tier's scan")
+    old = _blocks("kept", 6)
+    _put_spilled(srv, old)
+    assert stats(srv)["unique_blocks"] == 6  # all resident, all marked spilled
+    slab, port = srv.slab_name, srv.port
+    assert srv.stop(signal.SIGTERM) == 0  # the slab stays (--keep)
+    again = _serve(server_factory, disk_dir, disk="32MiB", slab_name=slab, port=port)
+    assert _disk(again)["blocks"] == 0 and stats(again)["unique_blocks"] == 6
+    wait_for(lambda: "are the slab's alone again" in again.log(), what="the marks cleared")
+    _put_spilled(again, _blocks("new", 12))  # evicts the old ones
+    removed = {e["hash"] for e in _events(again) if e["kind"] == "removed"}
+    for address in old:
+        held = request(again, "HEAD", f"/kv/{address}").status == 200
+        assert held or address in removed, address
+
+
 def test_sigkill_while_spilling_serves_no_wrong_bytes_and_keeps_what_was_spilled(
     server_factory, disk_dir
 ):
