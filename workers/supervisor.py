@@ -208,7 +208,7 @@ def open_disk(settings: Settings) -> int:
     Raises:
         CannotServe: the directory or its file cannot be used (the reason says why).
     """
-    from eg_kv.disk import files
+    from eg_kv.disk import counters, files
 
     try:
         path = files.check_dir(settings.disk)
@@ -216,6 +216,7 @@ def open_disk(settings: Settings) -> int:
         try:
             files.socket_path(path)  # a directory there: the keeper could never bind
             sb = files.make_data(path, settings.disk_capacity)
+            counters.reset(path)  # this server's counters count from its start
         except BaseException:
             os.close(fd)
             raise

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..engine import NO_ENGINE, EngineName
 from ..units import human_size
+from . import counters as counters_file
 from . import files
 from . import layout as D
 from .index import DiskIndex, Entry, Key
@@ -35,9 +36,7 @@ HIGH_WATER_STEP = 256 * 1024 * 1024
 #: Addresses whose discard is remembered for spills in flight (the newest kept).
 DISCARDED_KEPT = 4096
 
-COUNTERS = ("spills", "spill_drops", "spill_skips", "spilled_bytes", "write_seconds",
-            "write_errors", "disk_evictions", "quota_drops", "deletes", "disk_hits",
-            "promotions", "read_bytes", "read_seconds", "checksum_failures")  # fmt: skip
+COUNTERS = counters_file.NAMES
 
 
 class DiskStore:
@@ -59,7 +58,8 @@ class DiskStore:
         self.io = threading.Lock()
         self.buf = files.buffer(D.HEADER + D.align(max_block))
         self.zero = files.buffer(D.HEADER)
-        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        #: Kept in DIR, so a keeper started again goes on counting (counters_file).
+        self.counters = counters_file.DiskCounters(path)
         self.ready = threading.Event()  # the scan has rebuilt the index
         #: Keys whose slab's last reference went while the scan ran: their records go.
         self.deleted_in_scan: set[Key] = set()
@@ -79,6 +79,7 @@ class DiskStore:
         os.close(self.fd)
         self.buf.close()
         self.zero.close()
+        self.counters.close()
 
     # ------------------------------------------------------------------ writes
 

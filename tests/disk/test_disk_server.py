@@ -24,6 +24,7 @@ from helpers.tenants import token_of, write_tokens
 
 from eg_kv.client.connectors import RemoteKVConnector
 from eg_kv.disk import layout as D
+from eg_kv.disk.counters import NAMES as COUNTER_NAMES
 
 KiB = 1024
 BLOCK = 512 * KiB  # a 4 MiB slab holds 8
@@ -316,6 +317,28 @@ def test_a_stopped_keeper_costs_disk_hits_only(server_factory, disk_dir):
     finally:
         os.kill(keeper, signal.SIGCONT)
     wait_for(lambda: request(srv, "GET", f"/kv/{on_disk}").status == 200, what="disk hits again")
+
+
+def test_the_disk_counters_go_on_when_the_keeper_is_started_again(server_factory, disk_dir):
+    """They lived in the keeper's memory: after a SIGKILL of the keeper, spills went
+    16 -> 0, disk hits 15 -> 0 (a reset, to Prometheus). They count on now; a new server
+    counts from 0."""
+    srv = _serve(server_factory, disk_dir)
+    blocks = _blocks("c", 16)
+    _put_spilled(srv, blocks)
+    assert _all_back(srv, blocks) == {"equal": 16, "miss": 0}  # disk hits, promotions
+    before = {k: v for k, v in _disk(srv).items() if k in COUNTER_NAMES}
+    assert before["spills"] == 16 and before["disk_hits"] >= 8
+    keeper = _disk(srv)["pid"]
+    os.kill(keeper, signal.SIGKILL)
+    wait_for(lambda: _disk(srv).get("pid") not in (None, keeper) and _disk(srv)["ready"],
+             timeout=20, what="a new keeper, ready")  # fmt: skip
+    after = _disk(srv)
+    assert all(after[k] >= v for k, v in before.items()), (before, after)
+    assert request(srv, "GET", f"/kv/{next(iter(blocks))}").status == 200
+    assert srv.stop(signal.SIGTERM) == 0
+    again = _serve(server_factory, disk_dir)
+    assert _disk(again)["spills"] == 0 and _disk(again)["blocks"] == 16
 
 
 def test_a_second_server_on_the_directory_is_refused(server_factory, disk_dir, tmp_path):
