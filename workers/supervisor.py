@@ -374,6 +374,8 @@ class Supervisor:
         self._lock_seen = (0, 0, 0.0)  # (holder, lock entries, first seen) of the lock
         self._lock_stuck_at = -float("inf")  # when the lock was last seen stuck
         self._lock_warned = (0, 0)
+        self._watched_at = 0.0  # when the watchdog last ran
+        self._resumed_at = -float("inf")  # when it last found a gap in its own clock
         self._loop_failed_said = 0.0
         self._fold_at = 0.0  # when local readers' hit hints are next folded into the slab
         self._tokens_text: str | None = None  # the tokens file in force (validated)
@@ -754,8 +756,18 @@ class Supervisor:
         or one whose heartbeat stopped while the lock was not stuck."""
         s, now = self.settings, time.monotonic()
         holder, entries = self._slab.lock_state()
+        if self._watched_at and now - self._watched_at > max(s.heartbeat_timeout_s / 2,
+                                                             2 * TICK_S):  # fmt: skip
+            # The supervisor itself did not run (the whole group stopped, a frozen cgroup,
+            # a suspended VM): every clock below counts that gap, and the workers, resumed
+            # with it, have not beaten yet. Clocks restart now, for one heartbeat timeout.
+            log.warning("eg-kv: the supervisor did not run for %.1f s (stopped or frozen): "
+                        "the watchdog's clocks restart", now - self._watched_at)  # fmt: skip
+            self._resumed_at = now
+            self._lock_seen = (holder, entries, now)
+        self._watched_at = now
         seen_holder, seen_entries, since = self._lock_seen
-        if holder and (holder, entries) == (seen_holder, seen_entries):
+        if holder and (holder, entries) == (seen_holder, seen_entries) and since < now:
             self._lock_stuck_at = now  # one critical section spans two ticks or more
             held = now - since
             if held > self._lock_limit:
@@ -766,11 +778,13 @@ class Supervisor:
             if w.killed:
                 continue
             if not w.ready:
-                if now - w.started > max(BOOT_TIMEOUT_S, 6 * s.heartbeat_timeout_s):
+                if min(now - w.started, now - self._resumed_at) > max(
+                        BOOT_TIMEOUT_S, 6 * s.heartbeat_timeout_s):  # fmt: skip
                     self._kill_wedged(w, f"did not start serving in {now - w.started:.0f} s")
                 continue
             age = self._heartbeats.age(w.slot, w.pid)
             age = now - w.ready_at if age is None else min(age, now - w.ready_at)
+            age = min(age, now - self._resumed_at)
             if age <= s.heartbeat_timeout_s:
                 continue
             if w.pid != self._lock_seen[0] and now - self._lock_stuck_at < s.heartbeat_timeout_s:
