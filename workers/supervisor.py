@@ -4,12 +4,15 @@ Modelled on uvicorn's multiprocess supervisor and gunicorn's arbiter:
 
 * signal handlers only queue the signal and wake the main loop (a self-pipe); one loop
   handles signals, reads worker notifications, reaps children and refills the pool;
-* worker deaths are classified: a worker that exits with :data:`BOOT_ERROR` could not
-  start serving (port taken, bad certificate), so the supervisor stops with that reason
-  and a non-zero status instead of respawning forever; any other death is logged, what
-  the dead worker left in the slab is released (its uploads in flight, its counters; a
-  full repair only if it died inside the critical section) and a replacement is forked
-  at once; workers that keep dying before they serve also stop it;
+* worker deaths are classified: before any worker served, one that exits with
+  :data:`BOOT_ERROR` could not start serving (port taken, bad certificate), so the
+  supervisor stops with that reason and a non-zero status instead of respawning
+  forever, and so do workers that keep dying before they serve. Once the server serves,
+  no death stops it (its healthy workers serve on): each is logged with its reason,
+  what the dead worker left in the slab is released (its uploads in flight, its
+  counters; a full repair only if it died inside the critical section) and a
+  replacement is forked at once, or after a backoff in a slot that keeps failing
+  (:mod:`.backoff`);
 * a watchdog finds the wedged: a worker whose heartbeat (see :mod:`eg_kv.server.runstate`)
   stopped for ``--heartbeat-timeout`` is killed with SIGKILL, and so is a worker that has
   held the slab lock for ``--lock-timeout``. Workers that wait on a lock someone holds
@@ -52,13 +55,17 @@ from eg_kv.slab.store import Slab
 from eg_kv.units import human_size
 
 from . import worker as worker_mod
+from .backoff import SlotBackoff
 from .portclaim import PortClaim, PortTaken
 from .worker import BOOT_ERROR, make_ssl_context
 
 log = logging.getLogger("eg_kv.supervisor")
 
-#: Workers that die this many times in a row before they serve stop the supervisor.
+#: Workers that die this many times in a row before any worker served stop the supervisor.
 MAX_BOOT_DEATHS = 5
+#: A helper that died is started again after this long at the soonest (doubling while
+#: it keeps dying, see :mod:`.backoff`).
+HELPER_RESTART_S = 1.0
 #: Extra time, after the drain timeout, before workers that did not exit are killed.
 KILL_GRACE_S = 5.0
 #: The main loop wakes at least this often even when nothing happens (the watchdog's
@@ -93,12 +100,14 @@ class CannotServe(EgKvError):
 @dataclasses.dataclass
 class _Helper:
     """A process of its own beside the workers (the KV-events publisher, the disk keeper):
-    started before them, restarted at most once a second when it dies, and stopped with
-    them; one that could not start stops the server (a new one would fail the same way)."""
+    started before them, restarted at most once a second when it dies (backing off to
+    10 s while it keeps dying), and stopped with them; one that could not start before
+    any worker served stops the server (a new one would fail the same way)."""
 
     name: str  # for the log: "the KV-events publisher"
     run: Callable[[], int]  # the child's body; returns its exit status
     pid: int = 0
+    started: float = 0.0  # when the running one was forked
     due: float = 0.0  # when one that died may be started again
 
 
@@ -365,6 +374,10 @@ class Supervisor:
         self.exit_code = 0
         self.fatal: str | None = None
         self.boot_deaths = 0
+        self.served = False  # a worker has said it serves: failures are no longer fatal
+        self._cannot_start: dict[int, str] = {}  # a live worker's start-up failure (its F)
+        self._slot_backoff = SlotBackoff()  # workers, by heartbeat slot
+        self._helper_backoff = SlotBackoff(first_s=HELPER_RESTART_S)  # helpers, by index
         self._signals: list[int] = []
         self._wake_r = self._wake_w = -1
         self._notify_r = self._notify_w = -1
@@ -652,10 +665,13 @@ class Supervisor:
             if kind == "R" and pid in self.workers:
                 self.workers[pid].ready_at = time.monotonic()
                 self.boot_deaths = 0
+                self.served = True
                 changed = True
                 log.info("worker %d serving", pid)
-            elif kind == "F":
+            elif kind == "F" and not self.served:  # as configured, no worker can serve
                 self.fatal = f"worker {pid} could not start: {reason}"
+            elif kind == "F" and pid in self.workers:  # said with its death (_classify)
+                self._cannot_start[pid] = reason
         if changed:
             self._write_state()
 
@@ -667,6 +683,7 @@ class Supervisor:
     # ------------------------------------------------------------------ children
 
     def _reap(self) -> None:
+        self._read_notifications()  # a worker's last words come before its death
         died = False
         while self.workers or self._helper_pids:
             try:
@@ -695,20 +712,29 @@ class Supervisor:
     def _classify(self, w: _Worker, status: int) -> None:
         how = _how_it_ended(status)
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        why = self._cannot_start.pop(w.pid, None)
         if self.stopping:
             if code != 0:
                 log.warning("worker %d %s while stopping", w.pid, how)
             return
-        if code == BOOT_ERROR:
-            if not self.fatal:
-                self.fatal = f"worker {w.pid} could not start ({how})"
-            return
-        log.warning("worker %d %s after %.1f s; replacing it", w.pid, how,
-                    time.monotonic() - w.started)  # fmt: skip
-        if not w.ready:
+        if not self.served:  # the start-up: a configuration no worker can serve with
+            if code == BOOT_ERROR:
+                if not self.fatal:
+                    self.fatal = f"worker {w.pid} could not start ({how})"
+                return
+            log.warning("worker %d %s after %.1f s; replacing it", w.pid, how,
+                        time.monotonic() - w.started)  # fmt: skip
             self.boot_deaths += 1
             if self.boot_deaths >= MAX_BOOT_DEATHS:
                 self.fatal = f"{self.boot_deaths} workers in a row died before serving ({how})"
+            return
+        # Serving: one slot that fails (a certificate mid-rotation, a crash loop) waits
+        # and tries again, and the healthy workers keep serving.
+        now = time.monotonic()
+        what = f"could not start ({how}): {why}" if why else how
+        wait = self._slot_backoff.died(w.slot, now - w.ready_at if w.ready else 0.0, now)
+        log.warning("worker %d %s after %.1f s; replacing it%s", w.pid, what, now - w.started,
+                    f" in {wait:.1f} s (its slot keeps failing)" if wait else "")  # fmt: skip
 
     def _release_leftovers(self) -> None:
         """Give back what dead workers left in the slab (bounded waits; retried next tick).
@@ -829,11 +855,14 @@ class Supervisor:
         self._kill(w.pid, signal.SIGKILL)
 
     def _refill(self) -> None:
+        now = time.monotonic()
         for h in self.helpers:
-            if not h.pid and not self.fatal and time.monotonic() >= h.due:
-                h.pid = self._fork(h.run)
-        while len(self.workers) < self.settings.workers and not self.fatal:
-            self._spawn()
+            if not h.pid and not self.fatal and now >= h.due:
+                h.pid, h.started = self._fork(h.run), now
+        taken = {w.slot for w in self.workers.values()}
+        for slot in range(self.settings.workers):
+            if slot not in taken and not self.fatal and self._slot_backoff.ready(slot, now):
+                self._spawn(slot)
 
     def _run_publisher(self) -> int:
         try:
@@ -857,16 +886,16 @@ class Supervisor:
         h.pid = 0
         if self.stopping:
             return
-        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == BOOT_ERROR:
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == BOOT_ERROR and not self.served:
             self.fatal = f"{h.name} could not start (its log says why)"
             return
-        log.warning("%s %s; starting it again", h.name, _how_it_ended(status))
-        h.due = time.monotonic() + 1.0  # at most one restart a second
+        now = time.monotonic()
+        wait = self._helper_backoff.died(self.helpers.index(h), now - h.started, now)
+        wait = max(wait, HELPER_RESTART_S)  # at most one restart a second
+        log.warning("%s %s; starting it again in %.1f s", h.name, _how_it_ended(status), wait)
+        h.due = now + wait
 
-    def _spawn(self) -> None:
-        taken = {w.slot for w in self.workers.values()}
-        slot = next(k for k in range(self._heartbeats.nslots) if k not in taken)
-
+    def _spawn(self, slot: int) -> None:
         def child() -> int:
             beat = functools.partial(self._heartbeats.beat, slot, os.getpid())
             return worker_mod.run(self.settings, self._run_dir, self._notify_w, self._parent,
