@@ -813,8 +813,10 @@ class Supervisor:
             age = min(age, now - self._resumed_at)
             if age <= s.heartbeat_timeout_s:
                 continue
-            if w.pid != self._lock_seen[0] and now - self._lock_stuck_at < s.heartbeat_timeout_s:
-                continue  # most likely waiting for the lock: the holder is the culprit
+            if (w.pid != self._lock_seen[0] and now - self._lock_stuck_at < s.heartbeat_timeout_s
+                    and not pid_stopped(w.pid)):  # fmt: skip
+                continue  # most likely waiting for the lock: the holder is the culprit (a
+                # waiter sleeps in F_OFD_SETLKW, state S: a stopped one waits for no lock)
             if (w.pid == self._lock_seen[0] and now - self._lock_seen[2] <= self._lock_limit
                     and not pid_stopped(w.pid)):  # fmt: skip
                 continue  # running in the lock (a repair there does not beat): the lock's
