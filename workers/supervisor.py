@@ -46,7 +46,7 @@ from eg_kv.errors import ConfigError, EgKvError, SlabError
 from eg_kv.procs import pid_alive, pid_state, pid_stopped, uses_file
 from eg_kv.server import runstate, tenants
 from eg_kv.server.hints import tick as tick_hints
-from eg_kv.server.metrics import forget_process
+from eg_kv.server.metrics_fold import fold_dead_process
 from eg_kv.shm import SHM_DIR
 from eg_kv.slab import layout as L
 from eg_kv.slab.lock import LockTimeout
@@ -384,6 +384,7 @@ class Supervisor:
         self._buf = b""
         self.heartbeats: runstate.Heartbeats | None = None
         self._dead: list[int] = []  # workers whose leftovers are still to be released
+        self._unfolded: list[int] = []  # dead workers whose metrics files are still theirs
         self._lock_seen = (0, 0, 0.0)  # (holder, lock entries, first seen) of the lock
         self._lock_stuck_at = -float("inf")  # when the lock was last seen stuck
         self._lock_warned = (0, 0)
@@ -701,13 +702,25 @@ class Supervisor:
                 continue
             died = True
             self._dead.append(pid)
-            with contextlib.suppress(OSError):
-                forget_process(runstate.metrics_dir(self._run_dir), pid)
+            self._unfolded.append(pid)
             self._heartbeats.clear(w.slot)
             self._classify(w, status)
         if died:
             self._write_state()
             self._release_leftovers()
+        self._fold_metrics()
+
+    def _fold_metrics(self) -> None:
+        """Fold dead workers' request metrics into the archive files (a scrape in progress
+        puts it off to a later pass; :mod:`eg_kv.server.metrics_fold`)."""
+        while self._unfolded:
+            try:
+                if not fold_dead_process(runstate.metrics_dir(self._run_dir), self._unfolded[0]):
+                    return
+            except OSError as e:  # its files stay, still counted by every scrape
+                log.warning("cannot fold worker %d's metrics files into the archive: %s",
+                            self._unfolded[0], e)  # fmt: skip
+            self._unfolded.pop(0)
 
     def _classify(self, w: _Worker, status: int) -> None:
         how = _how_it_ended(status)

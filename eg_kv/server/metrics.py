@@ -3,8 +3,10 @@
 Request counts and latencies live in prometheus_client's multiprocess mode: each worker
 writes its own memory-mapped files into the server's metrics directory and any worker
 renders the sum of all of them (those of dead workers included, so counters never go
-back). The slab's counters are already global (they live in the shared segment), so they
-are read straight from the slab at scrape time rather than copied into per-process files.
+back: the supervisor folds a dead worker's files into one archive per type,
+:mod:`.metrics_fold`). The slab's counters are already global (they live in the shared
+segment), so they are read straight from the slab at scrape time rather than copied into
+per-process files.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from prometheus_client import (
     values,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from ..disk.store import COUNTERS as _DISK_COUNTERS
 from ._compat import histogram_parts
+from .metrics_fold import scrape_lock
 from .tenants import RESERVED_NAMESPACE
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -188,16 +191,10 @@ class Metrics:
             published = _read_counters(self.kv_events_path)
             if published:
                 registry.register(_Snapshot(lambda: _kv_events_families(published)))
-        return generate_latest(registry)
-
-
-def forget_process(multiproc_dir: str, pid: int) -> None:
-    """Drop a dead worker's live gauges (open connections) from the shared files.
-
-    Its counters stay (they never go back); a gauge summed over live processes would
-    otherwise keep the dead worker's last value forever.
-    """
-    mark_process_dead(pid, multiproc_dir)
+        if not self.multiproc_dir:
+            return generate_latest(registry)
+        with scrape_lock(self.multiproc_dir):  # no fold of a dead worker's files meanwhile
+            return generate_latest(registry)
 
 
 class _Snapshot:

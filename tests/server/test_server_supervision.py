@@ -5,7 +5,9 @@ a lock waiter, and a stopped helper is replaced."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import signal
 import threading
 import time
@@ -83,3 +85,32 @@ def test_a_stopped_worker_is_not_spared_as_a_lock_waiter(server_factory):
     print(f"killed {took:.1f} s after its SIGSTOP, with long sections recurring")
     assert f"worker {victim} has not beat" in srv.log()
     wait_for(lambda: (srv.healthz() or {}).get("workers_up") == 2, timeout=10, what="healthz")
+
+
+def test_dead_workers_metrics_files_are_folded_and_counters_keep_counting(server_factory):
+    """Every replaced worker left its counter and histogram files (64 KiB each) for good,
+    and every scrape read them all (455 files after 450 deaths in the review). Now the
+    supervisor folds them into one archive per type; the totals never go back."""
+    srv = server_factory(workers=1)
+    (run_dir,) = glob.glob(f"/tmp/eg-kv-{srv.port}-*")
+    files = os.path.join(run_dir, "metrics")
+    puts = re.compile(r'^eg_kv_requests_total\{method="PUT",route="block",status="201"\} (\S+)$',
+                      re.M)  # fmt: skip
+    timed = re.compile(r'^eg_kv_request_duration_seconds_count\{route="block"\} (\S+)$', re.M)
+    seen = []
+    for k in range(6):
+        assert request(srv, "PUT", f"/kv/m{k}", b"x" * 10).status == 201
+        text = request(srv, "GET", "/metrics").text  # the worker flushes its own counts first
+        seen.append((float(puts.search(text).group(1)), float(timed.search(text).group(1))))
+        victim = min(workers_of(srv))
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda v=victim: gone(v) and len(workers_of(srv) - {v}) == 1
+                 and (srv.healthz() or {}).get("workers_up") == 1, timeout=20,
+                 what="a replacement")  # fmt: skip
+    wait_for(lambda: len(glob.glob(os.path.join(files, "counter_*.db"))) <= 2, timeout=10,
+             what="the dead workers' files folded")  # fmt: skip
+    text = request(srv, "GET", "/metrics").text
+    seen.append((float(puts.search(text).group(1)), float(timed.search(text).group(1))))
+    print("PUTs and timed PUTs seen:", seen, "files:", sorted(os.listdir(files)))
+    assert seen == [(float(k + 1), float(k + 1)) for k in range(6)] + [(6.0, 6.0)]
+    assert len(glob.glob(os.path.join(files, "histogram_*.db"))) <= 2
