@@ -607,10 +607,32 @@ class Supervisor:
         """
         assert self.slab is not None and self.run_dir is not None  # set up before
         table = tenants.parse(text, self.settings.capacity)
-        self.slab.bind_namespaces(table.quotas, timeout=LOCK_WAIT_S)
-        runstate.write_tokens_copy(self.run_dir, text)
+        # The workers' copy first, under a temporary name: one that cannot be written
+        # leaves the slab's quotas as they were, as the log then says.
+        staged = runstate.stage_tokens_copy(self.run_dir, text)
+        try:
+            self.slab.bind_namespaces(table.quotas, timeout=LOCK_WAIT_S)
+            runstate.commit_tokens_copy(self.run_dir, staged)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.unlink(staged)
+            if not isinstance(e, LockTimeout):  # bound, or bound in part ("table full")
+                self._rebind_in_force()
+            raise
         log.info("tokens file %s: %d tenants in %d namespaces", self.settings.tokens_file,
                  len(table.by_digest), len(table.quotas))  # fmt: skip
+
+    def _rebind_in_force(self) -> None:
+        """Put back the quotas of the tokens file in force (a reload that failed after
+        its namespaces were bound: its new names keep their entries, unused)."""
+        if self._tokens_text is None:
+            return
+        table = tenants.parse(self._tokens_text, self.settings.capacity)
+        try:
+            self._slab.bind_namespaces(table.quotas, timeout=LOCK_WAIT_S * 10)
+        except EgKvError as e:
+            log.error("eg-kv: SIGHUP: cannot put back the quotas in force after a failed "
+                      "reload (%s): the slab enforces the new file's; SIGHUP again", e)  # fmt: skip
 
     def _reload_tokens(self) -> None:
         """SIGHUP: reload the tokens file; a bad one keeps the tenants in force."""

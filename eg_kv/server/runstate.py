@@ -188,11 +188,26 @@ def tokens_copy(run_dir: str) -> str:
     return os.path.join(run_dir, TOKENS_COPY)
 
 
-def write_tokens_copy(run_dir: str, text: str) -> None:
-    """Replace the validated tokens file copy atomically (mode 0600: hashes only, but
-    the tenants' names and quotas are nobody else's business)."""
+def stage_tokens_copy(run_dir: str, text: str) -> str:
+    """Write the validated tokens file beside its copy (mode 0600: hashes only, but the
+    tenants' names and quotas are nobody else's business); returns the temporary path,
+    for :func:`commit_tokens_copy` once the slab holds its namespaces (a copy that
+    cannot be written must change nothing).
+
+    Raises:
+        OSError: the run directory refuses it (full, cleaned up).
+    """
     tmp = os.path.join(run_dir, f".{TOKENS_COPY}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
-    os.replace(tmp, tokens_copy(run_dir))
+    return tmp
+
+
+def commit_tokens_copy(run_dir: str, staged: str) -> None:
+    """Put a :func:`stage_tokens_copy` in place for the workers, atomically.
+
+    Raises:
+        OSError: the rename failed (the staged file stays: the caller removes it).
+    """
+    os.replace(staged, tokens_copy(run_dir))

@@ -366,31 +366,47 @@ def test_a_worker_killed_by_a_real_time_signal_is_replaced(server_factory):
     assert f"worker {victim} killed by signal {int(signal.SIGRTMIN) + 6}" in srv.log()
 
 
-def test_a_reload_that_cannot_write_the_workers_copy_keeps_the_server(server_factory, tmp_path):
+@pytest.mark.parametrize("blocked", ["copy", "temporary"])
+def test_a_reload_that_cannot_write_the_workers_copy_keeps_the_server(
+    server_factory, tmp_path, blocked
+):
     """SIGHUP when the run directory refuses the tokens copy (full, or cleaned up under
-    the server): said, the workers keep their tenants, and the next SIGHUP reloads (the
-    OSError ended the supervisor, which killed every worker and removed the slab)."""
+    the server): said, the workers keep their tenants, the slab keeps the quotas in
+    force, and the next SIGHUP reloads (the OSError ended the supervisor, which killed
+    every worker and removed the slab; then the new quota was bound before the copy
+    failed, so the slab enforced 1 MiB while the log said nothing was reloaded)."""
     import glob
     import shutil
 
     from helpers.tenants import token_of, write_tokens
 
-    path = write_tokens(tmp_path / "tokens.toml", [{"name": "keep"}, {"name": "gone"}])
+    def quota() -> int:
+        st = json.loads(request(srv, "GET", "/kv/stats", token=token_of("keep")).body)
+        return st.get("namespaces", {}).get("team", st)["quota_bytes"]
+
+    team = {"name": "keep", "namespace": "team", "quota": "32MiB"}
+    path = write_tokens(tmp_path / "tokens.toml", [team, {"name": "gone"}])
     srv = server_factory(workers=1, extra=("--tokens", str(path)))
+    assert quota() == 32 * 1024 * 1024
     (run_dir,) = glob.glob(f"/tmp/eg-kv-{srv.port}-*")
     copy = os.path.join(run_dir, "tenants.toml")
-    os.unlink(copy)
-    os.makedirs(os.path.join(copy, "in-the-way"))  # a rename onto it fails
-    write_tokens(path, [{"name": "keep"}])
+    if blocked == "copy":  # a rename onto it fails
+        os.unlink(copy)
+        in_the_way = copy
+    else:  # the copy cannot be written at all
+        in_the_way = os.path.join(run_dir, f".tenants.toml.{srv.pid}")
+    os.makedirs(os.path.join(in_the_way, "in-the-way"))
+    write_tokens(path, [{**team, "quota": "1MiB"}])
     os.kill(srv.pid, signal.SIGHUP)
     wait_for(lambda: "cannot write their copy" in srv.log(), timeout=20, what="the failed reload")
     assert srv.proc.poll() is None
     assert request(srv, "GET", "/kv/stats", token=token_of("gone")).status == 200  # kept
-    shutil.rmtree(copy)
+    assert quota() == 32 * 1024 * 1024, "the slab keeps the quota in force"
+    shutil.rmtree(in_the_way)
     os.kill(srv.pid, signal.SIGHUP)
     wait_for(lambda: request(srv, "GET", "/kv/stats", token=token_of("gone")).status == 401,
              timeout=20, what="the next reload")  # fmt: skip
-    assert request(srv, "GET", "/kv/stats", token=token_of("keep")).status == 200
+    assert quota() == 1024 * 1024
 
 
 def _die_holding_the_lock_with_a_counter_off(slab_name: str) -> int:
