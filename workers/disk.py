@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 from eg_kv.config import Settings
 from eg_kv.disk.files import check_dir
@@ -22,14 +23,15 @@ from eg_kv.disk.store import DiskStore
 from eg_kv.errors import ConfigError
 from eg_kv.slab.store import Slab
 
-from .worker import BOOT_ERROR, _die_with_parent
+from .worker import BOOT_ERROR, _die_with_parent, beating
 
 log = logging.getLogger("eg_kv.disk")
 
 
-def run(settings: Settings, parent: int) -> int:
-    """Keep the disk tier until SIGTERM. Returns the exit status (0, or BOOT_ERROR: a
-    directory or file a new process could not use either)."""
+def run(settings: Settings, parent: int, beat: Callable[[], None] = lambda: None) -> int:
+    """Keep the disk tier until SIGTERM, calling ``beat`` from its loop (at least every
+    32 ms: the supervisor kills a keeper that stops beating). Returns the exit status (0,
+    or BOOT_ERROR: a directory or file a new process could not use either)."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop: list[int] = []
@@ -44,7 +46,7 @@ def run(settings: Settings, parent: int) -> int:
             log.error("eg-kv: the disk keeper cannot start: %s", e)
             return BOOT_ERROR
         try:
-            asyncio.run(keeper.run(lambda: bool(stop)))
+            asyncio.run(keeper.run(beating(beat, stop)))
         finally:
             store.close()
         return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 
 from eg_kv.config import Settings
@@ -27,7 +27,7 @@ from eg_kv.server.runstate import kv_events_stats
 from eg_kv.server.tenants import load
 from eg_kv.slab.store import Slab
 
-from .worker import BOOT_ERROR, _die_with_parent
+from .worker import BOOT_ERROR, _die_with_parent, beating
 
 log = logging.getLogger("eg_kv.kvevents")
 
@@ -72,9 +72,12 @@ class NamespaceModels:
         return self._models
 
 
-def run(settings: Settings, parent: int, run_dir: str = "") -> int:
-    """Publish until SIGTERM. Returns the exit status (0, or BOOT_ERROR: a socket that
-    cannot be bound, which a new process would not bind either)."""
+def run(
+    settings: Settings, parent: int, run_dir: str = "", beat: Callable[[], None] = lambda: None
+) -> int:
+    """Publish until SIGTERM, calling ``beat`` from its loop (each step: the supervisor
+    kills a publisher that stops beating). Returns the exit status (0, or BOOT_ERROR: a
+    socket that cannot be bound, which a new process would not bind either)."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = []
@@ -98,7 +101,7 @@ def run(settings: Settings, parent: int, run_dir: str = "") -> int:
                  if settings.kv_events_replay_endpoint else "",
                  (publisher.topics.of(0) or b"").decode())  # fmt: skip
         try:
-            publisher.run(lambda: bool(stop))
+            publisher.run(beating(beat, stop))
         finally:
             publisher.close()
         return 0

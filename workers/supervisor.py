@@ -105,9 +105,11 @@ class _Helper:
     any worker served stops the server (a new one would fail the same way)."""
 
     name: str  # for the log: "the KV-events publisher"
-    run: Callable[[], int]  # the child's body; returns its exit status
+    run: Callable[[Callable[[], None]], int]  # the child's body, given its beat; its status
+    slot: int  # its slot in the heartbeats file (after the workers')
     pid: int = 0
     started: float = 0.0  # when the running one was forked
+    killed: bool = False  # the watchdog sent SIGKILL
     due: float = 0.0  # when one that died may be started again
 
 
@@ -396,9 +398,11 @@ class Supervisor:
         self._reload_due = False  # a SIGHUP reload put off by a busy slab lock
         self.helpers: list[_Helper] = []  # the publisher, the disk keeper: as settings say
         if settings.kv_events_endpoint:
-            self.helpers.append(_Helper("the KV-events publisher", self._run_publisher))
+            self.helpers.append(_Helper("the KV-events publisher", self._run_publisher,
+                                        settings.workers + len(self.helpers)))  # fmt: skip
         if settings.disk:
-            self.helpers.append(_Helper("the disk keeper", self._run_keeper))
+            self.helpers.append(_Helper("the disk keeper", self._run_keeper,
+                                        settings.workers + len(self.helpers)))  # fmt: skip
         self._disk_lock = -1  # the disk tier's lock file, held while the server runs
         self._port: PortClaim | None = None  # this port's, held while the server runs
         self._parent = os.getpid()  # the supervisor's pid, for its children to watch
@@ -442,7 +446,8 @@ class Supervisor:
             self.run_dir = runstate.make_run_dir(s.port)
             if self._tokens_text is not None:
                 self._install_tokens(self._tokens_text)
-            self.heartbeats = runstate.Heartbeats.create(self.run_dir, s.workers)
+            self.heartbeats = runstate.Heartbeats.create(self.run_dir,
+                                                         s.workers + len(self.helpers))  # fmt: skip
             runstate.write_state(self.run_dir, s.workers, [])
             self._warm_imports()
             log.info(
@@ -848,15 +853,44 @@ class Supervisor:
             age = min(age, now - self._resumed_at)
             if age <= s.heartbeat_timeout_s:
                 continue
-            if (w.pid != self._lock_seen[0] and now - self._lock_stuck_at < s.heartbeat_timeout_s
-                    and not pid_stopped(w.pid)):  # fmt: skip
-                continue  # most likely waiting for the lock: the holder is the culprit (a
-                # waiter sleeps in F_OFD_SETLKW, state S: a stopped one waits for no lock)
-            if (w.pid == self._lock_seen[0] and now - self._lock_seen[2] <= self._lock_limit
-                    and not pid_stopped(w.pid)):  # fmt: skip
-                continue  # running in the lock (a repair there does not beat): the lock's
-                # limit judges it; a stopped holder is the heartbeat's, as any stopped worker
+            if self._excused(w.pid, now):
+                continue
             self._kill_wedged(w, f"has not beat for {age:.1f} s (stopped or stuck)")
+        for h in self.helpers:  # they beat too (workers/disk.py, workers/publisher.py)
+            if h.pid and not h.killed:
+                self._watch_helper(h, now)
+
+    def _excused(self, pid: int, now: float) -> bool:
+        """Whether the silent process ``pid`` is excused by the lock: waiting for a stuck
+        one, or running inside it."""
+        stuck_lately = now - self._lock_stuck_at < self.settings.heartbeat_timeout_s
+        if pid != self._lock_seen[0] and stuck_lately and not pid_stopped(pid):
+            return True  # most likely waiting for the lock: the holder is the culprit (a
+            # waiter sleeps in F_OFD_SETLKW, state S: a stopped one waits for no lock)
+        # Running in the lock (a repair there does not beat): the lock's limit judges it;
+        # a stopped holder is the heartbeat's, as any stopped process.
+        return (pid == self._lock_seen[0] and now - self._lock_seen[2] <= self._lock_limit
+                and not pid_stopped(pid))  # fmt: skip
+
+    def _watch_helper(self, h: _Helper, now: float) -> None:
+        """Kill a helper whose loop stopped beating (SIGSTOPped, stuck): the workers had
+        marked its tier down for good, silently. It is started again like any dead one."""
+        s = self.settings
+        since = min(now - h.started, now - self._resumed_at)
+        age = self._heartbeats.age(h.slot, h.pid)
+        if age is None:  # still starting (it beats once its loop runs)
+            if since <= max(BOOT_TIMEOUT_S, 6 * s.heartbeat_timeout_s):
+                return
+            why = f"did not start its loop in {since:.0f} s"
+        else:
+            age = min(age, since)
+            if age <= s.heartbeat_timeout_s or self._excused(h.pid, now):
+                return
+            why = f"has not beat for {age:.1f} s ({pid_state(h.pid)}: stopped or stuck)"
+        log.error("%s (pid %d) %s: killing it (SIGKILL); it is started again", h.name, h.pid,
+                  why)  # fmt: skip
+        h.killed = True
+        self._kill(h.pid, signal.SIGKILL)
 
     @property
     def _lock_limit(self) -> float:
@@ -895,25 +929,34 @@ class Supervisor:
         now = time.monotonic()
         for h in self.helpers:
             if not h.pid and not self.fatal and now >= h.due:
-                h.pid, h.started = self._fork(h.run), now
+                self._heartbeats.clear(h.slot)  # not beaten yet: judged as starting
+                h.pid, h.started, h.killed = self._fork(self._helper_body(h)), now, False
         taken = {w.slot for w in self.workers.values()}
         for slot in range(self.settings.workers):
             if slot not in taken and not self.fatal and self._slot_backoff.ready(slot, now):
                 self._spawn(slot)
 
-    def _run_publisher(self) -> int:
+    def _helper_body(self, h: _Helper) -> Callable[[], int]:
+        """What the forked helper runs: its body, given the beat of its slot."""
+
+        def child() -> int:
+            return h.run(functools.partial(self._heartbeats.beat, h.slot, os.getpid()))
+
+        return child
+
+    def _run_publisher(self, beat: Callable[[], None]) -> int:
         try:
             from . import publisher
         except ImportError as e:  # a new process would fail the same way: stop instead
             log.error("eg-kv: the KV-events publisher cannot start: %s (pip install pyzmq "
                       "msgspec)", e)  # fmt: skip
             return BOOT_ERROR
-        return publisher.run(self.settings, self._parent, self._run_dir)
+        return publisher.run(self.settings, self._parent, self._run_dir, beat=beat)
 
-    def _run_keeper(self) -> int:
+    def _run_keeper(self, beat: Callable[[], None]) -> int:
         from . import disk
 
-        return disk.run(self.settings, self._parent)
+        return disk.run(self.settings, self._parent, beat=beat)
 
     @property
     def _helper_pids(self) -> list[int]:

@@ -55,6 +55,18 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def beating(beat: Callable[[], None], stop: list[int]) -> Callable[[], bool]:
+    """A helper's ``stopped()`` predicate, which its loop calls every step or idle
+    wait, that also beats: a helper stopped or stuck in its loop stops beating, and the
+    supervisor replaces it. True once SIGTERM appended to ``stop``."""
+
+    def stopped() -> bool:
+        beat()
+        return bool(stop)
+
+    return stopped
+
+
 def _notify(fd: int, message: str) -> None:
     """One line to the supervisor; under PIPE_BUF, so the write is atomic."""
     data = (message.replace("\n", " ")[:1000] + "\n").encode("utf-8", "replace")

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from helpers.common import wait_for
-from helpers.server_http import request
+from helpers.server_http import request, stats
 from helpers.server_procs import gone, stopped, workers_of
 
 pytestmark = pytest.mark.timeout(90)
@@ -114,3 +114,28 @@ def test_dead_workers_metrics_files_are_folded_and_counters_keep_counting(server
     print("PUTs and timed PUTs seen:", seen, "files:", sorted(os.listdir(files)))
     assert seen == [(float(k + 1), float(k + 1)) for k in range(6)] + [(6.0, 6.0)]
     assert len(glob.glob(os.path.join(files, "histogram_*.db"))) <= 2
+
+
+def test_a_stopped_disk_keeper_is_replaced(server_factory, tmp_path):
+    """A keeper SIGSTOPped outside the slab lock had no watchdog at all: the workers
+    marked the disk tier down (every disk hit a miss, no spills, DELETEs of spilled
+    blocks 503) and the supervisor said nothing, for good. Its loop beats now: it is
+    killed after the heartbeat timeout and started again."""
+    disk = tmp_path / "disk"
+    disk.mkdir(mode=0o700)
+    srv = server_factory(workers=1, capacity="4MiB", extra=(
+        "--page-size", "64KiB", "--disk", str(disk), "--disk-capacity", "64MiB",
+        "--heartbeat-timeout", "2"))  # fmt: skip
+    keeper = stats(srv)["disk"]["pid"]
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        wait_for(lambda: gone(keeper), timeout=15, what="the stopped keeper to be killed")
+        took = time.monotonic() - t0
+    finally:
+        _continue([keeper])
+    wait_for(lambda: stats(srv)["disk"].get("pid") not in (None, keeper), timeout=20,
+             what="a new keeper")  # fmt: skip
+    print(f"the stopped keeper was killed {took:.1f} s after its SIGSTOP")
+    assert f"the disk keeper (pid {keeper}) has not beat" in srv.log()
+    assert srv.proc.poll() is None
