@@ -15,12 +15,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 
 from eg_kv.errors import EgKvError
 from eg_kv.procs import PidFileHeld, lock_pid_file
 
 #: Where the claims are: the system's temporary folder, not $TMPDIR (one per host).
 CLAIMS_DIR = "/tmp"
+#: How long a held claim is tried again before the port is refused: another server's
+#: sweep of stale claims (_sweep_stale) holds each for microseconds, a server for its life.
+SWEEP_RACE_S = 0.1
 
 
 class PortTaken(EgKvError):
@@ -42,7 +46,7 @@ class PortClaim:
         _sweep_stale(f"eg-kv-{os.getuid()}-")
         for _ in range(5):  # the file may be unlinked by its last holder as we open it
             try:
-                fd = lock_pid_file(self.path, os.O_NOFOLLOW)
+                fd = _lock_waiting_out_sweeps(self.path)
             except PidFileHeld as e:
                 raise PortTaken(
                     f"{host}:{port} is taken by another eg-kv (pid {e.holder}), starting or "
@@ -70,6 +74,24 @@ class PortClaim:
             os.unlink(self.path)  # before the lock goes: a newcomer then makes a new file
         os.close(self._fd)
         self._fd = -1
+
+
+def _lock_waiting_out_sweeps(path: str) -> int:
+    """:func:`lock_pid_file`, tried again for :data:`SWEEP_RACE_S` while held: a server
+    on another port sweeping stale claims holds this one for a moment (a start on a free
+    port was refused then, 72 times in 3000).
+
+    Raises:
+        PidFileHeld: still held after that. OSError: it cannot be opened.
+    """
+    deadline = time.monotonic() + SWEEP_RACE_S
+    while True:
+        try:
+            return lock_pid_file(path, os.O_NOFOLLOW)
+        except PidFileHeld:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.002)
 
 
 def _sweep_stale(prefix: str) -> None:
