@@ -60,6 +60,28 @@ def uses_file(pid: int, path: str) -> bool:
         return True
 
 
+def pids_holding(path: str, limit: int = 8) -> list[int]:
+    """Pids of this user's processes that have the file at ``path`` open (a lock's
+    holders when the pid it records is dead: forked children inherit the fd), at most
+    ``limit`` of them; empty when it is gone. Walks ``/proc/*/fd``: for a refusal's
+    message, not a hot path."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or len(found) >= limit:
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or another user's
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.path.samestat(os.stat(f"/proc/{entry}/fd/{fd}"), st):
+                        found.append(int(entry))
+                        break
+    return found
+
+
 def pid_stopped(pid: int) -> bool:
     """True while ``pid`` is stopped (SIGSTOP, Ctrl-Z) or traced."""
     return pid_state(pid) in ("T", "t")

@@ -18,7 +18,7 @@ import os
 import time
 
 from eg_kv.errors import EgKvError
-from eg_kv.procs import PidFileHeld, lock_pid_file
+from eg_kv.procs import PidFileHeld, lock_pid_file, pid_alive, pid_state, pids_holding
 
 #: Where the claims are: the system's temporary folder, not $TMPDIR (one per host).
 CLAIMS_DIR = "/tmp"
@@ -48,10 +48,8 @@ class PortClaim:
             try:
                 fd = _lock_waiting_out_sweeps(self.path)
             except PidFileHeld as e:
-                raise PortTaken(
-                    f"{host}:{port} is taken by another eg-kv (pid {e.holder}), starting or "
-                    "serving: stop it first, or pick another --addr"
-                ) from None
+                raise PortTaken(f"{host}:{port} is taken by {_held_by(e.holder, self.path)}, "
+                                "or pick another --addr") from None  # fmt: skip
             except OSError as e:  # (another user's file of that name, a full /tmp)
                 raise PortTaken(
                     f"cannot take the lock file {self.path} of port {port}: {e}"
@@ -74,6 +72,26 @@ class PortClaim:
             os.unlink(self.path)  # before the lock goes: a newcomer then makes a new file
         os.close(self._fd)
         self._fd = -1
+
+
+def _held_by(recorded: str, path: str) -> str:
+    """Who holds the claim, for the refusal: the supervisor it records while that runs;
+    once it is dead, the processes that inherited its lock (its workers, still draining,
+    or stopped and so never draining), each with its state and what to do."""
+    if recorded.isdigit() and pid_alive(int(recorded)):
+        return f"another eg-kv (pid {recorded}), starting or serving: stop it first"
+    holders = [p for p in pids_holding(path) if p != os.getpid()]
+    if not holders:
+        return f"another eg-kv (pid {recorded}, gone), which held it a moment ago: try again"
+    named = ", ".join(f"pid {p} ({_what_to_do(p)})" for p in holders)
+    return f"a leftover of eg-kv {recorded}, which is dead: {named} still holds its lock {path}"
+
+
+def _what_to_do(pid: int) -> str:
+    state = pid_state(pid)
+    if state in ("T", "t"):
+        return "stopped: kill -CONT it to let it drain, or kill it"
+    return f"state {state}, draining: wait for it, or kill it"
 
 
 def _lock_waiting_out_sweeps(path: str) -> int:
