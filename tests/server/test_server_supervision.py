@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from helpers.common import wait_for
+from helpers.common import free_port, wait_for
 from helpers.server_http import request, stats
 from helpers.server_procs import gone, stopped, workers_of
 
@@ -138,4 +138,32 @@ def test_a_stopped_disk_keeper_is_replaced(server_factory, tmp_path):
              what="a new keeper")  # fmt: skip
     print(f"the stopped keeper was killed {took:.1f} s after its SIGSTOP")
     assert f"the disk keeper (pid {keeper}) has not beat" in srv.log()
+    assert srv.proc.poll() is None
+
+
+def test_a_stopped_kv_events_publisher_is_replaced(server_factory):
+    """The publisher had no watchdog either: SIGSTOPped, it published nothing, for good,
+    and nothing said so. Its loop beats now: killed after the timeout, started again."""
+    from helpers.kv_publisher import kv_events_flags
+
+    from eg_kv.server import runstate
+
+    extra = kv_events_flags((free_port(), free_port()), "--heartbeat-timeout", "2")
+    srv = server_factory(workers=1, capacity="4MiB", extra=extra)
+    (run_dir,) = glob.glob(f"/tmp/eg-kv-{srv.port}-*")
+
+    def publisher() -> int | None:
+        helpers = workers_of(srv) - set(runstate.read_state(run_dir)[1])
+        return helpers.pop() if len(helpers) == 1 else None
+
+    # Once its loop runs: one stopped while it starts gets the start-up's allowance.
+    first = wait_for(lambda: "KV events published on" in srv.log() and publisher(), timeout=10,
+                     what="the publisher's loop")  # fmt: skip
+    os.kill(first, signal.SIGSTOP)
+    try:
+        wait_for(lambda: gone(first), timeout=15, what="the stopped publisher to be killed")
+    finally:
+        _continue([first])
+    wait_for(lambda: publisher() not in (None, first), timeout=20, what="a new publisher")
+    assert f"the KV-events publisher (pid {first}) has not beat" in srv.log()
     assert srv.proc.poll() is None
