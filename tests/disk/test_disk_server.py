@@ -535,8 +535,9 @@ def test_a_delete_the_keeper_did_not_answer_reaches_the_next_keeper(server_facto
     os.kill(keeper, signal.SIGSTOP)
     try:
         assert request(srv, "DELETE", f"/kv/{gone}").status == 204  # the slab's last ref
-    finally:
-        os.kill(keeper, signal.SIGKILL)
+    finally:  # the DELETE waits ~5 s: the supervisor's watchdog may have killed it first
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(keeper, signal.SIGKILL)
     wait_for(lambda: _disk(srv).get("pid") not in (None, keeper) and _disk(srv)["ready"],
              timeout=30, what="a new keeper")  # fmt: skip
     wait_for(lambda: _disk(srv)["blocks"] == 1, timeout=30, what="the discard sent again")
