@@ -79,6 +79,7 @@ from ..slab.events import (
 )
 from ..slab.store import Slab
 from .batches import RECORDS, BatchIndex
+from .memory import anon_bytes, trim
 from .wire import END_SEQ, Wire, seq_bytes
 
 __all__ = ["Publisher", "PublisherOptions", "ReplayCut", "Topics"]
@@ -88,8 +89,8 @@ log = logging.getLogger("eg_kv.kvevents")
 #: The publisher's counters (written to its counters file once a second; every one is
 #: exported on ``/metrics``, eg_kv.server.metrics).
 COUNTERS = ("published", "batches", "skipped", "burnt", "replays", "resyncs",
-            "resyncs_put_off", "replays_dropped", "extras_late", "extras_bad",
-            "replay_ms")  # fmt: skip
+            "resyncs_put_off", "replays_dropped", "requests_refused", "extras_late",
+            "extras_bad", "replay_ms")  # fmt: skip
 
 
 class ReplayCut(Exception):
@@ -123,9 +124,19 @@ RESYNC_WAITING = 64
 #: T * (1 / REPLAY_SHARE - 1). Without it, requesters asking again and again held the
 #: live stream to one step (STEP entries) per answer, and it fell behind the log.
 REPLAY_SHARE = 0.5
-#: The largest message the sockets take in (a replay request or a subscription: a topic
-#: and a seq), so that no peer can stream a huge frame into the publisher's memory.
+#: The largest frame the sockets take in (a replay request's or a subscription's: a topic
+#: or a seq); a larger one drops its connection. Per frame only: libzmq has no limit on a
+#: message's frames, and takes a multipart message in whole before the publisher sees it.
 MAX_MESSAGE = 16 * 1024
+#: The most frames a replay request has (the requester's id, the delimiter, a topic, a
+#: seq); a longer one is read to its end without being copied, and refused (counted).
+REQUEST_FRAMES = 4
+#: Requests the replay socket queues per requester, and subscription messages the PUB
+#: socket does (libzmq's default is 1,000 each, of any number of frames).
+REQUESTS_QUEUED = 4
+#: Anonymous memory the publisher may gain before it hands freed heap back to the OS
+#: (:func:`eg_kv.kvevents.memory.trim`, looked at once a second).
+TRIM_AFTER = 64 << 20
 #: How often the counters are written for /metrics, in seconds.
 STATS_EVERY_S = 1.0
 #: Blocks whose token ids and LoRA name the publisher holds (the newest stores').
@@ -244,6 +255,7 @@ class Publisher:
         self.pub.setsockopt(zmq.SNDHWM, options.hwm)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)  # subscriptions come in
+        self.pub.setsockopt(zmq.RCVHWM, REQUESTS_QUEUED)
         self.pub.bind(options.endpoint)
         self.replay = None
         if options.replay_endpoint:
@@ -252,6 +264,7 @@ class Publisher:
             self.replay.setsockopt(zmq.SNDTIMEO, REPLAY_SEND_TIMEOUT_MS)
             self.replay.setsockopt(zmq.LINGER, 0)
             self.replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+            self.replay.setsockopt(zmq.RCVHWM, REQUESTS_QUEUED)
             self.replay.bind(options.replay_endpoint)
         self.since = ring.head  # what came before is in the log, for replay
         self.base = seq_base(ring.created_ms)
@@ -280,6 +293,7 @@ class Publisher:
         self._waiting: OrderedDict[tuple[int, bytes], list[bytes]] = OrderedDict()
         self._deadline = 0.0  # when the replay being answered must be done by
         self._replays_at = 0.0  # when the next replay may be answered (REPLAY_SHARE)
+        self._anon_trimmed = anon_bytes()  # the anonymous memory at the last trim
         self._follow_all()
 
     # ------------------------------------------------------------------ live
@@ -495,6 +509,10 @@ class Publisher:
             if time.monotonic() - written >= STATS_EVERY_S:
                 written = time.monotonic()
                 self.topics.refresh()
+                # libzmq takes in subscriptions (and frees them) only when the socket is
+                # used: while nothing is published, this is what uses it.
+                self.pub.getsockopt(zmq.EVENTS)
+                self._trim_if_grown()
                 if self.options.stats_path:
                     self.write_stats()
 
@@ -506,6 +524,13 @@ class Publisher:
         now = time.monotonic()
         self.counters["replay_ms"] += round((now - t0) * 1000)
         self._replays_at = max(self._replays_at, now + (now - t0) * (1 / REPLAY_SHARE - 1))
+
+    def _trim_if_grown(self) -> None:
+        """Hand freed heap back to the OS once the publisher grew :data:`TRIM_AFTER`
+        (a huge multipart message libzmq took in, then freed in 16 KiB pieces)."""
+        if anon_bytes() - self._anon_trimmed > TRIM_AFTER:
+            trim()
+            self._anon_trimmed = anon_bytes()
 
     def write_stats(self) -> None:
         """Write the counters to ``stats_path`` (a temporary file, then a rename: a reader
@@ -533,9 +558,8 @@ class Publisher:
     def serve_replay(self) -> None:
         """Answer one waiting replay request (none waiting: nothing)."""
         assert self.replay is not None
-        try:
-            frames = self.replay.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
+        frames = self._take_request()
+        if frames is None:
             return
         if len(frames) < 3 or frames[1] != b"":
             return  # not a REQ/DEALER request: nothing to answer to
@@ -557,6 +581,33 @@ class Publisher:
         except (zmq.ZMQError, ReplayCut) as e:  # gone, not reading, or too slow: dropped
             if not isinstance(e, _AllGone):
                 self._dropped(e)
+
+    def _take_request(self) -> list[bytes] | None:
+        """One request off the replay socket (None: none waiting; [] refused: over
+        :data:`REQUEST_FRAMES` frames, each past it read and let go uncopied, then the
+        freed heap handed back: libzmq held the message whole already)."""
+        sock = self.replay
+        assert sock is not None
+        try:
+            frames = [sock.recv(zmq.NOBLOCK)]
+        except zmq.Again:
+            return None
+        extra = extra_bytes = 0
+        while sock.rcvmore:
+            frame = sock.recv(copy=False)
+            if len(frames) < REQUEST_FRAMES:
+                frames.append(frame.bytes)
+            else:
+                extra, extra_bytes = extra + 1, extra_bytes + len(frame)
+        if not extra:
+            return frames
+        self.counters["requests_refused"] += 1
+        log.info("KV events: a replay request of %d frames was refused (at most %d)",
+                 len(frames) + extra, REQUEST_FRAMES)  # fmt: skip
+        if extra_bytes > TRIM_AFTER // 4:
+            trim()
+            self._anon_trimmed = anon_bytes()
+        return []
 
     def serve_waiting(self) -> None:
         """Resync the requesters of the namespace that has waited longest, once the last

@@ -267,6 +267,8 @@ _KV_EVENTS = {
     "resyncs": "Replays answered by a resync (a walk of the slot table)",
     "resyncs_put_off": "Resyncs asked within a second of the last one, answered later",
     "replays_dropped": "Replay requesters dropped (cut off, or too many waiting)",
+    "requests_refused": "Replay requests of more frames than a request has (read uncopied, "
+    "then refused)",
     "replay_ms": "Time the publisher spent answering replays and resyncs (at most half "
     "its time, the rest is the live stream's)",
     "extras_late": "Stores published without the token ids their worker sent (late)",
