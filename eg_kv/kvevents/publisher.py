@@ -59,7 +59,7 @@ import json
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -110,6 +110,17 @@ BATCH_EVENTS = 256
 IDLE_MS = 5
 #: How long a replay answer may wait for its requester to read, in ms.
 REPLAY_SEND_TIMEOUT_MS = 1000
+#: Messages of an answer the replay socket queues per requester (libzmq's default is
+#: 1,000): one that does not read is dropped within REPLAY_SEND_TIMEOUT_MS of as many.
+REPLAY_HWM = 4
+#: The bytes of replay answers libzmq may hold, all requesters together: what was sent
+#: and not yet taken (a requester that never reads, or reads slowly, holds its part for
+#: as long as it stays connected). Past it a request is refused (``replays_dropped``)
+#: until they read or go. Each message counts :data:`MESSAGE_COST` more.
+REPLAY_QUEUED_MAX = 256 << 20
+#: Each requester's kernel send buffer (loopback's grows to 4 MiB by itself).
+REPLAY_SNDBUF = 256 << 10
+MESSAGE_COST = 1024
 #: The longest one replay answer may take (seconds): the live batches wait meanwhile, and
 #: a requester reading one message a second would otherwise hold them for hours.
 REPLAY_DEADLINE_S = 3.0
@@ -265,6 +276,11 @@ class Publisher:
             self.replay.setsockopt(zmq.LINGER, 0)
             self.replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
             self.replay.setsockopt(zmq.RCVHWM, REQUESTS_QUEUED)
+            self.replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+            self.replay.setsockopt(zmq.SNDBUF, REPLAY_SNDBUF)  # the kernel's part, too
+            # A payload by reference, however small, so that libzmq tells when it let
+            # go of it (tracked).
+            self.replay.copy_threshold = 0
             self.replay.bind(options.replay_endpoint)
         self.since = ring.head  # what came before is in the log, for replay
         self.base = seq_base(ring.created_ms)
@@ -294,6 +310,9 @@ class Publisher:
         self._deadline = 0.0  # when the replay being answered must be done by
         self._replays_at = 0.0  # when the next replay may be answered (REPLAY_SHARE)
         self._anon_trimmed = anon_bytes()  # the anonymous memory at the last trim
+        #: Replay messages libzmq may still hold: (its tracker, what it costs).
+        self._held: deque[tuple[zmq.MessageTracker, int]] = deque()
+        self._held_total = 0  # their costs (those let go leave at the next prune)
         self._follow_all()
 
     # ------------------------------------------------------------------ live
@@ -577,7 +596,7 @@ class Publisher:
                 start = int.from_bytes(body[-1], "big") - self.base
                 if not self._replay(client, ns, topic, max(start, 0)):
                     return  # it waits for the next resync (serve_waiting)
-            self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            self._answer((client, b"", b"", END_SEQ, b""))
         except (zmq.ZMQError, ReplayCut) as e:  # gone, not reading, or too slow: dropped
             if not isinstance(e, _AllGone):
                 self._dropped(e)
@@ -634,10 +653,42 @@ class Publisher:
         reading leaves ``clients`` (dropped), the others go on."""
         try:
             self._check_deadline()
-            self.replay.send_multipart(frames)  # type: ignore[union-attr]
+            self._answer(frames)
         except zmq.ZMQError as e:
             clients.remove(client)
             self._dropped(e)
+
+    def _answer(self, frames: tuple) -> None:
+        """Send one message of an answer, tracked while libzmq holds it.
+
+        Raises:
+            ReplayCut: the answers libzmq holds already cost :data:`REPLAY_QUEUED_MAX`.
+            zmq.ZMQError: the requester is gone, or did not read for the send timeout.
+        """
+        cost = len(frames[-1]) + MESSAGE_COST
+        if self._held_total + cost > REPLAY_QUEUED_MAX:
+            self._prune_held()
+            if self._held_total + cost > REPLAY_QUEUED_MAX:
+                raise ReplayCut(f"answers not yet taken by their requesters hold "
+                                f"{self._held_total >> 20} MiB (at most "
+                                f"{REPLAY_QUEUED_MAX >> 20} MiB)")  # fmt: skip
+        sock = self.replay
+        assert sock is not None
+        for frame in frames[:-1]:  # ids, topic and seq: small, copied
+            sock.send(frame, _MORE)
+        tracker = sock.send(frames[-1], 0, copy=False, track=True)
+        self._held.append((tracker, cost))
+        self._held_total += cost
+
+    def _prune_held(self) -> None:
+        """Forget the replay messages libzmq let go (sent, or their requester gone)."""
+        held = self._held
+        for _ in range(len(held)):
+            entry = held.popleft()
+            if entry[0].done:
+                self._held_total -= entry[1]
+            else:
+                held.append(entry)
 
     def _check_deadline(self) -> None:
         if time.monotonic() > self._deadline:

@@ -17,14 +17,20 @@ pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
 
 #: A slab and a publisher running its loop until SIGTERM (as the server's process runs
-#: it); prints "ready" once bound. argv: slab name, PUB port, replay port, stats path.
+#: it); prints "ready" once bound. argv: slab name, PUB port, replay port, stats path,
+#: blocks stored first, REPLAY_QUEUED_MAX.
 _PUBLISHER = """
-import signal, sys
+import os, signal, sys
+from eg_kv.engine import EngineName
+from eg_kv.kvevents import publisher as P
 from eg_kv.kvevents.publisher import Publisher, PublisherOptions
 from eg_kv.slab.store import Slab
-name, pub_port, replay_port, stats = sys.argv[1:5]
-slab = Slab.create(name, 4 << 20, 4096)
+name, pub_port, replay_port, stats, blocks, queued_max = sys.argv[1:7]
+P.REPLAY_QUEUED_MAX = int(queued_max)
+slab = Slab.create(name, 192 << 20, 4096, 4096, prefault=False)
 slab.setup_events(64)
+for k in range(int(blocks)):  # each named by the engine, as a resync names it
+    slab.put(f"b{k}", b"x", engine=EngineName(os.urandom(32), os.urandom(32), 16))
 options = PublisherOptions(endpoint=f"tcp://127.0.0.1:{pub_port}",
                            replay_endpoint=f"tcp://127.0.0.1:{replay_port}", stats_path=stats)
 publisher = Publisher(slab, options)
@@ -57,18 +63,26 @@ def given_back(pid: int, before: int, timeout: float) -> None:
 
 
 @pytest.fixture
-def publisher_proc(tmp_path):
-    """A publisher process: (its pid, PUB endpoint, replay endpoint, stats path)."""
-    pub, replay = free_port(), free_port()
-    stats = tmp_path / "kv-events.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PUBLISHER, unique_slab_name("hostile"), str(pub), str(replay),
-         str(stats)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
+def start_publisher(tmp_path):
+    """Starts a publisher process storing ``blocks`` first, with REPLAY_QUEUED_MAX
+    ``queued_max``: (its pid, PUB endpoint, replay endpoint, stats path). Each is
+    stopped, and its slab unlinked, after the test."""
+    procs = []
+
+    def start(blocks: int = 0, queued_max: int = 256 * MiB):
+        pub, replay = free_port(), free_port()
+        stats = tmp_path / f"kv-events-{len(procs)}.json"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PUBLISHER, unique_slab_name("hostile"), str(pub),
+             str(replay), str(stats), str(blocks), str(queued_max)],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        procs.append(proc)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        yield proc.pid, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", stats
-    finally:
+        return proc.pid, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", stats
+
+    yield start
+    for proc in procs:
         proc.terminate()  # its finally unlinks the slab
         try:
             proc.wait(20)
@@ -84,12 +98,12 @@ def counters(stats) -> dict:
         return {}
 
 
-def test_a_multipart_replay_request_is_refused_and_its_memory_given_back(publisher_proc):
+def test_a_multipart_replay_request_is_refused_and_its_memory_given_back(start_publisher):
     """One request of 2,500 frames of 16,000 B (each under the 16 KiB frame limit): the
     publisher copied all 40 MB into Python and kept the 80 MB for good, and answered it;
     now it reads the frames past a request's four uncopied, refuses it (counted), and
     hands the freed heap back."""
-    pid, _pub, replay, stats = publisher_proc
+    pid, _pub, replay, stats = start_publisher()
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -113,11 +127,11 @@ def test_a_multipart_replay_request_is_refused_and_its_memory_given_back(publish
         ctx.term()
 
 
-def test_a_multipart_subscription_message_leaves_no_memory_behind(publisher_proc):
+def test_a_multipart_subscription_message_leaves_no_memory_behind(start_publisher):
     """An XSUB sends the PUB socket one message of 5,000 frames (80 MB): libzmq took it
     in whole and freed it in 16 KiB pieces that the publisher kept for good; now the
     publisher hands freed heap back once it grew past TRIM_AFTER."""
-    pid, pub, _replay, _stats = publisher_proc
+    pid, pub, _replay, _stats = start_publisher()
     ctx = zmq.Context()
     xsub = ctx.socket(zmq.XSUB)
     xsub.setsockopt(zmq.LINGER, 0)
@@ -129,4 +143,39 @@ def test_a_multipart_subscription_message_leaves_no_memory_behind(publisher_proc
         given_back(pid, before, 15)
     finally:
         xsub.close()
+        ctx.term()
+
+
+def test_answers_held_for_requesters_that_never_read_stay_within_the_budget(start_publisher):
+    """Six requesters ask for a resync of 40,000 blocks (about 6 MB) and never read. The
+    replay socket queued up to 1,000 messages per requester, so each answer was taken as
+    delivered and held for as long as its requester stayed connected, a copy each; now
+    the answers libzmq holds are bounded (REPLAY_QUEUED_MAX, 8 MiB here) and a requester
+    past it is refused (counted)."""
+    pid, _pub, replay, stats = start_publisher(40_000, 8 * MiB)
+    ctx = zmq.Context()
+    stalled = []
+    try:
+        before = anon(pid)
+        for _ in range(6):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVHWM, 1)  # takes one message in, then reads no more
+            dealer.setsockopt(zmq.RCVBUF, 4096)
+            dealer.connect(replay)
+            dealer.send_multipart([b"", (1).to_bytes(8, "big")])  # the log lapped: a resync
+            stalled.append(dealer)
+
+        # every request taken, and two walks at least (the counters are written after)
+        def taken() -> bool:
+            got = counters(stats)
+            return got.get("replays", 0) >= 6 and got["resyncs"] >= 2
+
+        wait_for(taken, 60, what="six requests, two walks")
+        grown = anon(pid) - before
+        assert grown < 8 * MiB + 6 * MiB, f"{grown / MiB:.1f} MiB held"  # was 24.9
+        assert counters(stats)["replays_dropped"] >= 1  # cut off, or refused (was 0)
+    finally:
+        for dealer in stalled:
+            dealer.close()
         ctx.term()

@@ -142,12 +142,18 @@ class _EndFailsFor:
     fails as a requester that stopped reading makes it fail (``zmq.Again``)."""
 
     def __init__(self, socket, identity: bytes) -> None:
-        self._socket, self._identity = socket, identity
+        self._socket, self._identity, self._frames = socket, identity, []
 
-    def send_multipart(self, frames):
-        if frames[0] == self._identity and frames[3] == END_SEQ:
-            raise zmq.Again()
-        return self._socket.send_multipart(frames)
+    def send(self, frame, flags=0, **kwargs):
+        self._frames.append(frame)
+        if not flags & zmq.SNDMORE:  # the message's last frame: the payload
+            frames, self._frames = self._frames, []
+            if frames[0] == self._identity and frames[3] == END_SEQ:
+                raise zmq.Again()
+            for part in frames[:-1]:
+                self._socket.send(part, zmq.SNDMORE)
+            return self._socket.send(frame, flags, **kwargs)
+        return None
 
     def __getattr__(self, name):
         return getattr(self._socket, name)
