@@ -47,9 +47,11 @@ entry (:data:`~eg_kv.slab.events.E_EXTRAS`). A store whose entry is marked waits
 at most :data:`EXTRAS_WAIT_MS` a step (then it goes without, counted); the last
 :data:`EXTRAS_KEPT` blocks' are held for replays and resyncs too.
 
-Bounds: the PUB socket's high-water mark (a slow subscriber loses messages, never slows
-the publisher); one replay at a time, its messages bounded by the log and the slot table;
-the extras held, by count (each at most 4 KiB of token ids).
+Bounds: the PUB socket's high-water mark, sized from a byte budget
+(:data:`PUB_QUEUED_MAX`; a slow subscriber loses messages, never slows the publisher), and
+its heartbeats (a subscriber that vanished is dropped); one replay at a time, its
+messages bounded by the log and the slot table, what requesters have not read by
+:data:`REPLAY_QUEUED_MAX`; the extras held, by count (each at most 4 KiB of token ids).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from typing import Any
 import zmq
 import zmq.backend
 
-from ..engine import read_extras_message
+from ..engine import ENGINE_HASH_MAX, TOKENS_MAX, packed_tokens, read_extras_message
 from ..errors import SlabError
 from ..slab.events import (
     E_EXTRAS,
@@ -148,6 +150,17 @@ REQUESTS_QUEUED = 4
 #: Anonymous memory the publisher may gain before it hands freed heap back to the OS
 #: (:func:`eg_kv.kvevents.memory.trim`, looked at once a second).
 TRIM_AFTER = 64 << 20
+#: The bytes the PUB socket may queue for a subscriber that stopped reading (libzmq
+#: shares a message among the subscribers' queues: about this much per publisher). Its
+#: high-water mark counts messages: this over the largest message. vLLM's 100,000 held
+#: 4 GB of 40 KB batches for one router that hung.
+PUB_QUEUED_MAX = 128 << 20
+#: ZMTP heartbeats on the PUB socket (ms): a subscriber that answers none in the timeout
+#: is dropped (its queue freed), as is one whose host vanished while idle.
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 5_000, 15_000
+#: How long sent data may go unacknowledged before the kernel drops the connection
+#: (``TCP_USER_TIMEOUT``, ms): a subscriber whose host vanished mid-message.
+TCP_MAXRT_MS = 30_000
 #: How often the counters are written for /metrics, in seconds.
 STATS_EVERY_S = 1.0
 #: Blocks whose token ids and LoRA name the publisher holds (the newest stores').
@@ -173,7 +186,9 @@ class PublisherOptions:
     pool: str = "eg-kv"
     model: str = "default"
     form: str = "maps"  #: eg_kv.kvevents.wire.MAPS or ARRAYS
-    hwm: int = 100_000  #: messages the PUB socket queues per subscriber
+    #: messages the PUB socket queues per subscriber; 0: :data:`PUB_QUEUED_MAX` over the
+    #: largest message (:func:`largest_message`)
+    hwm: int = 0
     extras_endpoint: str = ""  #: the workers' extras socket (a PULL: bound); "": none
     #: where its counters are written, as JSON, about once a second (the workers' /metrics
     #: reads them); "": nowhere
@@ -183,6 +198,15 @@ class PublisherOptions:
 #: A log's seqs start at its creation time in ms shifted by this: 4 million events a
 #: millisecond between two logs before their seqs could meet, and room until 2527.
 SEQ_SHIFT = 22
+
+
+def largest_message(wire: Wire, extras: bool) -> int:
+    """The bytes of the largest message ``wire`` can make: :data:`BATCH_EVENTS` stores of
+    the longest names, with the longest token ids and LoRA name when ``extras``."""
+    name = b"\xff" * ENGINE_HASH_MAX
+    most = (packed_tokens([2**32 - 1] * TOKENS_MAX), "l" * 128) if extras else None
+    event = wire.stored(name, name, 2**31 - 1, 2**63 - 1, most)
+    return len(wire.batch([event] * BATCH_EVENTS))
 
 
 def seq_base(created_ms: int) -> int:
@@ -263,7 +287,11 @@ class Publisher:
         self.topics = Topics(options.pool, options.model, slab.namespace_name, models)
         ctx = context or zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.SNDHWM, options.hwm)
+        largest = largest_message(self.wire, bool(options.extras_endpoint))
+        self.pub.setsockopt(zmq.SNDHWM, options.hwm or max(1, PUB_QUEUED_MAX // largest))
+        self.pub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.pub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self.pub.setsockopt(zmq.TCP_MAXRT, TCP_MAXRT_MS)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)  # subscriptions come in
         self.pub.setsockopt(zmq.RCVHWM, REQUESTS_QUEUED)

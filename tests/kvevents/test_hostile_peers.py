@@ -5,6 +5,7 @@ from /proc, real sockets on loopback."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -179,3 +180,56 @@ def test_answers_held_for_requesters_that_never_read_stay_within_the_budget(star
         for dealer in stalled:
             dealer.close()
         ctx.term()
+
+
+def test_a_subscriber_that_stopped_reading_holds_at_most_the_pub_budget(monkeypatch):
+    """A subscriber that stops reading (its host hung): the PUB socket queued up to
+    100,000 messages for it whatever their size; now its high-water mark is the byte
+    budget over the largest message (PUB_QUEUED_MAX, 16 MiB here). 100 batches of 256
+    stores with 1,024 token ids each (1.4 MB a batch) go out behind it."""
+    from eg_kv.engine import packed_tokens
+    from eg_kv.kvevents import memory
+    from eg_kv.kvevents import publisher as P
+    from eg_kv.slab.store import Slab
+
+    monkeypatch.setattr(P, "PUB_QUEUED_MAX", 16 * MiB, raising=False)
+    slab = Slab.create(unique_slab_name("hostile"), 4 << 20, 4096)
+    slab.setup_events(64)
+    ctx = zmq.Context()
+    pub_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    options = P.PublisherOptions(endpoint=pub_endpoint, extras_endpoint="inproc://extras")
+    publisher = P.Publisher(slab, options, context=ctx)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 1)  # takes one message in, then reads no more
+    sub.setsockopt(zmq.RCVBUF, 4096)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub_endpoint)
+    tokens = (packed_tokens([2**32 - 1] * 1024), "lora")
+    wire = publisher.wire
+
+    def batch() -> None:  # a full batch of the default namespace, sent as step() does
+        events = [wire.stored(os.urandom(32), b"", 16, 0, tokens) for _ in range(P.BATCH_EVENTS)]
+        publisher._pending[0] = (1, events)
+        publisher._flush(0)
+
+    try:
+
+        def heard() -> bool:  # the subscription reached the publisher
+            batch()
+            return bool(sub.poll(50))
+
+        wait_for(heard, 10, what="the subscriber subscribed")
+        before = memory.anon_bytes()
+        for _ in range(100):
+            batch()
+        grown = memory.anon_bytes() - before
+        print(f"grown {grown / MiB:.1f} MiB")
+        assert grown < 16 * MiB + 12 * MiB, f"{grown / MiB:.0f} MiB held"  # was 126
+        assert publisher.pub.getsockopt(zmq.HEARTBEAT_TIMEOUT) > 0  # a vanished one goes
+    finally:
+        sub.close()
+        publisher.close()
+        ctx.term()
+        slab.close()
+        slab.unlink()
