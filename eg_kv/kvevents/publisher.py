@@ -26,11 +26,11 @@ Replay (``--kv-events-replay-endpoint``, a ROUTER socket, vLLM's protocol): a re
 seq]``; the answer is each batch from ``start`` on, as it was sent (``[topic, seq,
 payload]``), then ``[b"", -1, b""]``. Batches the index or the log no longer holds (more
 than :data:`~eg_kv.slab.events.HOPS_MAX` entries back, lapped, or a number burnt when the
-publisher fell behind the log) are answered by a resync: ``AllBlocksCleared``, a
-``BlockStored`` for every block of the namespace the slab holds, the log's entries after
-that walk, then a ``BlockStored`` for every block the disk tier holds, all at the last
-seq sent live: applied in order, with the live batches after it, they give the blocks
-held. A requester that stops reading is dropped after
+publisher fell behind the log) are answered by a resync, one message at the last seq
+sent live: ``AllBlocksCleared``, a ``BlockStored`` for every block of the namespace the
+slab holds, the log's entries after that walk, then a ``BlockStored`` for every block the
+disk tier holds: applied, with the live batches after it, they give the blocks held. A
+requester that stops reading is dropped after
 :data:`REPLAY_SEND_TIMEOUT_MS`, and one answer may take at most :data:`REPLAY_DEADLINE_S`
 (a requester that reads slowly is dropped then: the live batches wait while a replay is
 served). A dropped requester gets no end marker: it never takes part of an answer for all
@@ -82,7 +82,7 @@ from ..slab.events import (
 from ..slab.store import Slab
 from .batches import RECORDS, BatchIndex
 from .memory import anon_bytes, trim
-from .wire import END_SEQ, Wire, seq_bytes
+from .wire import END_SEQ, BatchBuilder, Wire, seq_bytes
 
 __all__ = ["Publisher", "PublisherOptions", "ReplayCut", "Topics"]
 
@@ -113,8 +113,10 @@ IDLE_MS = 5
 #: How long a replay answer may wait for its requester to read, in ms.
 REPLAY_SEND_TIMEOUT_MS = 1000
 #: Messages of an answer the replay socket queues per requester (libzmq's default is
-#: 1,000): one that does not read is dropped within REPLAY_SEND_TIMEOUT_MS of as many.
-REPLAY_HWM = 4
+#: 1,000): one that does not read is dropped within REPLAY_SEND_TIMEOUT_MS of as many
+#: (their bytes, all requesters together, are bounded by REPLAY_QUEUED_MAX). At 4, the
+#: sends waited on each requester's reads, and answers overran REPLAY_SHARE.
+REPLAY_HWM = 64
 #: The bytes of replay answers libzmq may hold, all requesters together: what was sent
 #: and not yet taken (a requester that never reads, or reads slowly, holds its part for
 #: as long as it stays connected). Past it a request is refused (``replays_dropped``)
@@ -339,7 +341,7 @@ class Publisher:
         self._replays_at = 0.0  # when the next replay may be answered (REPLAY_SHARE)
         self._anon_trimmed = anon_bytes()  # the anonymous memory at the last trim
         #: Replay messages libzmq may still hold: (its tracker, what it costs).
-        self._held: deque[tuple[zmq.MessageTracker, int]] = deque()
+        self._held: deque[tuple[list[zmq.MessageTracker], int]] = deque()
         self._held_total = 0  # their costs (those let go leave at the next prune)
         self._follow_all()
 
@@ -624,8 +626,8 @@ class Publisher:
                 start = int.from_bytes(body[-1], "big") - self.base
                 if not self._replay(client, ns, topic, max(start, 0)):
                     return  # it waits for the next resync (serve_waiting)
-            self._answer((client, b"", b"", END_SEQ, b""))
-        except (zmq.ZMQError, ReplayCut) as e:  # gone, not reading, or too slow: dropped
+            self._send([client], (b"", END_SEQ, b""))
+        except ReplayCut as e:  # gone, not reading, or too slow: dropped
             if not isinstance(e, _AllGone):
                 self._dropped(e)
 
@@ -666,8 +668,7 @@ class Publisher:
         self._deadline = time.monotonic() + REPLAY_DEADLINE_S
         try:
             self._resync(clients, ns, topic)
-            for client in list(clients):  # one that fails leaves ``clients``
-                self._send_or_drop(clients, client, (client, b"", b"", END_SEQ, b""))
+            self._send(clients, (b"", END_SEQ, b""))  # one that fails leaves ``clients``
         except ReplayCut as e:
             for _ in clients:
                 self._dropped(e)
@@ -676,44 +677,48 @@ class Publisher:
         self.counters["replays_dropped"] += 1
         log.info("KV events: a replay requester was dropped: %s", why)
 
-    def _send_or_drop(self, clients: list[bytes], client: bytes, frames: tuple) -> None:
-        """Send ``frames`` to one of a resync's requesters; one that is gone or not
-        reading leaves ``clients`` (dropped), the others go on."""
-        try:
-            self._check_deadline()
-            self._answer(frames)
-        except zmq.ZMQError as e:
-            clients.remove(client)
-            self._dropped(e)
-
-    def _answer(self, frames: tuple) -> None:
-        """Send one message of an answer, tracked while libzmq holds it.
+    def _send(self, clients: list[bytes], frames: tuple) -> None:
+        """One message (``[topic, seq, payload]``) to each of ``clients``, its payload by
+        reference (one copy for them all), tracked while libzmq holds it; each requester
+        that is gone or not reading leaves ``clients`` (dropped), the others go on.
 
         Raises:
-            ReplayCut: the answers libzmq holds already cost :data:`REPLAY_QUEUED_MAX`.
-            zmq.ZMQError: the requester is gone, or did not read for the send timeout.
+            ReplayCut: the answers libzmq holds already cost :data:`REPLAY_QUEUED_MAX`,
+                or the answer ran past its deadline. _AllGone: every requester left.
         """
-        cost = len(frames[-1]) + MESSAGE_COST
+        cost = len(frames[-1]) + MESSAGE_COST * len(clients)
         if self._held_total + cost > REPLAY_QUEUED_MAX:
             self._prune_held()
             if self._held_total + cost > REPLAY_QUEUED_MAX:
                 raise ReplayCut(f"answers not yet taken by their requesters hold "
-                                f"{self._held_total >> 20} MiB (at most "
-                                f"{REPLAY_QUEUED_MAX >> 20} MiB)")  # fmt: skip
+                                f"{self._held_total >> 20} MiB, this one "
+                                f"{cost >> 20} MiB (at most {REPLAY_QUEUED_MAX >> 20} "
+                                "MiB)")  # fmt: skip
         sock = self.replay
         assert sock is not None
-        for frame in frames[:-1]:  # ids, topic and seq: small, copied
-            sock.send(frame, _MORE)
-        tracker = sock.send(frames[-1], 0, copy=False, track=True)
-        self._held.append((tracker, cost))
-        self._held_total += cost
+        trackers = []
+        try:
+            for client in list(clients):
+                self._check_deadline()
+                try:
+                    for frame in (client, b"", *frames[:-1]):  # small: copied
+                        sock.send(frame, _MORE)
+                    trackers.append(sock.send(frames[-1], 0, copy=False, track=True))
+                except zmq.ZMQError as e:
+                    clients.remove(client)
+                    self._dropped(e)
+        finally:
+            self._held.append((trackers, cost))
+            self._held_total += cost
+        if not clients:
+            raise _AllGone("every requester was dropped")
 
     def _prune_held(self) -> None:
         """Forget the replay messages libzmq let go (sent, or their requester gone)."""
         held = self._held
         for _ in range(len(held)):
             entry = held.popleft()
-            if entry[0].done:
+            if all(tracker.done for tracker in entry[0]):
                 self._held_total -= entry[1]
             else:
                 held.append(entry)
@@ -732,18 +737,6 @@ class Publisher:
             if self.slab.namespace_name(ns) is not None and self.topics.of(ns) == topic:
                 return ns
         return None
-
-    def _send(self, clients: list[bytes], topic: bytes, k: int, events: list[Any]) -> None:
-        """One batch to each of ``clients`` (each that fails leaves the list).
-
-        Raises:
-            ReplayCut: the answer ran past its deadline.
-        """
-        frames = (topic, seq_bytes(self.base + k), self.wire.batch(events))
-        for client in list(clients):
-            self._send_or_drop(clients, client, (client, b"", *frames))
-        if not clients:
-            raise _AllGone("every requester was dropped")
 
     def _replay(self, client: bytes, ns: int, topic: bytes, start: int) -> bool:
         """Batches ``start`` on of namespace ``ns``, as they were sent; a resync when
@@ -769,7 +762,7 @@ class Publisher:
             self._resync(clients, ns, topic)
             return True
         for k, events in enumerate(batches, start):
-            self._send(clients, topic, k, events)
+            self._send(clients, (topic, seq_bytes(self.base + k), self.wire.batch(events)))
         return True
 
     def _recorded(self, ns: int, start: int, end: int) -> list[list[Any]] | None:
@@ -811,12 +804,16 @@ class Publisher:
 
     def _resync(self, clients: list[bytes], ns: int, topic: bytes) -> None:
         """The namespace's blocks from a walk of the slot table, then the log after it,
-        all at the last batch number sent (the live batches after it apply on top), to
-        each of ``clients`` (those that fail leave the list).
+        in one message at the last batch number sent (the live batches after it apply on
+        top), to each of ``clients`` (those that fail leave the list). One message, as
+        vLLM's replay client applies a message whose seq it has seen once, and stops at
+        the one before the live seq that showed its hole: every message of a resync under
+        one seq, it applied the first (``AllBlocksCleared``) alone.
 
         Raises:
-            ReplayCut: no walk held (three were met by a repair, or lapped by the log), or
-                the slot table stayed locked: the requesters are dropped, never told an
+            ReplayCut: no walk held (three were met by a repair, or lapped by the log),
+                the slot table stayed locked, or the message would cost more than
+                :data:`REPLAY_QUEUED_MAX`: the requesters are dropped, never told an
                 answer in part is whole.
         """
         self._resynced_at = time.monotonic()
@@ -824,23 +821,43 @@ class Publisher:
         k = max(self.index.position(ns)[0] - 1, 0)
         for _ in range(3):  # a walk met by a repair or lapped by the log: again
             try:
-                self._send(clients, topic, k, [self.wire.cleared()])
-                for part in self.slab.snapshot_stream(ns, timeout=5.0, engines=True):
-                    if part.kind == "blocks":
-                        out = [self.wire.stored(e.hash or bytes(raw), e.parent, e.block_size,
-                                                e.lora_id, self.extras.get((ns, bytes(raw))))
-                               for _, raw, _, e in part.blocks]  # fmt: skip
-                    elif part.kind == "events":
-                        out = [self._event(ev) for ev in part.events if ev.ns == ns and ev.nseq]
-                    else:  # the end: the blocks the disk tier holds, listed after the walk
-                        for page in self._disk_blocks(ns):
-                            self._send(clients, topic, k, page)
-                        continue
-                    for at in range(0, len(out), 1024):
-                        self._send(clients, topic, k, out[at : at + 1024])
-                return
+                payload = self._resync_payload(ns)
             except SnapshotVoid:
                 continue
             except SlabError as e:  # the lock stayed held (LockTimeout): not this time
                 raise ReplayCut(f"the walk of the slot table failed: {e}") from None
+            self._send(clients, (topic, seq_bytes(self.base + k), payload))
+            return
         raise ReplayCut("three walks of the slot table were lapped or repaired")
+
+    def _resync_payload(self, ns: int) -> bytearray:
+        """``AllBlocksCleared``, the namespace's blocks from a walk of the slot table, the
+        log's entries after the walk, then the disk tier's blocks: one message's payload.
+
+        Raises:
+            SnapshotVoid: the walk was lapped or met by a repair. SlabError: the slot
+                table stayed locked. ReplayCut: past the deadline, or too large.
+        """
+        built = BatchBuilder(self.wire)
+        built.add([self.wire.cleared()])
+        for out in self._resync_parts(ns):
+            for at in range(0, len(out), 1024):
+                built.add(out[at : at + 1024])
+                self._check_deadline()
+                if len(built.body) > REPLAY_QUEUED_MAX:
+                    raise ReplayCut(f"a resync of over {built.events} events is over "
+                                    f"{REPLAY_QUEUED_MAX >> 20} MiB")  # fmt: skip
+        return built.payload()
+
+    def _resync_parts(self, ns: int) -> Iterator[list[Any]]:
+        """A resync's events, a part of the walk (or a page of the disk's listing) at a
+        time."""
+        for part in self.slab.snapshot_stream(ns, timeout=5.0, engines=True):
+            if part.kind == "blocks":
+                yield [self.wire.stored(e.hash or bytes(raw), e.parent, e.block_size,
+                                        e.lora_id, self.extras.get((ns, bytes(raw))))
+                       for _, raw, _, e in part.blocks]  # fmt: skip
+            elif part.kind == "events":
+                yield [self._event(ev) for ev in part.events if ev.ns == ns and ev.nseq]
+            else:  # the end: the blocks the disk tier holds, listed after the walk
+                yield from self._disk_blocks(ns)

@@ -31,7 +31,7 @@ import msgspec
 from ..engine import EngineName, token_list
 from ..slab.events import STORED, Event
 
-__all__ = ["ARRAYS", "MAPS", "Wire"]
+__all__ = ["ARRAYS", "MAPS", "BatchBuilder", "Wire"]
 
 MAPS, ARRAYS = "maps", "arrays"
 #: The replay socket's end-of-answer marker's seq (vLLM's ``END_SEQ``).
@@ -103,3 +103,38 @@ class Wire:
     def batch(self, events: list[Any], ts: float | None = None) -> bytes:
         """The payload of one message: ``[ts, events, data_parallel_rank]``."""
         return self._encode([time.time() if ts is None else ts, events, 0])
+
+
+class BatchBuilder:
+    """One message's payload built a part at a time (a resync: every block a namespace
+    holds, in one message), as :meth:`Wire.batch` would encode all the events at once:
+    each part is encoded as it comes and only its bytes are kept.
+
+    Args:
+        wire: the form and medium the events were made in.
+    """
+
+    def __init__(self, wire: Wire, ts: float | None = None) -> None:
+        self._encode = wire._encode
+        #: ``[ts, [events...``: the array's count is written in at the end (msgpack's
+        #: array 32, which every decoder takes whatever the count).
+        self.body = bytearray(b"\x93" + self._encode(time.time() if ts is None else ts))
+        self._count_at = len(self.body) + 1
+        self.body += b"\xdd\x00\x00\x00\x00"
+        self.events = 0
+
+    def add(self, events: list[Any]) -> None:
+        """Append ``events`` (at most 65,535 a call)."""
+        if not events:
+            return
+        if len(events) > 0xFFFF:
+            raise ValueError("at most 65,535 events a part")
+        raw = self._encode(events)
+        self.body += memoryview(raw)[1 if len(events) < 16 else 3 :]  # less its array head
+        self.events += len(events)
+
+    def payload(self) -> bytearray:
+        """The payload (``data_parallel_rank`` 0 last); the builder is done."""
+        self.body[self._count_at : self._count_at + 4] = self.events.to_bytes(4, "big")
+        self.body += b"\x00"
+        return self.body

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -147,6 +148,33 @@ def test_a_multipart_subscription_message_leaves_no_memory_behind(start_publishe
         ctx.term()
 
 
+def stalled_requester(endpoint: str, start: int) -> socket.socket:
+    """A replay requester that speaks ZMTP 3.1 as a DEALER, asks from ``start``, and
+    never reads (its receive buffer 4 KiB): what is sent to it stays with the sender."""
+    host, port = endpoint[len("tcp://") :].rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.settimeout(10)
+
+    def take(n: int) -> bytes:
+        got = b""
+        while len(got) < n:
+            more = sock.recv(n - len(got))
+            assert more, "the publisher hung up"
+            got += more
+        return got
+
+    # Each step once the publisher's came (libzmq misreads a greeting sent with more).
+    sock.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + bytes(32))
+    take(64)  # its greeting
+    ready = b"\x05READY\x0bSocket-Type\0\0\0\x06DEALER\x08Identity\0\0\0\0"
+    sock.sendall(b"\x04" + bytes([len(ready)]) + ready)
+    take(take(2)[1])  # its READY (a short command)
+    sock.sendall(b"\x01\x00" + b"\x00\x08" + start.to_bytes(8, "big"))  # [b"", seq]
+    return sock
+
+
 def test_answers_held_for_requesters_that_never_read_stay_within_the_budget(start_publisher):
     """Six requesters ask for a resync of 40,000 blocks (about 6 MB) and never read. The
     replay socket queued up to 1,000 messages per requester, so each answer was taken as
@@ -154,32 +182,23 @@ def test_answers_held_for_requesters_that_never_read_stay_within_the_budget(star
     the answers libzmq holds are bounded (REPLAY_QUEUED_MAX, 8 MiB here) and a requester
     past it is refused (counted)."""
     pid, _pub, replay, stats = start_publisher(40_000, 8 * MiB)
-    ctx = zmq.Context()
     stalled = []
     try:
         before = anon(pid)
         for _ in range(6):
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVHWM, 1)  # takes one message in, then reads no more
-            dealer.setsockopt(zmq.RCVBUF, 4096)
-            dealer.connect(replay)
-            dealer.send_multipart([b"", (1).to_bytes(8, "big")])  # the log lapped: a resync
-            stalled.append(dealer)
+            stalled.append(stalled_requester(replay, 1))  # the log lapped: a resync
 
-        # every request taken, and two walks at least (the counters are written after)
-        def taken() -> bool:
+        def taken() -> bool:  # every request, and two walks at least (written after)
             got = counters(stats)
             return got.get("replays", 0) >= 6 and got["resyncs"] >= 2
 
         wait_for(taken, 60, what="six requests, two walks")
         grown = anon(pid) - before
-        assert grown < 8 * MiB + 6 * MiB, f"{grown / MiB:.1f} MiB held"  # was 24.9
+        assert grown < 8 * MiB + 10 * MiB, f"{grown / MiB:.1f} MiB held"  # was 25.1
         assert counters(stats)["replays_dropped"] >= 1  # cut off, or refused (was 0)
     finally:
-        for dealer in stalled:
-            dealer.close()
-        ctx.term()
+        for sock in stalled:
+            sock.close()
 
 
 def test_a_subscriber_that_stopped_reading_holds_at_most_the_pub_budget(monkeypatch):

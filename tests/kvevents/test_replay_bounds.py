@@ -8,7 +8,7 @@ import time
 
 import pytest
 import zmq
-from helpers.common import free_port, unique_slab_name
+from helpers.common import free_port, unique_slab_name, wait_for
 
 from eg_kv.engine import EngineName
 from eg_kv.kvevents.publisher import Publisher, PublisherOptions
@@ -52,8 +52,8 @@ def test_resyncs_come_at_most_once_a_second_and_those_put_off_wait_for_the_next(
             slab.put(f"b{k}", b"x", engine=EngineName(os.urandom(32), b"", 16))
         publisher.step()
         first = ask_and_serve(ctx, publisher, replay)
-        # AllBlocksCleared, one message of every block held, both at the walk's seq; the end
-        assert len(first) == 3 and first[0] == first[1] > 0 and first[-1] == -1
+        # one message (AllBlocksCleared, then every block held) at the walk's seq; the end
+        assert len(first) == 2 and first[0] > 0 and first[-1] == -1
         answers: list[list[int]] = []
         askers = [threading.Thread(target=lambda: answers.append(ask(ctx, replay, 1)))
                   for _ in range(2)]  # fmt: skip
@@ -205,9 +205,9 @@ def test_a_requester_whose_end_marker_fails_costs_the_next_one_nothing(lapped):
 
 
 def test_a_resync_that_cannot_be_made_whole_sends_no_end_marker(lapped, monkeypatch):
-    """Three walks met by a repair (or lapped by the log): the requester got a clear and
-    part of the blocks; it is dropped without the end marker (before, the marker told it
-    the part was the whole) and asks again."""
+    """Three walks met by a repair (or lapped by the log): the requester is dropped
+    without the end marker (before, the marker told it a part was the whole) and asks
+    again; it gets no part either (it got a clear and part of the blocks, three times)."""
     from eg_kv.slab.events import SnapshotVoid
 
     slab, publisher, replay, ctx = lapped
@@ -220,7 +220,7 @@ def test_a_resync_that_cannot_be_made_whole_sends_no_end_marker(lapped, monkeypa
 
     monkeypatch.setattr(slab, "snapshot_stream", lapped_after_a_part)
     seqs = _answer_until_quiet(ctx, publisher, replay, [(1).to_bytes(8, "big")])
-    assert seqs and -1 not in seqs  # a part, three times over, and no end marker
+    assert seqs == []  # no part (a resync goes out whole, once built), and no end marker
     assert publisher.counters["resyncs"] == 1
     assert publisher.counters["replays_dropped"] == 1
 
@@ -238,7 +238,7 @@ def test_an_answer_that_runs_past_its_deadline_is_cut(lapped, monkeypatch):
     monkeypatch.setattr(P, "REPLAY_DEADLINE_S", 3.0)
     publisher._resynced_at = -P.RESYNC_INTERVAL_S  # the next resync is due
     seqs = _answer_until_quiet(ctx, publisher, replay, [(1).to_bytes(8, "big")])
-    assert seqs[-1] == -1 and len(seqs) == 3  # the same request, whole
+    assert seqs[-1] == -1 and len(seqs) == 2  # the same request, whole
 
 
 def test_a_huge_request_frame_is_refused_by_the_socket(lapped):
@@ -337,3 +337,100 @@ def test_every_publisher_counter_is_on_metrics():
     assert "eg_kv_kv_events_replay_seconds" in names and "eg_kv_kv_events_replay_ms" not in names
     (replay,) = [f for f in _kv_events_families({"replay_ms": 1500}) if "replay" in f.name]
     assert replay.samples[0].value == 1.5
+
+
+def test_vllms_replay_loop_applies_a_resync_whole():
+    """vLLM's reference subscriber (examples/online_serving/kv_events_subscriber.py)
+    applies a replayed message only if its seq is above the last it applied, and stops at
+    the one before the live seq that showed its hole. A resync sent every message under
+    one seq, so it applied AllBlocksCleared alone: 20 of 43 blocks held. A resync is now
+    one message: the loop applies it whole."""
+    import threading
+
+    import msgspec
+
+    slab = Slab.create(unique_slab_name("replay"), 4 << 20, 4096)
+    slab.setup_events(32)
+    pub_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    options = PublisherOptions(endpoint=pub_endpoint, replay_endpoint=replay_endpoint)
+    publisher = Publisher(slab, options)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub_endpoint)
+    held: set[bytes] = set()
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if publisher.replay is not None and publisher.replay.poll(20):
+                publisher.serve_replay()
+
+    server = threading.Thread(target=serve)
+    probes: list[bytes] = []
+
+    def process(payload: bytes) -> None:
+        for event in msgspec.msgpack.decode(payload)[1]:
+            if event["type"] == "BlockStored":
+                held.update(event["block_hashes"])
+            elif event["type"] == "BlockRemoved":
+                held.difference_update(event["block_hashes"])
+            else:
+                held.clear()
+
+    def put_and_step(first: int, end: int) -> list[bytes]:
+        for k in range(first, end):
+            slab.put(f"b{k}", b"x")
+        publisher.step()
+        assert sub.poll(5000), "no live message"
+        return sub.recv_multipart()
+
+    try:
+
+        def heard() -> bool:  # the subscription reached the publisher
+            probes.append(f"probe{len(probes)}".encode())
+            slab.put(probes[-1].decode(), b"x")
+            publisher.step()
+            return bool(sub.poll(50))
+
+        wait_for(heard, 10, what="the subscriber subscribed")
+        _, seq_b, payload = sub.recv_multipart()
+        held.update(probes)  # as a snapshot would have told it
+        process(payload)
+        _, seq_b, payload = put_and_step(0, 3)
+        last_seq = int.from_bytes(seq_b, "big")
+        process(payload)
+        put_and_step(3, 23)  # lost (a full queue, a reconnect): the 32-entry log laps it
+        _, seq_b, payload = put_and_step(23, 43)
+        seq = int.from_bytes(seq_b, "big")
+        assert seq > last_seq + 1
+        server.start()
+        replay = ctx.socket(zmq.DEALER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.connect(replay_endpoint)
+        replay.send_multipart([b"", (last_seq + 1).to_bytes(8, "big")])
+        while replay.poll(2000):  # vLLM's loop
+            _, _topic, seq_bytes, replay_payload = replay.recv_multipart()
+            if not replay_payload:
+                break
+            replay_seq = int.from_bytes(seq_bytes, "big")
+            if replay_seq > last_seq:
+                process(replay_payload)
+                last_seq = replay_seq
+                if replay_seq >= seq - 1:
+                    break
+        process(payload)
+        replay.close()
+        assert publisher.counters["resyncs"] == 1
+        assert held == {f"b{k}".encode() for k in range(43)} | set(probes)  # was 20 of 43
+    finally:
+        stop.set()
+        if server.is_alive():
+            server.join(5)
+        sub.close()
+        publisher.close()
+        ctx.term()
+        slab.close()
+        slab.unlink()
