@@ -192,7 +192,12 @@ def parse(text: str, capacity: int, where: str = "tokens file") -> TenantTable:
             raise fail("role", f"tenant {name}: unknown role {role!r}; one of {', '.join(ROLES)}")
         namespace = entry.get("namespace", name)
         if not isinstance(namespace, str) or not NAME_RE.fullmatch(namespace):
-            raise fail("namespace", f"tenant {name}: namespace must be 1-64 of [A-Za-z0-9._:@+=-]")
+            raise fail("namespace", f"tenant {name}: namespace must be 1-64 of [A-Za-z0-9._:+=-]")
+        if "@" in namespace:
+            raise fail("namespace", f"tenant {name}: the namespace {namespace!r} has '@', which "
+                       "ends the namespace in its KV-events topic (kv@pool:<pool>/<namespace>@"
+                       "<model>, which ZMQ matches by prefix): choose one without '@' (set "
+                       "namespace = ... when the tenant is named so)")  # fmt: skip
         if namespace.lower() == RESERVED_NAMESPACE:
             raise fail("namespace", f"tenant {name}: the namespace {namespace!r} is the "
                        "unnamed default one's name in /kv/stats and /metrics: choose another "

@@ -342,8 +342,11 @@ def test_remembered_headers_are_bounded_and_forgotten_on_reload(tmp_path):
         (("token_sha256", hashlib.sha256(b"").hexdigest()), "digest of an empty token"),
         # the unnamed default namespace's name in /kv/stats and /metrics (one hid the other)
         (("namespace", "Default"), "choose another"),
+        # its KV-events topic kv@pool:eg-kv/team@default@default starts with namespace
+        # team's, kv@pool:eg-kv/team@default: a router of team's received its blocks
+        (("namespace", "team@default"), "without '@'"),
     ],
-    ids=["empty-token", "default-namespace"],
+    ids=["empty-token", "default-namespace", "at-in-namespace"],
 )
 def test_a_tokens_file_that_would_mislead_is_refused_naming_the_line(tmp_path, change, why):
     from eg_kv.errors import ConfigError
