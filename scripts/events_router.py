@@ -131,9 +131,9 @@ class Source:
         try:
             while dealer.poll(5000):
                 _, got_topic, seq_b, payload = dealer.recv_multipart()
-                seq = int.from_bytes(seq_b, "big", signed=True)
-                if seq < 0:
+                if not got_topic and seq_b == b"\xff" * 8:  # the end marker (vLLM's -1)
                     return
+                seq = int.from_bytes(seq_b, "big")  # unsigned: 2**63 and over from 2039
                 self.apply(payload)
                 self.last[got_topic] = max(self.last.get(got_topic, 0), seq)
         finally:

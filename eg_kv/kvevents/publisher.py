@@ -197,8 +197,13 @@ class PublisherOptions:
     stats_path: str = ""
 
 
-#: A log's seqs start at its creation time in ms shifted by this: 4 million events a
-#: millisecond between two logs before their seqs could meet, and room until 2527.
+#: A log's seqs start at its creation time in ms shifted by this: 4 million batches a
+#: millisecond between two logs before their seqs could meet. Not room until 2527, as
+#: this said: a log created after 2039-09-07 15:47:35 UTC (2**41 ms) has seqs of 2**63 and
+#: over, which a consumer reading them signed (an int64, eg-kv's own replay readers until
+#: they took the end marker by its bytes) takes for negative; one created after
+#: 2109-05-15 cannot start (8 bytes no longer hold its seq). Changing the base would
+#: send a kept log's seqs backwards on upgrade: left for a release that marks it.
 SEQ_SHIFT = 22
 
 

@@ -109,9 +109,9 @@ def main() -> None:
         try:
             while dealer.poll(10_000):
                 _, _topic, seq_b, payload = dealer.recv_multipart()
-                seq = int.from_bytes(seq_b, "big", signed=True)
-                if seq < 0:
+                if not _topic and seq_b == b"\xff" * 8:  # the end marker (vLLM's -1)
                     return
+                seq = int.from_bytes(seq_b, "big")  # unsigned: 2**63 and over from 2039
                 if seq < start:
                     raise SystemExit(f"replay sent seq {seq} before {start}")
                 if b"AllBlocksCleared" in payload:
