@@ -88,6 +88,9 @@ def test_a_small_lmcache_lookup_is_answered_before_submit_returns(srv):
         # returns (no pool thread, no wait, no request).
         fid = conn.submit_batch_exists(keys)
         assert wait_completions(conn, {fid})[fid][3] == [i == 3 for i in range(16)]
+        # (The probe's thread may still be mapping it on a loaded box: waited for.)
+        wait_for(lambda: conn._client._core.local.slab is not None, timeout=10,
+                 what="the server's slab mapped by the adapter's client")  # fmt: skip
         fid = conn.submit_batch_exists(keys)
         assert conn.drain_completions() == [(fid, True, "", [i == 3 for i in range(16)])]
         big = [f"m@0@0@{i:064x}" for i in range(lmcache_l2.INLINE_MAX_KEYS + 1)]
