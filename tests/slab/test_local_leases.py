@@ -195,6 +195,9 @@ def test_a_sigkilled_readers_leases_end_and_the_next_reader_clears_its_table(sma
 
 
 def _until_ended(lease_ms: int, since: int) -> None:
+    """Until leases of ``lease_ms`` taken by a call that returned at ``since`` (ms) have
+    ended: each ends ``lease_ms`` after it was taken, before the call returned (timed from
+    before the call, a loaded box's slow call left the last ones running)."""
     while now_ms() <= since + lease_ms:  # bounded: the lease's own length
         time.sleep(0.001)
 
@@ -205,9 +208,8 @@ def test_releases_of_leases_that_ended_end_nothing_here_or_at_the_server(small):
     here: sent to the server, each would end another client's lease on the block."""
     keys = fill(small, "a", 2)
     with LocalSlab.open(info(small)) as local:
-        t0 = now_ms()
         assert local.lease_addresses([keys[0], keys[0]], 2) == [True, True]
-        _until_ended(2, t0)
+        _until_ended(2, now_ms())
         assert local.holds_lease(keys[0])
         assert local.release_leases(keys[:1]) == (0, [])  # ended: counts 0, as the server
         assert local.holds_lease(keys[0])  # one release still to come
@@ -219,9 +221,8 @@ def test_releases_of_leases_that_ended_end_nothing_here_or_at_the_server(small):
 def test_a_lease_on_a_record_taken_again_keeps_the_old_leases_releases_here(small):
     keys = fill(small, "a", 1)
     with LocalSlab.open(info(small)) as local:
-        t0 = now_ms()
         assert local.lease_addresses(keys * 2, 2) == [True, True]  # two, ended soon
-        _until_ended(2, t0)
+        _until_ended(2, now_ms())
         assert local.lease_addresses(keys, 60000) == [True]  # the record again: one lease
         fill(small, "b", 400)
         assert small.exists(keys[0])
@@ -237,9 +238,8 @@ def test_a_lookup_that_frees_ended_records_keeps_the_lease_of_one_it_held(small)
     overwrote: the block could be evicted before its load, the release went astray)."""
     keys = fill(small, "a", 64)
     with LocalSlab.open(info(small)) as local:
-        t0 = now_ms()
         assert local.lease_addresses(keys, 2) == [True] * 64  # every record of the table
-        _until_ended(2, t0)
+        _until_ended(2, now_ms())
         assert small.delete(keys[63])
         fresh = fill(small, "b", 1)
         assert local.lease_addresses([keys[0], *fresh], 60000) == [True, True]
