@@ -86,13 +86,24 @@ class Source:
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(endpoint)
-        self.held: dict[str, str] = {}
+        #: Each topic's blocks (hex hash -> medium): a topic's AllBlocksCleared (its
+        #: first batch, a resync) clears its own, never another namespace's.
+        self.by_topic: dict[bytes, dict[str, str]] = {}
         self.last: dict[bytes, int] = {}  # topic -> last seq applied
         self.replays = 0
 
-    def apply(self, payload: bytes) -> None:
+    @property
+    def held(self) -> dict[str, str]:
+        """The blocks of every topic this source streams."""
+        out: dict[str, str] = {}
+        for blocks in self.by_topic.values():
+            out.update(blocks)
+        return out
+
+    def apply(self, topic: bytes, payload: bytes) -> None:
         import msgspec
 
+        held = self.by_topic.setdefault(topic, {})
         _ts, events, *_ = msgspec.msgpack.decode(payload)
         for ev in events:
             if isinstance(ev, dict):  # tagged maps (vLLM 0.32+)
@@ -102,19 +113,19 @@ class Source:
                 medium = ev[6] if kind == "BlockStored" else ev[2] if len(ev) > 2 else None
             keys = [h.hex() if isinstance(h, bytes) else str(h) for h in hashes]
             if kind == "BlockStored":
-                self.held.update(dict.fromkeys(keys, medium or "GPU"))
+                held.update(dict.fromkeys(keys, medium or "GPU"))
             elif kind == "BlockRemoved":
                 for k in keys:
-                    self.held.pop(k, None)
+                    held.pop(k, None)
             elif kind == "AllBlocksCleared":
-                self.held.clear()
+                held.clear()
 
     def take(self, topic: bytes, seq: int, payload: bytes) -> None:
         last = self.last.get(topic)
         if last is not None and seq > last + 1 and self.replay_endpoint:
             self.replay(topic if len(self.last) > 1 else None, last + 1)
         elif last is None or seq > last:
-            self.apply(payload)
+            self.apply(topic, payload)
             self.last[topic] = seq
 
     def replay(self, topic: bytes | None, start: int) -> None:
@@ -134,16 +145,16 @@ class Source:
                 if not got_topic and seq_b == b"\xff" * 8:  # the end marker (vLLM's -1)
                     return
                 seq = int.from_bytes(seq_b, "big")  # unsigned: 2**63 and over from 2039
-                self.apply(payload)
+                self.apply(got_topic, payload)
                 self.last[got_topic] = max(self.last.get(got_topic, 0), seq)
         finally:
             dealer.close()
 
     def score(self, prompt: list[str]) -> tuple[float, int]:
         """(score, leading blocks held): each leading hit weighted by its medium."""
-        n, total = 0, 0.0
+        n, total, held = 0, 0.0, self.held
         for h in prompt:
-            medium = self.held.get(h)
+            medium = held.get(h)
             if medium is None:
                 break
             n += 1
@@ -178,7 +189,8 @@ def route(specs: list[str], prompts: list[list[str]], seconds: float) -> None:
         print(f"prompt {','.join(h[:8] for h in prompt)} ({len(prompt)} blocks):")
         rows = sorted(((*s.score(prompt), s) for s in sources), key=lambda r: -r[0])
         for score, n, s in rows:
-            media = sorted({s.held[h] for h in prompt[:n]}) or ["-"]
+            held = s.held
+            media = sorted({held[h] for h in prompt[:n]}) or ["-"]
             print(f"  {score:.1f} {n}/{len(prompt)} {s.name} {'+'.join(media)}")
     sys.stdout.flush()
     for src in sources:
