@@ -254,13 +254,15 @@ async def _read(
     await asyncio.sleep(0)
     if client_gone(request):
         raise ConnectionResetError("the reader left before its read")
+    # One namespace's entries: its links walked back once, then read a step at a time.
+    steps = None if ns is None else ring.read_ns_steps(since, limit, READ_STEP, ns, at)
     while True:
-        if ns is None:  # every namespace's entries, by seq
+        if steps is None:  # every namespace's entries, by seq
             step = min(READ_STEP, budget)
             events, after, gap = ring.read(nxt, limit - len(out), None, step)
             budget -= after - nxt
-        else:  # one namespace's, by its positions (each step walks back to nxt: a few ms)
-            events, after, gap = ring.read_ns(nxt, min(READ_STEP, limit - len(out)), ns, at)
+        else:  # one namespace's, by its positions
+            events, after, gap = next(steps, ([], nxt, False))
         if gap:
             return (out, nxt, False) if out else ([], after, True)
         out += [_event_text(ev, names) for ev in events]

@@ -76,7 +76,7 @@ import operator
 import os
 import struct
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import posix_ipc
@@ -335,29 +335,52 @@ class EventRing:
             when ``since`` is beyond the namespace's position, or its entries after it
             are no longer all in the log (or more than :data:`HOPS_MAX` back).
         """
+        return next(self.read_ns_steps(since, limit, limit, ns, at))
+
+    def read_ns_steps(
+        self, since: int, limit: int, step: int, ns: int, at: tuple[int, int] | None = None
+    ) -> Iterator[tuple[list[Event], int, bool]]:
+        """:meth:`read_ns` of up to ``limit`` entries, ``step`` at a time, from ONE walk
+        back along the namespace's links: a reader that yields between steps re-walked
+        them from the newest entry at each step (a 10,000-event read walked 16,384 links
+        40 times: 209 ms of a worker's CPU). Each step's entries are checked as they are
+        read (a writer may lap them between steps: that step is a gap, and the last).
+
+        Yields:
+            ``(events, next, gap)`` per step, as :meth:`read_ns` returns; the first is
+            ``([], since, False)`` when there is nothing new.
+        """
         count, last = at or self.ns_position(ns)
         if since > count or count - since > HOPS_MAX:
-            return [], count, True
+            yield [], count, True
+            return
         if since == count:
-            return [], count, False
+            yield [], count, False
+            return
         # Walk back from the newest to since + 1, checking each link, then read the oldest.
         seqs: list[int] = []
         seq, n, eq = last, self.capacity, self._eq
         for pos in range(count, since, -1):
             e = (seq - 1) % n * _EW
             if eq[e + _E_SEQ] != seq or eq[e + _E_NSEQ] != pos or eq[e + _E_NS] & 0xFFFFFFFF != ns:
-                return [], count, True
+                yield [], count, True
+                return
             seqs.append(seq)
             seq = eq[e + _E_PREV]
-        out: list[Event] = []
-        for k, seq in enumerate(reversed(seqs[-limit:] if len(seqs) > limit else seqs)):
-            ev = self._entry(seq, bytes(self._entry_bytes(seq)), since + k + 1)
-            if ev is None:
-                return [], count, True
-            out.append(ev)
-        if seqs[-1] < self._w[W_HEAD] + 2 - n:  # a writer lapped the oldest meanwhile
-            return [], count, True
-        return out, since + len(out), False
+        seqs.reverse()  # the oldest first
+        del seqs[limit:]
+        for first in range(0, len(seqs), step):
+            part, out = seqs[first : first + step], []
+            for k, seq in enumerate(part, since + first + 1):
+                ev = self._entry(seq, bytes(self._entry_bytes(seq)), k)
+                if ev is None:
+                    yield [], count, True
+                    return
+                out.append(ev)
+            if part[0] < self._w[W_HEAD] + 2 - n:  # a writer lapped the oldest meanwhile
+                yield [], count, True
+                return
+            yield out, since + first + len(out), False
 
     def read(
         self, since: int, limit: int, ns: int | None = None, scan: int = SCAN_MAX

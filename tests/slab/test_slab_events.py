@@ -398,3 +398,32 @@ def test_a_namespace_reader_too_far_behind_or_lapped_gets_a_gap(slab_name):
     finally:
         s.close()
         s.unlink()
+
+
+def test_a_namespace_read_in_steps_walks_once_and_stops_at_a_lap(slab_name):
+    """A tenant's long read is served a step at a time from ONE walk back along its links
+    (each step re-walked them from the newest entry: 209 ms of CPU for a 10,000-event
+    read); the steps add up to the one read, and a writer lapping the log between steps
+    makes that step a gap, and the last."""
+    s = Slab.create(slab_name, 64 * PAGE, page_size=PAGE, max_block_size=4 * PAGE)
+    try:
+        s.setup_events(256)
+        for i in range(60):
+            s.put(f"a{i}", b"a", 3)
+            s.put(f"o{i}", b"o", 0)  # another namespace's entries between
+        ring = s.events
+        at = ring.ns_position(3)
+        whole, nxt, gap = ring.read_ns(10, 40, 3, at)
+        steps = list(ring.read_ns_steps(10, 40, 16, 3, at))
+        assert [len(ev) for ev, _n, _g in steps] == [16, 16, 8]
+        assert [n for _ev, n, _g in steps] == [26, 42, 50] and (nxt, gap) == (50, False)
+        assert [e for ev, _n, _g in steps for e in ev] == whole
+        assert [e.seq for e in whole] == list(range(11, 51))
+        lapped = ring.read_ns_steps(10, 40, 16, 3, at)
+        assert [e.seq for e in next(lapped)[0]] == list(range(11, 27))
+        for i in range(300):  # the 256-entry log laps the rest of the read
+            s.put(f"n{i}", b"n", 0)
+        assert next(lapped) == ([], at[0], True) and next(lapped, None) is None
+    finally:
+        s.close()
+        s.unlink()
