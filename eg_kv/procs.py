@@ -41,14 +41,9 @@ def uses_file(pid: int, path: str) -> bool:
         return False
     except OSError:
         return True
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}".encode()
-    ino = str(st.st_ino).encode()
     try:
-        with open(f"/proc/{pid}/maps", "rb") as f:
-            for line in f:
-                fields = line.split(None, 5)
-                if len(fields) > 4 and fields[4] == ino and fields[3] == dev:
-                    return True
+        if _maps(pid, st, writable=False):
+            return True
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 if os.path.samestat(os.stat(f"/proc/{pid}/fd/{fd}"), st):
@@ -58,6 +53,41 @@ def uses_file(pid: int, path: str) -> bool:
         return False
     except OSError:
         return True
+
+
+def _maps(pid: int, st: os.stat_result, writable: bool) -> bool:
+    """Whether ``/proc/<pid>/maps`` maps the file of ``st`` (writable, if asked).
+
+    Raises:
+        OSError: no such process, or not this user's.
+    """
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}".encode()
+    ino = str(st.st_ino).encode()
+    with open(f"/proc/{pid}/maps", "rb") as f:
+        for line in f:
+            fields = line.split(None, 5)  # address perms offset dev inode path
+            if (len(fields) > 4 and fields[4] == ino and fields[3] == dev
+                    and (not writable or b"w" in fields[1])):  # fmt: skip
+                return True
+    return False
+
+
+def writers_of(path: str) -> list[int]:
+    """Pids of this user's processes, other than this one, that map the file at ``path``
+    writable (a slab's workers, keeper and publisher; clients map it read-only); empty
+    when it is gone. Walks ``/proc/*/maps``: for a start's check, not a hot path."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    me = os.getpid()
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            with contextlib.suppress(OSError):  # gone meanwhile, or another user's
+                if _maps(int(entry), st, writable=True):
+                    found.append(int(entry))
+    return sorted(found)
 
 
 def pids_holding(path: str, limit: int = 8) -> list[int]:

@@ -55,12 +55,12 @@ class NamespaceModels:
         self._models: Mapping[str, str] = {}
 
     def __call__(self) -> Mapping[str, str]:
-        path = tokens_path(self._settings, self._run_dir or None)
-        if path is None:
-            return self._models
         try:
+            path = tokens_path(self._settings, self._run_dir or None)
+            if path is None:
+                return self._models
             stamp = (path, os.stat(path).st_mtime)
-        except OSError:
+        except (ConfigError, OSError):  # the copy gone: the supervisor writes it again
             return self._models
         if stamp != self._stamp:
             self._stamp = stamp

@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 from eg_kv.config import ENV_TOKEN, Settings, format_size, is_loopback
 from eg_kv.errors import ConfigError, EgKvError, SlabError
-from eg_kv.procs import pid_alive, pid_state, pid_stopped, uses_file
+from eg_kv.procs import pid_alive, pid_state, pid_stopped, uses_file, writers_of
 from eg_kv.server import runstate, tenants
 from eg_kv.server.hints import tick as tick_hints
 from eg_kv.server.metrics_fold import fold_dead_process
@@ -238,14 +238,53 @@ def open_disk(settings: Settings) -> int:
     return fd
 
 
-def open_slab(settings: Settings) -> tuple[Slab, str]:
+#: Beyond ``--drain-timeout``, how long a start waits for a dead server's workers to exit.
+WRITERS_GRACE_S = 5.0
+
+
+def _await_writers(slab: Slab, name: str, owner: int, drain_timeout_s: float) -> None:
+    """Wait until no other process writes the slab ``owner`` left: its workers get SIGTERM
+    when it dies and drain (up to ``--drain-timeout``) before they exit; one stopped
+    (SIGSTOP) or stuck would write blocks and refcounts into the slab while this server
+    repairs and serves it.
+
+    Raises:
+        SlabError: some still write it after the wait, or are stopped (the slab closed).
+    """
+    path = SHM_DIR + name
+    deadline = time.monotonic() + drain_timeout_s + WRITERS_GRACE_S
+    said = False
+    while writers := writers_of(path):
+        stopped = [pid for pid in writers if pid_stopped(pid)]
+        if stopped or time.monotonic() >= deadline:
+            slab.close()
+            how = f"stopped: {_pids(stopped)}" if stopped else "still running"
+            raise SlabError(
+                f"slab {name} left by pid {owner} is still written by pid(s) {_pids(writers)} "
+                f"({how}): the workers of the server that died. Stop them (kill -9 "
+                f"{' '.join(map(str, writers))}) and start again, or give this server "
+                "another --slab-name"
+            )
+        if not said:
+            log.info("slab %s: waiting for pid(s) %s, the workers of the server that died "
+                     "(pid %d), to exit", name, _pids(writers), owner)  # fmt: skip
+            said = True
+        time.sleep(0.1)
+
+
+def _pids(pids: list[int]) -> str:
+    return ", ".join(map(str, pids))
+
+
+def open_slab(settings: Settings) -> tuple[Slab, str, bool]:
     """Create the slab, or re-attach a compatible one whose owner is gone (warm restart).
 
     Logs before each long step (creating, prefaulting, repairing), its progress every
     :data:`PROGRESS_EVERY_S` while it runs, and what ``--fresh`` dropped.
 
     Returns:
-        (the slab, a sentence for the log saying what happened).
+        (the slab, a sentence for the log saying what happened, whether it was
+        re-attached with its blocks).
 
     Raises:
         SlabError: a live server owns it, or it was made with other sizes (and no
@@ -320,6 +359,7 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                         f"{format_size(want.page_size)} / {format_size(want.max_block_size)}"
                         ": start with the same sizes to keep its blocks, or --fresh"
                     )
+                _await_writers(slab, name, owner, settings.drain_timeout_s)
                 slab.claim()
                 log.info("re-attaching slab %s (%s) left by pid %d: checking its %d slots",
                          name, format_size(have.npages * have.page_size), owner,
@@ -332,7 +372,7 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
                         f"{time.monotonic() - started:.1f} s: {blocks} blocks kept")  # fmt: skip
                 if problems:
                     note += f"; repaired {len(problems)} problem(s): {problems[0]}"
-                return slab, note
+                return slab, note, True
     what = (f"slab {name}: {shown_size(settings.capacity)} in "
             f"{shown_size(settings.page_size)} pages, blocks up to "
             f"{shown_size(settings.max_block_size)}")  # fmt: skip
@@ -345,7 +385,7 @@ def open_slab(settings: Settings) -> tuple[Slab, str]:
     # the second pass the same). scripts/bench_start.py; docs/operations.md.
     slab = Slab.create(name, settings.capacity, settings.page_size, settings.max_block_size,
                        prefault=False, progress=progress)  # fmt: skip
-    return slab, f"created {what} in {time.monotonic() - started:.1f} s"
+    return slab, f"created {what} in {time.monotonic() - started:.1f} s", False
 
 
 def open_door_warning(s: Settings) -> str | None:
@@ -405,6 +445,7 @@ class Supervisor:
                                         settings.workers + len(self.helpers)))  # fmt: skip
         self._disk_lock = -1  # the disk tier's lock file, held while the server runs
         self._port: PortClaim | None = None  # this port's, held while the server runs
+        self._reattached = False  # the slab was found with its blocks (a warm restart)
         self._parent = os.getpid()  # the supervisor's pid, for its children to watch
 
     # ------------------------------------------------------------------ top level
@@ -433,7 +474,7 @@ class Supervisor:
                     raise CannotServe(
                         f"cannot use the TLS certificate and key{where}: {e}"
                     ) from None
-                self.slab, note = open_slab(s)
+                self.slab, note, self._reattached = open_slab(s)
                 # The event log, before any worker attaches (eg_kv.slab.events).
                 self.slab.setup_events(s.events)
             except CannotServe as e:
@@ -626,6 +667,24 @@ class Supervisor:
             raise
         log.info("tokens file %s: %d tenants in %d namespaces", self.settings.tokens_file,
                  len(table.by_digest), len(table.quotas))  # fmt: skip
+
+    def _restore_tokens_copy(self) -> None:
+        """Write the validated tokens copy again if it went (a /tmp cleaner removed it):
+        a child must read the tenants in force, never the file's unreloaded edits."""
+        if self._tokens_text is None or self.run_dir is None:
+            return
+        copy = runstate.tokens_copy(self.run_dir)
+        if os.path.exists(copy):
+            return
+        try:
+            runstate.commit_tokens_copy(
+                self.run_dir, runstate.stage_tokens_copy(self.run_dir, self._tokens_text)
+            )
+        except OSError as e:  # the child refuses to start, saying why
+            log.error("eg-kv: cannot write the tokens copy %s again: %s", copy, e)
+            return
+        log.warning("the tokens copy %s was gone (a /tmp cleaner?): written again from the "
+                    "tokens file in force", copy)  # fmt: skip
 
     def _rebind_in_force(self) -> None:
         """Put back the quotas of the tokens file in force (a reload that failed after
@@ -987,6 +1046,7 @@ class Supervisor:
 
     def _fork(self, child: Callable[[], int]) -> int:
         """Fork a child that runs ``child()`` and exits with its status; returns its pid."""
+        self._restore_tokens_copy()
         self._parent = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -1030,13 +1090,18 @@ class Supervisor:
                 os.waitpid(pid, 0)
         self.workers.clear()
         if self.slab is not None:
-            if self.settings.keep:  # left for the next server: consistent, not only repairable
+            # A slab found with its blocks outlives a start that failed before serving.
+            failed_warm = self._reattached and not self.served
+            if self.settings.keep or failed_warm:  # left consistent, not only repairable
                 self._repair()  # (a slab about to go is not: 10 s of a 4 GiB one's exit)
             self._dead.clear()
             name = self.slab.name
             self.slab.close()
             if self.settings.keep:
                 log.info("slab %s kept (--keep): the next eg-kv serve re-attaches it", name)
+            elif failed_warm:
+                log.info("slab %s left as it was found (this start failed before serving): "
+                         "the next eg-kv serve re-attaches it, --fresh drops it", name)  # fmt: skip
             elif self.slab.unlink():  # only the segments this server made or adopted
                 log.info("slab %s removed", name)
             else:

@@ -159,15 +159,25 @@ def roles_refused(route: str, tenants_mode: bool) -> frozenset[str]:
 
 
 def tokens_path(settings: Settings, run_dir: str | None) -> str | None:
-    """The tokens file a worker reads: the supervisor's validated copy in the run
-    directory if there is one, else the configured file (None without one)."""
+    """The tokens file a worker reads: under a supervisor (``run_dir``), the copy it
+    validated and bound in the slab; alone, the configured file (None without one).
+
+    Never the configured file under a supervisor: it may hold edits not yet reloaded
+    (SIGHUP), whose namespaces the slab has not bound. The supervisor writes the copy
+    again before each fork if it went (a /tmp cleaner).
+
+    Raises:
+        ConfigError: under a supervisor, its copy is gone.
+    """
     if not settings.tokens_file:
         return None
-    if run_dir is not None:
-        copy = runstate.tokens_copy(run_dir)
-        if os.path.exists(copy):
-            return copy
-    return settings.tokens_file
+    if run_dir is None:
+        return settings.tokens_file
+    copy = runstate.tokens_copy(run_dir)
+    if not os.path.exists(copy):
+        raise ConfigError(f"the supervisor's copy of the tokens file ({copy}) is gone: "
+                          "restart the server (its run directory was removed)")  # fmt: skip
+    return copy
 
 
 def auth_from(settings: Settings, run_dir: str | None) -> Auth:

@@ -22,6 +22,7 @@ import pytest
 from helpers.common import ROOT, free_port, unique_slab_name, wait_for
 from helpers.server_http import request, stats
 from helpers.server_procs import eg_kv_check, gone, upload_in_flight, workers_of
+from helpers.tenants import token_of, write_tokens
 
 from eg_kv.procs import private_memory
 from eg_kv.slab.store import Slab
@@ -288,6 +289,85 @@ def test_warm_restart_with_keep(server_factory):
     assert (s["unique_blocks"], s["total_refs"]) == (6, 7)
     assert second.stop() == 0
     assert not Slab.exists_named(name), "without --keep the slab goes at exit"
+
+
+def _serving(srv, workers: int) -> bool:
+    assert srv.proc.poll() is None, srv.log()
+    return bool((h := srv.healthz()) and h.get("workers_up") == workers)
+
+
+def test_a_start_that_fails_leaves_the_slab_it_found(server_factory, tmp_path):
+    """A warm slab outlives a start that re-attached it and then failed before serving
+    (here the tenants of its tokens file no longer fit the slab's namespace table, which
+    keeps the first server's): the next start with the first tokens file serves its
+    blocks."""
+    name = unique_slab_name("failwarm")
+    first_tokens = write_tokens(tmp_path / "a.toml", [{"name": f"a{i:04d}"} for i in range(2100)])
+    other_tokens = write_tokens(tmp_path / "b.toml", [{"name": f"b{i:04d}"} for i in range(2100)])
+    first = server_factory(
+        workers=1, slab_name=name, extra=("--keep", "--tokens", str(first_tokens))
+    )
+    assert request(first, "PUT", "/kv/kept", b"kept bytes", token=token_of("a0000")).status == 201
+    assert first.stop() == 0
+    second = server_factory(workers=1, slab_name=name, port=first.port, wait=False,
+                            extra=("--tokens", str(other_tokens)))  # fmt: skip
+    assert second.proc.wait(60) == 1, second.log()
+    assert "re-attached" in second.log() and "namespace table is full" in second.log()
+    assert "left as it was found" in second.log()
+    assert Slab.exists_named(name), "the failed start removed the slab it found"
+    third = server_factory(workers=1, slab_name=name, port=first.port,
+                           extra=("--tokens", str(first_tokens)))  # fmt: skip
+    assert request(third, "GET", "/kv/kept", token=token_of("a0000")).body == b"kept bytes"
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_worker_of_a_dead_server_keeps_its_slab_from_a_new_start(server_factory):
+    """The supervisor SIGKILLed, one of its workers SIGSTOPped (it still maps the slab and
+    would write into it when continued): a new server on that slab refuses, naming the
+    pid, rather than repair and serve a slab another process writes."""
+    name = unique_slab_name("stopped")
+    first = server_factory(workers=2, slab_name=name)
+    assert request(first, "PUT", "/kv/before", b"before").status == 201
+    victim, other = sorted(workers_of(first))
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        os.kill(first.pid, signal.SIGKILL)
+        first.proc.wait(10)
+        wait_for(lambda: gone(other), timeout=20, what="the running worker to exit")
+        second = server_factory(workers=1, slab_name=name, wait=False)
+        assert second.proc.wait(60) == 1, second.log()
+        assert f"still written by pid(s) {victim} (stopped: {victim})" in second.log()
+        assert Slab.exists_named(name)
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: gone(victim), timeout=20, what="the stopped worker to die")
+    third = server_factory(workers=1, slab_name=name)
+    assert "re-attached" in third.log()
+    assert request(third, "GET", "/kv/before").body == b"before"
+
+
+@pytest.mark.timeout(120)
+def test_a_new_start_waits_for_a_dead_servers_draining_worker(server_factory):
+    """The supervisor SIGKILLed while a worker receives an upload: the worker drains (it
+    gets SIGTERM) and still writes the block into the slab. A new server on that slab waits
+    for it to exit before it repairs the slab, and then serves the block it finished."""
+    name = unique_slab_name("draining")
+    first = server_factory(workers=1, slab_name=name, extra=("--drain-timeout", "60"))
+    s, worker = upload_in_flight(first, "drained")
+    with s:
+        wait_for(lambda: stats(first)["reserved_pages"] > 0, timeout=10, what="upload started")
+        os.kill(first.pid, signal.SIGKILL)
+        first.proc.wait(10)
+        second = server_factory(workers=1, slab_name=name, wait=False)
+        wait_for(lambda: f"waiting for pid(s) {worker}" in second.log(), timeout=30,
+                 what="the new start to wait for the draining worker")  # fmt: skip
+        assert "re-attached" not in second.log() and not gone(worker)
+        s.sendall(b"u" * (3 * MiB))  # the rest of the body: upload_in_flight sent 1 MiB
+        assert s.recv(65536).startswith(b"HTTP/1.1 201 ")
+    wait_for(lambda: gone(worker), timeout=30, what="the draining worker to exit")
+    wait_for(lambda: _serving(second, 1), timeout=60, what="the new server to serve")
+    assert "re-attached" in second.log()
+    assert request(second, "GET", "/kv/drained").body == b"u" * (4 * MiB)
 
 
 def test_a_kept_slab_whose_owner_pid_was_reused_is_taken_again(server_factory):

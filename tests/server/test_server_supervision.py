@@ -126,7 +126,8 @@ def test_a_stopped_disk_keeper_is_replaced(server_factory, tmp_path):
     srv = server_factory(workers=1, capacity="4MiB", extra=(
         "--page-size", "64KiB", "--disk", str(disk), "--disk-capacity", "64MiB",
         "--heartbeat-timeout", "2"))  # fmt: skip
-    keeper = stats(srv)["disk"]["pid"]
+    keeper = wait_for(lambda: stats(srv)["disk"].get("pid"), timeout=30,
+                      what="the disk keeper to answer")  # fmt: skip
     os.kill(keeper, signal.SIGSTOP)
     try:
         t0 = time.monotonic()

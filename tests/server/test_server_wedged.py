@@ -330,7 +330,8 @@ def test_a_stopped_disk_keeper_holding_the_lock_is_killed_and_started_again(
     srv = server_factory(workers=2, capacity="4MiB", extra=(
         "--page-size", "64KiB", "--disk", str(disk), "--disk-capacity", "64MiB",
         "--heartbeat-timeout", "2", "--lock-timeout", "0.5"))  # fmt: skip
-    keeper = stats(srv)["disk"]["pid"]
+    keeper = wait_for(lambda: stats(srv)["disk"].get("pid"), timeout=30,
+                      what="the disk keeper to answer")  # fmt: skip
     slab = Slab.attach(srv.slab_name)
     load = _PutLoad(srv)  # 48 KiB blocks through a 4 MiB slab: a spill, marked, each
     caught = None

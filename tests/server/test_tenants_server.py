@@ -3,12 +3,14 @@ files, and a SIGKILL during multi-tenant traffic followed by ``eg-kv check``."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import select
 import signal
 import socket
+import tempfile
 import threading
 import time
 
@@ -17,6 +19,8 @@ from helpers.common import wait_for
 from helpers.server_http import request, status_of
 from helpers.server_procs import eg_kv_check, workers_of
 from helpers.tenants import token_of, tokens_toml, write_tokens
+
+from eg_kv.server import runstate
 
 KiB, MiB = 1024, 1024 * 1024
 TENANTS = [
@@ -249,6 +253,29 @@ def test_reload_on_sighup_keeps_slab_and_workers(tenanted, tmp_path):
     for _ in range(6):
         assert _req(srv, "new", "GET", "/kv/kept").body == b"kept"
     assert workers_of(srv) == pids and srv.proc.poll() is None
+
+
+def test_a_replacement_worker_reads_the_tenants_in_force_when_their_copy_went(
+    server_factory, tmp_path
+):
+    """Workers read the supervisor's validated copy of the tokens file, never the file
+    itself (edits not yet reloaded, namespaces the slab has not bound). A /tmp cleaner
+    that removed the copy made a replacement worker read the file's edits: the supervisor
+    writes the copy again before it forks."""
+    path = write_tokens(tmp_path / "tokens.toml", TENANTS)
+    srv = server_factory(workers=1, capacity="8MiB", extra=("--tokens", str(path)))
+    assert _req(srv, "team-a", "PUT", "/kv/in-force", b"x").status == 201
+    write_tokens(path, [*TENANTS, {"name": "unreloaded", "role": "admin"}])  # no SIGHUP
+    (run_dir,) = glob.glob(os.path.join(tempfile.gettempdir(), f"eg-kv-{srv.port}-*"))
+    copy = runstate.tokens_copy(run_dir)
+    os.unlink(copy)
+    (pid,) = workers_of(srv)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: len(workers_of(srv) - {pid}) == 1 and srv.healthz(), timeout=30,
+             what="the replacement worker to serve")  # fmt: skip
+    assert _req(srv, "team-a", "GET", "/kv/in-force").body == b"x"
+    assert _req(srv, "unreloaded", "GET", "/kv/stats").status == 401
+    assert "was gone" in srv.log() and os.path.exists(copy)
 
 
 def test_a_bad_tokens_file_stops_the_server_at_start(server_factory, tmp_path):
