@@ -73,7 +73,7 @@ KILL_GRACE_S = 5.0
 TICK_S = 0.25
 #: A loop pass that fails is logged at most once this often (a fork refused every tick).
 LOOP_FAILED_LOG_S = 10.0
-#: How often local readers' hit hints are folded into the slab's reference bits.
+#: How often local readers' hit hints are folded into the slab's reference counts.
 FOLD_HINTS_S = 1.0
 #: The longest the supervisor waits for the slab lock at once; it retries on a later tick.
 LOCK_WAIT_S = 0.2
@@ -599,7 +599,7 @@ class Supervisor:
         return False
 
     def _fold_local_hits(self) -> None:
-        """Give the blocks local readers hit their CLOCK reference bits (once a second:
+        """Give the blocks local readers hit their CLOCK reference counts (once a second:
         a hint waits at most that long, and eviction sweeps take longer to come round)."""
         now = time.monotonic()
         if self.slab is not None and now >= self._fold_at:

@@ -201,10 +201,10 @@ async def adopt(request: web.Request, tenant: Tenant, address: str) -> bool:
     if verdict == wire.OTHER and slab.withdraw(address, tenant.ns, block):
         slab.count_dedup_hit(tenant.ns)
         return True  # the copy's bytes stand, with this PUT's reference
-    try:  # its references join the slab's block: one dedup hit, this PUT
+    try:  # its references join the slab's block, whose own is this PUT's: a dedup hit
         if number:
             slab.add_ref(address, length, tenant.ns, number, hit=False)
-        slab.add_ref(address, length, tenant.ns)
+        slab.count_dedup_hit(tenant.ns)
     except EgKvError:
         return False
     if verdict == wire.OTHER:  # the copy's bytes were taken meanwhile: theirs go

@@ -68,7 +68,7 @@ class SlabChecks(SlabNamespaces):
         def _npages(self, length: int) -> int: ...
         def _free_pages(self, first: int, n: int) -> None: ...
         def _write_slot(
-            self, i: int, refbit: int, raw: bytes, refs: int, length: int, first: int,
+            self, i: int, clock_ref: int, raw: bytes, refs: int, length: int, first: int,
             npages: int, block_id: int, fp: int, ns: int, meta: tuple[object, ...] = (),
         ) -> None: ...  # fmt: skip
         def _resv_off(self, r: int) -> int: ...
@@ -226,7 +226,7 @@ class SlabChecks(SlabNamespaces):
     def _slot_fault(self, i: int, s: L.SlotFields, raw: bytes, home: bool) -> str | None:
         """What is wrong with slot ``i`` (fields ``s``, address ``raw``) on its own, if
         anything. ``home``: also check that a lookup of its address finds it."""
-        state, _refbit, alen, refs, length, first, npages, block_id, fp, ns = s[:-2]
+        state, _clock_ref, alen, refs, length, first, npages, block_id, fp, ns = s[:-2]
         what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
         if state != L.SLOT_READY or not 1 <= alen <= ADDRESS_MAX:
             return f"{what}: bad state {state} or address length {alen}"
@@ -317,7 +317,7 @@ class SlabChecks(SlabNamespaces):
             s = self._read_slot(i)
             if s[F_STATE] == L.SLOT_EMPTY:
                 continue
-            _state, refbit, alen, refs, length, first, npages, block_id, fp, ns = s[:-2]
+            _state, clock_ref, alen, refs, length, first, npages, block_id, fp, ns = s[:-2]
             raw = self._slot_address(i, min(alen, ADDRESS_MAX))
             what = f"slot {i} ({raw[:40].decode('ascii', 'replace')})"
             bad = self._slot_fault(i, s, raw, home=not fix)
@@ -326,7 +326,7 @@ class SlabChecks(SlabNamespaces):
             if bad is None and claim(first, npages, 1, what):
                 seen.add((ns, raw))
                 meta = L.SLOT_META.unpack_from(mm, self._slot_off(i) + L.SLOT_META_OFFSET)
-                live.append((refbit, raw, refs, length, first, npages, block_id, fp, ns, meta))
+                live.append((clock_ref, raw, refs, length, first, npages, block_id, fp, ns, meta))
                 if leases[i]:
                     leased[ns] = leased.get(ns, 0) + npages
                 t = ns_totals.setdefault(ns, ns_zero.copy())
@@ -395,13 +395,13 @@ class SlabChecks(SlabNamespaces):
         # fix: rebuild the table in probe order, then the free list and the counters.
         mv = self._mv
         mv[g.slots_off : g.slots_off + g.nslots * L.SLOT_SIZE] = bytes(g.nslots * L.SLOT_SIZE)
-        for refbit, raw, refs, length, first, npages, block_id, fp, ns, meta in live:
+        for clock_ref, raw, refs, length, first, npages, block_id, fp, ns, meta in live:
             i = self._find(raw, fp, ns)[0]
-            self._write_slot(i, refbit, raw, refs, length, first, npages, block_id, fp, ns, meta)
+            self._write_slot(i, clock_ref, raw, refs, length, first, npages, block_id, fp, ns, meta)
         for p in range(g.npages):
             if owner[p]:
                 tag[p] = 0
-        for _refbit, _raw, _refs, _length, first, _npages, block_id, _fp, _ns, _meta in live:
+        for _clock_ref, _raw, _refs, _length, first, _npages, block_id, _fp, _ns, _meta in live:
             tag[first] = block_id
         nsw = self._nsw
         for ns in range(1, L.NS_COUNT):

@@ -158,7 +158,7 @@ PROCS_OFFSET = 1024
 PROC_WORDS = 4  # pid, get hits, get misses, spare
 NPROCS = (HEADER_SIZE - PROCS_OFFSET) // (8 * PROC_WORDS)  # 96
 
-# Slot: state, clock reference bit, address length, refcount, block length, first page,
+# Slot: state, CLOCK reference count, address length, refcount, block length, first page,
 # page count, block id, fingerprint (of the address, mixed with the namespace id), namespace
 # id, lease count, the newest lease's expiry (CLOCK_MONOTONIC milliseconds: time.monotonic
 # is system-wide on Linux, and a /dev/shm slab never outlives a boot); the address itself
@@ -169,7 +169,7 @@ SLOT = struct.Struct("<BBHIQqQQQIIq")
 # literal indexes (4 KiB put/dedup/get within 1%, exists within 4%: run-to-run noise).
 (
     F_STATE,  # SLOT_EMPTY or SLOT_READY
-    F_REFBIT,  # CLOCK reference bit
+    F_REF,  # CLOCK reference count (REF_NEW, REF_TOUCHED)
     F_ALEN,  # address length in bytes
     F_REFS,  # refcount
     F_LENGTH,  # block length in bytes
@@ -215,7 +215,17 @@ SLOT_EMPTY = 0
 SLOT_READY = 1
 #: A slot's state and block id alone (a lookup checking a block is still where it was).
 SLOT_STATE_AND_ID = struct.Struct(f"<B{struct.calcsize(SLOT.format[: 1 + F_BLOCK_ID]) - 1}xQ")
-SLOT_REF_OFFSET = 1  # byte offset of the reference bit inside a slot
+SLOT_REF_OFFSET = 1  # byte offset of the CLOCK reference count inside a slot
+#: CLOCK's reference count (one byte): a block is published with REF_NEW, a use (a hit, a
+#: dedup PUT, a local reader's hit folded in) sets it to REF_TOUCHED, each pass of the hand
+#: takes one off, and the hand evicts a block it finds at 0. The hand walks the slots in
+#: a scattered order, not by age, so with a bit (published at 0, used: 1) a block stored a
+#: moment ago was as likely a victim as one stored a sweep ago: of the newest tenth of a
+#: full slab's blocks, 6% were gone. A count of several passes makes a block's life
+#: several sweeps long, give or take one, so its place in the order matters less; a new
+#: block's one pass still lets a used one outlive it (scan resistance).
+#: scripts/bench_eviction.py; docs/design.md ("Eviction").
+REF_NEW, REF_TOUCHED = 1, 3
 
 # The namespace table, right after the header: NS_COUNT entries of NS_WORDS int64 words.
 # Entry 0 is the default namespace. An entry is in use while its NS_USED word is 1; its
@@ -310,8 +320,8 @@ def ns_fingerprint(fp: int, ns: int) -> int:
 #              kernel drops it when the owner dies, in any pid namespace); its counts only
 #              grow and stay when the owner dies, so the slab's stats add every entry.
 #     hints:   hint[i] = 1: a local reader hit slot i; the owner folds it into the slot's
-#              CLOCK reference bit and clears it (a moved slot's hint is a second chance
-#              it did not earn, as a lock-free reference bit may be).
+#              CLOCK reference count and clears it (a moved slot's hint is a second chance
+#              it did not earn, as a lock-free reference count may be).
 #     leases:  entry e < LEASE_READERS owns table e: the leases its lookups took locally
 #              (eg_kv.slab.local_leases), one record per block: the block id (0: free) and
 #              when the lease ends (monotonic ms). Eviction passes over a block whose id a

@@ -9,7 +9,7 @@ evicted, deleted or overwritten while it is copied is a miss, exactly as over HT
 What a local read must record it writes into the slab's *readers* segment (the only
 thing it may write, see :mod:`eg_kv.slab.layout`): its get hits and misses, in an entry it
 owns through an OFD lock, which the server adds to ``/kv/stats`` and ``/metrics``; and a
-hint per slot hit, which the server folds into the CLOCK reference bits.
+hint per slot hit, which the server folds into the CLOCK reference counts.
 
 Anything that keeps a local read from being exact raises :class:`LocalUnavailable` and
 the client asks over HTTP instead: another host's slab (its id differs), no permission,

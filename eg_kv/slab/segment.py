@@ -495,7 +495,7 @@ class SlabSegment(SlabLocking):
         return 0 if r is None else sum(r[L.R_CHECKSUM_FAILURES :: L.READER_WORDS].tolist())
 
     def fold_local_hits(self) -> int:
-        """Give every slot a local reader hit since the last fold its CLOCK reference bit.
+        """Give every slot a local reader hit since the last fold its CLOCK reference count.
 
         Returns:
             How many slots were marked. Runs in C over the hint bytes (``find``); no lock.
@@ -508,7 +508,7 @@ class SlabSegment(SlabLocking):
         while i != -1:
             slot = i - L.READERS_HINTS_OFFSET
             hints[slot] = 0
-            mm[self._slot_off(slot) + L.SLOT_REF_OFFSET] = 1
+            mm[self._slot_off(slot) + L.SLOT_REF_OFFSET] = L.REF_TOUCHED
             n += 1
             i = rmm.find(b"\x01", i + 1, end)
         return n

@@ -62,7 +62,7 @@ from .layout import (
     F_LENGTH,
     F_NPAGES,
     F_NS,
-    F_REFBIT,
+    F_REF,
     F_REFS,
     F_STATE,
     now_ms,
@@ -94,6 +94,9 @@ _NS_QUOTA = L.NS_QUOTA
 _NS_GET_HITS = L.NS_GET_HITS
 _NS_GET_MISSES = L.NS_GET_MISSES
 _NS_WORDS = L.NS_WORDS
+#: Sweeps of the hand that evict nothing before it judges every block leased: the first
+#: REF_TOUCHED may only count a used block's reference count down to 0.
+_SWEEPS = L.REF_TOUCHED + 1
 _CLOCK_STRIDE = 0x9E3779B1  # odd: hand * stride mod 2**k visits every slot once per sweep
 #: Leased blocks one put's sweep passes over before it is refused (507; the next put goes
 #: on from where it stopped, after a change): ~10 ms under the lock here, where two sweeps
@@ -136,14 +139,14 @@ class Slab(SlabLeases):
     # ------------------------------------------------------------------ slots
 
     def _write_slot(
-        self, i: int, refbit: int, raw: bytes, refs: int, length: int, first: int,
+        self, i: int, clock_ref: int, raw: bytes, refs: int, length: int, first: int,
         npages: int, block_id: int, fp: int, ns: int, meta: tuple[object, ...] = (),
     ) -> None:  # fmt: skip
         """Write slot ``i`` whole: its fields, its address and its META (``meta``: the
         SLOT_META fields; empty: a checksum of 0 and nothing else, as check's rebuild)."""
         off = self._slot_off(i)
         # Fields, address and META first, the READY state byte last: a reader never sees half.
-        L.SLOT.pack_into(self._mm, off, L.SLOT_EMPTY, refbit, len(raw), refs, length, first,
+        L.SLOT.pack_into(self._mm, off, L.SLOT_EMPTY, clock_ref, len(raw), refs, length, first,
                          npages, block_id, fp, ns, 0, 0)  # fmt: skip
         self._mm[off + L.SLOT.size : off + L.SLOT.size + len(raw)] = raw
         L.SLOT_META.pack_into(self._mm, off + L.SLOT_META_OFFSET, *(meta or _NO_META))
@@ -274,7 +277,8 @@ class Slab(SlabLeases):
 
         The namespace's hand walks the slots in order; the namespace-id column is searched
         in C a slice at a time, so a small namespace in a big table does not pay a Python
-        step per foreign slot. At most two passes (the first may only clear reference bits)
+        step per foreign slot. At most REF_TOUCHED + 1 passes (the first ones may only count
+        reference counts down)
         passing over leased blocks, then, if it is still over, two more that evict them
         too: a lease never holds a namespace beyond its quota.
 
@@ -310,7 +314,7 @@ class Slab(SlabLeases):
         for now in (now_ms(), 0):  # leases honoured, then not
             local = self._local_leases() if now else {}
             scanned, step = 0, 256
-            while nsw[e + _NS_PAGES] > target and scanned < 2 * nslots:
+            while nsw[e + _NS_PAGES] > target and scanned < _SWEEPS * nslots:
                 end = min(nslots, i + step)
                 try:
                     j = i + col[i:end].tolist().index(ns)
@@ -338,8 +342,8 @@ class Slab(SlabLeases):
         reason: int = R_QUOTA,
         second_chance: bool = True,
     ) -> bool:
-        """CLOCK's visit of slot ``i``: clear its reference bit (a second chance), or
-        evict its block if the bit was clear. True if it evicted (the backward shift may
+        """CLOCK's visit of slot ``i``: take one off its reference count (another chance),
+        or evict its block if the count was 0. True if it evicted (the backward shift may
         have moved another block into slot ``i``).
 
         Args:
@@ -352,15 +356,15 @@ class Slab(SlabLeases):
         mm, off = self._mm, self.geometry.slots_off + i * L.SLOT_SIZE
         if mm[off] != L.SLOT_READY:
             return False
-        if mm[off + L.SLOT_REF_OFFSET] and second_chance:
-            mm[off + L.SLOT_REF_OFFSET] = 0
-            return False
         if local and local.get(self._slot_block_ids[i], 0) > now:
             return False
         held = self._slot_leases[i]
+        if held and now and self._slot_lease_end[i] > now:
+            return False  # leased: passed over, its count kept (as _make_room does)
+        if mm[off + L.SLOT_REF_OFFSET] and second_chance:
+            mm[off + L.SLOT_REF_OFFSET] -= 1
+            return False
         if held:
-            if now and self._slot_lease_end[i] > now:
-                return False
             self._forget_leases(i, held, now)
         self._drop_block(i, self._read_slot(i), evicted=True, reason=reason)
         return True
@@ -414,21 +418,23 @@ class Slab(SlabLeases):
         # after SPILL_PASS_MAX such passes without a victim it evicts as before, and does
         # not look again until the keeper marks another block (ST_SPILL_WALL).
         spilled_only = st[L.ST_SPILLS] != st[L.ST_SPILL_WALL]
-        # Slots visited since the last eviction: two sweeps without one (the first may only
-        # clear reference bits) mean only leased blocks are left.
+        # Slots visited since the last eviction: REF_TOUCHED + 1 sweeps without one (the
+        # first ones may only count reference counts down) mean only leased blocks are left.
         idle, first_end, passed, unspilled = 0, 1 << 62, 0, 0
         while st[L.ST_FREE_COUNT] < n:
             i = (hand * _CLOCK_STRIDE) & mask
             off = base + i * L.SLOT_SIZE
             if mm[off] == L.SLOT_READY:
-                if mm[off + L.SLOT_REF_OFFSET]:
-                    mm[off + L.SLOT_REF_OFFSET] = 0  # second chance
-                elif leases[i] and ends[i] > now:
+                # Leases first: a leased block keeps its count (it is in use), and a slab
+                # of leased blocks is known as such in one sweep, not REF_TOUCHED + 1.
+                if leases[i] and ends[i] > now:
                     first_end = min(first_end, ends[i])  # leased: passed over
                     passed += 1
                 elif local and local.get(ids[i], 0) > now:
                     first_end = min(first_end, local[ids[i]])  # leased locally: passed over
                     passed += 1
+                elif mm[off + L.SLOT_REF_OFFSET]:
+                    mm[off + L.SLOT_REF_OFFSET] -= 1  # another chance
                 elif spilled_only and not mm[off + _META_FLAGS] & _SPILLED:
                     unspilled += 1  # not on disk yet: passed over while a spilled one may be
                     if unspilled > SPILL_PASS_MAX:
@@ -447,7 +453,7 @@ class Slab(SlabLeases):
                 st[L.ST_CLOCK_HAND] = hand  # the next one goes on from here, after a change
                 self._raise_lease_wall(first_end)
                 raise self._leased_full(n, first_end, now)
-            if idle > 2 * (mask + 1):
+            if idle > _SWEEPS * (mask + 1):
                 if spilled_only:  # a small table, swept twice: no spilled block in it
                     spilled_only, idle = False, 0
                     st[L.ST_SPILL_WALL] = st[L.ST_SPILLS]
@@ -777,9 +783,9 @@ class Slab(SlabLeases):
         """
         if s[F_LENGTH] != length:
             raise Conflict(conflict_message(address, s[F_LENGTH], length))
-        # More references, and the reference bit set (a dedup hit is a use).
+        # More references, and the reference count set (a dedup hit is a use).
         fields = list(s)
-        fields[F_STATE], fields[F_REFBIT] = L.SLOT_READY, 1
+        fields[F_STATE], fields[F_REF] = L.SLOT_READY, L.REF_TOUCHED
         fields[F_REFS] += refs
         L.SLOT.pack_into(self._mm, self._slot_off(i), *fields)
         st, e, nsw = self._state, s[F_NS] * _NS_WORDS, self._nsw
@@ -812,7 +818,7 @@ class Slab(SlabLeases):
         else:
             meta = (checksum, record, engine.lora_id, engine.block_size, flags, len(engine.hash),
                     engine.hash)  # fmt: skip
-        self._write_slot(i, 0, raw, 1, length, first, npages, block_id, fp, ns, meta)
+        self._write_slot(i, L.REF_NEW, raw, 1, length, first, npages, block_id, fp, ns, meta)
         st[L.ST_UNIQUE_BLOCKS] += 1
         st[L.ST_TOTAL_REFS] += 1
         st[L.ST_RESIDENT_BYTES] += length
@@ -904,9 +910,9 @@ class Slab(SlabLeases):
             return lookup(*args)
 
     def _touch(self, i: int) -> None:
-        # The CLOCK reference bit, set without the lock: at worst a block that moved into
+        # The CLOCK reference count, set without the lock: at worst a block that moved into
         # this slot meanwhile gets a second chance it did not earn.
-        self._mm[self._slot_off(i) + L.SLOT_REF_OFFSET] = 1
+        self._mm[self._slot_off(i) + L.SLOT_REF_OFFSET] = L.REF_TOUCHED
 
     def _count_bad_checksum(self, ns: int = 0) -> None:
         self._count_aborted_read(ns)

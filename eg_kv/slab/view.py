@@ -4,7 +4,7 @@ Two kinds of handle share it: :class:`eg_kv.slab.store.Slab`, every server proce
 handle, which also takes the lock and changes the slab, and
 :class:`eg_kv.slab.local.LocalSlab`, a client's read-only mapping on the slab's host
 (local reads). Neither the lookups nor the copies here write to the slab: what a hit
-records (the CLOCK reference bit, the hit and miss counters) each handle records its own
+records (the CLOCK reference count, the hit and miss counters) each handle records its own
 way, through :meth:`SlabView._touch`, :meth:`SlabView._count_read` and
 :meth:`SlabView._count_aborted_read`.
 

@@ -340,11 +340,11 @@ def test_another_slab_another_layout_or_a_busy_table_is_never_read(slab_name):
             local.get("a")
         slab._state[L.ST_SEQ] += 1
         assert local.get("a") == b"A" * 100
-        # A hit leaves a hint that the owner folds into the slot's CLOCK reference bit.
+        # A hit leaves a hint that the owner folds into the slot's CLOCK reference count.
         i, _ = slab._find(*slab._key("a"))
         slab._mm[slab._slot_off(i) + L.SLOT_REF_OFFSET] = 0
         assert local.get("a") is not None and slab.fold_local_hits() == 1
-        assert slab._read_slot(i)[L.F_REFBIT] == 1 and slab.fold_local_hits() == 0
+        assert slab._read_slot(i)[L.F_REF] == L.REF_TOUCHED and slab.fold_local_hits() == 0
         # Removing the slab retires it: the reader lets it go.
         Slab.unlink_named(slab_name)
         with pytest.raises(LocalRetired):

@@ -129,9 +129,11 @@ def test_dedup_and_delete_hold_across_tiers(server_factory, disk_dir):
     srv = _serve(server_factory, disk_dir)
     blocks = _blocks("d", 12)
     _put_spilled(srv, blocks)
-    old = next(iter(blocks))  # on disk only now
+    old = _on_disk(srv, list(blocks))[0]  # on disk only
     assert stats(srv)["unique_blocks"] < 12
-    assert request(srv, "PUT", f"/kv/{old}", blocks[old]).status == 200  # a dedup hit
+    # A dedup hit: two references (the copy's joined the PUT's, which was counted twice:
+    # three, and two DELETEs left the block served).
+    assert request(srv, "PUT", f"/kv/{old}", blocks[old]).status == 200
     # Two references now: the first DELETE leaves it, the second removes it everywhere.
     assert request(srv, "DELETE", f"/kv/{old}").status == 204
     assert request(srv, "GET", f"/kv/{old}").body == blocks[old]
