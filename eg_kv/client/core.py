@@ -38,6 +38,7 @@ from ..blockkey import ForgedBlock, forged_failures
 from ..checksum import HASH_PIECE, ChecksumMismatch, ChecksumMissing, Failures, Verifier
 from ..checksum import decode as decode_checksum
 from ..errors import ConfigError, RemoteError, Unauthorized
+from ..procs import after_fork_in_child
 from ..slab.local import LocalSlab, LocalUnavailable
 from ..slab.view import BlockReader
 from ..wire import AUTHORIZATION, BLOCK_PREFIX
@@ -102,6 +103,11 @@ class ClientCore:
         self.compact_batches = True
         #: Hits answered unleased (a lease cap), by address: their releases are not sent.
         self._unleased: dict[str, int] = {}
+        self._unleased_lock = threading.Lock()
+        after_fork_in_child(self)
+
+    def after_fork_in_child(self) -> None:
+        """A new lock in a forked child: a parent's thread may have held it at the fork."""
         self._unleased_lock = threading.Lock()
 
     @property

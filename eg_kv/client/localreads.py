@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 
+from ..procs import after_fork_in_child
 from ..slab.local import LocalInfo, LocalRetired, LocalSlab, LocalUnavailable
 from ..wire import LOCAL_SLAB_PATH
 
@@ -50,6 +51,12 @@ class LocalReads:
         self._probe_at = 0.0 if enabled else float("inf")
         self._lock = threading.Lock()
         self._closed = False
+        after_fork_in_child(self)
+
+    def after_fork_in_child(self) -> None:
+        """A new lock in a forked child: a parent's thread may have held it at the fork
+        (the mapping lets itself go there: :meth:`LocalSlab._still_mine`)."""
+        self._lock = threading.Lock()
 
     def due(self) -> bool:
         """Whether to ask the server now. True once per probe: it also starts the wait

@@ -9,6 +9,7 @@ import threading
 import urllib.parse
 
 from ..config import DEFAULT_HOST
+from ..procs import after_fork_in_child
 from .http11 import Connection, Deadline, host_header
 from .rules import PoolWaitTimeout
 from .settings import KvCacheConfig
@@ -21,6 +22,8 @@ class Pool:
     exist at once; a caller beyond that waits for one (within its deadline). An idle
     connection is checked before reuse (:meth:`Connection.dropped`), so a request goes
     out on one the server closed only when it closed in the last microseconds.
+
+    Fork-safe: a forked child starts with no connections (:meth:`after_fork_in_child`).
     """
 
     def __init__(self, config: KvCacheConfig) -> None:
@@ -41,8 +44,24 @@ class Pool:
         self._idle: list[Connection] = []
         self._busy: set[Connection] = set()  # in use by a request now
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(config.max_connections)
+        self._max = config.max_connections
+        self._slots = threading.BoundedSemaphore(self._max)
         self._closed = False
+        after_fork_in_child(self)
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child, none of the parent's connections: on a socket both processes
+        hold, each read the other's answers (a lookup took another's flags), and the slots
+        that the parent's threads held at the fork never came back (every call then waited
+        its whole timeout). Only the child's copies of the sockets are closed (``close``,
+        never ``shutdown``, which would end the parent's connection too); the lock and the
+        slots are new (a parent's thread may have held them at the fork)."""
+        conns = [*self._idle, *self._busy]
+        self._idle, self._busy = [], set()
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(self._max)
+        for conn in conns:
+            conn.close()
 
     def acquire(self, deadline: Deadline) -> Connection:
         if not self._slots.acquire(timeout=deadline.left()):
