@@ -42,8 +42,9 @@ from .aio_http import (
     Parts,
     Transport,
     block_body,
-    checked_status,
+    block_status,
     drained,
+    exists_body,
     flag_body,
     json_body,
     sink_from_memory,
@@ -68,7 +69,6 @@ from .rules import (
     Miss,
     batch_body,
     capped,
-    exists_answer,
     parts_checksum,
     to_address,
     to_addresses,
@@ -334,7 +334,8 @@ class AsyncServerConnector(OneServer):
 
     async def _status(self, method: str, address: str) -> int | None:
         try:
-            return await self._exchange(method, self._core.block_path(address), checked_status)
+            parse = partial(block_status, method, address)
+            return await self._exchange(method, self._core.block_path(address), parse)
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss(method, address, exc)
             return None
@@ -361,9 +362,8 @@ class AsyncServerConnector(OneServer):
         if found is not None:
             return found
         try:
-            return exists_answer(
-                await self._exchange("GET", self._core.block_path(address, "/exists"), json_body)
-            )
+            path = self._core.block_path(address, "/exists")
+            return await self._exchange("GET", path, partial(exists_body, address))
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss("exists", address, exc)
             return False

@@ -28,8 +28,10 @@ from .rules import (
     check_echo,
     check_final,
     compact_answer,
+    exists_answer,
     json_answer,
     may_resend,
+    status_answer,
     wants_continue,
 )
 from .settings import KvCacheConfig
@@ -105,9 +107,16 @@ async def drained(resp: aiohttp.ClientResponse) -> int:
     return resp.status
 
 
-async def checked_status(resp: aiohttp.ClientResponse) -> int:
+async def block_status(method: str, address: str, resp: aiohttp.ClientResponse) -> int:
+    """The status of ``method`` on ``address`` (:func:`~eg_kv.client.rules.status_answer`)."""
     check_final(resp.status)
-    return await drained(resp)
+    return status_answer(method, address, await drained(resp), resp.headers.get(ADDRESS_HEADER))
+
+
+async def exists_body(address: str, resp: aiohttp.ClientResponse) -> bool:
+    """The answer to ``GET /kv/<addr>/exists`` (:func:`~eg_kv.client.rules.exists_answer`),
+    checked while the answer is still this call's (an out-of-step one drops the connection)."""
+    return exists_answer(address, await json_body(resp))
 
 
 async def small_body(resp: aiohttp.ClientResponse) -> tuple[int, bytes]:

@@ -48,7 +48,7 @@ class OutOfStep(Miss):
     requests (a server or proxy sent one unasked). A miss; the connection is closed."""
 
 
-def check_echo(address: str, echoed: bytes | str | None) -> None:
+def check_echo(address: str, echoed: bytes | str | None, method: str = "GET") -> None:
     """Check that a block answer is for ``address``, by the address it echoes (None: a
     server that echoes none, which predates the header: nothing to check).
 
@@ -61,9 +61,21 @@ def check_echo(address: str, echoed: bytes | str | None) -> None:
         echoed = echoed.decode("latin-1")
     if echoed != address:
         raise OutOfStep(
-            f"the answer to GET {address[:80]} is for {echoed[:80]!r}: a server or proxy sent "
-            "an answer nobody asked for; the connection is dropped"
+            f"the answer to {method} {address[:80]} is for {echoed[:80]!r}: a server or proxy "
+            "sent an answer nobody asked for; the connection is dropped"
         )
+
+
+def status_answer(method: str, address: str, status: int, echoed: bytes | str | None) -> int:
+    """The status of ``method`` on ``/kv/<addr>``; a ``HEAD``'s ``200`` echoes the address.
+
+    Raises:
+        OutOfStep: a ``HEAD``'s ``200`` that echoes another address (an answer out of step:
+            another block, not this one, is resident).
+    """
+    if method == "HEAD" and status == 200:
+        check_echo(address, echoed, "HEAD")
+    return status
 
 
 # --------------------------------------------------------------------------- stats
@@ -219,15 +231,19 @@ def leading_hits(found: list[bool]) -> int:
         return len(found)
 
 
-def exists_answer(doc: Any) -> bool:
-    """The ``exists`` boolean of a ``GET /kv/<addr>/exists`` answer.
+def exists_answer(address: str, doc: Any) -> bool:
+    """The ``exists`` boolean of a ``GET /kv/<addr>/exists`` answer, which names the
+    address asked in ``"hash"``.
 
     Raises:
         Miss: the answer holds no boolean ``exists``.
+        OutOfStep: it names another address (an answer out of step).
     """
     found = doc.get("exists") if isinstance(doc, dict) else None
     if not isinstance(found, bool):
         raise Miss("no boolean 'exists' in the answer")
+    named = doc.get("hash")
+    check_echo(address, named if isinstance(named, str) else None, "exists")
     return found
 
 

@@ -43,7 +43,6 @@ from .rules import (
     batch_body,
     capped,
     checksum_line,
-    exists_answer,
     to_address,
     to_addresses,
 )
@@ -56,8 +55,9 @@ from .sync_http import (
     RELEASE_HEAD,
     Transport,
     block_body,
-    checked_status,
+    block_status,
     drained,
+    exists_body,
     flag_body,
     json_body,
     lease_line,
@@ -298,7 +298,8 @@ class ServerConnector(OneServer):
 
     def _status(self, method: str, address: str) -> int | None:
         try:
-            return self._exchange(method, self._core.block_path(address), checked_status)
+            parse = partial(block_status, method, address)
+            return self._exchange(method, self._core.block_path(address), parse)
         except Exception as exc:
             self._core.miss(method, address, exc)
             return None
@@ -327,8 +328,8 @@ class ServerConnector(OneServer):
         if found is not None:
             return found
         try:
-            doc = self._exchange("GET", self._core.block_path(address, "/exists"), json_body)
-            return exists_answer(doc)
+            path = self._core.block_path(address, "/exists")
+            return self._exchange("GET", path, partial(exists_body, address))
         except Exception as exc:
             self._core.miss("exists", address, exc)
             return False

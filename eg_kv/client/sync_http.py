@@ -33,8 +33,10 @@ from .rules import (
     check_echo,
     check_final,
     compact_answer,
+    exists_answer,
     json_answer,
     may_resend,
+    status_answer,
     wants_continue,
 )
 from .settings import KvCacheConfig
@@ -140,9 +142,16 @@ def drained(resp: Response) -> int:
     return resp.status
 
 
-def checked_status(resp: Response) -> int:
+def block_status(method: str, address: str, resp: Response) -> int:
+    """The status of ``method`` on ``address`` (:func:`~eg_kv.client.rules.status_answer`)."""
     check_final(resp.status)
-    return drained(resp)
+    return status_answer(method, address, drained(resp), resp.headers.get(_ADDRESS))
+
+
+def exists_body(address: str, resp: Response) -> bool:
+    """The answer to ``GET /kv/<addr>/exists`` (:func:`~eg_kv.client.rules.exists_answer`),
+    checked before the connection is kept."""
+    return exists_answer(address, json_body(resp))
 
 
 def small_body(resp: Response) -> tuple[int, bytes]:

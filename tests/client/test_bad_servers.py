@@ -118,6 +118,21 @@ def test_an_answer_out_of_step_is_a_miss_never_another_blocks_bytes(kind, caplog
     assert len(warned) == 1
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lookup_answer_out_of_step_is_a_miss_never_resident(kind):
+    """The same replay before a HEAD or an ``/exists``: the old clients read only the
+    status or the boolean, so another block's answer made an absent block resident. Both
+    name the address asked (the echo, ``"hash"``): a miss, and the connection dropped."""
+    for lookup in ("contains", "exists"):
+        with RawServer("stale") as srv, open_client(kind, base_url=srv.url, timeout_s=5,
+                                                    local_reads=False) as kv:  # fmt: skip
+            ask = getattr(kv, lookup)
+            assert ask("present") is True
+            assert ask("absent") is False  # present's answer again: not "resident"
+            assert ask("absent") is False  # the first answer on a new connection
+            assert srv.accepted == 2, lookup  # dropped after its mismatch
+
+
 @pytest.mark.parametrize("mode", sorted(LAX_FRAMINGS))
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_framing_http_does_not_allow_is_a_miss(kind, mode):

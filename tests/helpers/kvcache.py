@@ -75,8 +75,9 @@ class RawServer:
         gzip: a ``200`` (GET, POST) or ``503`` (others) whose small gzip body inflates to
             256 MiB.
         reset: read the request, then reset the connection (RST, no answer).
-        stale: correct answers (``early_hints``'), but each GET after a connection's first
-            is sent that connection's previous GET answer first: answers out of step.
+        stale: correct answers (``early_hints``'; blocks named ``absent...`` are not
+            there), but each GET or HEAD after a connection's first is sent that
+            connection's previous answer first: answers out of step.
 
     Attributes:
         accepted: connections accepted so far.
@@ -291,7 +292,7 @@ class RawServer:
             # Out of step (a proxy that replays): each GET after a connection's first gets
             # that connection's previous answer first, then its own.
             answer = self._correct_answer(method, target)
-            if method == b"GET":
+            if method in (b"GET", b"HEAD"):
                 last = self._last_answer.get(conn.fileno())
                 if last is not None:
                     conn.sendall(last)
@@ -385,6 +386,11 @@ class RawServer:
             conn.sendall(piece)
             sent += len(piece)
 
+    def _absent(self, address: bytes) -> bool:
+        """Whether a correct server lacks ``address``: in ``stale`` mode, those named
+        ``absent...``; elsewhere none (every block exists)."""
+        return self.mode == "stale" and address.startswith(b"absent")
+
     def _correct_answer(self, method: bytes, target: bytes) -> bytes:
         """What a correct server answers (the block at ``/kv/<addr>`` holds ``<addr>``)."""
         if target.endswith(b"/kv/batch/exists"):
@@ -395,13 +401,21 @@ class RawServer:
                 return b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(why), why)
             body = json.dumps({"exists": [True] * n, "prefix_hits": n}).encode()
         elif target.endswith(b"/exists"):
-            body = b'{"exists": true}'
+            address = target.rsplit(b"/", 2)[-2]
+            body = b'{"hash": "%s", "exists": %s}' % (
+                address,
+                b"false" if self._absent(address) else b"true",
+            )
         elif method == b"PUT":
             return b"HTTP/1.1 201 Created\r\nContent-Length: 8\r\n\r\ncreated\n"
         elif method == b"DELETE":
             return b"HTTP/1.1 204 No Content\r\n\r\n"
-        elif method == b"HEAD":
-            return b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"
+        elif method == b"HEAD" or self._absent(target.rsplit(b"/", 1)[-1]):
+            address = target.rsplit(b"/", 1)[-1]
+            if self._absent(address):
+                return b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+            echo = b"%s: %s\r\n" % (ADDRESS_HEADER.encode(), address)
+            return b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n%s\r\n" % echo
         else:
             address = target.rsplit(b"/", 1)[-1]
             return _block_answer(address, address)
