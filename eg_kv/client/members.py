@@ -30,12 +30,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
 import urllib.parse
 from typing import Any
 
 from ..config import format_hostport
 from ..errors import ConfigError, EgKvError
+from .settings import shown_url as _shown
 
 log = logging.getLogger(__name__)
 
@@ -158,15 +158,6 @@ def parse_server_set(text: str) -> ServerSet:
                 raise ConfigError(f"{query} is listed twice in {_shown(text)}")
             queries.append(query)
     return ServerSet(tuple(static), tuple(queries))
-
-
-_CREDENTIALS = re.compile(r"(?<=://)[^/@]*@")
-
-
-def _shown(text: str) -> str:
-    """An entry as an error message may show it: never a user, password, query or fragment
-    (a token pasted into a URL must not reach a log)."""
-    return repr(_CREDENTIALS.sub("***@", re.split(r"[?#]", text, maxsplit=1)[0]))
 
 
 def _parse_entry(entry: str) -> tuple[Member | None, DnsQuery | None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
@@ -53,6 +54,15 @@ ENV_REFRESH = "EPISTEMIC_GRAPH_KVCACHE_REFRESH_S"
 #: The DNS server a ``dns+`` / ``dnssrv+`` set asks (``host[:port]``; default the system's).
 ENV_DNS_SERVER = "EPISTEMIC_GRAPH_KVCACHE_DNS_SERVER"
 DEFAULT_REFRESH_S = 15.0
+_CREDENTIALS = re.compile(r"(?<=://)[^/@]*@")
+
+
+def shown_url(text: str) -> str:
+    """A URL (or a server set) as an error message may show it: never a user, password,
+    query or fragment (a token pasted into a URL must not reach a log)."""
+    return repr(_CREDENTIALS.sub("***@", re.split(r"[?#]", text, maxsplit=1)[0]))
+
+
 #: Sent with every request: the clients never decompress, so a compressed body (a
 #: "gzip bomb" included) can only be a miss.
 ACCEPT_IDENTITY = ("Accept-Encoding", "identity")
@@ -121,7 +131,8 @@ class KvCacheConfig:
         parts = urllib.parse.urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(
-                f"base_url {self.base_url!r} must look like http://host:port or https://host:port"
+                f"base_url {shown_url(self.base_url)} must look like http://host:port or "
+                "https://host:port"
             )
         if parts.username or parts.password or parts.query or parts.fragment:
             # A token in the URL would end up in logs; it belongs in the token field.

@@ -22,6 +22,7 @@ from eg_kv.client.members import (
 )
 from eg_kv.client.membership import Membership
 from eg_kv.client.placement import Placement
+from eg_kv.client.settings import KvCacheConfig
 from eg_kv.errors import ConfigError
 
 pytest.importorskip("dnslib", reason="the DNS discovery tests need dnslib (the dev extra)")
@@ -109,6 +110,17 @@ def test_bad_settings_are_refused_with_the_fix(setting, match):
     with pytest.raises(ConfigError, match=match) as e:
         parse_server_set(setting)
     assert "secret" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://user:secret@/kv", "http://:secret@:9130", "http://u:secret@/?token=secret"]
+)
+def test_a_bad_base_url_is_refused_without_its_credentials(url):
+    # Old code: a single URL that named no host (or another scheme) was quoted whole,
+    # its password with it: "base_url 'http://user:secret@/kv' must look like ...".
+    with pytest.raises(ConfigError, match="must look like http") as e:
+        KvCacheConfig(base_url=url)
+    assert "secret" not in str(e.value) and "***@" in str(e.value)
 
 
 def test_a_static_list_needs_no_dnspython_and_no_thread():
