@@ -213,7 +213,8 @@ class LocalSlab(SlabView):
         self._tables = rmv[L.readers_leases_offset(geometry.nslots) :].cast("q")
         rmv.release()
         self._lock = threading.Lock()
-        self._copying = 0  # fetches copying now (close() leaves the unmapping to the last)
+        self._users = 0  # lookups, leases and copies now (close() leaves the unmapping
+        # to the last one out: a lookup on released views raised ValueError)
         self._pid = os.getpid()
         self._named_at = time.monotonic()
         # A second read-only mapping whose address ctypes knows, for bulk copies.
@@ -247,6 +248,7 @@ class LocalSlab(SlabView):
         fork, and the child would wait for it forever when it closes the mapping (which
         it must not use: :meth:`_still_mine`)."""
         self._lock = threading.Lock()
+        self._users = 0  # the parent's threads: the child's close() unmaps its copies
         if self.leases is not None:
             self.leases._lock = threading.Lock()
 
@@ -361,6 +363,25 @@ class LocalSlab(SlabView):
 
     # ------------------------------------------------------------------ reads
 
+    def _use(self) -> None:
+        """Count a user of the mappings until :meth:`_done`: a :meth:`close` meanwhile
+        (another thread found the slab retired) leaves the unmapping to the last one out.
+
+        Raises:
+            LocalRetired: the mapping was closed.
+        """
+        with self._lock:
+            if self.closed:
+                raise LocalRetired("the local slab mapping is closed")
+            self._users += 1
+
+    def _done(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last_out = self.closed and not self._users
+        if last_out:  # closed meanwhile: close() left the unmapping to the last user
+            self._release_maps()
+
     def _still_mine(self) -> None:
         """Raise :class:`LocalRetired` once this mapping must not be used any more."""
         if self.closed:
@@ -396,7 +417,11 @@ class LocalSlab(SlabView):
         Raises:
             LocalUnavailable: ask over HTTP instead (nothing was counted).
         """
-        reader = self.open_block(address, self.info.ns)
+        self._use()
+        try:
+            reader = self.open_block(address, self.info.ns)
+        finally:
+            self._done()
         if reader is None or reader.length > limit:
             return None
         return reader
@@ -419,10 +444,7 @@ class LocalSlab(SlabView):
                 checksum failure; what ``sink`` made of them must be dropped).
             Exception: what ``sink`` raises (the caller's miss).
         """
-        with self._lock:  # the mapping must outlive the copy, whatever thread closes it
-            if self.closed:
-                raise LocalRetired("the local slab mapping is closed")
-            self._copying += 1
+        self._use()  # the mapping must outlive the copy, whatever thread closes it
         try:
             copier = _Copier(self, reader)
             if not verify:
@@ -440,11 +462,7 @@ class LocalSlab(SlabView):
         except BlockGone:
             return None
         finally:
-            with self._lock:
-                self._copying -= 1
-                last_out = self.closed and not self._copying
-            if last_out:  # closed meanwhile: close() left the unmapping to the last copy
-                self._release_maps()
+            self._done()
         return result
 
     def exists_addresses(self, addresses: list[str]) -> list[bool]:
@@ -453,7 +471,11 @@ class LocalSlab(SlabView):
         Raises:
             LocalUnavailable: ask over HTTP instead.
         """
-        return self.exists_many(addresses, self.info.ns)
+        self._use()
+        try:
+            return self.exists_many(addresses, self.info.ns)
+        finally:
+            self._done()
 
     def lease_addresses(self, addresses: list[str], lease_ms: int) -> list[bool] | None:
         """Existence of each address, every hit leased here for ``lease_ms`` (at most the
@@ -467,9 +489,16 @@ class LocalSlab(SlabView):
         Raises:
             LocalUnavailable: ask over HTTP instead. InvalidAddress: as the server's 400.
         """
-        leases, ns = self.leases, self.info.ns
-        if leases is None or self.info.disk:
+        if self.leases is None or self.info.disk:
             return None
+        self._use()
+        try:
+            return self._lease(self.leases, addresses, lease_ms)
+        finally:
+            self._done()
+
+    def _lease(self, leases: LocalLeases, addresses: list[str], lease_ms: int) -> list[bool] | None:
+        ns = self.info.ns
         seq, ids = self.block_ids(addresses, ns)
         found = list(map(bool, ids))
         if any(found):
@@ -493,7 +522,16 @@ class LocalSlab(SlabView):
     def holds_lease(self, address: str) -> bool:
         """Whether this reader holds a local lease on ``address``'s block (never in a
         forked child: the table is the parent's)."""
-        return self.leases is not None and self._pid == os.getpid() and self.leases.holds(address)
+        if self.leases is None or self._pid != os.getpid():
+            return False
+        try:
+            self._use()
+        except LocalRetired:  # (closed: the leases went with the mapping)
+            return False
+        try:
+            return self.leases.holds(address)
+        finally:
+            self._done()
 
     def release_leases(self, addresses: list[str]) -> tuple[int, list[str]]:
         """End one of this reader's local leases on each address's block.
@@ -506,7 +544,14 @@ class LocalSlab(SlabView):
         """
         if self.leases is None or self._pid != os.getpid():
             return 0, addresses
-        return self.leases.release(addresses)
+        try:
+            self._use()
+        except LocalRetired:  # closed meanwhile: as when none is mapped (the caller's HTTP)
+            return 0, addresses
+        try:
+            return self.leases.release(addresses)
+        finally:
+            self._done()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -536,14 +581,15 @@ class LocalSlab(SlabView):
     def close(self) -> None:
         """Unmap the slab and give the counters entry back (its counts stay). Idempotent.
 
-        A copy in flight on another thread keeps the mappings until it ends (unmapping
-        under a ``memmove`` would crash the process); the last one out unmaps.
+        A copy, lookup or lease in flight on another thread keeps the mappings until it
+        ends (unmapping under a ``memmove`` would crash the process, and a lookup on
+        released views raised ``ValueError``); the last one out unmaps.
         """
         with self._lock:
             if self.closed:
                 return
             self.closed = True
-            if self._copying:
+            if self._users:
                 return
         # In a forked child these are its own copies: closing them leaves the parent's
         # entry lock (an OFD lock lasts while any descriptor of it is open) and mapping.
