@@ -67,6 +67,7 @@ from .plans import drive_async
 from .rules import (
     KvCacheStats,
     Miss,
+    ProbeUnanswered,
     batch_body,
     capped,
     parts_checksum,
@@ -121,7 +122,7 @@ class AsyncServerConnector(OneServer):
         self._start(config, settings, on_unreachable, "AsyncRemoteKVConnector or AsyncSetConnector")
         self._http = Transport(self.config, self._core.headers, session)
         self._exchange = self._http.exchange
-        self._probes: set[asyncio.Future[None]] = set()
+        self._probes: set[asyncio.Future[Exception | None]] = set()
 
     @classmethod
     def from_env(
@@ -151,26 +152,28 @@ class AsyncServerConnector(OneServer):
         Args:
             probe: ask the server where its slab is now if that is due; False for a call
                 with a deadline shorter than the config's: the probe then runs as a task
-                of its own instead.
+                of its own instead. Raises ProbeUnanswered: it got no answer (a miss).
         """
         local = self._core.local
         if local.due():
             if probe and self._core.probes_inline:
-                await self._probe()
+                self._core.probed(await self._probe())
             else:
                 task = asyncio.ensure_future(self._probe())
                 self._probes.add(task)  # held until done: the loop keeps weak references
                 task.add_done_callback(self._probes.discard)
         return local.slab
 
-    async def _probe(self) -> None:
-        """Ask the server where its slab is (``GET /kv/local/slab``) and map it if it can."""
+    async def _probe(self) -> Exception | None:
+        """Ask the server where its slab is (``GET /kv/local/slab``) and map it if it can;
+        the error of a probe that got no answer."""
         try:
             answer = await self._exchange("GET", self._core.path(LOCAL_ROUTE), small_body)
         except Exception as exc:  # asyncio.TimeoutError included
             self._core.miss("GET", LOCAL_ROUTE, exc)
-        else:
-            self._core.local.adopt(*answer)
+            return exc
+        self._core.local.adopt(*answer)
+        return None
 
     async def get(self, key: str | bytes, release_lease: bool = False) -> bytes | None:
         """``GET /kv/<addr>``: the block's bytes, or None on a miss or any error.
@@ -184,7 +187,10 @@ class AsyncServerConnector(OneServer):
         :meth:`eg_kv.client.sync.ServerConnector.fetch`).
         """
         address = to_address(key)
-        local = await self._local_block(address)
+        try:
+            local = await self._local_block(address)
+        except ProbeUnanswered:
+            return None
         slab = self._core.local.slab
         if local is not OVER_HTTP:
             if release_lease:
@@ -221,12 +227,12 @@ class AsyncServerConnector(OneServer):
             if release_lease and not release_header:
                 await self.release([address])  # this client's local lease: no request
 
-    async def _local_block(self, address: str) -> Any:
+    async def _local_block(self, address: str, probe: bool = True) -> Any:
         """The block from the slab on the server's host: its bytes, None (a miss), or
         ``OVER_HTTP`` when it must be asked over HTTP. A copy of up to
         :data:`LOCAL_COPY_IN_LOOP` bytes runs in the event loop, a bigger one on the
-        loop's default executor (a 14 MiB copy held the loop 0.4 ms)."""
-        slab, core = await self._local(), self._core
+        loop's default executor (a 14 MiB copy held the loop 0.4 ms). Raises as :meth:`_local`."""
+        slab, core = await self._local(probe), self._core
         local = core.local_open(slab, address)
         if slab is None or not isinstance(local, BlockReader):
             return local
@@ -259,7 +265,10 @@ class AsyncServerConnector(OneServer):
         Never raises on a transport or protocol error.
         """
         address, core = to_address(key), self._core
-        local = await self._local_block(address)
+        try:  # a call with its own deadline: probed beside
+            local = await self._local_block(address, probe=timeout_s is None)
+        except ProbeUnanswered:
+            return None
         slab = core.local.slab
         if local is not OVER_HTTP and release_lease:
             await self.release([address])
@@ -343,7 +352,10 @@ class AsyncServerConnector(OneServer):
     async def contains(self, key: str | bytes) -> bool:
         """``HEAD /kv/<addr>``: True when resident; False on a miss or any error."""
         address = to_address(key)
-        found = self._core.local_has(await self._local(), "HEAD", address)
+        try:
+            found = self._core.local_has(await self._local(), "HEAD", address)
+        except ProbeUnanswered:
+            return False
         return found if found is not None else await self._status("HEAD", address) == 200
 
     async def delete(self, key: str | bytes) -> bool:
@@ -358,7 +370,10 @@ class AsyncServerConnector(OneServer):
     async def exists(self, key: str | bytes) -> bool:
         """``GET /kv/<addr>/exists``: True when resident; False on a miss or any error."""
         address = to_address(key)
-        found = self._core.local_has(await self._local(), "exists", address)
+        try:
+            found = self._core.local_has(await self._local(), "exists", address)
+        except ProbeUnanswered:
+            return False
         if found is not None:
             return found
         try:
@@ -390,16 +405,8 @@ class AsyncServerConnector(OneServer):
         lease_ms: int | None = None,
         local_only: bool = False,
     ) -> list[bool] | None:
-        """:meth:`try_exists_many` for ready-made addresses. Never raises.
-
-        Args:
-            timeout_s: the deadline of each request, when shorter than the config's.
-            lease_ms: lease the hits (see :meth:`exists_many`).
-            local_only: answer from the server's slab mapped here, or None with no
-                lookup sent (on another host, before the slab is mapped, or where the
-                server must answer): for a caller that may not wait for a request. (A
-                probe of where the slab is may go out on a thread of its own.)
-        """
+        """:meth:`try_exists_many` for ready-made addresses; the arguments of
+        :meth:`eg_kv.client.sync.ServerConnector.try_exists_addresses`. Never raises."""
         plan = plans.try_exists(self._core, addresses, timeout_s, lease_ms, local_only)
         return await drive_async(plan, self._answer)
 
@@ -412,12 +419,9 @@ class AsyncServerConnector(OneServer):
         return await drive_async(plan, self._answer)
 
     async def release(self, keys: Sequence[str | bytes]) -> int:
-        """End one lease on each key's block: here, for a lease this client took on the
-        local slab; else ``POST /kv/batch/release``, one per 1024.
-
-        Returns:
-            How many leases were released; 0 for a batch that failed. Never raises.
-        """
+        """End one lease on each key's block (here for a lease taken on the local slab, else
+        ``POST /kv/batch/release``, one per 1024): how many were released, 0 for a batch
+        that failed. Never raises."""
         return await drive_async(plans.release(self._core, to_addresses(keys)), self._answer)
 
     async def _answer(self, step: plans.Step) -> Any:

@@ -47,7 +47,7 @@ from ..wire import AUTHORIZATION, BLOCK_PREFIX
 from ..wire import BLOCK_TYPE as BLOCK_TYPE
 from ..wire import JSON_TYPE as JSON_TYPE
 from .localreads import LocalReads
-from .rules import OutOfStep
+from .rules import OutOfStep, ProbeUnanswered
 from .settings import ACCEPT_IDENTITY, KvCacheConfig, resolve_config
 
 T = TypeVar("T")
@@ -117,6 +117,15 @@ class ClientCore:
         errors): a member that accepts and never answers cost a get two timeouts, the
         probe's then the request's, where a set promises one; its probe runs beside."""
         return self.on_unreachable is None
+
+    def probed(self, failure: BaseException | None) -> None:
+        """After a call's inline probe, which ended in ``failure`` (None: answered).
+
+        Raises:
+            ProbeUnanswered: it got no answer (logged): the call's miss.
+        """
+        if failure is not None:
+            raise ProbeUnanswered(f"no answer to where the slab is ({type(failure).__name__})")
 
     def _unreachable_hook(self, exc: BaseException) -> None:
         if self.on_unreachable is not None and isinstance(exc, OSError):

@@ -42,6 +42,12 @@ class Miss(Exception):
     """Internal to the clients: the answer cannot be used (a miss, never raised to users)."""
 
 
+class ProbeUnanswered(Miss):
+    """A call's inline probe of where the server's slab is got no answer (it timed out,
+    was refused, or waited for our full pool): the call is a miss, its own request not
+    sent (it would have waited as long again: a call took two whole timeouts)."""
+
+
 class OutOfStep(Miss):
     """A block answer echoes another address than the one asked
     (:data:`~eg_kv.wire.ADDRESS_HEADER`): the connection's answers are out of step with its

@@ -40,6 +40,7 @@ from .plans import drive
 from .rules import (
     KvCacheStats,
     Miss,
+    ProbeUnanswered,
     batch_body,
     capped,
     checksum_line,
@@ -160,8 +161,11 @@ class ServerConnector(OneServer):
 
         Never raises on a transport or protocol error.
         """
-        address = to_address(key)
-        core, slab = self._core, self._local()
+        address, core = to_address(key), self._core
+        try:
+            slab = self._local(probe=timeout_s is None)  # its own deadline: probed beside
+        except ProbeUnanswered:
+            return None
         sink = core.keyed(address, sink)
         local = core.local_fetch(slab, address, sink)
         if local is not OVER_HTTP:
@@ -189,7 +193,10 @@ class ServerConnector(OneServer):
         """Whether this client's reads are copies from the server's slab (it is on the
         server's host and has mapped it): a batch of small reads then runs fastest one
         after another on one thread (no hand-off, no GIL contention)."""
-        return self._local() is not None
+        try:
+            return self._local() is not None
+        except ProbeUnanswered:
+            return False
 
     def _local(self, probe: bool = True) -> LocalSlab | None:
         """The server's slab mapped here, when this client is on its host (else None).
@@ -198,23 +205,28 @@ class ServerConnector(OneServer):
             probe: ask the server where its slab is now if that is due; False for a call
                 with a deadline shorter than the config's (an inline lookup): the probe
                 is not its to pay, and runs on a thread of its own instead.
+
+        Raises:
+            ProbeUnanswered: the probe got no answer (the call's miss).
         """
         local = self._core.local
         if local.due():
             if probe and self._core.probes_inline:
-                self._probe()
+                self._core.probed(self._probe())
             else:
                 threading.Thread(target=self._probe, name="eg-kv-local-probe", daemon=True).start()
         return local.slab
 
-    def _probe(self) -> None:
-        """Ask the server where its slab is (``GET /kv/local/slab``) and map it if it can."""
+    def _probe(self) -> Exception | None:
+        """Ask the server where its slab is (``GET /kv/local/slab``) and map it if it can;
+        the error of a probe that got no answer."""
         try:
             answer = self._exchange("GET", self._core.path(LOCAL_ROUTE), small_body)
         except Exception as exc:
             self._core.miss("GET", LOCAL_ROUTE, exc)
-        else:
-            self._core.local.adopt(*answer)
+            return exc
+        self._core.local.adopt(*answer)
+        return None
 
     # ------------------------------------------------------------------ the API
 
@@ -307,7 +319,10 @@ class ServerConnector(OneServer):
     def contains(self, key: str | bytes) -> bool:
         """``HEAD /kv/<addr>``: True when the block is resident; False on a miss or error."""
         address = to_address(key)
-        found = self._core.local_has(self._local(), "HEAD", address)
+        try:
+            found = self._core.local_has(self._local(), "HEAD", address)
+        except ProbeUnanswered:
+            return False
         return found if found is not None else self._status("HEAD", address) == 200
 
     def delete(self, key: str | bytes) -> bool:
@@ -324,7 +339,10 @@ class ServerConnector(OneServer):
     def exists(self, key: str | bytes) -> bool:
         """``GET /kv/<addr>/exists``: True when resident; False on a miss or any error."""
         address = to_address(key)
-        found = self._core.local_has(self._local(), "exists", address)
+        try:
+            found = self._core.local_has(self._local(), "exists", address)
+        except ProbeUnanswered:
+            return False
         if found is not None:
             return found
         try:
