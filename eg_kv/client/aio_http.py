@@ -22,6 +22,7 @@ from .events import SNAPSHOT_ANSWER_MAX, Snapshot, SnapshotReader
 from .interface import AsyncSink
 from .rules import (
     SMALL_ANSWER_MAX,
+    DeadlineSpent,
     Miss,
     OutOfStep,
     block_to_read,
@@ -31,6 +32,7 @@ from .rules import (
     exists_answer,
     json_answer,
     may_resend,
+    own_deadline,
     status_answer,
     wants_continue,
 )
@@ -267,6 +269,10 @@ class Transport:
                         # and whether the server waits for it is unknown.
                         resp.close()
                     return result
+            except TimeoutError as exc:  # asyncio's and aiohttp's timeouts included
+                if own_deadline(timeout_s, self.config.timeout_s):
+                    raise DeadlineSpent(str(exc) or "the call's deadline ran out") from exc
+                raise
             except aiohttp.ServerDisconnectedError:
                 left = end - loop.time()
                 if attempt or not resend or left <= 0:

@@ -47,7 +47,7 @@ from ..wire import AUTHORIZATION, BLOCK_PREFIX
 from ..wire import BLOCK_TYPE as BLOCK_TYPE
 from ..wire import JSON_TYPE as JSON_TYPE
 from .localreads import LocalReads
-from .rules import OutOfStep, ProbeUnanswered
+from .rules import DeadlineSpent, OutOfStep, ProbeUnanswered
 from .settings import ACCEPT_IDENTITY, KvCacheConfig, resolve_config
 
 T = TypeVar("T")
@@ -128,9 +128,14 @@ class ClientCore:
             raise ProbeUnanswered(f"no answer to where the slab is ({type(failure).__name__})")
 
     def _unreachable_hook(self, exc: BaseException) -> None:
-        if self.on_unreachable is not None and isinstance(exc, OSError):
+        if (
+            self.on_unreachable is not None
+            and isinstance(exc, OSError)
+            and not isinstance(exc, DeadlineSpent)
+        ):
             # TimeoutError and ConnectionError are OSErrors; PoolWaitTimeout (our own
-            # pool was full) is not one: the member did nothing wrong.
+            # pool was full) is not one, nor is a timeout of the caller's own short
+            # deadline (DeadlineSpent): the member did nothing wrong.
             self.on_unreachable(exc)
 
     def block_path(self, address: str, suffix: str = "") -> str:

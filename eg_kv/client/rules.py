@@ -124,6 +124,24 @@ class KvCacheStats:
 # --------------------------------------------------------------------------- keys
 
 
+class DeadlineSpent(TimeoutError):
+    """A request ran out of a short deadline its caller gave it (what was left of a
+    batch's): the caller's miss, no sign that the server is down (a set keeps it up)."""
+
+
+#: A request that timed out with less than this share of the config's ``timeout_s`` ran
+#: out of its caller's deadline (:func:`own_deadline`); with more, the server was slow.
+OWN_DEADLINE_SHARE = 0.5
+
+
+def own_deadline(timeout_s: float | None, config_s: float) -> bool:
+    """Whether a request that timed out with ``timeout_s`` (None: the config's
+    ``config_s``) ran out of its caller's deadline, not of the server's time to answer:
+    a GET sent with 25 ms left of a batch marked a healthy member of a set down (its
+    blocks then placed elsewhere: every caller's misses) until a probe passed."""
+    return timeout_s is not None and timeout_s < config_s * OWN_DEADLINE_SHARE
+
+
 def capped(timeout_s: float | None, config_s: float) -> float | None:
     """A call's own deadline (``timeout_s``: what is left of an engine's batch), never
     longer than the config's ``config_s``; None: the config's."""

@@ -28,6 +28,7 @@ from .interface import Sink
 from .pool import Pool
 from .rules import (
     SMALL_ANSWER_MAX,
+    DeadlineSpent,
     Miss,
     block_to_read,
     check_echo,
@@ -36,6 +37,7 @@ from .rules import (
     exists_answer,
     json_answer,
     may_resend,
+    own_deadline,
     status_answer,
     wants_continue,
 )
@@ -130,6 +132,10 @@ class Transport:
                 # The server closed this idle connection; a fresh one gets a real answer.
                 if attempt == 0:
                     continue
+                raise
+            except TimeoutError as exc:
+                if own_deadline(timeout_s, self.timeout_s):
+                    raise DeadlineSpent(str(exc)) from exc
                 raise
             finally:
                 self.pool.release(conn, keep)

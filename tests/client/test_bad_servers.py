@@ -125,6 +125,30 @@ def test_a_first_call_against_a_stalled_server_costs_one_timeout(kind):
                 assert took < budget + 0.4, (name, round(took, 2))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_calls_own_short_deadline_never_marks_a_set_member_down(kind):
+    """A load given what is left of its batch (vLLM's load_rows, SGLang's HiCache) timed
+    out at a healthy member whose answers take 0.2 s, and the set marked it down: its
+    addresses then went elsewhere, a miss for every caller until a probe passed. Old
+    code: the home marked down. A member that outlasts the config's timeout still is."""
+    with RawServer("late404") as a, RawServer("late404") as b:
+        members = f"{a.url},{b.url}"
+        with open_client(kind, base_url=members, timeout_s=2.0, local_reads=False) as kv:
+            home = kv.router.home("blk-1")[1]
+            t0 = time.monotonic()
+            assert kv.fetch("blk-1", _sink(kind), timeout_s=0.05) is None
+            assert time.monotonic() - t0 < 1.0
+            assert kv.router.down() == frozenset()
+            assert kv.router.home("blk-1")[1] == home
+            assert kv.get("blk-1") is None  # the 404, from the same home
+            assert kv.router.down() == frozenset()
+        with open_client(kind, base_url=members, timeout_s=0.1, local_reads=False) as kv:
+            home = kv.router.home("blk-1")[1]
+            assert kv.get("blk-1") is None  # the member outlasted the config's timeout
+            assert kv.router.down() == frozenset({home})
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_interim_answers_never_shift_answers_onto_the_next_request(kind):
     # Today's bug: a 103 taken as final left the 200 to be read as the next answer, so

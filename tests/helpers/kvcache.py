@@ -75,6 +75,7 @@ class RawServer:
         gzip: a ``200`` (GET, POST) or ``503`` (others) whose small gzip body inflates to
             256 MiB.
         reset: read the request, then reset the connection (RST, no answer).
+        late404: answer every request 404 after 0.2 s (keep-alive): healthy, not fast.
         stale: correct answers (``early_hints``'; blocks named ``absent...`` are not
             there), but each GET or HEAD after a connection's first is sent that
             connection's previous answer first: answers out of step.
@@ -299,6 +300,10 @@ class RawServer:
                     self._stop.wait(0.01)
                 self._last_answer[conn.fileno()] = answer
             conn.sendall(answer)
+            return True
+        if self.mode == "late404":  # a healthy server whose every answer takes 0.2 s
+            self._stop.wait(0.2)
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
             return True
         if self.mode == "closelate":  # reads the request, says nothing for 0.9 s, closes
             self._stop.wait(0.9)
