@@ -101,6 +101,7 @@ async def _get_block(request: web.Request, tenant: Tenant) -> web.StreamResponse
             raise
         log.info("block %s evicted while it was sent; aborting the response", address)
         return written(200, False, 0)
+    reader.done()
     replies.sent(request, n)
     return written(200, keep, n)
 
@@ -116,8 +117,16 @@ def gone(address: str) -> NotFound:
 
 
 def one_copy(reader: bytes | BlockReader) -> bytes:
-    """A small block's bytes: a one-page block's come copied already."""
-    return reader if isinstance(reader, bytes) else reader.read()
+    """A small block's bytes: a one-page block's come copied (and counted) already.
+
+    Raises:
+        BlockGone: it went while it was copied (a counted miss).
+    """
+    if isinstance(reader, bytes):
+        return reader
+    data = reader.read()
+    reader.done()
+    return data
 
 
 def read_small(slab: Slab, address: str, ns: int) -> tuple[int, bytes] | None:

@@ -357,7 +357,6 @@ class LocalSlab(SlabView):
     def _count_bad_checksum(self, ns: int = 0) -> None:
         entries, me = self._entries, self._me
         with self._lock:
-            entries[me + L.R_HITS] -= 1
             entries[me + L.R_MISSES] += 1
             entries[me + L.R_CHECKSUM_FAILURES] += 1
 
@@ -411,8 +410,9 @@ class LocalSlab(SlabView):
         return None if reader is None else self.copy_out(reader, sink)
 
     def open_to_fetch(self, address: str, limit: int) -> BlockReader | None:
-        """The block to copy out (a counted hit); None: a counted miss (absent, or over
-        ``limit`` bytes: as over HTTP, the server counted a hit and the client a miss).
+        """The block to copy out (its hit counted when :meth:`copy_out` ends whole);
+        None: absent (a counted miss), or over ``limit`` bytes (not counted: as over HTTP,
+        where the client gives up the send).
 
         Raises:
             LocalUnavailable: ask over HTTP instead (nothing was counted).
@@ -459,6 +459,7 @@ class LocalSlab(SlabView):
                 except ChecksumMismatch:
                     self._count_bad_checksum(reader.ns)
                     raise
+            reader.done()
         except BlockGone:
             return None
         finally:

@@ -915,7 +915,7 @@ class Slab(SlabLeases):
         self._mm[self._slot_off(i) + L.SLOT_REF_OFFSET] = L.REF_TOUCHED
 
     def _count_bad_checksum(self, ns: int = 0) -> None:
-        self._count_aborted_read(ns)
+        self._count_read(0, 1, ns)
         with self._locked():
             self._state[L.ST_CHECKSUM_FAILURES] += 1
 

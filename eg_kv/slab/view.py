@@ -6,7 +6,7 @@ handle, which also takes the lock and changes the slab, and
 (local reads). Neither the lookups nor the copies here write to the slab: what a hit
 records (the CLOCK reference count, the hit and miss counters) each handle records its own
 way, through :meth:`SlabView._touch`, :meth:`SlabView._count_read` and
-:meth:`SlabView._count_aborted_read`.
+:meth:`BlockReader.done` (a hit is counted once its read ends whole).
 
 Nothing here imports ``posix_ipc``: a client needs only the standard library and
 ``xxhash`` to read.
@@ -155,10 +155,6 @@ class SlabView:
         """Count get hits and misses."""
         raise NotImplementedError
 
-    def _count_aborted_read(self, ns: int = 0) -> None:
-        """A hit that turned out a miss (the block went while it was read)."""
-        self._count_read(-1, 1, ns)
-
     def _count_bad_checksum(self, ns: int = 0) -> None:
         """A hit whose bytes failed the block's checksum: a miss, and one more checksum
         failure where this handle counts them."""
@@ -293,10 +289,13 @@ class SlabView:
         use: bool = True,
         miss: bool = True,
     ) -> tuple[L.SlotFields, int] | None:
-        """The block's slot fields and checksum, its use recorded (a counted hit); None: a
-        counted miss. ``use`` False: the server's own read (a spill), neither counted nor
-        a use that earns the block a second chance. ``miss`` False: a miss is the caller's
-        to count (the disk tier may answer it: :meth:`eg_kv.slab.store.Slab.count_get`).
+        """The block's slot fields and checksum, its use recorded; None: a counted miss.
+        The hit is the caller's to count once the read ends whole (a read that breaks off
+        is a miss: a hit counted at the start and taken back made ``get_hits`` go back, a
+        counter reset to Prometheus). ``use`` False: the server's own read (a spill),
+        neither counted nor a use that earns the block a second chance. ``miss`` False: a
+        miss is the caller's to count (the disk tier may answer it:
+        :meth:`eg_kv.slab.store.Slab.count_get`).
 
         Raises:
             Longer: the block is longer than ``limit`` bytes (nothing counted).
@@ -311,7 +310,6 @@ class SlabView:
             raise Longer
         if use:
             self._touch(i)
-            self._count_read(1, 0, ns)
         return s, checksum
 
     def read_or_open(
@@ -350,9 +348,10 @@ class SlabView:
         first = s[F_FIRST]
         start = self._data_off + first * self.page_size
         data = self._mv[start : start + s[F_LENGTH]].tobytes()
-        if self._tag[first] != s[F_BLOCK_ID]:  # BlockReader.verify, inline
-            if use:
-                self._count_aborted_read(ns)
+        gone = self._tag[first] != s[F_BLOCK_ID]  # BlockReader.verify, inline
+        if use:
+            self._count_read(0 if gone else 1, 1 if gone else 0, ns)
+        if gone:
             raise BlockGone("block was evicted while it was read")
         return checksum, data
 
@@ -370,6 +369,7 @@ class SlabView:
         if checksum_of(data) != reader.checksum:
             self._count_bad_checksum(ns)
             return None
+        reader.done()
         return data
 
     def length(self, address: str, ns: int = 0) -> int | None:
@@ -475,7 +475,7 @@ class BlockReader:
     """Reads one block out of the slab outside the lock; the block's tag says whether what
     was read is still the block's (see :mod:`eg_kv.slab.layout`)."""
 
-    __slots__ = ("_slab", "block_id", "checksum", "counted", "first", "length", "npages", "ns")
+    __slots__ = ("_pending", "_slab", "block_id", "checksum", "first", "length", "npages", "ns")
 
     def __init__(
         self, slab: SlabView, length: int, first: int, npages: int, block_id: int, ns: int = 0,
@@ -484,7 +484,9 @@ class BlockReader:
         self._slab, self.length, self.first = slab, length, first
         self.npages, self.block_id, self.ns = npages, block_id, ns
         self.checksum = checksum  # of the block's bytes, as its slot says (eg_kv.checksum)
-        self.counted = counted  # a client's read: a block gone meanwhile is a counted miss
+        # A client's read: counted once it ends, a hit (done) or a miss (gone); one that
+        # neither ends nor breaks off (its client left) is not counted.
+        self._pending = counted
 
     def still_there(self) -> bool:
         """True while the block has not been evicted or released since it was opened."""
@@ -495,9 +497,17 @@ class BlockReader:
         if not self.still_there():
             raise self._gone()
 
+    def done(self) -> None:
+        """The read ended whole (and checked, where its caller checks the checksum):
+        count its hit, once."""
+        if self._pending:
+            self._pending = False
+            self._slab._count_read(1, 0, self.ns)
+
     def _gone(self) -> BlockGone:
-        if self.counted:
-            self._slab._count_aborted_read(self.ns)
+        if self._pending:
+            self._pending = False
+            self._slab._count_read(0, 1, self.ns)
         return BlockGone("block was evicted while it was read")
 
     def runs(self, max_slice: int = DEFAULT_READ_SLICE) -> Iterator[tuple[int, int]]:

@@ -357,6 +357,21 @@ def test_delete_releases_one_reference_then_frees(slab):
     assert slab.check() == []
 
 
+def test_a_read_is_counted_once_it_ends_and_a_hit_is_never_taken_back(slab):
+    """A hit counted when a read began and taken back when its block went made get_hits go
+    back (a counter reset to Prometheus): it is counted when the read ends whole."""
+    slab.put("kept", data(256 * KiB, seed=1))
+    slab.put("goes", data(256 * KiB, seed=2))
+    reader = slab.open_block("goes")
+    assert reader is not None and slab.stats()["get_hits"] == 0
+    assert slab.delete("goes")
+    with pytest.raises(BlockGone):
+        reader.read()
+    assert (slab.stats()["get_hits"], slab.stats()["get_misses"]) == (0, 1)
+    assert slab.get("kept") == data(256 * KiB, seed=1)
+    assert (slab.stats()["get_hits"], slab.stats()["get_misses"]) == (1, 1)
+
+
 def test_reader_of_a_released_block_gets_a_miss_not_wrong_bytes(slab):
     slab.put("r", data(MiB))
     reader = slab.open_block("r")
