@@ -17,7 +17,8 @@ What a lease does, and does not:
 - A lease ends when its holder releases it (:meth:`SlabLeases.release_leases`, a count
   never goes below 0) or when the newest lease on the block ends: a holder that died
   costs nothing after that. An ended lease is forgotten when next seen (a sweep, a new
-  lease, a release), and counted then as expired (``leases_expired``).
+  lease, a release, a lease the caps would refuse), and counted then as expired
+  (``leases_expired``).
 - A repair (a process died inside the lock) rebuilds the slot table without leases.
 
 Local leases: a client on the slab's host answers a leasing lookup from its read-only
@@ -47,6 +48,9 @@ from .layout import now_ms
 
 #: The most leases one slot counts (its field is a uint32): more are taken but not counted.
 _MAX_COUNT = 0xFFFFFFFF
+#: The least time between two searches for ended leases a handle makes when the caps
+#: would refuse a lease (ms): each looks at every slot with a count, under the lock.
+FORGET_EVERY_MS = 100
 
 
 class SlabLeases(SlabChecks):
@@ -108,7 +112,7 @@ class SlabLeases(SlabChecks):
         with self._locked(write=False):
             now = now_ms()
             self._forget_if_all_ended(now)
-            fresh: dict[int, int] = {}  # slot -> its pages, for hits without a lease yet
+            sizes: dict[int, int] = {}  # slot -> its pages
             for raw, fp in keys:
                 i, s = self._find(raw, fp, ns)
                 if s is None:
@@ -117,9 +121,10 @@ class SlabLeases(SlabChecks):
                 found.append(True)
                 hits.append(i)
                 blocks.append(s[L.F_BLOCK_ID])
-                if not counts[i]:
-                    fresh[i] = s[L.F_NPAGES]
-            pages = sum(fresh.values())
+                sizes[i] = s[L.F_NPAGES]
+            pages = self._fresh_pages(sizes)
+            if pages and not self._lease_room(ns, pages, share) and self._forget_ended(now):
+                pages = self._fresh_pages(sizes)  # hits whose ended leases went are fresh
             end = now + lease_ms
             holders = self._holders() if holder else None
             if (pages and not self._lease_room(ns, pages, share)) or (
@@ -144,6 +149,32 @@ class SlabLeases(SlabChecks):
             st[L.ST_LEASES_TAKEN] += len(hits)
             st[L.ST_LEASES_EXPIRED] += expired
         return found, True
+
+    def _fresh_pages(self, sizes: dict[int, int]) -> int:
+        """The pages of the slots in ``sizes`` (slot -> its pages) that hold no lease yet:
+        what leasing them adds to the leased pages (a block's pages count once)."""
+        counts = self._slot_leases
+        return sum(n for i, n in sizes.items() if not counts[i])
+
+    def _forget_ended(self, now: int) -> bool:
+        """Forget every lease that has ended (under the lock), at most once every
+        :data:`FORGET_EVERY_MS` a handle: a lease the caps would refuse. The leases of the
+        whole slab were forgotten only once all had ended, so on a slab with any live lease
+        the ended ones (a request dropped before its load) kept their pages counted, until
+        their sum reached a cap and every namespace's leases were refused. The count column
+        is searched in C; only slots with a count are looked at.
+
+        Returns:
+            Whether any was forgotten.
+        """
+        if now < getattr(self, "_next_forget", 0):
+            return False
+        self._next_forget = now + FORGET_EVERY_MS
+        counts, ends = self._slot_leases, self._slot_lease_end
+        ended = [i for i in itertools.compress(range(len(counts)), counts) if ends[i] <= now]
+        for i in ended:
+            self._forget_leases(i, counts[i], now)
+        return bool(ended)
 
     def _lease_room(self, ns: int, pages: int, share: float) -> bool:
         """Whether ``pages`` more leased pages of namespace ``ns`` keep within the caps

@@ -15,6 +15,7 @@ import pytest
 from eg_kv.errors import InsufficientStorage
 from eg_kv.slab import layout as L
 from eg_kv.slab.layout import now_ms
+from eg_kv.slab.leases import FORGET_EVERY_MS
 from eg_kv.slab.store import Slab
 
 KiB, MiB = 1024, 1024 * 1024
@@ -373,3 +374,22 @@ def test_a_refused_put_behind_a_full_lease_wall_is_cheap(slab_name):
     finally:
         s.close()
         s.unlink()
+
+
+def test_ended_leases_stop_counting_while_another_lease_lives(small):
+    """Leases that end unused (a request dropped before its load) kept their pages counted
+    until every lease of the slab had ended: with one lease always live (any busy fleet)
+    they piled up to the cap and every new lease was refused (leased_pages 32 of a cap of
+    32, for 1 block under a live lease). The caps forget the ended ones first."""
+    keys = fill(small, "k", 64)
+    assert small.exists_leased(keys[:1], lease_ms=60_000, share=0.5)[1]  # live throughout
+    started = now_ms()
+    assert small.exists_leased(keys[1:32], lease_ms=50, share=0.5)[1]  # 31 pages: the cap
+    refused = now_ms()
+    assert not small.exists_leased(keys[32:40], lease_ms=60_000, share=0.5)[1]
+    wait_past(max(started + 50, refused + FORGET_EVERY_MS))  # a search at most this often
+    found, leased = small.exists_leased(keys[32:40], lease_ms=60_000, share=0.5)
+    assert found == [True] * 8 and leased
+    st = small.stats()
+    assert (st["leased_pages"], st["leased_blocks"]) == (9, 9)
+    assert st["leases_expired"] == 31
