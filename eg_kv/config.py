@@ -166,6 +166,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+_CREDENTIALS = re.compile(r"(?<=://)[^/@]*@")
+
+
+def shown_url(text: str) -> str:
+    """A URL (or a server set) as an error message may show it: never a user, password,
+    query or fragment (a token pasted into a URL must not reach a log)."""
+    return repr(_CREDENTIALS.sub("***@", re.split(r"[?#]", text, maxsplit=1)[0]))
+
+
 def format_hostport(host: str, port: int) -> str:
     """``host:port`` with an IPv6 host in brackets, as URLs and logs want it."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -34,8 +34,8 @@ import urllib.parse
 from typing import Any
 
 from ..config import format_hostport
+from ..config import shown_url as _shown
 from ..errors import ConfigError, EgKvError
-from .settings import shown_url as _shown
 
 log = logging.getLogger(__name__)
 

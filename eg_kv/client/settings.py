@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +26,7 @@ from ..config import (
     parse_addr,
     parse_bool,
     parse_size,
+    shown_url,
 )
 from ..errors import ConfigError
 
@@ -54,13 +54,6 @@ ENV_REFRESH = "EPISTEMIC_GRAPH_KVCACHE_REFRESH_S"
 #: The DNS server a ``dns+`` / ``dnssrv+`` set asks (``host[:port]``; default the system's).
 ENV_DNS_SERVER = "EPISTEMIC_GRAPH_KVCACHE_DNS_SERVER"
 DEFAULT_REFRESH_S = 15.0
-_CREDENTIALS = re.compile(r"(?<=://)[^/@]*@")
-
-
-def shown_url(text: str) -> str:
-    """A URL (or a server set) as an error message may show it: never a user, password,
-    query or fragment (a token pasted into a URL must not reach a log)."""
-    return repr(_CREDENTIALS.sub("***@", re.split(r"[?#]", text, maxsplit=1)[0]))
 
 
 #: Sent with every request: the clients never decompress, so a compressed body (a
