@@ -24,7 +24,8 @@ per request (docs/design.md, "Serving"):
                    ``min_upload_rate`` bytes a second, beyond a head     after
                    start of ``body_timeout`` (Apache's ``MinRate``)      ``body_timeout``
   sending          the transport paused writing (the client does not     ``body_timeout``
-                   read what it asked for)                               since it paused
+                   read what it asked for), or is closing with answers   since it last
+                   still unsent (a close waits for them to flush)        moved a byte
   idle             waiting for a request, nothing arrived                ``keepalive_timeout``
   ===============  ====================================================  =================
 
@@ -47,6 +48,7 @@ import dataclasses
 import logging
 import math
 import resource
+from typing import Any
 
 from ._compat import MAX_HEAD_BYTES, StampedHandler
 from .replies import worker_pid
@@ -164,18 +166,23 @@ def sweep_interval(limits: Limits) -> float:
 class Connection(StampedHandler):
     """A connection that registers with its worker's :class:`Connections`."""
 
-    __slots__ = ("registry",)
+    __slots__ = ("registry", "tx")
 
     def __init__(self, manager, *, registry: Connections, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self.registry = registry
+        #: The transport, kept until the connection is lost: aiohttp's ``force_close()``
+        #: drops the handler's own reference while a close may still wait to flush.
+        self.tx: Any = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self.tx = transport
         self.registry.opened(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.registry.closed(self)
+        self.tx = None
         super().connection_lost(exc)
 
 
@@ -226,12 +233,15 @@ class Connections:
         or, with ``cut``, at once (a handler's answer in flight must not be waited for)."""
         self._open.pop(c, None)
         self.closed_by[why] += 1
-        transport = c.transport
+        transport = c.tx
         if transport is not None:
-            if last_words and not transport.is_closing():
+            unsent = transport.get_write_buffer_size()
+            if last_words and not cut and not unsent and not transport.is_closing():
                 transport.write(last_words)
-            elif cut or transport.get_write_buffer_size():
-                transport.abort()  # it would never flush: the client does not read
+            # An answer that did not flush at once never will (the client does not read),
+            # and once out of the registry nothing would time the close: cut it.
+            if cut or transport.get_write_buffer_size():
+                transport.abort()
         c.force_close()
 
     def sweep(self, now: float) -> None:
@@ -254,19 +264,23 @@ class Connections:
                     text = f"request head not complete within {lim.header_timeout:g} s"
                     self._close(c, HEAD, _one_line_reply(_HEAD_TIMEOUT_REPLY, text))
                 continue
+            transport = c.tx
+            if c.writing_paused or (transport is not None and transport.is_closing()):
+                # An answer being sent: paused writing (whether a handler still runs or
+                # the connection waits for its next request), or a close waiting for the
+                # buffer to flush (aiohttp's after ``Connection: close`` or a parse
+                # error, or ``force_close()``). Cut only an answer that moved no byte for
+                # body_timeout: a slow reader drains the buffer while it stays paused
+                # (aiohttp's high watermark is 0 between batches), and that is progress.
+                size = transport.get_write_buffer_size() if transport is not None else 0
+                if size < c.wpaused_size or not c.wpaused_size:
+                    c.wpaused_at = now  # progress, or first seen (a close never paused)
+                c.wpaused_size = size
+                if now - c.wpaused_at > lim.body_timeout:
+                    self._close(c, SEND)
+                continue
+            c.wpaused_size = 0  # the next close is timed from when it is first seen
             if not c.waiting():  # a request is queued or handled
-                if c.writing_paused:
-                    # Cut only an answer that moved no byte for body_timeout: a slow
-                    # reader drains the buffer while it stays paused (aiohttp's high
-                    # watermark is 0 between batches), and that is progress.
-                    transport = c.transport
-                    size = transport.get_write_buffer_size() if transport else 0
-                    if size < c.wpaused_size:
-                        c.wpaused_at = now
-                    c.wpaused_size = size
-                    if now - c.wpaused_at > lim.body_timeout:
-                        self._close(c, SEND)
-                    continue
                 stalled = c.body_stalled_since(now)
                 if stalled is not None and now - stalled > lim.body_timeout:
                     self._close(c, BODY)

@@ -391,6 +391,69 @@ def test_client_that_never_reads_its_answers_is_cut(server_factory):
     assert request(srv, "GET", "/kv/unread").body == block
 
 
+def _unreading(srv) -> socket.socket:
+    """A client that never reads: a 536-byte MSS (so the server's kernel send buffer stays
+    small, as over a real network) and a 4 KiB receive window."""
+    s = socket.socket()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(10)
+    s.connect((srv.host, srv.port))
+    return s
+
+
+@pytest.mark.timeout(90)
+def test_a_close_whose_answers_never_flush_is_cut_after_the_send_limit(server_factory):
+    # aiohttp closes a connection after a `Connection: close` answer (or a parse error's)
+    # with transport.close(), which waits for the buffer to flush. With a few KiB left
+    # (under the 64 KiB mark: writing never paused) nothing timed it: the connection
+    # stayed open and counted busy for as long as the client kept its socket (before the
+    # fix: eg_kv_connections_open still above 1 20 s on, ten times the send limit).
+    srv = server_factory(workers=1, extra=TIMEOUTS)
+    req = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    last = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    clients = []
+    try:
+        for k in range(1100, 1310, 10):  # one of these leaves its close a few KiB short
+            s = _unreading(srv)
+            clients.append(s)
+            s.sendall(req * (k - 1) + last)
+        wait_for(lambda: _metric(srv, "eg_kv_connections_open") == 1, timeout=20,
+                 what="every unflushed close to be cut")  # fmt: skip
+    finally:
+        for s in clients:
+            s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_408_to_a_connection_holding_an_unread_answer_frees_it(server_factory):
+    # The sweeper's 408 (or 431) of a waiting connection wrote its one line and closed,
+    # waiting for a buffer that held an unread answer, after taking the connection out of
+    # its registry: the socket and the answer stayed, outside the cap and every limit
+    # (before the fix: the server's sockets still open 5 s after the 408s).
+    srv = server_factory(workers=1, extra=("--header-timeout", "1", "--body-timeout", "30",
+                                           "--keepalive-timeout", "30"))  # fmt: skip
+    assert request(srv, "PUT", "/kv/unread408", os.urandom(MiB // 2)).status == 201
+    worker = _worker(srv)
+    clients = []
+    try:
+        for _ in range(4):
+            s = _unreading(srv)
+            clients.append(s)
+            s.sendall(b"GET /kv/unread408 HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(12, socket.MSG_PEEK) == b"HTTP/1.1 200"  # answered, not read
+        for s in clients:
+            s.sendall(b"GET /hea")  # the start of a next head, and nothing more
+        wait_for(lambda: (_metric(srv, 'eg_kv_connection_timeouts_total{limit="header"}') or 0)
+                 >= 4, timeout=15, what="four 408s")  # fmt: skip
+        ports = {s.getsockname()[1] for s in clients}
+        wait_for(lambda: not ports & {c.raddr[1] for c in worker.net_connections() if c.raddr},
+                 timeout=5, what="the 408'd connections to let their sockets go")  # fmt: skip
+    finally:
+        for s in clients:
+            s.close()
+
+
 def _read_slowly(s: socket.socket, want: int, rate: float, stop_after: int | None = None) -> int:
     """Read up to ``want`` bytes at ``rate`` bytes/s (64 KiB at a time); stop reading
     (without closing) after ``stop_after`` bytes. Returns the bytes read before EOF/reset."""
