@@ -203,13 +203,22 @@ async def bad_kv_path(request: web.Request, tenant: Tenant) -> web.Response:
     )
 
 
+async def healthz_method(request: web.Request, tenant: Tenant) -> web.Response:
+    """``/healthz`` with a method other than GET or HEAD: 405, with or without a token.
+
+    Raises:
+        web.HTTPMethodNotAllowed: always.
+    """
+    raise web.HTTPMethodNotAllowed(request.method, ("GET", "HEAD"))
+
+
 async def no_route(request: web.Request, tenant: Tenant) -> web.Response:
     """Any path outside ``/kv/``: 405 on a known path with another method, else 404.
 
     Raises:
         web.HTTPMethodNotAllowed, NotFound.
     """
-    if request.path in (HEALTHZ_PATH, METRICS_PATH):
+    if request.path == METRICS_PATH:
         raise web.HTTPMethodNotAllowed(request.method, ("GET",))
     raise NotFound(f"no route for {request.path[:200]}")
 
@@ -257,7 +266,12 @@ def make_app(
     r, E = app.router, partial(_endpoint, app)
     # Fixed paths win over /kv/{hash} (aiohttp tries the longest fixed prefix first), and
     # the reserved words never validate as addresses anyway.
-    r.add_get(HEALTHZ_PATH, E("healthz", healthz), name="healthz", allow_head=False)
+    # /healthz never needs the token, whatever the method: a HEAD probe is answered as
+    # a GET, any other method 405 (not a 401 that depends on whether a token is set).
+    live = r.add_resource(HEALTHZ_PATH, name="healthz")
+    live.add_route("GET", E("healthz", healthz))
+    live.add_route("HEAD", E("healthz", healthz))
+    live.add_route("*", E("healthz", healthz_method))
     r.add_get(METRICS_PATH, E("metrics", metrics), name="metrics", allow_head=False)
     r.add_get(STATS_PATH, E("stats", stats), name="stats", allow_head=False)
     r.add_post(BATCH_EXISTS_PATH, E("batch_exists", batch_exists), name="batch_exists")

@@ -55,6 +55,19 @@ def test_healthz_needs_no_token(authed):
     assert reply.status == 200 and reply.json()["workers_up"] == 2
 
 
+def test_healthz_answers_every_method_alike_with_or_without_the_token(authed):
+    # A load balancer probing with HEAD and no token got 401 (only GET was an open
+    # route; before the fix: HEAD 401 without the token, 405 with it).
+    for token in ("", None):  # none, then the server's
+        head = request(authed, "HEAD", "/healthz", token=token)
+        assert head.status == 200 and head.body == b"", (token, head)
+        assert int(head.headers["Content-Length"]) > 0
+        for method in ("POST", "PUT", "DELETE"):
+            reply = request(authed, method, "/healthz", b"", token=token)
+            assert reply.status == 405, (method, token, reply)
+            assert reply.headers["Allow"] == "GET, HEAD" and reply.text.count("\n") == 1
+
+
 def test_authorized_roundtrip(authed):
     assert request(authed, "PUT", "/kv/tok", b"data").status == 201
     assert request(authed, "GET", "/kv/tok").body == b"data"
