@@ -126,6 +126,9 @@ def _endpoint(
     open_route = route == "healthz"  # liveness needs no auth
     # The roles authorize() may refuse here: the others skip the check (a call per request).
     checked = roles_refused(route, auth.tenants_mode)
+    # A body where the route reads none would sit in aiohttp's buffer (up to 2 MiB) for
+    # as long as the handler runs (a large GET's send, a long poll): refused instead.
+    bodiless = fn not in _READ_OR_REFUSE
 
     async def endpoint(request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
@@ -135,7 +138,9 @@ def _endpoint(
             if request.protocol.writing_paused:  # earlier answers are still unsent
                 await request.writer.drain()
             tenant = ANONYMOUS if open_route else auth.authenticate(request)
-            if isinstance(tenant, str):
+            if bodiless and request.body_exists:  # a flag read (no body: aiohttp's EMPTY_PAYLOAD)
+                resp = await _refuse_body(request)
+            elif isinstance(tenant, str):
                 resp = unauthorized(tenant)
             else:
                 if tenant.role in checked:
@@ -168,6 +173,18 @@ def _endpoint(
 
     endpoint.__name__, endpoint.__doc__ = fn.__name__, fn.__doc__
     return endpoint
+
+
+async def _refuse_body(request: web.Request) -> web.Response:
+    """400 to a request with a body on a route that reads none, then close the connection
+    at once: no lingering read of the body (a send that never ends is the sweeper's)."""
+    resp = error_response(400, f"{request.method} {request.path[:200]} takes no request "
+                          "body; closing the connection")  # fmt: skip
+    label(resp).force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    request.protocol.force_close()
+    return resp
 
 
 _BLOCK_METHODS = ("DELETE", "GET", "HEAD", "PUT")
@@ -221,6 +238,13 @@ async def no_route(request: web.Request, tenant: Tenant) -> web.Response:
     if request.path == METRICS_PATH:
         raise web.HTTPMethodNotAllowed(request.method, ("GET",))
     raise NotFound(f"no route for {request.path[:200]}")
+
+
+#: The handlers that read a request body, or answer at once without running on: every
+#: other route refuses one (:func:`_endpoint`).
+_READ_OR_REFUSE: frozenset[Handler] = frozenset(
+    {put_block, batch_exists, batch_release, bad_kv_path, no_route, healthz_method}
+)
 
 
 def make_app(

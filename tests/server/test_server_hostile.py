@@ -454,6 +454,48 @@ def test_a_408_to_a_connection_holding_an_unread_answer_frees_it(server_factory)
             s.close()
 
 
+def _send_some(s: socket.socket, data: bytes, most: int) -> None:
+    """Send ``data`` over and over, up to ``most`` bytes or until the server stops taking it."""
+    s.settimeout(0.5)
+    with contextlib.suppress(OSError):  # a timeout (nothing read), or the server closed
+        sent = 0
+        while sent < most:
+            sent += s.send(data)
+
+
+@pytest.mark.timeout(60)
+def test_a_body_on_a_route_that_reads_none_is_refused_not_buffered(server_factory):
+    # A GET (or DELETE, or long poll) with a body had it read into aiohttp's buffer up to
+    # 2 MiB while its handler ran, for nothing (before the fix: 20 connections grew the
+    # worker by ~40 MiB, and each GET got its 200).
+    srv = server_factory(workers=1, capacity="64MiB")
+    assert request(srv, "PUT", "/kv/bodied", os.urandom(16 * MiB)).status == 201
+    worker = _worker(srv)
+    baseline = worker.memory_full_info().uss
+    clients = []
+    try:
+        for _ in range(20):
+            s = _connect(srv, rcvbuf=4096)
+            clients.append(s)
+            s.sendall(b"GET /kv/bodied HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n")
+            _send_some(s, b"y" * (256 * 1024), 3 * MiB)
+        growth = worker.memory_full_info().uss - baseline
+        assert growth < 8 * MiB, f"worker grew by {growth / MiB:.0f} MiB"
+        for s in clients:
+            s.settimeout(10)
+            got = s.recv(4096)
+            assert got.startswith(b"HTTP/1.1 400"), got[:200]
+            assert b"GET /kv/bodied takes no request body" in got
+            assert _closed_by_peer(s, wait=5)
+    finally:
+        for s in clients:
+            s.close()
+    delete = b"DELETE /kv/bodied HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked = raw_exchange(srv.port, delete + b"5\r\nhello\r\n0\r\n\r\n")
+    assert status_of(chunked) == 400 and b"takes no request body" in chunked, chunked
+    assert request(srv, "HEAD", "/kv/bodied").status == 200  # neither touched the block
+
+
 def _read_slowly(s: socket.socket, want: int, rate: float, stop_after: int | None = None) -> int:
     """Read up to ``want`` bytes at ``rate`` bytes/s (64 KiB at a time); stop reading
     (without closing) after ``stop_after`` bytes. Returns the bytes read before EOF/reset."""
