@@ -234,6 +234,76 @@ def test_the_log_tells_a_tenant_nothing_of_another_tenants_blocks(server_factory
     assert [e["seq"] for e in every["events"]] == list(range(1, 41)) and every["next"] == 40
 
 
+# ------------------------------------------------ one answer's size, unread answers
+
+LONG_EVENTS = 4000  # of 256-character addresses with engine hashes: ~1.6 MiB of JSON
+
+
+def _store_long_events(srv, token: str, tag: str) -> None:
+    """LONG_EVENTS one-byte blocks with the longest addresses, pipelined in batches."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        for base in range(0, LONG_EVENTS, 500):
+            s.sendall(b"".join(
+                (f"PUT /kv/{tag}{'a' * (250 - len(tag))}{i:06d} HTTP/1.1\r\nHost: t\r\n"
+                 f"Authorization: Bearer {token}\r\nContent-Length: 1\r\n"
+                 f"X-Eg-Kv-Engine-Hash: {'ab' * 32}\r\n\r\nz").encode()
+                for i in range(base, base + 500)))  # fmt: skip
+            got = b""
+            while got.count(b"HTTP/1.1 201") < 500:
+                got += s.recv(1 << 20)
+
+
+@pytest.mark.timeout(120)
+def test_an_events_answer_stops_at_1_mib_and_next_goes_on(server_factory, tmp_path):
+    # limit=10000 answered 10,000 events in one body written whole (4 MiB of 256-character
+    # addresses): a 70-byte request pinned it for a client that did not read (before the
+    # fix: one answer of 4,000 such events was 1.6 MiB). Both ways of reading: every
+    # namespace's (an admin) and one namespace's (a tenant).
+    path = write_tokens(tmp_path / "tokens.toml", [*TENANTS, {"name": "ops", "role": "admin"}])
+    srv = server_factory(workers=1, capacity="64MiB",
+                         extra=("--tokens", str(path), "--page-size", "4KiB"))  # fmt: skip
+    _store_long_events(srv, token_of("victim"), "v")
+    for who in ("ops", "victim"):
+        seen, since, answers = [], 0, 0
+        while len(seen) < LONG_EVENTS:
+            reply = request(srv, "GET", f"/kv/events?since={since}&limit=10000",
+                            token=token_of(who))  # fmt: skip
+            assert reply.status == 200 and len(reply.body) <= 1024 * 1024 + 512, len(reply.body)
+            got = reply.json()
+            assert not got["gap"] and got["events"], got["next"]
+            seen += [e["hash"] for e in got["events"]]
+            since, answers = got["next"], answers + 1
+        assert answers >= 2, who
+        assert seen == [f"v{'a' * 249}{i:06d}" for i in range(LONG_EVENTS)], who
+
+
+@pytest.mark.timeout(60)
+def test_an_events_answer_left_unread_is_cut_at_the_send_limit(server_factory, tmp_path):
+    # An answer written whole leaves its handler at once: the connection then waited for
+    # its next request, the sweeper skipped its send check, and only the keep-alive limit
+    # (here 30 s) let the answer go (before the fix: no send timeout within 15 s).
+    srv = server_factory(workers=1, capacity="64MiB", extra=(
+        "--body-timeout", "2", "--keepalive-timeout", "30", "--page-size", "4KiB"))  # fmt: skip
+    _store_long_events(srv, "", "u")
+    s = socket.socket()  # a small window and MSS: the server's kernel buffer stays small
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(10)
+    try:
+        s.connect(("127.0.0.1", srv.port))
+        s.sendall(b"GET /kv/events?since=0&limit=10000 HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert s.recv(12, socket.MSG_PEEK) == b"HTTP/1.1 200"  # and nothing more read
+
+        def send_timeouts() -> float:
+            text = request(srv, "GET", "/metrics").text
+            line = 'eg_kv_connection_timeouts_total{limit="send"} '
+            return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+        wait_for(lambda: send_timeouts() >= 1, timeout=15, what="the send limit to cut it")
+    finally:
+        s.close()
+
+
 # ------------------------------------------------ a million blocks (items 2 and 3)
 
 MILLION = 1 << 20
