@@ -24,8 +24,10 @@ from .tenants import load as load_tenants
 
 log = logging.getLogger("eg_kv.server.auth")
 
-#: Spellings of a tenant's Authorization header a worker remembers (see Auth.authenticate).
-SEEN_HEADERS_PER_TENANT = 4
+#: The one spelling of an Authorization header a worker remembers (Auth.authenticate):
+#: any other (padding, a lowercase scheme) takes the digest every time, so no client can
+#: fill the memo with paddings of its own token (8 KiB each).
+CANONICAL_SCHEME = "Bearer "
 
 
 class Headed(Protocol):
@@ -61,7 +63,7 @@ class Auth:
         # so a token the reload removed is refused from the next request on.
         self._table = table
         self._seen: dict[str, Tenant] = {}
-        self._seen_max = SEEN_HEADERS_PER_TENANT * (len(table.by_digest) if table else 0)
+        self._seen_max = len(table.by_digest) if table else 0  # one spelling per token
 
     def authenticate(self, request: Headed) -> Tenant | str:
         """The request's tenant, or why there is none (never the token).
@@ -71,8 +73,9 @@ class Auth:
 
         A token is found by its sha256 digest: the lookup compares digests, so how long
         it takes tells nothing about any token. An ``Authorization`` header that has
-        found its tenant once is remembered (at most :data:`SEEN_HEADERS_PER_TENANT`
-        spellings per tenant) and found again without the digest: hashing the token was
+        found its tenant once is remembered, if it is spelt ``Bearer <token>`` exactly
+        (:data:`CANONICAL_SCHEME`: one entry per token), and found again without the
+        digest: hashing the token was
         a tenth of a small GET's CPU in a busy worker. That dict holds only headers that
         authenticated; Python's string hash is keyed per process, so a lookup of any other
         header compares no bytes with a stored one and takes the digest path as before.
@@ -83,9 +86,9 @@ class Auth:
         if header is not None and (known := self._seen.get(header)) is not None:
             return known
         found = _authenticate(header, self._table)
-        if isinstance(found, Tenant) and header is not None:
+        if isinstance(found, Tenant) and header is not None and _canonical(header):
             if len(self._seen) >= self._seen_max:
-                self._seen.clear()  # a client cycling spellings costs itself the digest
+                self._seen.clear()  # never with one spelling per token (a safety net)
             self._seen[header] = found
         return found
 
@@ -115,6 +118,14 @@ class Auth:
         log.info("tokens file %s reloaded: %d tenants in %d namespaces", path,
                  len(table.by_digest), len(table.quotas))  # fmt: skip
         return True
+
+
+def _canonical(header: str) -> bool:
+    """Whether ``header`` is spelt ``Bearer <token>``, with no other whitespace around."""
+    if not header.startswith(CANONICAL_SCHEME):
+        return False
+    cred = header[len(CANONICAL_SCHEME) :]
+    return cred == cred.strip()
 
 
 def _authenticate(header: str | None, table: TenantTable) -> Tenant | str:

@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 
+import psutil
 import pytest
 from helpers.common import wait_for
 from helpers.server_http import request, status_of
@@ -340,7 +341,7 @@ def test_remembered_headers_are_bounded_and_forgotten_on_reload(tmp_path):
     refused from the next request on; a wrong token is never remembered."""
     from aiohttp.test_utils import make_mocked_request
 
-    from eg_kv.server.auth import SEEN_HEADERS_PER_TENANT, Auth
+    from eg_kv.server.auth import Auth
     from eg_kv.server.tenants import load
 
     path = write_tokens(tmp_path / "tokens.toml", TENANTS)
@@ -354,12 +355,42 @@ def test_remembered_headers_are_bounded_and_forgotten_on_reload(tmp_path):
     for spaces in range(1, 50):
         assert who("Bearer" + " " * spaces + as_("team-a")) == "team-a"
         assert who(f"Bearer wrong-{spaces}") == "wrong bearer token"
-        assert len(auth._seen) <= SEEN_HEADERS_PER_TENANT * len(TENANTS)
+        assert len(auth._seen) <= 1  # only the canonical spelling is remembered
     assert who(f"Bearer {as_('team-b')}") == "team-b"
     write_tokens(path, [t for t in TENANTS if t["name"] != "team-b"])
     auth.table = load(str(path), 1 << 30)
     assert who(f"Bearer {as_('team-b')}") == "wrong bearer token"
     assert who(f"Bearer {as_('team-a')}") == "team-a"
+
+
+@pytest.mark.timeout(120)
+def test_one_tenant_cannot_fill_a_workers_memo_of_headers(server_factory, tmp_path):
+    # Any header that authenticated was remembered, up to 4 x the tenants for all of them
+    # together: one readonly tenant padding its token (Bearer + 1..8,000 spaces) held
+    # every entry, ~8 KiB each (before the fix: 3,900 paddings grew the worker by 51 MiB
+    # with 1,000 tenants). Only `Bearer <token>` is remembered now.
+    many = [{"name": f"t{i}", "role": "readonly"} for i in range(1000)]
+    path = write_tokens(tmp_path / "t.toml", many)
+    srv = server_factory(workers=1, extra=("--tokens", str(path)))
+    (worker,) = [psutil.Process(pid) for pid in workers_of(srv)]
+    token = token_of("t0")
+    with socket.create_connection((srv.host, srv.port), timeout=30) as s:
+
+        def heads(pads: range) -> None:
+            s.sendall(b"".join(f"HEAD /kv/x HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer"
+                               f"{' ' * pad}{token}\r\n\r\n".encode() for pad in pads))  # fmt: skip
+            got = b""
+            while got.count(b"HTTP/1.1 404") < len(pads):
+                got += s.recv(1 << 20)
+
+        heads(range(1, 101))  # warm the worker's buffers
+        baseline = worker.memory_full_info().uss
+        for first in range(4200, 8000, 100):  # 3,800: with the 100 above, under its cap
+            heads(range(first, first + 100))
+    # (a few MiB of the worker's heap may stay in use for a while: 3-12 MiB seen)
+    wait_for(lambda: worker.memory_full_info().uss - baseline < 20 * 1024 * 1024, timeout=10,
+             what="the worker's growth to fall under 20 MiB")  # fmt: skip
+    assert request(srv, "HEAD", "/kv/x", token=token_of("t1")).status == 404  # others unaffected
 
 
 @pytest.mark.parametrize(
