@@ -274,7 +274,7 @@ def make_app(
     app[METRICS] = Metrics(metrics_path, events_stats)
     app[DRAIN] = Drain()
     app[SPOOL] = SpoolBudget(settings.chunked_spool, shared=app[AUTH].tenants_mode)
-    app[EVENT_READS], app[EVENT_WAITERS], app[SNAPSHOTS] = event_gates()
+    app[EVENT_READS], app[EVENT_WAITERS], app[SNAPSHOTS] = event_gates(app[AUTH].tenants_mode)
     app[HEALTH] = health or health_from(
         run_dir, settings.workers, runstate.health_window(settings.heartbeat_timeout_s)
     )

@@ -93,12 +93,22 @@ POLL_MIN_S = 0.005
 POLL_MAX_S = 0.05
 
 
-def event_gates() -> tuple[Gate, Gate, Gate]:
-    """This worker's gates of the log's reads, its waiters and its snapshots."""
+def event_gates(tenants_mode: bool) -> tuple[Gate, Gate, Gate]:
+    """This worker's gates of the log's reads, its waiters and its snapshots.
+
+    The per-namespace caps keep one tenant from taking another's slots: without a tokens
+    file (``tenants_mode`` False) there is one namespace and every client reads as the
+    admin view, so they would cap the whole worker below its own figures: the worker's
+    caps apply alone then.
+    """
+
+    def gate(what: str, per_worker: int, per_namespace: int) -> Gate:
+        return Gate(what, per_worker, per_namespace if tenants_mode else per_worker)
+
     return (
-        Gate("read the event log", MAX_READS, MAX_READS_PER_NAMESPACE),
-        Gate("wait for events", MAX_WAITERS, MAX_WAITERS_PER_NAMESPACE),
-        Gate("take a snapshot", MAX_SNAPSHOTS, MAX_SNAPSHOTS_PER_NAMESPACE),
+        gate("read the event log", MAX_READS, MAX_READS_PER_NAMESPACE),
+        gate("wait for events", MAX_WAITERS, MAX_WAITERS_PER_NAMESPACE),
+        gate("take a snapshot", MAX_SNAPSHOTS, MAX_SNAPSHOTS_PER_NAMESPACE),
     )
 
 

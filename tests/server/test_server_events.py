@@ -24,7 +24,7 @@ from eg_kv.client.aio import AsyncServerConnector
 from eg_kv.client.events import Event, Snapshot, follow, follow_async, parse_snapshot
 from eg_kv.client.sync import ServerConnector
 from eg_kv.errors import RemoteError
-from eg_kv.server.events import MAX_WAIT_S, MAX_WAITERS_PER_NAMESPACE
+from eg_kv.server.events import MAX_WAIT_S, MAX_WAITERS, MAX_WAITERS_PER_NAMESPACE
 from eg_kv.slab.store import Slab
 
 KiB = 1024
@@ -146,13 +146,33 @@ def test_wait_is_clamped_and_bad_arguments_get_400(srv):
     assert reply.status == 400 and "reserved" in reply.text
 
 
+@pytest.mark.timeout(60)
+def test_without_tenants_a_worker_admits_its_own_number_of_waiters(server_factory):
+    # Without a tokens file every client is the admin view, one key of the per-namespace
+    # caps: a worker admitted 16 long polls, not its 64 (before the fix: 8 of these 24 got
+    # 503 at once). The caps per namespace apply with tenants only.
+    srv = server_factory(workers=1, capacity="1MiB")
+    head = request(srv, "GET", "/kv/events").json()["next"]
+    socks = []
+    try:
+        for _ in range(MAX_WAITERS_PER_NAMESPACE + 8):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(b"GET /kv/events?since=%d&wait=2 HTTP/1.1\r\nHost: t\r\n\r\n" % head)
+            socks.append(s)
+        for s in socks:  # each answered when its wait runs out
+            assert s.recv(4096).startswith(b"HTTP/1.1 200 "), head
+    finally:
+        for s in socks:
+            s.close()
+
+
 @pytest.mark.slow
 def test_too_many_waiters_get_503(server_factory):
     srv = server_factory(workers=1, capacity="1MiB")
     head = request(srv, "GET", "/kv/events").json()["next"]
     socks = []
     try:
-        for _ in range(MAX_WAITERS_PER_NAMESPACE):
+        for _ in range(MAX_WAITERS):  # the worker's cap (no tokens file: one namespace)
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
             s.sendall(b"GET /kv/events?since=%d&wait=3 HTTP/1.1\r\nHost: t\r\n\r\n" % head)
             socks.append(s)
