@@ -140,11 +140,18 @@ class DiskStore:
                     return None
                 old: Entry | None = None
                 with self.lock:
+                    # Deleted while it was written; or a PUT of other bytes over a copy
+                    # the disk holds, which that PUT's ADOPT decides (the copy's bytes
+                    # stand and the PUT's block is withdrawn, or the copy is discarded):
+                    # never over the copy, whose holders' GETs would get the new bytes
+                    # and whose references would be lost.
                     gone = 0 < block <= self._discarded.get(key, 0)
-                    if not gone:
+                    held = self.index.find(key)
+                    adopted = held is not None and held.checksum != checksum and held.block < block
+                    if not gone and not adopted:
                         self.index.ring.append(entry)
                         old = self.index.add(entry)
-                if gone:  # its block was deleted while it was written: never indexed
+                if gone or adopted:  # never indexed
                     self._zero_headers([entry])
                     return None
                 if old is not None:  # a copy of the block's older bytes: never again
