@@ -421,7 +421,13 @@ def scenario_leases() -> dict:
     found = engine.exists(keys + keys_of("leases-absent", 1) + keys[:1])
     looked = counters()
     got = engine.get(keys, src)
-    after = counters()
+    # The releases go out on the backend's release queue (a thread of its own): wait for
+    # them, bounded (read at once, a loaded box's queue had sent 1 of 5).
+    deadline = time.monotonic() + 20
+    while (after := counters())["leases_released"] - before["leases_released"] < 5:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     engine.close()
     return {"found": found, "before": before, "looked": looked, "after": after, "loaded": got}
 
