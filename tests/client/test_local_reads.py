@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from helpers.common import wait_for
 from helpers.kvcache import wait_completions
-from helpers.server_procs import workers_of
+from helpers.server_procs import gone, workers_of
 from helpers.tenants import token_of, write_tokens
 
 from eg_kv.client.aio_connectors import AsyncRemoteKVConnector
@@ -429,8 +429,11 @@ def test_a_server_restarted_onto_a_new_slab_is_never_read_through_the_old_mappin
             old.stop(signal.SIGTERM)  # removes (and retires) its slab
             extra: tuple[str, ...] = ()
         else:
+            orphans = workers_of(old)
             old.stop(signal.SIGKILL)  # the slab stays, and its name
-            wait_for(lambda: not workers_of(old) if old.proc.poll() is None else True)
+            # Its worker drains and exits by itself; until then it still answers on the
+            # port, and the new server's readiness check could be answered by it.
+            wait_for(lambda: all(gone(pid) for pid in orphans), timeout=30)
             extra = ("--fresh",)
         new = server_factory(workers=1, port=old.port, slab_name=old.slab_name, extra=extra)
         with RemoteKVConnector(base_url=new.url, local_reads=False) as http:
