@@ -14,6 +14,7 @@ waits for a stopped keeper, not every PUT and GET behind it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -44,6 +45,9 @@ RETRY_S = 0.5
 #: find the deleted block on disk (only this worker's memory holds what is undone).
 DISCARD_WAIT_S = 5.0
 SLOW_S = 0.05
+#: Reports a worker holds while it has no connection to the keeper (none made yet, or
+#: the keeper restarting); sent first on the next one, the oldest dropped past this.
+MAX_HELD_REPORTS = 4096
 
 
 class Found(NamedTuple):
@@ -89,9 +93,12 @@ class DiskTier:
         #: block id whose copy goes (a copy of a later block is another PUT's, and stays).
         self._undone: dict[tuple[str, str], int] = {}
         self._flushing: asyncio.Future[None] | None = None
+        #: Reports made while there was no connection (frames), sent first on the next.
+        self._held: collections.deque[bytes] = collections.deque(maxlen=MAX_HELD_REPORTS)
+        self._connecting_soon: asyncio.Future[bool] | None = None
 
     async def close(self) -> None:
-        for task in (self._probe, self._flushing):
+        for task in (self._probe, self._flushing, self._connecting_soon):
             if task is not None:
                 task.cancel()
         if self._writer is not None:
@@ -291,14 +298,23 @@ class DiskTier:
 
     def _report(self, *msg: Any) -> None:
         """Send a report (no answer), unless the keeper is down or not reading: then it
-        is dropped (counted as unreachable), never queued without bound."""
-        writer = self._writer
+        is dropped (counted as unreachable), never queued without bound. Made while
+        there is no connection (this worker's first call to the keeper is yet to come,
+        or the keeper is restarting), it is held (:data:`MAX_HELD_REPORTS`) and sent
+        first on the connection made for it: a dedup PUT's count was lost so, and the
+        copy's holders' last DELETE was a 404."""
+        writer, frame = self._writer, wire.frame([msg[0], 0, *msg[1:]])
         if writer is None or writer.is_closing():
+            if len(self._held) == self._held.maxlen:
+                self.unreachable += 1  # the oldest goes
+            self._held.append(frame)
+            if self._connecting_soon is None or self._connecting_soon.done():
+                self._connecting_soon = asyncio.ensure_future(self._connected())
             return
         if self._down or writer.transport.get_write_buffer_size() > MAX_UNSENT:
             self.unreachable += 1
             return
-        writer.write(wire.frame([msg[0], 0, *msg[1:]]))
+        writer.write(frame)
 
     async def _call(self, op: str, *args: Any, probe: bool = False) -> Any:
         if (not probe and (self._down or self._stalled())) or len(
@@ -365,6 +381,8 @@ class DiskTier:
                 return False
             self._warned = False
             self._writer = writer
+            while self._held:  # before any call that comes after them
+                writer.write(self._held.popleft())
             self._answers = asyncio.ensure_future(self._read_answers(reader, writer))
             self._resend_undone()  # a new keeper (or the same, back)
             return True
