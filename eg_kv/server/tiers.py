@@ -66,8 +66,9 @@ class Promoting:
         try:
             refs = await tier.promote(tenant.namespace, h.address, self._found.seq)
             try:
-                if refs and h.commit() and refs > 1:  # its copy's others, not dedup hits
-                    self._slab.add_ref(h.address, h.length, tenant.ns, refs - 1, hit=False)
+                if refs:  # all its copy's references at once, none a dedup hit
+                    h.refs = refs
+                    h.commit()
             finally:
                 tier.promoted(tenant.namespace, h.address)
         except EgKvError as e:

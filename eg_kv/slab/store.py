@@ -800,12 +800,13 @@ class Slab(SlabLeases):
 
     def _publish(
         self, i: int, raw: bytes, fp: int, length: int, first: int, npages: int, ns: int,
-        checksum: int, engine: EngineName = NO_ENGINE, record: int = 0,
+        checksum: int, engine: EngineName = NO_ENGINE, record: int = 0, refs: int = 1,
     ) -> None:  # fmt: skip
-        """Make the block on pages ``first``.. visible in empty slot ``i``, and count it.
-        ``record``: the disk tier's record it was read from (a promotion: its slot says the
-        disk has it). A promotion is logged as stored: a reader that knew the block sees it
-        again (harmless), one that started after it went to disk (a restart) learns of it."""
+        """Make the block on pages ``first``.. visible in empty slot ``i`` with ``refs``
+        references, and count it. ``record``: the disk tier's record it was read from (a
+        promotion: its slot says the disk has it). A promotion is logged as stored: a
+        reader that knew the block sees it again (harmless), one that started after it
+        went to disk (a restart) learns of it."""
         st, ev = self._state, self._events
         block_id = st[L.ST_NEXT_BLOCK_ID]
         if ev is not None:  # pending before the change, published after (crash safety)
@@ -818,11 +819,11 @@ class Slab(SlabLeases):
         else:
             meta = (checksum, record, engine.lora_id, engine.block_size, flags, len(engine.hash),
                     engine.hash)  # fmt: skip
-        self._write_slot(i, L.REF_NEW, raw, 1, length, first, npages, block_id, fp, ns, meta)
+        self._write_slot(i, L.REF_NEW, raw, refs, length, first, npages, block_id, fp, ns, meta)
         st[L.ST_UNIQUE_BLOCKS] += 1
-        st[L.ST_TOTAL_REFS] += 1
+        st[L.ST_TOTAL_REFS] += refs
         st[L.ST_RESIDENT_BYTES] += length
-        st[L.ST_LOGICAL_BYTES] += length
+        st[L.ST_LOGICAL_BYTES] += length * refs
         st[L.ST_SLOT_PAGES] += npages
         created = 0 if record else 1  # a promotion from the disk tier is no client's PUT
         st[L.ST_PUTS_CREATED] += created
@@ -831,9 +832,9 @@ class Slab(SlabLeases):
         if ns:
             e, nsw = ns * _NS_WORDS, self._nsw
             nsw[e + _NS_BLOCKS] += 1
-            nsw[e + _NS_REFS] += 1
+            nsw[e + _NS_REFS] += refs
             nsw[e + _NS_RESIDENT_BYTES] += length
-            nsw[e + _NS_LOGICAL_BYTES] += length
+            nsw[e + _NS_LOGICAL_BYTES] += length * refs
             nsw[e + _NS_PAGES] += npages
             nsw[e + _NS_PUTS_CREATED] += created
         if ev is not None:
@@ -869,7 +870,7 @@ class Slab(SlabLeases):
             # Publish the slot before giving up the reservation: a crash in between leaves
             # both claiming the pages, and repair lets the published slot win.
             self._publish(i, h.raw, h.fp, h.length, h.first, h.npages, h.ns, h.checksum, h.engine,
-                          h.record)  # fmt: skip
+                          h.record, h.refs)  # fmt: skip
             self._unreserve(h.resv)
             return True
 
@@ -1107,7 +1108,7 @@ class PutHandle:
 
     __slots__ = ("_hash", "_run", "_runs", "_slab", "address", "block_id", "checksum",
                  "done", "engine", "expected", "first", "fp", "length", "npages", "ns", "pos",
-                 "raw", "record", "ref_entry", "resv")  # fmt: skip
+                 "raw", "record", "ref_entry", "refs", "resv")  # fmt: skip
 
     def __init__(
         self, slab: Slab, address: str, raw: bytes, fp: int, length: int, resv: int,
@@ -1129,6 +1130,11 @@ class PutHandle:
         self.engine = engine
         #: The disk tier's record the bytes come from (a promotion; 0: a put's own bytes).
         self.record = 0
+        #: The references the block is published with: a promotion's are its disk copy's,
+        #: all at once (published with one, then given the rest, a DELETE on another
+        #: worker in between took the only one: the block and its copy went, with the
+        #: others' references).
+        self.refs = 1
         #: A dedup hit's reservation entry (its reference, noted under this pid), or -1.
         self.ref_entry = -1
 

@@ -277,6 +277,24 @@ def test_add_ref_counts_a_dedup_hit_from_the_headers(slab):
     assert (st["total_refs"], st["dedup_hits"], st["deletes"]) == (4, 2, 0)
 
 
+def test_a_promotion_is_published_with_all_its_references_at_once(slab):
+    """A block read back from the disk tier comes with its copy's references. Published
+    with one and given the others a moment later, a DELETE on another worker in between
+    took the only one: the block went, and its copy with the others' references. The
+    handle names them, and they are published in the same step (none a dedup hit)."""
+    body = data(100 * KiB)
+    h = slab.begin_put("promoted", len(body))
+    h.write(body)
+    h.record, h.refs = 7, 3
+    assert h.commit() is True
+    assert slab.refs("promoted") == 3 and slab.spilled("promoted")
+    st = slab.stats()
+    assert (st["total_refs"], st["logical_bytes"], st["dedup_hits"]) == (3, 300 * KiB, 0)
+    for left in (2, 1, 0):
+        assert slab.delete("promoted") and slab.refs("promoted") == left
+    assert slab.stats()["total_refs"] == 0 and slab.check() == []
+
+
 def test_streamed_dedup_hit_takes_its_reference_at_once_and_back_on_abort(slab):
     """Its reference at once; its count when it ends, so an abort takes nothing counted
     back (dedup_hits went back, a reset to Prometheus)."""
