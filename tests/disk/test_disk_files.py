@@ -482,14 +482,12 @@ def test_a_block_evicted_while_its_spill_is_written_leaves_the_disk_too(keeper_o
         raise AssertionError("x was never evicted")
 
     _spill_with(keeper, monkeypatch, evict)
-    import asyncio
-
     from eg_kv.slab.events import REMOVED
 
     kinds = [ev.kind for ev in slab.events.read(0, 1000)[0] if ev.address == b"x"]
     assert kinds[-1] == REMOVED, kinds
     assert store.index.find(("", "x")) is None and store.counters["spill_drops"] >= 1
-    asyncio.run(keeper._zeroed(True))  # once the header's zeroing is written
+    store.zeroed().result(timeout=30)  # once the header's zeroing is written
     again = _store(store.path, capacity=16 * MiB, max_block=1 * MiB)
     try:
         assert again.index.find(("", "x")) is None  # its header went too
