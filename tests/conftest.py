@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 from helpers.common import unique_slab_name
@@ -17,6 +19,16 @@ from helpers.servers import Server, start_server, stop_server
 from eg_kv.slab.store import Slab
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+#: vLLM makes its engines' ZMQ sockets in VLLM_RPC_BASE_PATH (/tmp by default) and leaves
+#: them when its process is stopped (868 in /tmp after a few dozen runs). Every vLLM the
+#: suite starts inherits this directory, removed when the session ends.
+_VLLM_RPC_DIR = tempfile.mkdtemp(prefix="eg-kv-test-vllm-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_RPC_DIR)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_VLLM_RPC_DIR, ignore_errors=True)
+
 
 #: Markers that say a test needs an optional package: marker -> (module, why it is absent).
 NEEDS = {
