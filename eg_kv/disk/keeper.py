@@ -84,8 +84,9 @@ ANSWER_DRAIN_S = 5.0
 #: eg_kv.disk.tier.CALL_TIMEOUT_S): an answer past it is a 503 for a change applied.
 ZEROED_MARGIN_S = 0.15
 ZEROED_WAIT_S = 0.5
-#: Promotions between their ``promote`` and ``promoted`` at once (each for
-#: ``wire.COMMIT_S`` at most): past it, a promotion is declined (served, not published).
+#: Promotions and adopting PUTs between their answer and ``promoted`` at once (each for
+#: ``wire.COMMIT_S`` at most): past it, a promotion is declined (served, not published),
+#: a PUT answered 503.
 MAX_COMMITTING = 4096
 
 
@@ -113,7 +114,7 @@ class Keeper:
         store.on_drop = self._dropped
         self._connections = 0
         self._writers: set[asyncio.StreamWriter] = set()  # the workers' connections
-        #: Promotions told their count and not yet committed: key -> (until, done).
+        #: Promotions and PUTs told their count and not yet committed: key -> (until, done).
         self._committing: dict[Key, tuple[float, asyncio.Event]] = {}
 
     # ------------------------------------------------------------------ spills
@@ -242,22 +243,47 @@ class Keeper:
         committed by another). Until it says ``promoted`` (``wire.COMMIT_S`` at most),
         DELETEs of ``key`` wait, then find the block in the slab: the count told here
         stays exact, whatever DELETEs came before, during or after."""
-        now, marks = time.monotonic(), self._committing
-        while marks:  # oldest first (one deadline for all): the ones past it go
-            oldest, (until, done) = next(iter(marks.items()))
-            if until > now:
-                break
-            del marks[oldest]
-            done.set()
-        if key in marks or len(marks) >= MAX_COMMITTING:
+        self._expire_marks()
+        if key in self._committing:
             return 0
         with self.store.lock:
             e = self.store.index.find(key)
             if e is None or e.seq != seq:
                 return 0
             refs = e.refs
-        marks[key] = (now + wire.COMMIT_S, asyncio.Event())
-        return refs
+        return refs if self._mark(key) else 0
+
+    def _expire_marks(self) -> None:
+        """Let go the marks past their end (oldest first: one deadline for all)."""
+        now, marks = time.monotonic(), self._committing
+        while marks:
+            oldest, (until, done) = next(iter(marks.items()))
+            if until > now:
+                break
+            del marks[oldest]
+            done.set()
+
+    def _mark(self, key: Key) -> bool:
+        """Mark ``key`` as being committed into the slab (a promotion's or a PUT's, told
+        the copy's count): DELETEs, promotions and ADOPTs of it wait for ``promoted``,
+        ``wire.COMMIT_S`` at most. False when :data:`MAX_COMMITTING` are marked."""
+        self._expire_marks()
+        if len(self._committing) >= MAX_COMMITTING:
+            return False
+        self._committing[key] = (time.monotonic() + wire.COMMIT_S, asyncio.Event())
+        return True
+
+    async def _settled(self, key: Key, deadline: float) -> None:
+        """Wait while ``key`` is being committed into the slab (until ``deadline`` at
+        most; a mark past its own end is let go: its worker never said)."""
+        while True:
+            self._expire_marks()
+            mark = self._committing.get(key)
+            wait = 0.0 if mark is None else min(mark[0], deadline) - time.monotonic()
+            if mark is None or wait <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(mark[1].wait(), wait)
 
     async def _delete(self, key: Key, deadline: float) -> int | None:
         """A ``DELETE`` of ``key`` the slab did not hold when the worker looked: one
@@ -265,11 +291,7 @@ class Keeper:
         or a PUT since: ``wire.IN_SLAB``, the worker deletes it there). Waits for a
         promotion being committed. None past ``deadline`` (the worker answered 503), and
         while the scan has not found the record yet (the worker answers 503: retry)."""
-        mark = self._committing.get(key)
-        if mark is not None:
-            wait = min(mark[0], deadline) - time.monotonic()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(mark[1].wait(), max(wait, 0))
+        await self._settled(key, deadline)
         if time.monotonic() > deadline:
             return None
         ns = self._ns_id(key[0])
@@ -370,8 +392,14 @@ class Keeper:
             return answer
         if op == wire.PROMOTE:
             return self._promote((args[0], args[1]), int(args[2]))
-        if op == wire.PROMOTED:
-            mark = self._committing.pop((args[0], args[1]), None)
+        if op == wire.PROMOTED:  # (an adopting PUT's: its reference joins the copy's)
+            key = (args[0], args[1])
+            if len(args) > 2 and int(args[2]):
+                with store.lock:
+                    e = store.index.find(key)
+                    if e is not None:
+                        e.refs += int(args[2])
+            mark = self._committing.pop(key, None)
             if mark is not None:
                 mark[1].set()
             return None
@@ -382,7 +410,7 @@ class Keeper:
                 await self._zeroed(time.monotonic() + ZEROED_WAIT_S)
             return dropped
         if op == wire.ADOPT:
-            return self._adopt((args[0], args[1]), args[2], args[3], int(args[4]))
+            return await self._adopt((args[0], args[1]), args[2], int(args[3]))
         if op == wire.STATS:
             stats = store.stats()
             stats["spill_queue"] = self.spills.qsize()
@@ -447,22 +475,31 @@ class Keeper:
                            e.engine.block_size, e.engine.lora_id] for e in page if e.live],
                 done]  # fmt: skip
 
-    def _adopt(self, key: Key, checksum: int, block: int, length: int) -> list[Any]:
-        """A PUT created ``key`` in the slab as ``block`` (``length`` bytes): what the
-        disk's copy makes of it, as a resident block would (``[verdict, number]``, the
-        verdicts of :mod:`eg_kv.disk.wire`). A copy stands: the same bytes or the same
-        length are a dedup hit (this PUT's reference joins it), another length a
-        conflict; it went with all its references once (a holder's GET then got other
-        bytes, and the last of its DELETEs was refused). The spill of that very block
-        (which may be done already) is no copy."""
+    async def _adopt(self, key: Key, checksum: int, length: int) -> list[Any]:
+        """A PUT is about to create ``key`` in the slab (``length`` bytes, ``checksum``):
+        what the disk's copy makes of it, as a resident block would (``[verdict,
+        number]``, the verdicts of :mod:`eg_kv.disk.wire`). A copy stands: the same bytes
+        are a dedup hit (the PUT publishes the block with the copy's references and its
+        own), the same length with other bytes too (the copy's bytes stay, with the PUT's
+        reference), another length a conflict.
+
+        Asked before the block is published, and answered after any promotion or other
+        PUT of ``key`` being committed; a copy that stands is marked until the PUT says
+        ``promoted`` (with its reference), so that no DELETE, promotion or other PUT of
+        ``key`` comes in between. (Asked after the publish, a DELETE on another worker in
+        the round trip took the block's only reference: it went, with its copy and every
+        holder's reference.) ``[BUSY, 0]`` when the marks are full or the wait ran out."""
+        await self._settled(key, time.monotonic() + wire.ADOPT_WAIT_S)
+        if key in self._committing:
+            return [wire.BUSY, 0]
         with self.store.lock:
             e = self.store.index.find(key)
-            if e is None or e.block == block:
+            if e is None:
                 return [wire.NEW, 0]
             if e.length != length:
                 return [wire.CONFLICT, e.length]
-            e.refs += 1  # the PUT's own reference, on the copy too
-            return [wire.SAME if e.checksum == checksum else wire.OTHER, e.refs - 1]
+            answer = [wire.SAME if e.checksum == checksum else wire.OTHER, e.refs]
+        return answer if self._mark(key) else [wire.BUSY, 0]
 
     # ------------------------------------------------------------------ start
 

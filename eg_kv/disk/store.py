@@ -140,11 +140,10 @@ class DiskStore:
                     return None
                 old: Entry | None = None
                 with self.lock:
-                    # Deleted while it was written; or a PUT of other bytes over a copy
-                    # the disk holds, which that PUT's ADOPT decides (the copy's bytes
-                    # stand and the PUT's block is withdrawn, or the copy is discarded):
-                    # never over the copy, whose holders' GETs would get the new bytes
-                    # and whose references would be lost.
+                    # Deleted while it was written; or other bytes than a copy the disk
+                    # holds of an earlier block (a PUT whose ADOPT came before that copy
+                    # was indexed): never over the copy, whose holders' GETs would get
+                    # the new bytes and whose references would be lost.
                     gone = 0 < block <= self._discarded.get(key, 0)
                     held = self.index.find(key)
                     adopted = held is not None and held.checksum != checksum and held.block < block

@@ -202,9 +202,10 @@ class DiskTier:
             return 0
         return int(got)
 
-    def promoted(self, namespace: str, address: str) -> None:
-        """The promotion :meth:`promote` answered is published, or not: DELETEs go on."""
-        self._report(wire.PROMOTED, namespace, address)
+    def promoted(self, namespace: str, address: str, refs: int = 0) -> None:
+        """The promotion :meth:`promote` (or the PUT :meth:`adopt`) answered is published,
+        or not: DELETEs go on. ``refs``: the PUT's references, which join the copy's."""
+        self._report(wire.PROMOTED, namespace, address, *([refs] if refs else []))
 
     async def discard(
         self, namespace: str, address: str, block: int = 0, wait: bool = True
@@ -244,15 +245,22 @@ class DiskTier:
             self._flushing = asyncio.ensure_future(self._send_undone())
 
     async def adopt(
-        self, namespace: str, address: str, checksum: int, block: int, length: int
+        self, namespace: str, address: str, checksum: int, length: int
     ) -> tuple[str, int]:
-        """A PUT created ``address`` as slab block ``block`` of ``length`` bytes: the
-        disk's verdict on its copy (:data:`eg_kv.disk.wire.NEW` ... ``CONFLICT``) and its
-        number (see the keeper's ``_adopt``); NEW when the keeper did not answer."""
-        got = await self._call(wire.ADOPT, namespace, address, checksum, block, length)
+        """A PUT is about to create ``address`` (``length`` bytes, ``checksum``) in the
+        slab: the disk's verdict on its copy (:data:`eg_kv.disk.wire.NEW` ... ``BUSY``)
+        and its number (see the keeper's ``_adopt``). After SAME or OTHER, decide at once
+        (no await between), then call :meth:`promoted`; BUSY when the answer came too
+        late for that (the keeper's mark may be over); NEW when the keeper did not
+        answer (the slab goes on alone)."""
+        t0 = time.monotonic()
+        got = await self._call(wire.ADOPT, namespace, address, checksum, length)
         if not isinstance(got, list) or len(got) != 2:
             return wire.NEW, 0
-        return str(got[0]), int(got[1])
+        verdict = str(got[0])
+        if verdict in (wire.SAME, wire.OTHER) and time.monotonic() - t0 > wire.COMMIT_S / 2:
+            return wire.BUSY, 0
+        return verdict, int(got[1])
 
     async def listing(self, namespace: str | None) -> AsyncIterator[list[list[Any]]]:
         """The blocks the disk holds (``namespace``'s, or all), a page at a time:

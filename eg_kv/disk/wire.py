@@ -18,9 +18,10 @@ promote    namespace, address, seq                    the refs to publish record
                                                       of it wait for ``promoted``, COMMIT_S at most
 discard    namespace, address, slab block (0: any)    whether it was there (the copy goes; not
                                                       a copy of a later block)
-adopt      namespace, address, checksum, block id     the refs of a copy with that checksum not
-                                                      spilled from that block, or 0 (a copy with
-                                                      another checksum is dropped)
+adopt      namespace, address, checksum, length       [verdict, number] on the copy of a block a
+                                                      PUT is about to create; SAME and OTHER
+                                                      hold DELETEs, promotions and ADOPTs of it
+                                                      until ``promoted``, COMMIT_S at most
 stats      (none)                                     the tier's counters (a map)
 list       namespace (None: all), listing id (0: new) [listing id, [[namespace, address,
                                                       length, engine hash, parent, block size,
@@ -29,7 +30,8 @@ bad        namespace, address, seq                    (report) a record that fai
 loaded     bytes, seconds                             (report) a verified read from the file
 refs       namespace, address, references             (report) a dedup PUT or a DELETE that left
                                                       references: the resident block's count now
-promoted   namespace, address                         (report) the promotion is committed, or not
+promoted   namespace, address[, refs]                 (report) the promotion (or adopting PUT) is
+                                                      committed, or not; ``refs`` join the copy
 =========  =========================================  ===========================================
 """
 
@@ -44,12 +46,13 @@ from typing import Any
 import msgspec
 
 FIND, DELETE, DISCARD, ADOPT = "find", "delete", "discard", "adopt"
-#: ADOPT's verdicts on the disk's copy of an address a PUT just created in the slab, with
-#: a number: NEW (no copy, or the spill of this very block), SAME (the same bytes: its
-#: references, this PUT's joined), OTHER (the same length, other bytes: the copy stands,
-#: as a resident block would, with this PUT's reference; its references), CONFLICT
-#: (another length: the copy stands; its length).
-NEW, SAME, OTHER, CONFLICT = "new", "same", "other", "conflict"
+#: ADOPT's verdicts on the disk's copy of an address a PUT is about to create in the
+#: slab, with a number: NEW (no copy), SAME (the same bytes: the PUT publishes the block
+#: with the copy's references, its number, and its own), OTHER (the same length, other
+#: bytes: the copy stands, as a resident block would, with this PUT's reference; its
+#: references), CONFLICT (another length: the copy stands; its length), BUSY (the address
+#: stayed marked by another's commit, or the marks are full: retry).
+NEW, SAME, OTHER, CONFLICT, BUSY = "new", "same", "other", "conflict", "busy"
 STATS, BAD, LOADED, REFS, LIST = "stats", "bad", "loaded", "refs", "list"
 PROMOTE, PROMOTED = "promote", "promoted"
 #: A ``delete``'s answer when the slab holds the block now (promoted or PUT meanwhile).
@@ -58,6 +61,9 @@ IN_SLAB = 2
 #: stopped between ``promote`` and ``promoted``); a worker whose ``promote`` answer took
 #: over half of it publishes nothing.
 COMMIT_S = 1.0
+#: How long an ADOPT waits at most for another's commit of its address before it is
+#: answered BUSY (well inside the worker's call timeout).
+ADOPT_WAIT_S = 0.25
 #: Blocks one ``list`` answer holds at most.
 LIST_PAGE = 4096
 FRAME = struct.Struct("<I")

@@ -7,9 +7,9 @@ publishes it there (a promotion, with the record's engine name and as many refer
 the disk's copy held). A promotion the slab refuses (full of leased blocks, the
 namespace over its quota) still answers the GET, from a copy. HEAD, exists and batch
 exists answer from the keeper's index without moving bytes. A DELETE that misses the
-slab releases the disk's copy; a PUT that creates a block the disk already holds with
-the same bytes is a dedup hit (200) and takes its references into the slab. Without a
-disk tier every function here answers as a miss at once.
+slab releases the disk's copy; a PUT of a block the disk already holds with the same
+bytes is a dedup hit (200), published with the copy's references. Without a disk tier
+every function here answers as a miss at once.
 """
 
 from __future__ import annotations
@@ -174,40 +174,57 @@ def count_dedup(request: web.Request, tenant: Tenant, address: str) -> None:
         tier.count_refs(tenant.namespace, address, request.app[SLAB].refs(address, tenant.ns))
 
 
-async def adopt(request: web.Request, tenant: Tenant, address: str) -> bool:
-    """A PUT created ``address`` in the slab: True if the disk held a copy of the same
-    length, so the PUT was a dedup hit, as it would have been with the copy resident (the
-    copy's references join the slab's block, or this PUT's joins the copy's).
+async def commit_put(request: web.Request, tenant: Tenant, handle: PutHandle) -> bool:
+    """Publish a PUT's block (its bytes all in): True if the PUT created it (201),
+    False if it was a dedup hit (200).
+
+    With a disk tier, a PUT that would create the block asks the disk first (ADOPT),
+    before the block can be seen, as a resident block would answer: a copy of the same
+    bytes makes it a dedup hit, published with the copy's references and its own at
+    once; a copy of the same length and other bytes stands, and takes the PUT's
+    reference; another length is a 409. The keeper holds back DELETEs and promotions of
+    the address until the PUT says it is done (asked after the publish, a DELETE on
+    another worker in the round trip took the block's only reference: it went, with the
+    copy and every holder's reference).
 
     Raises:
-        Conflict: the disk holds a copy of another length (the PUT's block is taken back).
+        Conflict (the disk holds another length), Busy (the address is being moved
+        between the tiers; retry), and what :meth:`PutHandle.commit` raises.
     """
     tier = request.app.get(DISK)
     if tier is None:
-        return False
-    slab = request.app[SLAB]
-    described = slab.describe(address, tenant.ns)
-    if described is None:
-        return False
-    length, checksum = described
-    block = slab.block_ids([address], tenant.ns)[1][0]
-    verdict, number = await tier.adopt(tenant.namespace, address, checksum, block, length)
-    if verdict == wire.NEW:
-        return False
-    if verdict == wire.CONFLICT:
-        if slab.withdraw(address, tenant.ns, block):
-            raise Conflict(conflict_message(address, number, length))
-        await tier.discard(tenant.namespace, address, block)  # these bytes were taken meanwhile
-        return False
-    if verdict == wire.OTHER and slab.withdraw(address, tenant.ns, block):
-        slab.count_dedup_hit(tenant.ns)
-        return True  # the copy's bytes stand, with this PUT's reference
-    try:  # its references join the slab's block, whose own is this PUT's: a dedup hit
-        if number:
-            slab.add_ref(address, length, tenant.ns, number, hit=False)
-        slab.count_dedup_hit(tenant.ns)
-    except EgKvError:
-        return False
-    if verdict == wire.OTHER:  # the copy's bytes were taken meanwhile: theirs go
-        await tier.discard(tenant.namespace, address, block)
-    return True
+        return handle.commit()
+    address, name = handle.address, tenant.namespace
+    if not handle.dedup:
+        verdict, number = await tier.adopt(name, address, handle.seal(), handle.length)
+        if verdict == wire.BUSY:
+            raise Busy(f"block {address} is moving between the disk and the slab; retry")
+        if verdict == wire.CONFLICT:
+            raise Conflict(conflict_message(address, number, handle.length))
+        if verdict != wire.NEW:
+            _join_copy(request.app[SLAB], handle, verdict, number, tier, name)
+            return False
+    if handle.commit():
+        return True
+    count_dedup(request, tenant, address)
+    return False
+
+
+def _join_copy(
+    slab: Slab, handle: PutHandle, verdict: str, copy_refs: int, tier: DiskTier, name: str
+) -> None:
+    """A PUT whose block the disk holds (``verdict`` SAME or OTHER, the copy's
+    ``copy_refs``): a dedup hit, with no await before the keeper is told."""
+    joined = 0
+    try:
+        if verdict == wire.SAME:  # published with the copy's references and its own
+            handle.refs = copy_refs + 1
+            if handle.commit():  # (else: a dedup hit on the block published meanwhile)
+                slab.count_dedup_hit(handle.ns)
+        else:  # other bytes: the copy's stand, and so does a block promoted from it
+            handle.abort()
+            if not slab.add_ref(handle.address, handle.length, handle.ns):
+                slab.count_dedup_hit(handle.ns)
+        joined = 1
+    finally:
+        tier.promoted(name, handle.address, joined)

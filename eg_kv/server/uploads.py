@@ -26,14 +26,14 @@ from aiohttp import HttpVersion11, web
 from ..checksum import decode as decode_checksum
 from ..engine import EngineName, engine_from_headers
 from ..errors import BadRequest, EgKvError, TooLarge
-from ..slab.store import SMALL_PUT, Slab
+from ..slab.store import SMALL_PUT
 from ..units import human_size
 from ..wire import CHECKSUM_HEADER, whole_number
 from . import tiers
 from ._compat import forget_interim
 from .answers import error_response, label, reply, unauthorized, why
 from .auth import authorize
-from .keys import AUTH, EXTRAS, METRICS, SETTINGS, SLAB, SPOOL
+from .keys import AUTH, DISK, EXTRAS, METRICS, SETTINGS, SLAB, SPOOL
 from .tenants import Tenant
 
 #: A request's headers, or a parsed message's (case-insensitive in both).
@@ -191,8 +191,8 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     # A Busy (503: upload share or spool full) gets its Retry-After where errors become
     # answers (error_response).
     if length is None:
-        created = await _put_chunked(request, slab, address, ns, checksum, engine)
-    elif length <= SMALL_PUT:
+        created = await _put_chunked(request, tenant, address, checksum, engine)
+    elif length <= SMALL_PUT and DISK not in request.app:
         # Gather a small body, then store it in one critical section (Slab.put): the
         # second lock round trip of a streamed put cost more than holding these bytes.
         body = await _receive_small(request, length)
@@ -201,15 +201,14 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
         share = request.app[SETTINGS].upload_share
         handle = slab.begin_put(address, length, share, ns, checksum, engine)
         try:
-            await _receive(request, handle.write)
-            created = handle.commit()
+            if length <= SMALL_PUT:
+                handle.write(await _receive_small(request, length))
+            else:
+                await _receive(request, handle.write)
+            created = await tiers.commit_put(request, tenant, handle)
         finally:
             handle.abort()  # no-op after commit; frees the pages (or the dedup reference)
-    if created and not await tiers.adopt(request, tenant, address):
-        return reply(request, 201, b"created\n")
-    if not created:
-        tiers.count_dedup(request, tenant, address)
-    return reply(request, 200, b"dedup\n")
+    return reply(request, 201, b"created\n") if created else reply(request, 200, b"dedup\n")
 
 
 async def _receive(
@@ -261,7 +260,7 @@ async def _receive_small(request: web.Request, length: int) -> bytes:
 
 
 async def _put_chunked(
-    request: web.Request, slab: Slab, address: str, ns: int, checksum: int | None,
+    request: web.Request, tenant: Tenant, address: str, checksum: int | None,
     engine: EngineName,
 ) -> bool:  # fmt: skip
     """Spool a chunked body into a memfd, then copy it into the slab.
@@ -270,6 +269,7 @@ async def _put_chunked(
     bodies together at most its ``--chunked-spool`` (503 beyond, see
     :class:`~eg_kv.server.inflight.SpoolBudget`).
     """
+    slab, ns = request.app[SLAB], tenant.ns
     limit, budget = slab.max_block_size, request.app[SPOOL]
     fd = os.memfd_create("eg-kv-put", os.MFD_CLOEXEC)
     total = 0
@@ -297,7 +297,7 @@ async def _put_chunked(
                 piece = os.pread(fd, min(SPOOL_SLICE, total - pos), pos)
                 handle.write(piece)
                 pos += len(piece)
-            return handle.commit()
+            return await tiers.commit_put(request, tenant, handle)
         finally:
             handle.abort()
     finally:

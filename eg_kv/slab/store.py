@@ -1001,24 +1001,6 @@ class Slab(SlabLeases):
 
     # ------------------------------------------------------------------ the disk tier
 
-    def withdraw(self, address: str, ns: int, block_id: int) -> bool:
-        """Take back block ``block_id``, which a PUT just created under ``address`` where
-        the disk tier already holds another copy (other bytes, or another length): the
-        disk's copy stands, as a resident block would have (a dedup hit, or a 409), and no
-        removal is logged (the address is still held). Counted as nothing.
-
-        Returns:
-            Whether it was withdrawn: False if another reference was taken meanwhile (a
-            dedup hit of these bytes: they stay).
-        """
-        raw, fp = self._key(address, ns)
-        with self._locked():
-            i, s = self._find(raw, fp, ns)
-            if s is None or s[F_BLOCK_ID] != block_id or s[F_REFS] != 1:
-                return False
-            self._drop_block(i, s, held=True)
-            return True
-
     def mark_spilled(self, address: str, ns: int, block_id: int, record: int) -> int:
         """The disk tier holds block ``block_id`` (resident under ``address``) as its record
         ``record``: say so in its slot, so that its eviction is a move between tiers, not
@@ -1222,6 +1204,21 @@ class PutHandle:
                 a dedup hit's reference is taken back).
             Conflict: a block of another length was published meanwhile.
         """
+        self.seal()
+        self.done = True
+        return self._slab._commit(self)
+
+    def seal(self) -> int:
+        """Check that every byte arrived and that they match the checksum their sender
+        gave; returns their checksum (0 for a dedup hit). :meth:`commit` does it itself:
+        call it first to know the checksum before the block is published (the disk
+        tier's ADOPT).
+
+        Raises:
+            SlabError: the put is finished. BadRequest: fewer bytes were written than
+            announced. BodyMismatch: not the bytes their sender's checksum names. (The
+            put is aborted on either.)
+        """
         if self.done:
             raise SlabError("put already finished")
         if self.pos != self.length:
@@ -1232,8 +1229,7 @@ class PutHandle:
             if self.expected is not None and self.expected != self.checksum:
                 self.abort()
                 self._slab.refuse_body(self.expected, self.checksum)
-        self.done = True
-        return self._slab._commit(self)
+        return self.checksum
 
     def abort(self) -> None:
         """Give the reserved pages (or a dedup hit's reference) back. Idempotent."""

@@ -4,6 +4,7 @@ directory, blocks four times the slab; crashes by SIGKILL, damage by changing th
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -18,7 +19,8 @@ import psutil
 import pytest
 from helpers.common import free_port, wait_for
 from helpers.kv_publisher import Subscriber, held_by, kv_events_flags
-from helpers.server_http import request, stats
+from helpers.server_http import WORKER_HEADER, request, stats
+from helpers.server_procs import stopped
 from helpers.servers import serve_cmd
 from helpers.tenants import token_of, write_tokens
 
@@ -609,6 +611,53 @@ def test_a_dedup_put_on_a_worker_without_a_keeper_connection_counts_on_disk(
     assert request(srv, "DELETE", f"/kv/{address}").status == 204
     assert request(srv, "GET", f"/kv/{address}").body == data  # one reference left
     assert request(srv, "DELETE", f"/kv/{address}").status == 204
+    assert request(srv, "GET", f"/kv/{address}").status == 404
+
+
+def test_a_put_of_a_block_the_disk_holds_and_a_delete_in_its_round_trip_keep_every_reference(
+    server_factory, disk_dir
+):
+    """A PUT of a block only the disk holds (two references) and a DELETE of it, read by
+    the worker together. The PUT used to publish the block with its own reference and
+    then ask the keeper for the copy's: the DELETE, run in that round trip, took the
+    only reference, so the block and its copy went with both holders' (a GET after was a
+    404). Now the PUT asks first and publishes with all three; the keeper holds the
+    DELETE back until then."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    address, data = "race-put-delete", os.urandom(4 * KiB)
+    _put_spilled(srv, {address: data})
+    assert request(srv, "PUT", f"/kv/{address}", data).status == 200  # a second holder
+    for i in range(40):  # until the slab evicts it
+        _put_spilled(srv, _blocks(f"r-fill{i}-", 2))
+        if _on_disk(srv, [address]):
+            break
+    assert _on_disk(srv, [address]) == [address]
+    put, delete = (http.client.HTTPConnection(srv.host, srv.port, timeout=30) for _ in "12")
+    try:
+        for conn in (put, delete):  # kept alive, so both are the worker's before it stops
+            conn.request("HEAD", "/kv/race-warm-up")
+            reply = conn.getresponse()
+            reply.read()
+        worker = int(reply.headers[WORKER_HEADER])
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            wait_for(lambda: stopped(worker), timeout=10, what="the worker to stop")
+            put.request("PUT", f"/kv/{address}", body=data)
+            delete.request("DELETE", f"/kv/{address}")
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        answers = []
+        for conn in (put, delete):
+            reply = conn.getresponse()
+            reply.read()
+            answers.append(reply.status)
+    finally:
+        put.close()
+        delete.close()
+    assert answers == [200, 204]
+    for left in (2, 1):  # the copy's two and the PUT's, less one
+        assert request(srv, "GET", f"/kv/{address}").body == data, f"{left} references left"
+        assert request(srv, "DELETE", f"/kv/{address}").status == 204
     assert request(srv, "GET", f"/kv/{address}").status == 404
 
 
