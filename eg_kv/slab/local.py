@@ -62,8 +62,8 @@ MEMMOVE_MIN = 256 * 1024
 #: page tables it fills (8 bytes a 4 KiB page: 2 MiB a GiB) are those the reads would
 #: fill anyway once they touched the whole slab; past this size, reads fault the rest.
 POPULATE_MAX = 32 * 1024**3
-#: Bytes one populate step maps (the thread checks for close() between steps).
-POPULATE_STEP = 64 * 1024 * 1024
+#: Bytes one populate step maps (about 2 ms; the unmapping waits for the step in flight).
+POPULATE_STEP = 16 * 1024 * 1024
 #: The same for the tables' mapping, whose ``madvise`` holds the GIL (about 1 ms a step).
 TABLES_STEP = 8 * 1024 * 1024
 _MADV_POPULATE_READ = 22
@@ -256,7 +256,9 @@ class LocalSlab(SlabView):
             self.leases = LocalLeases(table, self._entries, self._me)
         self.closed = False
         after_fork_in_child(self)
-        threading.Thread(target=self._populate, name="eg-kv-populate", daemon=True).start()
+        self._populating = threading.Thread(target=self._populate, name="eg-kv-populate",
+                                            daemon=True)  # fmt: skip
+        self._populating.start()
 
     def after_fork_in_child(self) -> None:
         """Fresh locks in a forked child: a thread of the parent may have held one at the
@@ -574,11 +576,8 @@ class LocalSlab(SlabView):
     def _populate(self) -> None:
         """Map the slab's pages into this process ahead of its reads (:data:`POPULATE_MAX`):
         first the tables lookups walk, then the blocks' bytes, a step at a time while the
-        mapping is open. A kernel without ``MADV_POPULATE_READ`` ends it at once."""
-        try:
-            self._use()
-        except LocalRetired:
-            return
+        mapping is open (the unmapping waits for the step in flight). A kernel without
+        ``MADV_POPULATE_READ`` ends it at once."""
         try:
             tables = self.geometry.data_off
             for off in range(0, tables, TABLES_STEP):  # (Python's madvise holds the GIL)
@@ -595,8 +594,6 @@ class LocalSlab(SlabView):
                 off += step
         except (OSError, ValueError):  # an older kernel (EINVAL): reads fault as they go
             return
-        finally:
-            self._done()
 
     def _unmap_base(self) -> None:
         if self._base and _LIBC_MMAP is not None:
@@ -604,6 +601,7 @@ class LocalSlab(SlabView):
             self._base = 0
 
     def _release_maps(self) -> None:
+        self._populating.join()  # (closed: it stops after the step in flight)
         if self.leases is not None:
             self.leases.close()
         for view in (self._entries, self._hints, self._tables):

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import random
 import re
+import resource
 import signal
 import stat
 import subprocess
@@ -174,6 +175,31 @@ def test_closing_a_local_slab_waits_for_the_copy_in_flight(slab_name):
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert (out.returncode, out.stdout) == (0, "ok\n"), out.stderr[-2000:]
+    finally:
+        slab.close()
+        Slab.unlink_named(slab.name)
+
+
+def test_a_new_mapping_maps_the_slab_ahead_of_its_reads(slab_name):
+    """A first read of a page faulted it into the reader's page tables (a 14 MiB copy took
+    3.1 ms on first touch against 1.7 after). A new mapping maps the slab's pages in a
+    thread of its own: once it is done, a copy of a block this reader never read takes
+    no page fault (one per 64 KiB at least before: 64 for 4 MiB)."""
+    slab = Slab.create(slab_name, 16 * MiB, page_size=64 * KiB, max_block_size=4 * MiB)
+    try:
+        data = os.urandom(4 * MiB)
+        slab.put("big", data)
+        doc = LocalInfo.of(slab.name, slab.slab_id, slab.geometry.total_size, 0)
+        dest = bytearray(b"x" * len(data))  # its own pages touched before
+        with LocalSlab.open(LocalInfo.from_json(json.loads(json.dumps(doc)))) as local:
+            local._populating.join(30)
+            reader = local.open_to_fetch("big", len(data))
+            assert reader is not None
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            local.copy_out(reader, lambda n, read_exact: read_exact(memoryview(dest)))
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert dest == data
+        assert faults < 16, f"{faults} page faults in a 4 MiB copy"
     finally:
         slab.close()
         Slab.unlink_named(slab.name)
