@@ -23,6 +23,7 @@ server's packages.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import fcntl
@@ -55,17 +56,15 @@ NAME_CHECK_S = 1.0
 #: against 30,000 holding it (128 KiB: 15,500 against 27,800; 256 KiB even; 512 KiB
 #: 10,200 against 6,700 for memmove: copies that long overlap on both cores).
 MEMMOVE_MIN = 256 * 1024
-#: How much of the slab a new mapping maps into this process ahead of its reads, in a
-#: thread of its own (``MADV_POPULATE_READ``, Linux 5.14+; elsewhere reads fault as they
-#: go). A first read of a page otherwise faults it in: a 14 MiB copy took 3.1-3.2 ms on
-#: first touch against 1.7 after; mapping 1 GiB ahead took 108 ms of that thread. The
-#: page tables it fills (8 bytes a 4 KiB page: 2 MiB a GiB) are those the reads would
-#: fill anyway once they touched the whole slab; past this size, reads fault the rest.
-POPULATE_MAX = 32 * 1024**3
-#: Bytes one populate step maps (about 2 ms; the unmapping waits for the step in flight).
-POPULATE_STEP = 16 * 1024 * 1024
-#: The same for the tables' mapping, whose ``madvise`` holds the GIL (about 1 ms a step).
-TABLES_STEP = 8 * 1024 * 1024
+#: How much of the slab's tables a new mapping maps into this process at once
+#: (``MADV_POPULATE_READ``, Linux 5.14+; elsewhere lookups fault as they go): a lookup
+#: of a key whose slot this process had not read faulted the slot's page in (16 faults
+#: in 32 lookups of new keys, 217 against 135 µs for the call). 256 MiB (a 20 GiB slab's
+#: tables with 64 KiB pages) take about 20 ms; a 1 GiB slab's 13 MiB about 1 ms. Not the
+#: blocks' bytes: mapping those ahead, in a thread, made 14 MiB loads 1.27x faster but
+#: slowed the lookups and loads of 64 KiB blocks that ran meanwhile to 0.75-0.78
+#: (``scripts/bench_lmcache.py``, five runs), even at the lowest priority.
+TABLES_MAX = 256 * 1024 * 1024
 _MADV_POPULATE_READ = 22
 _T = TypeVar("_T")
 
@@ -78,21 +77,19 @@ class _Torn(Exception):
 _FLOCK = struct.Struct("hhqqi4x")
 
 
-def _libc_mmap() -> tuple[Any, Any, Any] | None:
-    """libc's ``mmap``, ``munmap`` and ``madvise`` through ctypes, or None where they
-    cannot be had."""
+def _libc_mmap() -> tuple[Any, Any] | None:
+    """libc's ``mmap`` and ``munmap`` through ctypes, or None where they cannot be had."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        mm, unmap, advise = libc.mmap, libc.munmap, libc.madvise
+        mm, unmap = libc.mmap, libc.munmap
     except (OSError, AttributeError):
         return None
     mm.restype = ctypes.c_void_p
     mm.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_long]  # fmt: skip
-    unmap.restype = advise.restype = ctypes.c_int
+    unmap.restype = ctypes.c_int
     unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return mm, unmap, advise
+    return mm, unmap
 
 
 _LIBC_MMAP = _libc_mmap()
@@ -256,9 +253,7 @@ class LocalSlab(SlabView):
             self.leases = LocalLeases(table, self._entries, self._me)
         self.closed = False
         after_fork_in_child(self)
-        self._populating = threading.Thread(target=self._populate, name="eg-kv-populate",
-                                            daemon=True)  # fmt: skip
-        self._populating.start()
+        self._populate_tables()
 
     def after_fork_in_child(self) -> None:
         """Fresh locks in a forked child: a thread of the parent may have held one at the
@@ -573,27 +568,11 @@ class LocalSlab(SlabView):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _populate(self) -> None:
-        """Map the slab's pages into this process ahead of its reads (:data:`POPULATE_MAX`):
-        first the tables lookups walk, then the blocks' bytes, a step at a time while the
-        mapping is open (the unmapping waits for the step in flight). A kernel without
-        ``MADV_POPULATE_READ`` ends it at once."""
-        try:
-            tables = self.geometry.data_off
-            for off in range(0, tables, TABLES_STEP):  # (Python's madvise holds the GIL)
-                if self.closed:
-                    return
-                self._mm.madvise(_MADV_POPULATE_READ, off, min(TABLES_STEP, tables - off))
-            if not self._base or _LIBC_MMAP is None:
-                return
-            off, end = tables, min(self._size, tables + POPULATE_MAX)
-            while off < end and not self.closed:
-                step = min(POPULATE_STEP, end - off)
-                if _LIBC_MMAP[2](self._base + off, step, _MADV_POPULATE_READ):
-                    return
-                off += step
-        except (OSError, ValueError):  # an older kernel (EINVAL): reads fault as they go
-            return
+    def _populate_tables(self) -> None:
+        """Map the tables lookups walk into this process now (:data:`TABLES_MAX` at
+        most), so that no lookup faults a slot's page in."""
+        with contextlib.suppress(OSError, ValueError):  # an older kernel: lookups fault
+            self._mm.madvise(_MADV_POPULATE_READ, 0, min(self.geometry.data_off, TABLES_MAX))
 
     def _unmap_base(self) -> None:
         if self._base and _LIBC_MMAP is not None:
@@ -601,7 +580,6 @@ class LocalSlab(SlabView):
             self._base = 0
 
     def _release_maps(self) -> None:
-        self._populating.join()  # (closed: it stops after the step in flight)
         if self.leases is not None:
             self.leases.close()
         for view in (self._entries, self._hints, self._tables):
