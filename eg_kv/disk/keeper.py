@@ -88,6 +88,11 @@ ZEROED_WAIT_S = 0.5
 #: ``wire.COMMIT_S`` at most): past it, a promotion is declined (served, not published),
 #: a PUT answered 503.
 MAX_COMMITTING = 4096
+#: An ADOPT is answered BUSY, with no mark, this long before its worker's deadline: an
+#: answer that came too late for it would leave a mark nobody ends (for COMMIT_S).
+ADOPT_MARGIN_S = 0.1
+#: Reports handled as they are read (no answer, no task): see ``Keeper._count``.
+_REPORTS = frozenset({wire.LOADED, wire.REFS, wire.PROMOTED})
 
 
 class Keeper:
@@ -114,8 +119,10 @@ class Keeper:
         store.on_drop = self._dropped
         self._connections = 0
         self._writers: set[asyncio.StreamWriter] = set()  # the workers' connections
-        #: Promotions and PUTs told their count and not yet committed: key -> (until, done).
-        self._committing: dict[Key, tuple[float, asyncio.Event]] = {}
+        #: Promotions and PUTs told their count and not yet committed: key -> (until,
+        #: done, mark id); only the holder's ``promoted`` (its mark id) ends one.
+        self._committing: dict[Key, tuple[float, asyncio.Event, int]] = {}
+        self._mark_ids = itertools.count(1)
 
     # ------------------------------------------------------------------ spills
 
@@ -237,40 +244,53 @@ class Keeper:
 
     # ------------------------------------------------------------------ promotions
 
-    def _promote(self, key: Key, seq: int) -> int:
+    def _promote(self, key: Key, seq: int) -> list[int]:
         """A worker read record ``seq`` of ``key`` into the slab, and publishes it on this
-        answer: the references to publish it with (0: do not; the record went, or is being
-        committed by another). Until it says ``promoted`` (``wire.COMMIT_S`` at most),
-        DELETEs of ``key`` wait, then find the block in the slab: the count told here
-        stays exact, whatever DELETEs came before, during or after."""
+        answer: ``[references to publish it with, mark id]`` (``[0, 0]``: do not; the
+        record went, or is being committed by another). Until it says ``promoted`` with
+        the mark id (``wire.COMMIT_S`` at most), DELETEs of ``key`` wait, then find the
+        block in the slab: the count told here stays exact, whatever DELETEs came before,
+        during or after."""
         self._expire_marks()
         if key in self._committing:
-            return 0
+            return [0, 0]
         with self.store.lock:
             e = self.store.index.find(key)
             if e is None or e.seq != seq:
-                return 0
+                return [0, 0]
             refs = e.refs
-        return refs if self._mark(key) else 0
+        mark = self._mark(key)
+        return [refs, mark] if mark else [0, 0]
 
     def _expire_marks(self) -> None:
         """Let go the marks past their end (oldest first: one deadline for all)."""
         now, marks = time.monotonic(), self._committing
         while marks:
-            oldest, (until, done) = next(iter(marks.items()))
+            oldest, (until, done, _) = next(iter(marks.items()))
             if until > now:
                 break
             del marks[oldest]
             done.set()
 
-    def _mark(self, key: Key) -> bool:
+    def _mark(self, key: Key) -> int:
         """Mark ``key`` as being committed into the slab (a promotion's or a PUT's, told
-        the copy's count): DELETEs, promotions and ADOPTs of it wait for ``promoted``,
-        ``wire.COMMIT_S`` at most. False when :data:`MAX_COMMITTING` are marked."""
+        the copy's count): DELETEs, promotions and ADOPTs of it wait for ``promoted``
+        with the mark id returned, ``wire.COMMIT_S`` at most. 0 when
+        :data:`MAX_COMMITTING` are marked."""
         self._expire_marks()
         if len(self._committing) >= MAX_COMMITTING:
+            return 0
+        mark = next(self._mark_ids)
+        self._committing[key] = (time.monotonic() + wire.COMMIT_S, asyncio.Event(), mark)
+        return mark
+
+    def _unmark(self, key: Key, mark: int) -> bool:
+        """End mark ``mark`` of ``key`` (another's, a later one, stays); whether it was."""
+        held = self._committing.get(key)
+        if held is None or held[2] != mark:
             return False
-        self._committing[key] = (time.monotonic() + wire.COMMIT_S, asyncio.Event())
+        del self._committing[key]
+        held[1].set()
         return True
 
     async def _settled(self, key: Key, deadline: float) -> None:
@@ -334,16 +354,33 @@ class Keeper:
             writer.close()
 
     def _count(self, msg: Any) -> bool:
-        """Handle ``msg`` at once if it is a report of a promotion (one a disk hit: a task
-        each cost more than the count); True if it was."""
-        if not (isinstance(msg, list) and len(msg) == 4 and msg[0] == wire.LOADED):
+        """Handle ``msg`` at once if it is a report (of a promotion's read, a count, a
+        commit): a task each cost more than the report, and a commit's ``promoted`` queued
+        behind the ADOPTs that wait for it (64 a connection) held them all. True if it
+        was one."""
+        if not (isinstance(msg, list) and msg and msg[0] in _REPORTS and len(msg) > 1
+                and msg[1] == 0):  # fmt: skip
             return False
-        counters = self.store.counters
+        store = self.store
         try:
-            counters["promotions"] += 1
-            counters["read_bytes"] += msg[2]
-            counters["read_seconds"] += msg[3]
-        except TypeError:  # a malformed report: the worker's bug, not the keeper's end
+            op, _, *args = msg
+            if op == wire.LOADED:
+                store.counters["promotions"] += 1
+                store.counters["read_bytes"] += args[0]
+                store.counters["read_seconds"] += args[1]
+            elif op == wire.REFS:  # the disk's copy keeps the slab's count (at least 1)
+                with store.lock:
+                    e = store.index.find((args[0], args[1]))
+                    if e is not None:
+                        e.refs = max(1, int(args[2]))
+            elif op == wire.PROMOTED:  # an adopting PUT's reference joins the copy's
+                key = (args[0], args[1])
+                if self._unmark(key, int(args[2])) and len(args) > 3 and int(args[3]):
+                    with store.lock:
+                        e = store.index.find(key)
+                        if e is not None:
+                            e.refs += int(args[3])
+        except (TypeError, ValueError, IndexError):  # malformed: the worker's bug
             log.warning("disk tier: a report failed: %r", msg[:1])
         return True
 
@@ -392,17 +429,6 @@ class Keeper:
             return answer
         if op == wire.PROMOTE:
             return self._promote((args[0], args[1]), int(args[2]))
-        if op == wire.PROMOTED:  # (an adopting PUT's: its reference joins the copy's)
-            key = (args[0], args[1])
-            if len(args) > 2 and int(args[2]):
-                with store.lock:
-                    e = store.index.find(key)
-                    if e is not None:
-                        e.refs += int(args[2])
-            mark = self._committing.pop(key, None)
-            if mark is not None:
-                mark[1].set()
-            return None
         if op == wire.DISCARD:  # (a block id bounds it: a copy of a later block stays)
             block = int(args[2]) if len(args) > 2 else 0
             dropped = store.discard((args[0], args[1]), block)
@@ -410,7 +436,8 @@ class Keeper:
                 await self._zeroed(time.monotonic() + ZEROED_WAIT_S)
             return dropped
         if op == wire.ADOPT:
-            return await self._adopt((args[0], args[1]), args[2], int(args[3]))
+            return await self._adopt((args[0], args[1]), args[2], int(args[3]),
+                                     int(args[4]) / 1000)  # fmt: skip
         if op == wire.STATS:
             stats = store.stats()
             stats["spill_queue"] = self.spills.qsize()
@@ -422,12 +449,6 @@ class Keeper:
             return None
         if op == wire.LIST:
             return self._list(args[0], int(args[1]))
-        if op == wire.REFS:  # the disk's copy keeps the slab's count (at least 1)
-            with store.lock:
-                e = store.index.find((args[0], args[1]))
-                if e is not None:
-                    e.refs = max(1, int(args[2]))
-            return None
         raise ValueError(f"unknown op {op!r}")
 
     async def _zeroed(self, until: float) -> None:
@@ -475,31 +496,40 @@ class Keeper:
                            e.engine.block_size, e.engine.lora_id] for e in page if e.live],
                 done]  # fmt: skip
 
-    async def _adopt(self, key: Key, checksum: int, length: int) -> list[Any]:
+    async def _adopt(self, key: Key, checksum: int, length: int, deadline: float) -> list[Any]:
         """A PUT is about to create ``key`` in the slab (``length`` bytes, ``checksum``):
         what the disk's copy makes of it, as a resident block would (``[verdict,
-        number]``, the verdicts of :mod:`eg_kv.disk.wire`). A copy stands: the same bytes
-        are a dedup hit (the PUT publishes the block with the copy's references and its
-        own), the same length with other bytes too (the copy's bytes stay, with the PUT's
-        reference), another length a conflict.
+        number, mark id]``, the verdicts of :mod:`eg_kv.disk.wire`). A copy stands: the
+        same bytes are a dedup hit (the PUT publishes the block with the copy's
+        references and its own), the same length with other bytes too (the copy's bytes
+        stay, with the PUT's reference), another length a conflict. A block the slab
+        holds is RESIDENT (a dedup hit there, whatever the disk holds).
 
         Asked before the block is published, and answered after any promotion or other
         PUT of ``key`` being committed; a copy that stands is marked until the PUT says
-        ``promoted`` (with its reference), so that no DELETE, promotion or other PUT of
-        ``key`` comes in between. (Asked after the publish, a DELETE on another worker in
-        the round trip took the block's only reference: it went, with its copy and every
-        holder's reference.) ``[BUSY, 0]`` when the marks are full or the wait ran out."""
-        await self._settled(key, time.monotonic() + wire.ADOPT_WAIT_S)
-        if key in self._committing:
-            return [wire.BUSY, 0]
+        ``promoted`` with the mark id (and its reference), so that no DELETE, promotion
+        or other PUT of ``key`` comes in between. (Asked after the publish, a DELETE on
+        another worker in the round trip took the block's only reference: it went, with
+        its copy and every holder's reference.) BUSY when the wait ran out, the marks
+        are full, or the worker's ``deadline`` (monotonic) is near: no mark is left for
+        a worker that gave up."""
+        until = min(time.monotonic() + wire.ADOPT_WAIT_S, deadline - ADOPT_MARGIN_S)
+        await self._settled(key, until)
+        if key in self._committing or time.monotonic() > deadline - ADOPT_MARGIN_S:
+            return [wire.BUSY, 0, 0]
+        ns = self._ns_id(key[0])
+        if ns is not None and self.slab.refs(key[1], ns):
+            return [wire.RESIDENT, 0, 0]
         with self.store.lock:
             e = self.store.index.find(key)
             if e is None:
-                return [wire.NEW, 0]
+                return [wire.NEW, 0, 0]
             if e.length != length:
-                return [wire.CONFLICT, e.length]
-            answer = [wire.SAME if e.checksum == checksum else wire.OTHER, e.refs]
-        return answer if self._mark(key) else [wire.BUSY, 0]
+                return [wire.CONFLICT, e.length, 0]
+            verdict = wire.SAME if e.checksum == checksum else wire.OTHER
+            refs = e.refs
+        mark = self._mark(key)
+        return [verdict, refs, mark] if mark else [wire.BUSY, 0, 0]
 
     # ------------------------------------------------------------------ start
 

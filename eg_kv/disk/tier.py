@@ -191,21 +191,27 @@ class DiskTier:
         got = await self._call(wire.DELETE, namespace, address, deadline)
         return None if got is None else int(got)
 
-    async def promote(self, namespace: str, address: str, seq: int) -> int:
+    async def promote(self, namespace: str, address: str, seq: int) -> tuple[int, int]:
         """Record ``seq`` of ``address`` was read into the slab: the references to publish
-        it with, now (0: publish nothing: the record went, or the keeper did not answer in
-        time). Publish at once (no await between), then call :meth:`promoted`: DELETEs
-        of the block wait for it meanwhile (``wire.COMMIT_S`` at most)."""
+        it with, now, and the keeper's mark (``(0, 0)``: publish nothing: the record went,
+        another is committing it, or the keeper did not answer in time). With a mark,
+        publish at once (no await between), then call :meth:`promoted`: DELETEs of the
+        block wait for it meanwhile (``wire.COMMIT_S`` at most)."""
         t0 = time.monotonic()
         got = await self._call(wire.PROMOTE, namespace, address, seq)
-        if not got or time.monotonic() - t0 > wire.COMMIT_S / 2:  # its wait may be over
-            return 0
-        return int(got)
+        if not isinstance(got, list) or len(got) != 2 or not got[1]:
+            return 0, 0
+        if time.monotonic() - t0 > wire.COMMIT_S / 2:  # its wait may be over: let it go
+            self.promoted(namespace, address, int(got[1]))
+            return 0, 0
+        return int(got[0]), int(got[1])
 
-    def promoted(self, namespace: str, address: str, refs: int = 0) -> None:
-        """The promotion :meth:`promote` (or the PUT :meth:`adopt`) answered is published,
-        or not: DELETEs go on. ``refs``: the PUT's references, which join the copy's."""
-        self._report(wire.PROMOTED, namespace, address, *([refs] if refs else []))
+    def promoted(self, namespace: str, address: str, mark: int, refs: int = 0) -> None:
+        """The promotion :meth:`promote` (or the PUT :meth:`adopt`) that holds ``mark`` is
+        published, or not: DELETEs go on. ``refs``: the PUT's references, which join the
+        copy's. Sent even while the keeper is taken for down (its mark would hold the
+        block's DELETEs for ``wire.COMMIT_S``, and the copy would miss the reference)."""
+        self._report(wire.PROMOTED, namespace, address, mark, refs, must=True)
 
     async def discard(
         self, namespace: str, address: str, block: int = 0, wait: bool = True
@@ -246,21 +252,24 @@ class DiskTier:
 
     async def adopt(
         self, namespace: str, address: str, checksum: int, length: int
-    ) -> tuple[str, int]:
+    ) -> tuple[str, int, int]:
         """A PUT is about to create ``address`` (``length`` bytes, ``checksum``) in the
-        slab: the disk's verdict on its copy (:data:`eg_kv.disk.wire.NEW` ... ``BUSY``)
-        and its number (see the keeper's ``_adopt``). After SAME or OTHER, decide at once
-        (no await between), then call :meth:`promoted`; BUSY when the answer came too
-        late for that (the keeper's mark may be over); NEW when the keeper did not
-        answer (the slab goes on alone)."""
+        slab: the disk's verdict on its copy (:data:`eg_kv.disk.wire.NEW` ... ``BUSY``),
+        its number and the keeper's mark (see the keeper's ``_adopt``). After SAME or
+        OTHER, decide at once (no await between), then call :meth:`promoted` with the
+        mark. NEW when the keeper did not answer (down, stopped, or slow: the slab goes
+        on alone, as its GETs and DELETEs do; docs/disk.md says what that costs); BUSY
+        when it answered too late to decide."""
         t0 = time.monotonic()
-        got = await self._call(wire.ADOPT, namespace, address, checksum, length)
-        if not isinstance(got, list) or len(got) != 2:
-            return wire.NEW, 0
-        verdict = str(got[0])
-        if verdict in (wire.SAME, wire.OTHER) and time.monotonic() - t0 > wire.COMMIT_S / 2:
-            return wire.BUSY, 0
-        return verdict, int(got[1])
+        deadline = int((t0 + CALL_TIMEOUT_S) * 1000)
+        got = await self._call(wire.ADOPT, namespace, address, checksum, length, deadline)
+        if not isinstance(got, list) or len(got) != 3:
+            return wire.NEW, 0, 0
+        verdict, number, mark = str(got[0]), int(got[1]), int(got[2])
+        if mark and time.monotonic() - t0 > wire.COMMIT_S / 2:  # its wait may be over
+            self.promoted(namespace, address, mark)
+            return wire.BUSY, 0, 0
+        return verdict, number, mark
 
     async def listing(self, namespace: str | None) -> AsyncIterator[list[list[Any]]]:
         """The blocks the disk holds (``namespace``'s, or all), a page at a time:
@@ -304,7 +313,7 @@ class DiskTier:
             return
         self._fd, self._file = fd, (sb.created_ms, sb.key)
 
-    def _report(self, *msg: Any) -> None:
+    def _report(self, *msg: Any, must: bool = False) -> None:
         """Send a report (no answer), unless the keeper is down or not reading: then it
         is dropped (counted as unreachable), never queued without bound. Made while
         there is no connection (this worker's first call to the keeper is yet to come,
@@ -319,7 +328,7 @@ class DiskTier:
             if self._connecting_soon is None or self._connecting_soon.done():
                 self._connecting_soon = asyncio.ensure_future(self._connected())
             return
-        if self._down or writer.transport.get_write_buffer_size() > MAX_UNSENT:
+        if (self._down and not must) or writer.transport.get_write_buffer_size() > MAX_UNSENT:
             self.unreachable += 1
             return
         writer.write(frame)

@@ -13,15 +13,16 @@ find       namespace, [address, ...], load (bool)     [file id, [[offset, length
 delete     namespace, address, deadline (monotonic   1: it was there (one reference goes), 0: not;
            ms: past it, not applied)                  IN_SLAB: the slab holds it now (delete it
                                                       there); None past its deadline
-promote    namespace, address, seq                    the refs to publish record ``seq`` with (0:
-                                                      not: it went, or is being promoted); DELETEs
-                                                      of it wait for ``promoted``, COMMIT_S at most
+promote    namespace, address, seq                    [refs to publish record ``seq`` with, mark
+                                                      id] ([0, 0]: not: it went, or is being
+                                                      committed); DELETEs of it wait for
+                                                      ``promoted``, COMMIT_S at most
 discard    namespace, address, slab block (0: any)    whether it was there (the copy goes; not
                                                       a copy of a later block)
-adopt      namespace, address, checksum, length       [verdict, number] on the copy of a block a
-                                                      PUT is about to create; SAME and OTHER
-                                                      hold DELETEs, promotions and ADOPTs of it
-                                                      until ``promoted``, COMMIT_S at most
+adopt      namespace, address, checksum, length,      [verdict, number, mark id] on the copy of a
+           deadline (monotonic ms)                    block a PUT is about to create; SAME and
+                                                      OTHER hold DELETEs, promotions and ADOPTs
+                                                      of it until ``promoted``, COMMIT_S at most
 stats      (none)                                     the tier's counters (a map)
 list       namespace (None: all), listing id (0: new) [listing id, [[namespace, address,
                                                       length, engine hash, parent, block size,
@@ -30,8 +31,9 @@ bad        namespace, address, seq                    (report) a record that fai
 loaded     bytes, seconds                             (report) a verified read from the file
 refs       namespace, address, references             (report) a dedup PUT or a DELETE that left
                                                       references: the resident block's count now
-promoted   namespace, address[, refs]                 (report) the promotion (or adopting PUT) is
-                                                      committed, or not; ``refs`` join the copy
+promoted   namespace, address, mark id[, refs]        (report) the promotion (or adopting PUT)
+                                                      holding that mark is committed, or not;
+                                                      ``refs`` join the copy
 =========  =========================================  ===========================================
 """
 
@@ -50,9 +52,11 @@ FIND, DELETE, DISCARD, ADOPT = "find", "delete", "discard", "adopt"
 #: slab, with a number: NEW (no copy), SAME (the same bytes: the PUT publishes the block
 #: with the copy's references, its number, and its own), OTHER (the same length, other
 #: bytes: the copy stands, as a resident block would, with this PUT's reference; its
-#: references), CONFLICT (another length: the copy stands; its length), BUSY (the address
-#: stayed marked by another's commit, or the marks are full: retry).
-NEW, SAME, OTHER, CONFLICT, BUSY = "new", "same", "other", "conflict", "busy"
+#: references), CONFLICT (another length: the copy stands; its length), RESIDENT (the slab
+#: holds the block: a dedup hit there), BUSY (the address stayed marked by another's
+#: commit, the marks are full, or the answer would come too late: retry).
+NEW, SAME, OTHER, CONFLICT = "new", "same", "other", "conflict"
+RESIDENT, BUSY = "resident", "busy"
 STATS, BAD, LOADED, REFS, LIST = "stats", "bad", "loaded", "refs", "list"
 PROMOTE, PROMOTED = "promote", "promoted"
 #: A ``delete``'s answer when the slab holds the block now (promoted or PUT meanwhile).

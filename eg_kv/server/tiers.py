@@ -64,13 +64,13 @@ class Promoting:
         block is published."""
         h, tier, tenant = self._handle, self._tier, self._tenant
         try:
-            refs = await tier.promote(tenant.namespace, h.address, self._found.seq)
-            try:
-                if refs:  # all its copy's references at once, none a dedup hit
+            refs, mark = await tier.promote(tenant.namespace, h.address, self._found.seq)
+            if mark:  # (none: another is committing it, or the copy went)
+                try:  # all its copy's references at once, none a dedup hit
                     h.refs = refs
                     h.commit()
-            finally:
-                tier.promoted(tenant.namespace, h.address)
+                finally:
+                    tier.promoted(tenant.namespace, h.address, mark)
         except EgKvError as e:
             log.info("disk tier: %s not promoted into the slab: %s", h.address, e)
         finally:
@@ -185,34 +185,54 @@ async def commit_put(request: web.Request, tenant: Tenant, handle: PutHandle) ->
     reference; another length is a 409. The keeper holds back DELETEs and promotions of
     the address until the PUT says it is done (asked after the publish, a DELETE on
     another worker in the round trip took the block's only reference: it went, with the
-    copy and every holder's reference).
+    copy and every holder's reference). A block the slab holds by then (a promotion
+    meanwhile) takes the PUT's reference there. While the keeper is down the slab goes
+    on alone; when it is only slow, the PUT is a 503.
 
     Raises:
         Conflict (the disk holds another length), Busy (the address is being moved
-        between the tiers; retry), and what :meth:`PutHandle.commit` raises.
+        between the tiers, or the keeper did not answer in time; retry), and what
+        :meth:`PutHandle.commit` raises.
     """
     tier = request.app.get(DISK)
     if tier is None:
         return handle.commit()
-    address, name = handle.address, tenant.namespace
-    if not handle.dedup:
-        verdict, number = await tier.adopt(name, address, handle.seal(), handle.length)
+    slab, address, name = request.app[SLAB], handle.address, tenant.namespace
+    for _ in range(ADOPT_TRIES):
+        if handle.dedup:
+            break
+        verdict, number, mark = await tier.adopt(name, address, handle.seal(), handle.length)
         if verdict == wire.BUSY:
             raise Busy(f"block {address} is moving between the disk and the slab; retry")
         if verdict == wire.CONFLICT:
             raise Conflict(conflict_message(address, number, handle.length))
-        if verdict != wire.NEW:
-            _join_copy(request.app[SLAB], handle, verdict, number, tier, name)
+        if verdict in (wire.SAME, wire.OTHER):
+            _join_copy(slab, handle, verdict, number, tier, name, mark)
             return False
+        if verdict == wire.NEW:
+            break
+        # RESIDENT: a dedup hit on the slab's block, never a block of its own (the disk's
+        # copy, if the block went meanwhile, would keep references the new one lacked)
+        if slab.add_ref(address, handle.length, handle.ns):
+            handle.abort()
+            count_dedup(request, tenant, address)
+            return False
+    else:
+        raise Busy(f"block {address} is moving between the disk and the slab; retry")
     if handle.commit():
         return True
     count_dedup(request, tenant, address)
     return False
 
 
+#: ADOPTs one PUT asks at most while the slab's block comes and goes under it.
+ADOPT_TRIES = 3
+
+
 def _join_copy(
-    slab: Slab, handle: PutHandle, verdict: str, copy_refs: int, tier: DiskTier, name: str
-) -> None:
+    slab: Slab, handle: PutHandle, verdict: str, copy_refs: int, tier: DiskTier, name: str,
+    mark: int,
+) -> None:  # fmt: skip
     """A PUT whose block the disk holds (``verdict`` SAME or OTHER, the copy's
     ``copy_refs``): a dedup hit, with no await before the keeper is told."""
     joined = 0
@@ -227,4 +247,4 @@ def _join_copy(
                 slab.count_dedup_hit(handle.ns)
         joined = 1
     finally:
-        tier.promoted(name, handle.address, joined)
+        tier.promoted(name, handle.address, mark, joined)

@@ -120,6 +120,7 @@ async def put_expect(request: web.Request) -> web.StreamResponse | None:
                 slab.take_back_ref(address, block_id, tenant.ns)
                 raise
             slab.count_dedup_hit(tenant.ns)
+            tiers.count_dedup(request, tenant, address)  # the disk's copy counts it too
             return answer
     except EgKvError as e:
         return await _final_answer(request, error_response(e.status, str(e)), start)

@@ -376,19 +376,24 @@ def test_a_delete_waits_for_a_promotion_being_committed_then_goes_to_the_slab(di
                 return time.monotonic() + s
 
             assert await keeper._delete(("", "k"), deadline(1)) == 1  # no promotion: 3 -> 2
-            assert keeper._promote(("", "k"), seq + 1) == 0  # not the indexed record
-            assert keeper._promote(("", "k"), seq) == 2
-            assert keeper._promote(("", "k"), seq) == 0  # one commit at a time
+            assert keeper._promote(("", "k"), seq + 1) == [0, 0]  # not the indexed record
+            refs, mark = keeper._promote(("", "k"), seq)
+            assert refs == 2 and mark
+            assert keeper._promote(("", "k"), seq) == [0, 0]  # one commit at a time
             waiting = asyncio.ensure_future(keeper._delete(("", "k"), deadline(0.9)))
             for _ in range(5):
                 await asyncio.sleep(0)
             assert not waiting.done()
             assert slab.put("k", data)  # the worker's commit
-            await keeper._do(wire.PROMOTED, ["", "k"])
+            assert keeper._count([wire.PROMOTED, 0, "", "k", mark + 1])  # not its mark
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not waiting.done()
+            assert keeper._count([wire.PROMOTED, 0, "", "k", mark])
             assert await waiting == wire.IN_SLAB
             assert store.index.find(("", "k")).refs == 2  # untouched on disk
             assert slab.delete("k")  # (as the worker does on IN_SLAB)
-            assert keeper._promote(("", "k"), seq) == 2  # a promotion that never commits
+            assert keeper._promote(("", "k"), seq)[0] == 2  # a promotion that never commits
             t0 = time.monotonic()
             assert await keeper._delete(("", "k"), deadline(0.2)) is None  # a 503
             assert time.monotonic() - t0 > 0.15
@@ -456,7 +461,7 @@ def test_a_delete_during_a_spill_lowers_the_disk_copys_count(keeper_on, monkeypa
 
     def delete_one() -> None:
         slab.delete("k")
-        asyncio.run(keeper._do("refs", ["", "k", slab.refs("k")]))
+        assert keeper._count(["refs", 0, "", "k", slab.refs("k")])  # the worker's report
 
     _spill_with(keeper, monkeypatch, delete_one)
     assert store.index.find(("", "k")).refs == 1
@@ -597,10 +602,13 @@ def test_a_keeper_whose_scan_fails_exits_to_be_started_again(disk_dir):
 
 def test_adopt_holds_the_address_until_the_put_says_it_is_done(keeper_on):
     """ADOPT is asked before a PUT publishes its block: a copy that stands (the same
-    bytes, or the same length) is marked until the PUT's ``promoted``, which brings its
-    reference to the copy; meanwhile a DELETE waits (then goes to the slab, where the
-    block now is) and another ADOPT is told BUSY after ``ADOPT_WAIT_S``. No copy, or one
-    of another length, marks nothing."""
+    bytes, or the same length) is marked until the PUT's ``promoted`` with its mark id,
+    which brings its reference to the copy; meanwhile a DELETE waits (then goes to the
+    slab, where the block now is), a promotion is declined, and another ADOPT is told
+    BUSY after ``ADOPT_WAIT_S``. Only the holder's mark id ends the mark (a declined
+    promotion's ``promoted`` ended the PUT's). No copy, or one of another length, marks
+    nothing; a block the slab holds is RESIDENT; an answer due past the worker's
+    deadline is BUSY and leaves no mark."""
     import asyncio
     import time
 
@@ -613,25 +621,36 @@ def test_adopt_holds_the_address_until_the_put_says_it_is_done(keeper_on):
                  2)  # fmt: skip
 
     async def scenario() -> None:
-        assert await keeper._adopt(("", "absent"), 1, 10) == [wire.NEW, 0]
-        assert await keeper._adopt(key, checksum_of(data), 4000) == [wire.CONFLICT, 5000]
+        def adopt(checksum: int, length: int = 5000, deadline: float = 0.5):
+            return keeper._adopt(key, checksum, length, time.monotonic() + deadline)
+
+        assert await keeper._adopt(("", "absent"), 1, 10, time.monotonic() + 1) == [
+            wire.NEW, 0, 0]  # fmt: skip
+        assert await adopt(checksum_of(data), 4000) == [wire.CONFLICT, 5000, 0]
+        assert await adopt(checksum_of(data), deadline=0.05) == [wire.BUSY, 0, 0]  # too late
         assert not keeper._committing
-        assert await keeper._adopt(key, checksum_of(data), 5000) == [wire.SAME, 2]
-        waiting = asyncio.ensure_future(keeper._delete(key, time.monotonic() + 0.9))
+        verdict, refs, mark = await adopt(checksum_of(data))
+        assert (verdict, refs) == (wire.SAME, 2) and mark
+        waiting = asyncio.ensure_future(keeper._delete(key, time.monotonic() + 1.5))
         for _ in range(5):
             await asyncio.sleep(0)
         assert not waiting.done()
         t0 = time.monotonic()
-        assert await keeper._adopt(key, checksum_of(data), 5000) == [wire.BUSY, 0]
+        assert await adopt(checksum_of(data)) == [wire.BUSY, 0, 0]
         assert time.monotonic() - t0 >= wire.ADOPT_WAIT_S * 0.9
-        assert keeper._promote(key, store.index.find(key).seq) == 0  # no promotion either
-        assert not waiting.done()
+        assert keeper._promote(key, store.index.find(key).seq) == [0, 0]  # declined
+        assert keeper._count([wire.PROMOTED, 0, "", "k", 0])  # (what a declined one sent)
+        assert keeper._count([wire.PROMOTED, 0, "", "k", mark + 1, 1])  # not its mark
+        assert not waiting.done() and store.index.find(key).refs == 2
         slab.put("k", data)  # the PUT's publish (with the copy's two and its own)
-        await keeper._do(wire.PROMOTED, ["", "k", 1])
+        assert keeper._count([wire.PROMOTED, 0, "", "k", mark, 1])
         assert store.index.find(key).refs == 3
         assert await waiting == wire.IN_SLAB
-        assert await keeper._adopt(key, checksum_of(other), 5000) == [wire.OTHER, 3]
-        await keeper._do(wire.PROMOTED, ["", "k", 1])  # the copy's bytes stand, with its ref
+        assert await adopt(checksum_of(other)) == [wire.RESIDENT, 0, 0]
+        assert slab.delete("k")
+        verdict, refs, mark = await adopt(checksum_of(other))
+        assert (verdict, refs) == (wire.OTHER, 3) and mark
+        keeper._count([wire.PROMOTED, 0, "", "k", mark, 1])  # the copy stands, with its ref
         assert store.index.find(key).refs == 4 and not keeper._committing
 
     asyncio.run(scenario())

@@ -101,6 +101,24 @@ def _all_back(srv, blocks: dict[str, bytes]) -> dict[str, int]:
     return out
 
 
+def _evict_to_disk(srv, address: str, tag: str) -> None:
+    """PUT fillers until the slab evicts ``address`` (its second chance spent) and only
+    the disk holds it."""
+    for i in range(40):
+        _put_spilled(srv, _blocks(f"{tag}-fill{i}-", 2))
+        if _on_disk(srv, [address]):
+            break
+    assert _on_disk(srv, [address]) == [address]
+
+
+def _held_by(srv, address: str, data: bytes, holders: int) -> None:
+    """``address`` serves ``data`` until its ``holders``' DELETEs, and then no more."""
+    for left in range(holders, 0, -1):
+        assert request(srv, "GET", f"/kv/{address}").body == data, f"{left} references left"
+        assert request(srv, "DELETE", f"/kv/{address}").status == 204
+    assert request(srv, "GET", f"/kv/{address}").status == 404
+
+
 def test_evictions_spill_and_hits_come_back(server_factory, disk_dir):
     srv = _serve(server_factory, disk_dir)
     blocks = _blocks("s", 32)  # 16 MiB through a 4 MiB slab
@@ -146,15 +164,8 @@ def test_dedup_and_delete_hold_across_tiers(server_factory, disk_dir):
     ((address, data),) = twice.items()
     assert request(srv, "PUT", f"/kv/{address}", data).status == 201
     assert request(srv, "PUT", f"/kv/{address}", data).status == 200
-    for i in range(40):  # until the slab evicts it (its second chance spent)
-        _put_spilled(srv, _blocks(f"filler{i}-", 2))
-        if _on_disk(srv, [address]):
-            break
-    assert address in _on_disk(srv, [address])
-    assert request(srv, "DELETE", f"/kv/{address}").status == 204
-    assert request(srv, "GET", f"/kv/{address}").body == data  # one reference left
-    assert request(srv, "DELETE", f"/kv/{address}").status == 204
-    assert request(srv, "GET", f"/kv/{address}").status == 404
+    _evict_to_disk(srv, address, "t")
+    _held_by(srv, address, data, 2)
     other = list(blocks)[1]  # a DELETE of a block only the disk holds
     assert request(srv, "DELETE", f"/kv/{other}").status == 204
     assert request(srv, "GET", f"/kv/{other}").status == 404
@@ -603,15 +614,23 @@ def test_a_dedup_put_on_a_worker_without_a_keeper_connection_counts_on_disk(
     wait_for(lambda: ((st := _keeper_stats(disk_dir)) or {}).get("pid") not in (None, keeper)
              and st["ready"], timeout=30, what="a new keeper")  # fmt: skip
     assert request(srv, "PUT", f"/kv/{address}", data).status == 200  # a second holder
-    for i in range(40):  # until the slab evicts it (its second chance spent)
-        _put_spilled(srv, _blocks(f"k-fill{i}-", 2))
-        if _on_disk(srv, [address]):
-            break
-    assert _on_disk(srv, [address]) == [address]
-    assert request(srv, "DELETE", f"/kv/{address}").status == 204
-    assert request(srv, "GET", f"/kv/{address}").body == data  # one reference left
-    assert request(srv, "DELETE", f"/kv/{address}").status == 204
-    assert request(srv, "GET", f"/kv/{address}").status == 404
+    _evict_to_disk(srv, address, "k")
+    _held_by(srv, address, data, 2)
+
+
+def test_a_dedup_put_answered_from_its_head_counts_on_disk(server_factory, disk_dir):
+    """A PUT with ``Expect: 100-continue`` of a resident block is a dedup hit answered
+    from its head. Its reference was never told to the disk's copy: once the block was
+    only on disk, its holders' last DELETE was a 404."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    ((address, data),) = _blocks("e", 1).items()
+    _put_spilled(srv, {address: data})
+    with socket.create_connection((srv.host, srv.port), timeout=30) as s:
+        s.sendall(b"PUT /kv/%s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n"
+                  b"Expect: 100-continue\r\n\r\n" % (address.encode(), len(data)))  # fmt: skip
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    _evict_to_disk(srv, address, "e")
+    _held_by(srv, address, data, 2)
 
 
 def test_a_put_of_a_block_the_disk_holds_and_a_delete_in_its_round_trip_keep_every_reference(
@@ -627,11 +646,7 @@ def test_a_put_of_a_block_the_disk_holds_and_a_delete_in_its_round_trip_keep_eve
     address, data = "race-put-delete", os.urandom(4 * KiB)
     _put_spilled(srv, {address: data})
     assert request(srv, "PUT", f"/kv/{address}", data).status == 200  # a second holder
-    for i in range(40):  # until the slab evicts it
-        _put_spilled(srv, _blocks(f"r-fill{i}-", 2))
-        if _on_disk(srv, [address]):
-            break
-    assert _on_disk(srv, [address]) == [address]
+    _evict_to_disk(srv, address, "r")
     put, delete = (http.client.HTTPConnection(srv.host, srv.port, timeout=30) for _ in "12")
     try:
         for conn in (put, delete):  # kept alive, so both are the worker's before it stops
@@ -655,10 +670,7 @@ def test_a_put_of_a_block_the_disk_holds_and_a_delete_in_its_round_trip_keep_eve
         put.close()
         delete.close()
     assert answers == [200, 204]
-    for left in (2, 1):  # the copy's two and the PUT's, less one
-        assert request(srv, "GET", f"/kv/{address}").body == data, f"{left} references left"
-        assert request(srv, "DELETE", f"/kv/{address}").status == 204
-    assert request(srv, "GET", f"/kv/{address}").status == 404
+    _held_by(srv, address, data, 2)  # the copy's two and the PUT's, less one
 
 
 def test_a_delete_of_a_block_only_the_disk_holds_is_a_503_while_the_keeper_is_stopped(
