@@ -421,11 +421,15 @@ def keeper_on(disk_dir):
         slab.setup_events(1024)
         store = _store(disk_dir, capacity=16 * MiB, max_block=1 * MiB)
         yield slab, store, K.Keeper(slab, store)
-    finally:
-        if store is not None:
-            store.close()
-        slab.close()
-        slab.unlink()
+    finally:  # unlinked whatever a failed test left mapped (a close then raises)
+        try:
+            if store is not None:
+                store.close()
+        finally:
+            try:
+                slab.close()
+            finally:
+                slab.unlink()
 
 
 def _spill_with(keeper, monkeypatch, during) -> None:
