@@ -358,8 +358,8 @@ class Keeper:
         commit): a task each cost more than the report, and a commit's ``promoted`` queued
         behind the ADOPTs that wait for it (64 a connection) held them all. True if it
         was one."""
-        if not (isinstance(msg, list) and msg and msg[0] in _REPORTS and len(msg) > 1
-                and msg[1] == 0):  # fmt: skip
+        if not (isinstance(msg, list) and len(msg) > 1 and isinstance(msg[0], str)
+                and msg[0] in _REPORTS and msg[1] == 0):  # fmt: skip
             return False
         store = self.store
         try:
