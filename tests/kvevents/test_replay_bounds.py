@@ -285,7 +285,10 @@ ctx.term()
 def test_requesters_asking_again_and_again_get_at_most_half_the_publishers_time():
     """Four requests always waiting, each for a replay of 3,000 batches: the publisher
     answers them in at most REPLAY_SHARE of its time and gives the rest to the live
-    stream (it answered one after each step, and the live stream fell behind the log)."""
+    stream (it answered one after each step, and the live stream fell behind the log).
+    The live stream's share comes after each answer, so the last answer may run past the
+    share by its own length (up to 1.2 s here, with the requester's reads): it is left
+    out (a fixed 300 ms for it failed once in CI)."""
     import subprocess
     import sys
     import threading
@@ -302,6 +305,15 @@ def test_requesters_asking_again_and_again_get_at_most_half_the_publishers_time(
         options = P.PublisherOptions(endpoint=f"tcp://127.0.0.1:{free_port()}",
                                      replay_endpoint=replay)  # fmt: skip
         publisher = P.Publisher(slab, options)
+        answers_ms: list[float] = []
+        timed = publisher._timed
+
+        def timing(serve) -> None:
+            t = time.monotonic()
+            timed(serve)
+            answers_ms.append((time.monotonic() - t) * 1000)
+
+        publisher._timed = timing
         for k in range(3000):  # a batch each
             slab.put(f"b{k}", b"x", engine=EngineName(os.urandom(32), b"", 16))
             publisher.step()
@@ -315,7 +327,8 @@ def test_requesters_asking_again_and_again_get_at_most_half_the_publishers_time(
         elapsed_ms = (time.monotonic() - t0) * 1000
         assert int(hungry.stdout) >= 4  # it was answered, whole, again and again
         spent = publisher.counters["replay_ms"]
-        assert spent <= P.REPLAY_SHARE * elapsed_ms + 300, (spent, elapsed_ms)
+        before_last = spent - answers_ms[-1]
+        assert before_last <= P.REPLAY_SHARE * elapsed_ms + 100, (spent, answers_ms, elapsed_ms)
     finally:
         stop.set()
         if publisher is not None:
