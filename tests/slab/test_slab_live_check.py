@@ -83,9 +83,15 @@ def test_live_check_holds_the_lock_briefly_and_finds_no_false_problems(big_slab)
         start = big_slab._state[L.ST_SEQ]
         wait_for(lambda: big_slab._state[L.ST_SEQ] - start > 100, timeout=60,
                  what="the writers to be writing")  # fmt: skip
-        before = big_slab._state[L.ST_SEQ]
-        report = big_slab.check_live()
-        assert big_slab._state[L.ST_SEQ] != before, "the writers ran during the check"
+        # Up to three checks: a hold the host preempted (a VM's vCPU taken away counts as
+        # the thread's CPU time: 24 ms once in CI for 5 ms slices) says nothing of the
+        # code, and one hold for the whole walk would fail all three.
+        for _ in range(3):
+            before = big_slab._state[L.ST_SEQ]
+            report = big_slab.check_live()
+            assert big_slab._state[L.ST_SEQ] != before, "the writers ran during the check"
+            if report.longest_hold_cpu_s < MAX_HOLD_S:
+                break
     assert all(p.exitcode == 0 for p in writers), [p.exitcode for p in writers]
     print(f"whole walk {whole * 1000:.0f} ms CPU; live check: {report.slices} holds, longest "
           f"{report.longest_hold_cpu_s * 1000:.1f} ms CPU, {report.longest_hold_s * 1000:.1f} ms "
