@@ -201,10 +201,17 @@ class DiskTier:
         got = await self._call(wire.PROMOTE, namespace, address, seq)
         if not isinstance(got, list) or len(got) != 2 or not got[1]:
             return 0, 0
-        if time.monotonic() - t0 > wire.COMMIT_S / 2:  # its wait may be over: let it go
-            self.promoted(namespace, address, int(got[1]))
+        if self._too_late(t0, namespace, address, int(got[1])):
             return 0, 0
         return int(got[0]), int(got[1])
+
+    def _too_late(self, t0: float, namespace: str, address: str, mark: int) -> bool:
+        """Whether an answer asked at ``t0`` came too late to act on (over half of
+        ``wire.COMMIT_S``: the keeper's mark may be over); its mark is then let go."""
+        if time.monotonic() - t0 <= wire.COMMIT_S / 2:
+            return False
+        self.promoted(namespace, address, mark)
+        return True
 
     def promoted(self, namespace: str, address: str, mark: int, refs: int = 0) -> None:
         """The promotion :meth:`promote` (or the PUT :meth:`adopt`) that holds ``mark`` is
@@ -266,8 +273,7 @@ class DiskTier:
         if not isinstance(got, list) or len(got) != 3:
             return wire.NEW, 0, 0
         verdict, number, mark = str(got[0]), int(got[1]), int(got[2])
-        if mark and time.monotonic() - t0 > wire.COMMIT_S / 2:  # its wait may be over
-            self.promoted(namespace, address, mark)
+        if mark and self._too_late(t0, namespace, address, mark):
             return wire.BUSY, 0, 0
         return verdict, number, mark
 

@@ -186,39 +186,37 @@ async def commit_put(request: web.Request, tenant: Tenant, handle: PutHandle) ->
     the address until the PUT says it is done (asked after the publish, a DELETE on
     another worker in the round trip took the block's only reference: it went, with the
     copy and every holder's reference). A block the slab holds by then (a promotion
-    meanwhile) takes the PUT's reference there. While the keeper is down the slab goes
-    on alone; when it is only slow, the PUT is a 503.
+    meanwhile) takes the PUT's reference there. While the keeper does not answer the
+    slab goes on alone (docs/disk.md says what that costs).
 
     Raises:
         Conflict (the disk holds another length), Busy (the address is being moved
-        between the tiers, or the keeper did not answer in time; retry), and what
-        :meth:`PutHandle.commit` raises.
+        between the tiers; retry), and what :meth:`PutHandle.commit` raises.
     """
     tier = request.app.get(DISK)
     if tier is None:
         return handle.commit()
     slab, address, name = request.app[SLAB], handle.address, tenant.namespace
-    for _ in range(ADOPT_TRIES):
-        if handle.dedup:
-            break
-        verdict, number, mark = await tier.adopt(name, address, handle.seal(), handle.length)
-        if verdict == wire.BUSY:
+    if not handle.dedup:  # (a dedup hit from its head: the slab holds the block)
+        for _ in range(ADOPT_TRIES):
+            verdict, number, mark = await tier.adopt(name, address, handle.seal(), handle.length)
+            if verdict == wire.BUSY:
+                raise Busy(f"block {address} is moving between the disk and the slab; retry")
+            if verdict == wire.CONFLICT:
+                raise Conflict(conflict_message(address, number, handle.length))
+            if verdict in (wire.SAME, wire.OTHER):
+                _join_copy(slab, handle, verdict, number, tier, name, mark)
+                return False
+            if verdict == wire.NEW:
+                break
+            # RESIDENT: a dedup hit on the slab's block, never a block of its own (the disk's
+            # copy, if the block went meanwhile, would keep references the new one lacked)
+            if slab.add_ref(address, handle.length, handle.ns):
+                handle.abort()
+                count_dedup(request, tenant, address)
+                return False
+        else:
             raise Busy(f"block {address} is moving between the disk and the slab; retry")
-        if verdict == wire.CONFLICT:
-            raise Conflict(conflict_message(address, number, handle.length))
-        if verdict in (wire.SAME, wire.OTHER):
-            _join_copy(slab, handle, verdict, number, tier, name, mark)
-            return False
-        if verdict == wire.NEW:
-            break
-        # RESIDENT: a dedup hit on the slab's block, never a block of its own (the disk's
-        # copy, if the block went meanwhile, would keep references the new one lacked)
-        if slab.add_ref(address, handle.length, handle.ns):
-            handle.abort()
-            count_dedup(request, tenant, address)
-            return False
-    else:
-        raise Busy(f"block {address} is moving between the disk and the slab; retry")
     if handle.commit():
         return True
     count_dedup(request, tenant, address)
