@@ -499,7 +499,8 @@ class Keeper:
     async def _adopt(self, key: Key, checksum: int, length: int, deadline: float) -> list[Any]:
         """A PUT is about to create ``key`` in the slab (``length`` bytes, ``checksum``):
         what the disk's copy makes of it, as a resident block would (``[verdict,
-        number, mark id]``, the verdicts of :mod:`eg_kv.disk.wire`). A copy stands: the
+        number, mark id, record]``, the verdicts of :mod:`eg_kv.disk.wire`; the copy's
+        record: a block published from the same bytes says the disk holds it). A copy stands: the
         same bytes are a dedup hit (the PUT publishes the block with the copy's
         references and its own), the same length with other bytes too (the copy's bytes
         stay, with the PUT's reference), another length a conflict. A block the slab
@@ -516,20 +517,20 @@ class Keeper:
         until = min(time.monotonic() + wire.ADOPT_WAIT_S, deadline - ADOPT_MARGIN_S)
         await self._settled(key, until)
         if key in self._committing or time.monotonic() > deadline - ADOPT_MARGIN_S:
-            return [wire.BUSY, 0, 0]
+            return [wire.BUSY, 0, 0, 0]
         ns = self._ns_id(key[0])
         if ns is not None and self.slab.refs(key[1], ns):
-            return [wire.RESIDENT, 0, 0]
+            return [wire.RESIDENT, 0, 0, 0]
         with self.store.lock:
             e = self.store.index.find(key)
             if e is None:
-                return [wire.NEW, 0, 0]
+                return [wire.NEW, 0, 0, 0]
             if e.length != length:
-                return [wire.CONFLICT, e.length, 0]
+                return [wire.CONFLICT, e.length, 0, 0]
             verdict = wire.SAME if e.checksum == checksum else wire.OTHER
-            refs = e.refs
+            refs, seq = e.refs, e.seq
         mark = self._mark(key)
-        return [verdict, refs, mark] if mark else [wire.BUSY, 0, 0]
+        return [verdict, refs, mark, seq] if mark else [wire.BUSY, 0, 0, 0]
 
     # ------------------------------------------------------------------ start
 

@@ -259,10 +259,11 @@ class DiskTier:
 
     async def adopt(
         self, namespace: str, address: str, checksum: int, length: int
-    ) -> tuple[str, int, int]:
+    ) -> tuple[str, int, int, int]:
         """A PUT is about to create ``address`` (``length`` bytes, ``checksum``) in the
         slab: the disk's verdict on its copy (:data:`eg_kv.disk.wire.NEW` ... ``BUSY``),
-        its number and the keeper's mark (see the keeper's ``_adopt``). After SAME or
+        its number, the keeper's mark and the copy's record (see the keeper's
+        ``_adopt``). After SAME or
         OTHER, decide at once (no await between), then call :meth:`promoted` with the
         mark. NEW when the keeper did not answer (down, stopped, or slow: the slab goes
         on alone, as its GETs and DELETEs do; docs/disk.md says what that costs); BUSY
@@ -270,12 +271,12 @@ class DiskTier:
         t0 = time.monotonic()
         deadline = int((t0 + CALL_TIMEOUT_S) * 1000)
         got = await self._call(wire.ADOPT, namespace, address, checksum, length, deadline)
-        if not isinstance(got, list) or len(got) != 3:
-            return wire.NEW, 0, 0
-        verdict, number, mark = str(got[0]), int(got[1]), int(got[2])
+        if not isinstance(got, list) or len(got) != 4:
+            return wire.NEW, 0, 0, 0
+        verdict, number, mark, record = str(got[0]), int(got[1]), int(got[2]), int(got[3])
         if mark and self._too_late(t0, namespace, address, mark):
-            return wire.BUSY, 0, 0
-        return verdict, number, mark
+            return wire.BUSY, 0, 0, 0
+        return verdict, number, mark, record
 
     async def listing(self, namespace: str | None) -> AsyncIterator[list[list[Any]]]:
         """The blocks the disk holds (``namespace``'s, or all), a page at a time:

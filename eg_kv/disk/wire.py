@@ -19,10 +19,11 @@ promote    namespace, address, seq                    [refs to publish record ``
                                                       ``promoted``, COMMIT_S at most
 discard    namespace, address, slab block (0: any)    whether it was there (the copy goes; not
                                                       a copy of a later block)
-adopt      namespace, address, checksum, length,      [verdict, number, mark id] on the copy of a
-           deadline (monotonic ms)                    block a PUT is about to create; SAME and
-                                                      OTHER hold DELETEs, promotions and ADOPTs
-                                                      of it until ``promoted``, COMMIT_S at most
+adopt      namespace, address, checksum, length,      [verdict, number, mark id, seq] on the copy
+           deadline (monotonic ms)                    of a block a PUT is about to create (seq:
+                                                      its record, for SAME); SAME and OTHER hold
+                                                      DELETEs, promotions and ADOPTs of it until
+                                                      ``promoted``, COMMIT_S at most
 stats      (none)                                     the tier's counters (a map)
 list       namespace (None: all), listing id (0: new) [listing id, [[namespace, address,
                                                       length, engine hash, parent, block size,

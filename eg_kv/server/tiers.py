@@ -199,13 +199,15 @@ async def commit_put(request: web.Request, tenant: Tenant, handle: PutHandle) ->
     slab, address, name = request.app[SLAB], handle.address, tenant.namespace
     if not handle.dedup:  # (a dedup hit from its head: the slab holds the block)
         for _ in range(ADOPT_TRIES):
-            verdict, number, mark = await tier.adopt(name, address, handle.seal(), handle.length)
+            verdict, number, mark, record = await tier.adopt(
+                name, address, handle.seal(), handle.length
+            )
             if verdict == wire.BUSY:
                 raise Busy(f"block {address} is moving between the disk and the slab; retry")
             if verdict == wire.CONFLICT:
                 raise Conflict(conflict_message(address, number, handle.length))
             if verdict in (wire.SAME, wire.OTHER):
-                _join_copy(slab, handle, verdict, number, tier, name, mark)
+                _join_copy(slab, handle, verdict, number, record, tier, name, mark)
                 return False
             if verdict == wire.NEW:
                 break
@@ -228,15 +230,15 @@ ADOPT_TRIES = 3
 
 
 def _join_copy(
-    slab: Slab, handle: PutHandle, verdict: str, copy_refs: int, tier: DiskTier, name: str,
-    mark: int,
+    slab: Slab, handle: PutHandle, verdict: str, copy_refs: int, record: int, tier: DiskTier,
+    name: str, mark: int,
 ) -> None:  # fmt: skip
     """A PUT whose block the disk holds (``verdict`` SAME or OTHER, the copy's
-    ``copy_refs``): a dedup hit, with no await before the keeper is told."""
+    ``copy_refs`` and ``record``): a dedup hit, with no await before the keeper is told."""
     joined = 0
     try:
-        if verdict == wire.SAME:  # published with the copy's references and its own
-            handle.refs = copy_refs + 1
+        if verdict == wire.SAME:  # published with the copy's references and its own, and
+            handle.refs, handle.joined = copy_refs + 1, record  # marked as on disk
             if handle.commit():  # (else: a dedup hit on the block published meanwhile)
                 slab.count_dedup_hit(handle.ns)
         else:  # other bytes: the copy's stand, and so does a block promoted from it

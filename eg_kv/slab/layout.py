@@ -205,7 +205,7 @@ META_ENGINE_HASH_MAX = 32
 META_HASH_LEN_OFFSET = struct.calcsize(SLOT_META.format[:6])  # after "<QQqIB"
 META_SPILLED = 1  # the disk tier holds a copy (its record is M_DISK)
 #: Where in a slot's META its disk record and its flags lie (the disk tier sets them).
-META_DISK_OFFSET = struct.calcsize(SLOT_META.format[:3])  # after "<Q"
+META_DISK_OFFSET = struct.calcsize(SLOT_META.format[:2])  # after "<Q" (the format's "<" counts)
 META_FLAGS_OFFSET = struct.calcsize(SLOT_META.format[:5])  # after "<QQqI"
 SLOT_META_OFFSET = SLOT.size + ADDRESS_MAX  # 320
 SLOT_SIZE = SLOT_META_OFFSET + SLOT_META.size  # 384

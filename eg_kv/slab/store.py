@@ -870,7 +870,7 @@ class Slab(SlabLeases):
             # Publish the slot before giving up the reservation: a crash in between leaves
             # both claiming the pages, and repair lets the published slot win.
             self._publish(i, h.raw, h.fp, h.length, h.first, h.npages, h.ns, h.checksum, h.engine,
-                          h.record, h.refs)  # fmt: skip
+                          h.record or h.joined, h.refs)  # fmt: skip
             self._unreserve(h.resv)
             return True
 
@@ -1089,8 +1089,8 @@ class PutHandle:
     """
 
     __slots__ = ("_hash", "_run", "_runs", "_slab", "address", "block_id", "checksum",
-                 "done", "engine", "expected", "first", "fp", "length", "npages", "ns", "pos",
-                 "raw", "record", "ref_entry", "refs", "resv")  # fmt: skip
+                 "done", "engine", "expected", "first", "fp", "joined", "length", "npages", "ns",
+                 "pos", "raw", "record", "ref_entry", "refs", "resv")  # fmt: skip
 
     def __init__(
         self, slab: Slab, address: str, raw: bytes, fp: int, length: int, resv: int,
@@ -1112,6 +1112,12 @@ class PutHandle:
         self.engine = engine
         #: The disk tier's record the bytes come from (a promotion; 0: a put's own bytes).
         self.record = 0
+        #: The disk's copy of the same bytes an adopting PUT joins (its record; 0: none):
+        #: published with it, the slot says the disk holds the block, so that its eviction
+        #: is a move (unmarked, it was logged a removal until the keeper's next spill of
+        #: it marked it). Unlike a promotion, it brings the PUT's reference to a block
+        #: stored meanwhile.
+        self.joined = 0
         #: The references the block is published with: a promotion's are its disk copy's,
         #: all at once (published with one, then given the rest, a DELETE on another
         #: worker in between took the only one: the block and its copy went, with the

@@ -629,18 +629,18 @@ def test_adopt_holds_the_address_until_the_put_says_it_is_done(keeper_on):
             return keeper._adopt(key, checksum, length, time.monotonic() + deadline)
 
         assert await keeper._adopt(("", "absent"), 1, 10, time.monotonic() + 1) == [
-            wire.NEW, 0, 0]  # fmt: skip
-        assert await adopt(checksum_of(data), 4000) == [wire.CONFLICT, 5000, 0]
-        assert await adopt(checksum_of(data), deadline=0.05) == [wire.BUSY, 0, 0]  # too late
+            wire.NEW, 0, 0, 0]  # fmt: skip
+        assert await adopt(checksum_of(data), 4000) == [wire.CONFLICT, 5000, 0, 0]
+        assert await adopt(checksum_of(data), deadline=0.05) == [wire.BUSY, 0, 0, 0]  # late
         assert not keeper._committing
-        verdict, refs, mark = await adopt(checksum_of(data))
-        assert (verdict, refs) == (wire.SAME, 2) and mark
+        verdict, refs, mark, record = await adopt(checksum_of(data))
+        assert (verdict, refs, record) == (wire.SAME, 2, store.index.find(key).seq) and mark
         waiting = asyncio.ensure_future(keeper._delete(key, time.monotonic() + 1.5))
         for _ in range(5):
             await asyncio.sleep(0)
         assert not waiting.done()
         t0 = time.monotonic()
-        assert await adopt(checksum_of(data)) == [wire.BUSY, 0, 0]
+        assert await adopt(checksum_of(data)) == [wire.BUSY, 0, 0, 0]
         assert time.monotonic() - t0 >= wire.ADOPT_WAIT_S * 0.9
         assert keeper._promote(key, store.index.find(key).seq) == [0, 0]  # declined
         assert keeper._count([wire.PROMOTED, 0, "", "k", 0])  # (what a declined one sent)
@@ -650,9 +650,9 @@ def test_adopt_holds_the_address_until_the_put_says_it_is_done(keeper_on):
         assert keeper._count([wire.PROMOTED, 0, "", "k", mark, 1])
         assert store.index.find(key).refs == 3
         assert await waiting == wire.IN_SLAB
-        assert await adopt(checksum_of(other)) == [wire.RESIDENT, 0, 0]
+        assert await adopt(checksum_of(other)) == [wire.RESIDENT, 0, 0, 0]
         assert slab.delete("k")
-        verdict, refs, mark = await adopt(checksum_of(other))
+        verdict, refs, mark, _ = await adopt(checksum_of(other))
         assert (verdict, refs) == (wire.OTHER, 3) and mark
         keeper._count([wire.PROMOTED, 0, "", "k", mark, 1])  # the copy stands, with its ref
         assert store.index.find(key).refs == 4 and not keeper._committing
@@ -681,3 +681,26 @@ def test_a_spill_of_other_bytes_never_replaces_a_copy_the_disk_holds(disk_dir):
         assert again is not None and _read(store, "t", "a") == old
     finally:
         store.close()
+
+
+def test_a_keepers_start_keeps_the_marks_of_copies_it_holds(keeper_on):
+    """At its start the keeper clears the slab's marks of copies its index lacks (a data
+    file made anew). A promoted block's mark, and a spilled one's, name a record the
+    index holds: both stay (a promoted block's record was read from the LoRA id's field,
+    so every keeper restart cleared its mark, and its eviction was logged a removal
+    while the disk held it); a mark naming a record the index lacks goes."""
+    slab, store, keeper = keeper_on
+    data = os.urandom(5000)
+    fill = lambda v: v.__setitem__(slice(None), data)  # noqa: E731
+    promoted = store.append(("", "p"), len(data), checksum_of(data), fill)
+    spilled = store.append(("", "s"), len(data), checksum_of(data), fill)
+    h = slab.begin_put("p", len(data), engine=EngineName(b"h" * 32, b"", 16, 2))
+    h.write(data)
+    h.record = promoted.seq
+    assert h.commit() is True
+    assert slab.put("s", data) and slab.put("lost", data)
+    _, ids = slab.block_ids(["s", "lost"])
+    assert slab.mark_spilled("s", 0, ids[0], spilled.seq) == 1
+    assert slab.mark_spilled("lost", 0, ids[1], spilled.seq + 100) == 1
+    assert keeper._unmark_lost() == 1
+    assert sorted(m[1] for m in slab.spilled_marks()) == ["p", "s"]

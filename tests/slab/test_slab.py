@@ -295,6 +295,28 @@ def test_a_promotion_is_published_with_all_its_references_at_once(slab):
     assert slab.stats()["total_refs"] == 0 and slab.check() == []
 
 
+def test_a_put_that_joins_the_disks_copy_is_published_as_on_disk(slab):
+    """A PUT of bytes the disk tier holds (its ADOPT said SAME) is published with the
+    copy's references and its own, and its slot names the copy's record at once: its
+    eviction is then a move, not a removal (unmarked, it waited for the keeper's next
+    spill of it). Unlike a promotion, it is no block created, and it brings its
+    reference to a block stored meanwhile."""
+    body = data(100 * KiB)
+    created = slab.stats()["puts_created"]
+    h = slab.begin_put("joined", len(body))
+    h.write(body)
+    h.joined, h.refs = 9, 3
+    assert h.commit() is True
+    assert slab.refs("joined") == 3 and slab.spilled("joined")
+    assert [m[1:] for m in slab.spilled_marks()] == [("joined", len(body), 9)]
+    assert slab.stats()["puts_created"] == created
+    h = slab.begin_put("meanwhile", len(body))
+    h.write(body)
+    h.joined, h.refs = 9, 3
+    assert slab.put("meanwhile", body)  # another PUT published it first
+    assert h.commit() is False and slab.refs("meanwhile") == 2  # a dedup hit: its reference
+
+
 def test_streamed_dedup_hit_takes_its_reference_at_once_and_back_on_abort(slab):
     """Its reference at once; its count when it ends, so an abort takes nothing counted
     back (dedup_hits went back, a reset to Prometheus)."""

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from eg_kv.engine import EngineName
 from eg_kv.errors import SlabError
 from eg_kv.slab import events as E
 from eg_kv.slab.store import Slab
@@ -81,6 +82,29 @@ def test_order_kinds_and_reasons(eslab):
     assert replay(evs) == held_now(s)
     epoch, seq, _ = s.events_snapshot(None)
     assert seq == s.events.head == len(evs) and epoch == s.events.epoch
+
+
+def test_a_block_marked_on_disk_keeps_its_engine_name(eslab):
+    """The disk tier's mark (its record number) lies in its own field of the slot: it
+    was written over the LoRA id (one field on), so a DELETE of a spilled block logged
+    its removal under a LoRA id that was the record's number, and a router kept the
+    block; and a promoted block's record read back as its LoRA id (0), so a keeper's
+    start took its mark for a lost copy's."""
+    s = eslab
+    engine = EngineName(b"h" * 32, b"", 16, 5)
+    assert s.put("a", b"x" * 100, engine=engine)
+    _, ids = s.block_ids(["a"])
+    assert s.mark_spilled("a", 0, ids[0], 77) == 1
+    assert [m[1:] for m in s.spilled_marks()] == [("a", 100, 77)]
+    h = s.begin_put("p", 100)  # a promotion: published with its record
+    h.write(b"y" * 100)
+    h.record, h.engine = 78, engine
+    assert h.commit() is True
+    assert sorted(m[1:] for m in s.spilled_marks()) == [("a", 100, 77), ("p", 100, 78)]
+    assert s.delete("a") and s.delete("p")
+    removed = [e for e in all_events(s) if e.kind == E.REMOVED]
+    assert [(e.address, e.engine.hash, e.engine.lora_id, e.engine.block_size)
+            for e in removed] == [(b"a", b"h" * 32, 5, 16), (b"p", b"h" * 32, 5, 16)]  # fmt: skip
 
 
 def test_large_put_and_abort(eslab):
