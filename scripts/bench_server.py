@@ -46,6 +46,9 @@ OPS = ("GET", "HEAD", "PUT")  # PUT last: its new blocks may evict the ones GET 
 #: With --tenants N: eg-kv gets a tokens file of N tenants and every client sends the
 #: token of one of them (its own namespace), as a header line of every request.
 AUTH: dict = {}
+#: With --disk: eg-kv (and the baseline) each get a disk tier of this size in a new
+#: directory under /var/tmp (a real disk), removed after.
+DISK: dict = {}
 
 
 def tokens_file(n: int, directory: str) -> tuple[str, str]:
@@ -218,6 +221,9 @@ class EgKv(Server):
         self.slab = f"/eg-kv-bench-{os.getpid()}-{self.port}"
         mine = self.root == ROOT
         extra = ["--tokens", AUTH["file"]] if AUTH.get("file") and mine else []
+        if DISK:
+            self.disk = tempfile.mkdtemp(prefix="eg-kv-bench-disk-", dir="/var/tmp")
+            extra += ["--disk", self.disk, "--disk-capacity", DISK["capacity"]]
         token = AUTH.get("token") if mine else AUTH.get("bearer")
         env = {**os.environ, "EPISTEMIC_GRAPH_KVCACHE_TOKEN": token} if token else None
         self.proc = subprocess.Popen(
@@ -248,6 +254,8 @@ class EgKv(Server):
         from eg_kv.slab.store import Slab
 
         Slab.unlink_named(self.slab)
+        if DISK:
+            shutil.rmtree(self.disk, ignore_errors=True)
 
     def worker_pids(self) -> list[int]:
         import psutil
@@ -771,8 +779,16 @@ def main() -> int:
         "TREE`), interleaved with this one, and print eg-kv / baseline: today's against a "
         "commit's, in one run (it gets the clients' token as its one token)",
     )
+    ap.add_argument(
+        "--disk",
+        metavar="SIZE",
+        help="serve eg-kv (and the baseline) with a disk tier of SIZE (e.g. 1GiB) in a new "
+        "directory under /var/tmp each: what the tier costs the slab's requests",
+    )
     ap.add_argument("--bare-server", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.disk:
+        DISK["capacity"] = args.disk
     if args.single_token:
         header = "Authorization: Bearer bench-single-token"
         AUTH.update(token="bench-single-token", bearer="bench-single-token",

@@ -219,7 +219,7 @@ def open_disk(settings: Settings) -> int:
     Raises:
         CannotServe: the directory or its file cannot be used (the reason says why).
     """
-    from eg_kv.disk import counters, files
+    from eg_kv.disk import counters, files, keyfilter
 
     try:
         path = files.check_dir(settings.disk)
@@ -228,6 +228,7 @@ def open_disk(settings: Settings) -> int:
             files.socket_path(path)  # a directory there: the keeper could never bind
             sb = files.make_data(path, settings.disk_capacity)
             counters.reset(path)  # this server's counters count from its start
+            keyfilter.reset(path)  # its keeper makes it anew, for this capacity
         except BaseException:
             os.close(fd)
             raise

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..engine import NO_ENGINE, EngineName
 from . import layout as D
+from .keyfilter import FilterWriter
 
 #: A block's name on disk: (namespace name, address).
 Key = tuple[str, str]
@@ -52,6 +53,8 @@ class DiskIndex:
     ns_entries: dict[str, deque[Entry]] = field(default_factory=dict)
     ns_bytes: dict[str, int] = field(default_factory=dict)
     blocks_bytes: int = 0  #: the live records' block bytes
+    #: Counts the keys indexed for the workers (:mod:`eg_kv.disk.keyfilter`); None: not kept.
+    filter: FilterWriter | None = None
 
     def find(self, key: Key) -> Entry | None:
         return self.entries.get(key)
@@ -95,7 +98,9 @@ class DiskIndex:
             if old.seq > e.seq:  # a scan found an older copy: it only takes space
                 e.live = False
                 return None
-            self._drop(old)
+            self._drop(old, counted=False)  # the key stays indexed: never a count of 0
+        elif self.filter is not None:
+            self.filter.add(e.key)  # counted before it can be found
         self.entries[e.key] = e
         ns = e.key[0]
         q = self.ns_entries.setdefault(ns, deque())
@@ -114,12 +119,14 @@ class DiskIndex:
             self._drop(e)
         return e
 
-    def _drop(self, e: Entry) -> None:
+    def _drop(self, e: Entry, counted: bool = True) -> None:
         if not e.live:
             return
         e.live = False
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
+            if counted and self.filter is not None:
+                self.filter.remove(e.key)
         ns = e.key[0]
         self.ns_bytes[ns] -= e.length
         self.blocks_bytes -= e.length

@@ -68,6 +68,7 @@ def rebuild(store: DiskStore) -> int:
         store.index.order_ring(found, head)
         store.deleted_in_scan.clear()
         live = len(store.index.entries)
+        store.filter.ready()  # every record found is counted: workers may trust a zero
         store.ready.set()
     log.info("disk tier: %d records (%s) found in %.2f s", live,
              human_size(store.index.blocks_bytes), time.monotonic() - t0)  # fmt: skip

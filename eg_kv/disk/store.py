@@ -23,6 +23,7 @@ from . import counters as counters_file
 from . import files
 from . import layout as D
 from .index import DiskIndex, Entry, Key
+from .keyfilter import FilterWriter
 
 log = logging.getLogger("eg_kv.disk")
 
@@ -53,7 +54,9 @@ class DiskStore:
         if not self.direct:
             log.warning("disk tier: %s does not take O_DIRECT (tmpfs?): spills and reads go "
                         "through the page cache", path)  # fmt: skip
-        self.index = DiskIndex(capacity)
+        #: The index's keys, counted for the workers (made here: gen odd until the scan).
+        self.filter = FilterWriter(path, capacity)
+        self.index = DiskIndex(capacity, filter=self.filter)
         self.lock = threading.Lock()
         self.io = threading.Lock()
         self.buf = files.buffer(D.HEADER + D.align(max_block))
@@ -80,6 +83,7 @@ class DiskStore:
         self.buf.close()
         self.zero.close()
         self.counters.close()
+        self.filter.close()
 
     # ------------------------------------------------------------------ writes
 

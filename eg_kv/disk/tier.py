@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from ..engine import EngineName
 from . import files, wire
 from . import layout as D
+from .keyfilter import FilterReader
 from .layout import Record
 from .reader import read_block, read_into
 
@@ -96,8 +97,12 @@ class DiskTier:
         #: Reports made while there was no connection (frames), sent first on the next.
         self._held: collections.deque[bytes] = collections.deque(maxlen=MAX_HELD_REPORTS)
         self._connecting_soon: asyncio.Future[bool] | None = None
+        #: The keys no record holds, as the keeper counts them: those need no call.
+        self._filter = FilterReader(path)
+        self.filtered = 0  #: calls (or addresses of a batch) answered from it
 
     async def close(self) -> None:
+        self._filter.close()
         for task in (self._probe, self._flushing, self._connecting_soon):
             if task is not None:
                 task.cancel()
@@ -112,13 +117,21 @@ class DiskTier:
     async def find(
         self, namespace: str, addresses: list[str], load: bool = False
     ) -> list[Found | None]:
-        """Where each of ``addresses`` lies on disk (None: not there, or no answer)."""
-        got = await self._call(wire.FIND, namespace, addresses, load)
+        """Where each of ``addresses`` lies on disk (None: not there, or no answer); the
+        keeper is asked about those its filter does not rule out."""
+        absent = self._filter.absent(namespace, addresses)
+        ask = [a for a, no in zip(addresses, absent, strict=True) if not no]
+        self.filtered += len(addresses) - len(ask)
+        if not ask:
+            return [None] * len(addresses)
+        got = await self._call(wire.FIND, namespace, ask, load)
         if got is None:
             return [None] * len(addresses)
         file_id, places = got
         self._check_file(file_id)
-        return [None if p is None else Found(*p) for p in places]
+        answers = iter(places)
+        return [None if no or (p := next(answers)) is None else Found(*p)
+                for no in absent]  # fmt: skip
 
     async def locate(self, namespace: str, address: str) -> Found | None:
         """Where the block a GET is about to load lies (None: not on disk); counted as a
@@ -187,6 +200,9 @@ class DiskTier:
         # The keeper ignores it after this worker gives up on it (monotonic ms, one clock
         # for the host): a stopped keeper that wakes must not apply a DELETE answered 503
         # here, or the client's retry would end a second reference.
+        if self._filter.absent(namespace, [address])[0]:
+            self.filtered += 1
+            return 0
         deadline = int((time.monotonic() + CALL_TIMEOUT_S) * 1000)
         got = await self._call(wire.DELETE, namespace, address, deadline)
         return None if got is None else int(got)
@@ -268,6 +284,9 @@ class DiskTier:
         mark. NEW when the keeper did not answer (down, stopped, or slow: the slab goes
         on alone, as its GETs and DELETEs do; docs/disk.md says what that costs); BUSY
         when it answered too late to decide."""
+        if self._filter.absent(namespace, [address])[0]:  # no copy: no round trip
+            self.filtered += 1
+            return wire.NEW, 0, 0, 0
         t0 = time.monotonic()
         deadline = int((t0 + CALL_TIMEOUT_S) * 1000)
         got = await self._call(wire.ADOPT, namespace, address, checksum, length, deadline)
@@ -298,7 +317,7 @@ class DiskTier:
         """The keeper's counters (None: it did not answer)."""
         got = await self._call(wire.STATS)
         if got is not None:
-            got["unreachable"] = self.unreachable
+            got["unreachable"], got["filtered"] = self.unreachable, self.filtered
         return got
 
     # ------------------------------------------------------------------ plumbing

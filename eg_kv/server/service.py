@@ -62,7 +62,11 @@ async def _with_disk(request: web.Request, out: dict[str, Any]) -> dict[str, Any
     false, ...}`` while its keeper does not answer)."""
     tier = request.app.get(DISK)
     if tier is not None:
-        out["disk"] = await tier.stats() or {"ready": False, "unreachable": tier.unreachable}
+        out["disk"] = await tier.stats() or {
+            "ready": False,
+            "unreachable": tier.unreachable,
+            "filtered": tier.filtered,
+        }
     return out
 
 

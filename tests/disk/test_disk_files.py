@@ -704,3 +704,72 @@ def test_a_keepers_start_keeps_the_marks_of_copies_it_holds(keeper_on):
     assert slab.mark_spilled("lost", 0, ids[1], spilled.seq + 100) == 1
     assert keeper._unmark_lost() == 1
     assert sorted(m[1] for m in slab.spilled_marks()) == ["p", "s"]
+
+
+def test_the_keepers_filter_rules_out_only_what_no_record_holds(disk_dir):
+    """Workers read the keeper's filter (DIR/filter) instead of asking it about blocks no
+    record holds. It says "absent" only for keys the index lacks, and only once the index
+    is rebuilt: a key indexed, superseded, or sharing a count with another is never
+    "absent"; one removed is again. A keeper started again makes it untrusted until its
+    scan is done, for the workers that mapped it before too."""
+    from eg_kv.disk import keyfilter
+
+    reader = keyfilter.FilterReader(str(disk_dir))
+    store = DiskStore(str(disk_dir), 4 * MiB, 256 * KiB)
+    try:
+        assert reader.absent("", ["a"]) == [False]  # not made yet, or not ready
+        reader._next_try = 0.0
+        assert reader.absent("", ["a"]) == [False]  # made, but the scan has not run
+        rebuild(store)
+        names = [f"k{i}" for i in range(200)]
+        assert all(reader.absent("", names)) and all(reader.absent("t", names))
+        kept = [_put(store, "", n, os.urandom(100)) for n in names[:100]]
+        assert all(kept) and _put(store, "t", "k0", b"t's") is not None
+        assert reader.absent("", names) == [False] * 100 + [True] * 100
+        assert reader.absent("t", ["k0", "k1"]) == [False, True]  # namespaces apart
+        assert _put(store, "", "k5", os.urandom(100)) is not None  # a newer copy
+        assert reader.absent("", ["k5"]) == [False]
+        for n in names[:50]:
+            store.index.remove(("", n))
+        assert reader.absent("", names[:100]) == [True] * 50 + [False] * 50
+        # Two keys of one count: removing one leaves the other counted.
+        mask = store.filter.mask
+        slot = keyfilter.slot_of("", "k60", mask)
+        twin = next(f"x{i}" for i in range(10**6) if keyfilter.slot_of("", f"x{i}", mask) == slot)
+        assert reader.absent("", [twin]) == [False]  # k60's count: ask the keeper
+        assert _put(store, "", twin, b"twin") is not None
+        store.index.remove(("", twin))
+        assert reader.absent("", ["k60", twin]) == [False, False]
+    finally:
+        store.close()
+    again = DiskStore(str(disk_dir), 4 * MiB, 256 * KiB)  # the keeper started again
+    try:
+        assert reader.absent("", ["k99", "k150"]) == [False, False]  # until its scan
+        rebuild(again)
+        # (k10's record is still in the file: the index alone forgot it, and the scan
+        # found it again.)
+        assert reader.absent("", ["k99", "k150", "k10"]) == [False, True, False]
+    finally:
+        again.close()
+        reader.close()
+
+
+def test_a_filter_count_saturates_and_stays(disk_dir):
+    """A count at 255 stays (it may count more than 255 keys): never "absent" again
+    until the keeper starts anew."""
+    from eg_kv.disk import keyfilter
+
+    w = keyfilter.FilterWriter(str(disk_dir), 4 * MiB)
+    reader = keyfilter.FilterReader(str(disk_dir))
+    try:
+        w.ready()
+        key = ("", "hot")
+        for _ in range(300):
+            w.add(key)
+        for _ in range(300):
+            w.remove(key)
+        assert reader.absent("", ["hot"]) == [False]
+        assert os.stat(disk_dir / keyfilter.FILE).st_mode & 0o077 == 0
+    finally:
+        reader.close()
+        w.close()

@@ -334,6 +334,41 @@ def test_a_stopped_keeper_costs_disk_hits_only(server_factory, disk_dir):
     wait_for(lambda: request(srv, "GET", f"/kv/{on_disk}").status == 200, what="disk hits again")
 
 
+def test_what_the_disk_never_held_needs_no_keeper(server_factory, disk_dir):
+    """A worker reads the keeper's filter (DIR/filter) before it asks the keeper: with the
+    keeper stopped, PUTs of new blocks are stored without asking it, and a GET, HEAD,
+    exists, batch exists or DELETE of an address never stored is a 404 at once (the
+    DELETE was a 503: the disk might have held it). What the disk holds still needs the
+    keeper: its DELETE is a 503 while the keeper is stopped."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    blocks = _blocks("f", 12)
+    _put_spilled(srv, blocks)
+    on_disk = _on_disk(srv, list(blocks))[0]
+    keeper, before = _disk(srv)["pid"], _disk(srv)
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        for i in range(20):
+            assert request(srv, "PUT", f"/kv/new-{i}", b"y" * 1000).status == 201
+        assert request(srv, "GET", "/kv/never").status == 404
+        assert request(srv, "HEAD", "/kv/never").status == 404
+        assert request(srv, "GET", "/kv/never/exists").json()["exists"] is False
+        body = json.dumps({"addresses": ["never", "new-0"]}).encode()
+        assert request(srv, "POST", "/kv/batch/exists", body).json()["exists"] == [False, True]
+        assert request(srv, "DELETE", "/kv/never").status == 404
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    after = _disk(srv)
+    assert after["unreachable"] == before["unreachable"]  # none of them asked the keeper
+    assert after["filtered"] - before["filtered"] >= 25
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        assert request(srv, "DELETE", f"/kv/{on_disk}").status == 503
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    wait_for(lambda: request(srv, "DELETE", f"/kv/{on_disk}").status == 204, what="the keeper")
+    assert request(srv, "GET", f"/kv/{on_disk}").status == 404
+
+
 def test_the_disk_counters_go_on_when_the_keeper_is_started_again(server_factory, disk_dir):
     """They lived in the keeper's memory: after a SIGKILL of the keeper, spills went
     16 -> 0, disk hits 15 -> 0 (a reset, to Prometheus). They count on now; a new server
