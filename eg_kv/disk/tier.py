@@ -101,6 +101,15 @@ class DiskTier:
         self._filter = FilterReader(path)
         self.filtered = 0  #: calls (or addresses of a batch) answered from it
 
+    def absent(self, namespace: str, address: str, count: bool = True) -> bool:
+        """True when the keeper's filter rules out a copy of ``address`` (``count``:
+        counted in :attr:`filtered`): the slab alone answers for it, as it would without
+        the tier. False: the keeper must be asked."""
+        if self._filter.absent(namespace, [address])[0]:
+            self.filtered += count
+            return True
+        return False
+
     async def close(self) -> None:
         self._filter.close()
         for task in (self._probe, self._flushing, self._connecting_soon):
@@ -200,8 +209,7 @@ class DiskTier:
         # The keeper ignores it after this worker gives up on it (monotonic ms, one clock
         # for the host): a stopped keeper that wakes must not apply a DELETE answered 503
         # here, or the client's retry would end a second reference.
-        if self._filter.absent(namespace, [address])[0]:
-            self.filtered += 1
+        if self.absent(namespace, address):
             return 0
         deadline = int((time.monotonic() + CALL_TIMEOUT_S) * 1000)
         got = await self._call(wire.DELETE, namespace, address, deadline)
@@ -284,8 +292,7 @@ class DiskTier:
         mark. NEW when the keeper did not answer (down, stopped, or slow: the slab goes
         on alone, as its GETs and DELETEs do; docs/disk.md says what that costs); BUSY
         when it answered too late to decide."""
-        if self._filter.absent(namespace, [address])[0]:  # no copy: no round trip
-            self.filtered += 1
+        if self.absent(namespace, address):  # no copy: no round trip
             return wire.NEW, 0, 0, 0
         t0 = time.monotonic()
         deadline = int((t0 + CALL_TIMEOUT_S) * 1000)

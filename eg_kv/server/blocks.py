@@ -129,10 +129,10 @@ def one_copy(reader: bytes | BlockReader) -> bytes:
     return data
 
 
-def read_small(slab: Slab, address: str, ns: int) -> tuple[int, bytes] | None:
+def read_small(slab: Slab, address: str, ns: int, miss: bool = True) -> tuple[int, bytes] | None:
     """A GET's one-copy answer, for the fast lane (:mod:`eg_kv.server.lane`): the block's
     (checksum, bytes) when it is at most :data:`READ_SLICE`; None if absent (a counted
-    miss).
+    miss; ``miss`` False: the caller's to count, the disk tier may hold it).
 
     Raises:
         Longer: a longer block (nothing read or counted): it is streamed, by
@@ -140,7 +140,7 @@ def read_small(slab: Slab, address: str, ns: int) -> tuple[int, bytes] | None:
         NotFound: the block was evicted or released while it was read.
     """
     try:
-        found = slab.read_or_open(address, ns, READ_SLICE)
+        found = slab.read_or_open(address, ns, READ_SLICE, miss=miss)
         return None if found is None else (found[0], one_copy(found[1]))
     except BlockGone:
         raise gone(address) from None

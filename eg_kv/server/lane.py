@@ -10,13 +10,18 @@ each request it parses to :class:`FastLane` first
 the plain case, and declines it, untouched, otherwise.
 
 The plain case is a request to ``/kv/<address>`` over HTTP/1.1 or 1.0, kept alive, without
-``Expect``, whose whole body arrived with its head, on a worker that is not draining, has
-no disk tier and keeps no access log, to a client that reads its answers, and:
+``Expect``, whose whole body arrived with its head, on a worker that is not draining and
+keeps no access log, to a client that reads its answers, and:
 
 - ``PUT`` of at most :data:`~eg_kv.slab.store.SMALL_PUT` with a ``Content-Length``;
 - ``GET`` of a block of at most :data:`~eg_kv.server.blocks.READ_SLICE` (a longer one is
   streamed from the slab), without a lease to release;
 - ``HEAD``.
+
+With a disk tier, a request the slab alone cannot answer (a GET or HEAD it misses, a PUT
+of a block it lacks) is the lane's only where the keeper's filter rules out a copy on
+disk (:mod:`eg_kv.disk.keyfilter`): asking the keeper takes a wait. So is every taken
+body's: with a disk tier, no body is taken.
 
 A kept-alive ``PUT`` over ``SMALL_PUT`` whose body has not all arrived (or that asks
 ``Expect: 100-continue``) is taken too: its pages are reserved, its body read by the
@@ -72,21 +77,20 @@ class FastLane:
         app: the worker's application, started (its slab attached).
     """
 
-    __slots__ = ("_auth", "_checked", "_drain", "_extras", "_metrics", "_share", "_slab")
+    __slots__ = ("_auth", "_checked", "_drain", "_extras", "_metrics", "_share", "_slab", "_tier")
 
     def __init__(self, app: web.Application) -> None:
         self._auth, self._slab, self._drain = app[AUTH], app[SLAB], app[DRAIN]
         self._metrics, self._share = app[METRICS], app[SETTINGS].upload_share
-        self._extras = app[EXTRAS]
+        self._extras, self._tier = app[EXTRAS], app.get(DISK)
         # The roles authorize() may refuse on the block route: others skip the call.
         self._checked = roles_refused("block", self._auth.tenants_mode)
 
     @classmethod
     def of(cls, app: web.Application) -> FastLane | None:
-        """The lane for ``app``'s connections; None where it never applies: a disk tier
-        (a new block may be the disk's, which takes a wait) or an access log (aiohttp
-        writes it)."""
-        if app.get(DISK) is not None or app[SETTINGS].access_log:
+        """The lane for ``app``'s connections; None where it never applies: an access log
+        (aiohttp writes it)."""
+        if app[SETTINGS].access_log:
             return None
         return cls(app)
 
@@ -132,7 +136,8 @@ class FastLane:
             self._slab.check_address(address, tenant.ns)
             if not whole:
                 return self._take_body(conn, message, payload, unfed, address, tenant.ns, start)
-            answer = _ANSWERS[method](self, message, payload, address, tenant.ns)
+            answer = _ANSWERS[method](self, message, payload, address, tenant.ns,
+                                      tenant.namespace)  # fmt: skip
         except Exception:  # an EgKvError, or a bug: aiohttp's way answers it (a bug: a 500
             return False  # and its traceback), from the one place that does
         if answer is None:
@@ -185,6 +190,8 @@ class FastLane:
         """
         expect = message.headers.get("Expect")
         if message.chunked or conn.reading_held():  # (held: the parser kept bytes back)
+            return False
+        if self._tier is not None:  # its publish asks the keeper (tiers.commit_put): a wait
             return False
         transport = conn.transport
         if expect is not None and (
@@ -262,7 +269,7 @@ class FastLane:
     # make once the request is the lane's: (status, type, length, checksum, body).
 
     def _put(
-        self, message: Message, payload: streams.StreamReader, address: str, ns: int
+        self, message: Message, payload: streams.StreamReader, address: str, ns: int, name: str
     ) -> Callable[[], _Answer] | None:
         headers = message.headers
         if message.chunked:
@@ -270,37 +277,51 @@ class FastLane:
         length, checksum, engine = put_fields(headers, self._slab.max_block_size)
         if length is None or length > SMALL_PUT:
             return None
+        tier, new_ok = self._tier, None
+        if tier is not None:
+            if not tier.absent(name, address):
+                return None  # the disk may hold it: the PUT asks the keeper
+            new_ok = partial(tier.absent, name, address, False)  # still, under the lock
 
         def store() -> _Answer:
             body = payload.read_nowait(-1)
             named = self._extras(ns, address, engine)  # token ids: to the publisher
-            created = self._slab.put(address, body, ns, checksum, named)
+            created = self._slab.put(address, body, ns, checksum, named, new_ok)
+            if not created and tier is not None:  # the disk's copy counts it too
+                tier.count_refs(name, address, self._slab.refs(address, ns))
             answer = _CREATED if created else _DEDUP
             return (201 if created else 200), TEXT, len(answer), None, answer
 
         return store
 
     def _get(
-        self, message: Message, payload: streams.StreamReader, address: str, ns: int
+        self, message: Message, payload: streams.StreamReader, address: str, ns: int, name: str
     ) -> Callable[[], _Answer] | None:
         if RELEASE_HEADER in message.headers:
             return None
+        tier = self._tier
         try:
-            found = read_small(self._slab, address, ns)
+            found = read_small(self._slab, address, ns, miss=tier is None)
         except Longer:
             return None  # streamed from the slab, by aiohttp's way
         except NotFound as e:  # evicted while read: counted, so the lane answers it
             return partial(_fail, e)
-        if found is None:  # a counted miss (no disk tier to ask)
+        if found is None:
+            if tier is not None:  # not counted yet: the disk may hold it
+                if not tier.absent(name, address):
+                    return None  # ask the keeper, by aiohttp's way
+                self._slab.count_get(ns, hit=False)
             return partial(_fail, absent(address))
         checksum, data = found
         return lambda: (200, BLOCK_TYPE, len(data), checksum, data)
 
     def _head(
-        self, message: Message, payload: streams.StreamReader, address: str, ns: int
+        self, message: Message, payload: streams.StreamReader, address: str, ns: int, name: str
     ) -> Callable[[], _Answer] | None:
         found = self._slab.describe(address, ns)
-        if found is None:  # no disk tier to ask
+        if found is None:
+            if self._tier is not None and not self._tier.absent(name, address):
+                return None  # the disk may hold it: ask the keeper, by aiohttp's way
             return partial(_fail, absent(address))
         length, checksum = found
         return lambda: (200, BLOCK_TYPE, length, checksum, b"")

@@ -15,6 +15,8 @@ every function here answers as a miss at once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 from aiohttp import web
 
@@ -165,6 +167,23 @@ async def delete(request: web.Request, tenant: Tenant, address: str) -> bool:
         if on_disk != wire.IN_SLAB:
             return bool(on_disk)
     raise Busy(f"block {address} moved between the slab and the disk while deleted; retry")
+
+
+def may_hold(request: web.Request, tenant: Tenant, address: str) -> bool:
+    """Whether the disk tier may hold a copy of ``address`` (False without one, or when
+    the keeper's filter rules it out): a PUT of such a block must ask the keeper
+    (:func:`commit_put`), a GET or HEAD that misses the slab too."""
+    tier = request.app.get(DISK)
+    return tier is not None and not tier.absent(tenant.namespace, address)
+
+
+def no_copy_check(request: web.Request, tenant: Tenant, address: str) -> Callable[[], bool] | None:
+    """For a small PUT that :func:`may_hold` let through, stored in one step
+    (:meth:`~eg_kv.slab.store.Slab.put`): the check its critical section makes before it
+    creates the block (a copy spilled, and the slab's block evicted, since the filter
+    was read: the PUT is a 503 to retry). None without a disk tier."""
+    tier = request.app.get(DISK)
+    return None if tier is None else partial(tier.absent, tenant.namespace, address, False)
 
 
 def count_dedup(request: web.Request, tenant: Tenant, address: str) -> None:

@@ -33,7 +33,7 @@ from . import tiers
 from ._compat import forget_interim
 from .answers import error_response, label, reply, unauthorized, why
 from .auth import authorize
-from .keys import AUTH, DISK, EXTRAS, METRICS, SETTINGS, SLAB, SPOOL
+from .keys import AUTH, EXTRAS, METRICS, SETTINGS, SLAB, SPOOL
 from .tenants import Tenant
 
 #: A request's headers, or a parsed message's (case-insensitive in both).
@@ -193,11 +193,16 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     # answers (error_response).
     if length is None:
         created = await _put_chunked(request, tenant, address, checksum, engine)
-    elif length <= SMALL_PUT and DISK not in request.app:
+    elif length <= SMALL_PUT and not tiers.may_hold(request, tenant, address):
         # Gather a small body, then store it in one critical section (Slab.put): the
         # second lock round trip of a streamed put cost more than holding these bytes.
+        # (With a disk tier, only a block its keeper's filter rules out: another must
+        # ask the keeper between its bytes and its publish.)
         body = await _receive_small(request, length)
-        created = slab.put(address, body, ns, checksum, engine)
+        new_ok = tiers.no_copy_check(request, tenant, address)
+        created = slab.put(address, body, ns, checksum, engine, new_ok)
+        if not created:
+            tiers.count_dedup(request, tenant, address)  # the disk's copy counts it too
     else:
         share = request.app[SETTINGS].upload_share
         handle = slab.begin_put(address, length, share, ns, checksum, engine)

@@ -680,16 +680,21 @@ class Slab(SlabLeases):
 
     def put(
         self, address: str, data: Bytes, ns: int = 0, checksum: int | None = None,
-        engine: EngineName = NO_ENGINE,
+        engine: EngineName = NO_ENGINE, new_ok: Callable[[], bool] | None = None,
     ) -> bool:  # fmt: skip
         """Store ``data`` under ``address`` in one call; True if created, False if dedup.
 
         Up to :data:`SMALL_PUT` bytes are looked up, copied in and published in one
         critical section; larger blocks go through :meth:`begin_put`, copied outside it.
 
+        Args:
+            new_ok: asked under the lock before a small block is created (the disk tier:
+                that no copy of it was spilled, the slab having evicted it since the
+                caller looked).
+
         Raises:
-            The same as :meth:`begin_put`, and BodyMismatch: ``data`` does not have the
-            ``checksum`` given (nothing is stored).
+            The same as :meth:`begin_put`, BodyMismatch: ``data`` does not have the
+            ``checksum`` given (nothing is stored), and Busy: ``new_ok`` said no.
         """
         length = len(data)
         if length > SMALL_PUT:
@@ -709,6 +714,8 @@ class Slab(SlabLeases):
             i, s = self._find(raw, fp, ns)
             if s is not None:
                 return self._add_ref(i, s, address, length)
+            if new_ok is not None and not new_ok():
+                raise Busy(f"block {address} is moving between the disk and the slab; retry")
             if self._state[L.ST_FREE_COUNT] < n or (ns and self._nsw[ns * _NS_WORDS + _NS_QUOTA]):
                 self._room(n, ns, length)
                 i = self._find(raw, fp, ns)[0]  # evictions may have moved the empty slot

@@ -369,6 +369,27 @@ def test_what_the_disk_never_held_needs_no_keeper(server_factory, disk_dir):
     assert request(srv, "GET", f"/kv/{on_disk}").status == 404
 
 
+def test_small_blocks_answered_by_the_fast_lane_hold_across_tiers(server_factory, disk_dir):
+    """With a disk tier, small PUTs, GETs and HEADs go through the fast lane where the
+    keeper's filter rules out a copy on disk, and past it where it does not: a small
+    block PUT twice, spilled and evicted is found by HEAD, PUT again as a dedup hit that
+    joins the copy's references, served, and deleted reference by reference."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    small = {f"small{i}": os.urandom(4 * KiB) for i in range(3)}
+    for address, data in small.items():
+        spilled = _spills(srv)
+        assert request(srv, "PUT", f"/kv/{address}", data).status == 201
+        assert request(srv, "PUT", f"/kv/{address}", data).status == 200  # in the slab
+        wait_for(lambda s=spilled: _spills(srv) > s, what=f"the spill of {address}")
+    address, data = next(iter(small.items()))
+    _evict_to_disk(srv, address, "e")
+    assert request(srv, "GET", "/kv/small-never").status == 404
+    head = request(srv, "HEAD", f"/kv/{address}")
+    assert head.status == 200 and int(head.headers["Content-Length"]) == len(data)
+    assert request(srv, "PUT", f"/kv/{address}", data).status == 200  # joins the copy
+    _held_by(srv, address, data, 3)
+
+
 def test_the_disk_counters_go_on_when_the_keeper_is_started_again(server_factory, disk_dir):
     """They lived in the keeper's memory: after a SIGKILL of the keeper, spills went
     16 -> 0, disk hits 15 -> 0 (a reset, to Prometheus). They count on now; a new server

@@ -317,6 +317,26 @@ def test_a_put_that_joins_the_disks_copy_is_published_as_on_disk(slab):
     assert h.commit() is False and slab.refs("meanwhile") == 2  # a dedup hit: its reference
 
 
+def test_a_small_put_asks_before_it_creates_a_block(slab):
+    """``new_ok`` (the disk tier's check that no copy was spilled since the caller read
+    its filter) is asked under the lock before a small block is created: no, and the put
+    is a 503 that stores nothing; a dedup hit does not ask."""
+    from eg_kv.errors import Busy
+
+    asked = []
+
+    def refuse() -> bool:
+        asked.append(1)
+        return False
+
+    with pytest.raises(Busy):
+        slab.put("small", b"x" * 100, new_ok=refuse)
+    assert asked == [1] and not slab.exists("small") and slab.check() == []
+    assert slab.put("small", b"x" * 100, new_ok=lambda: True) is True
+    assert slab.put("small", b"x" * 100, new_ok=refuse) is False and asked == [1]
+    assert slab.refs("small") == 2
+
+
 def test_streamed_dedup_hit_takes_its_reference_at_once_and_back_on_abort(slab):
     """Its reference at once; its count when it ends, so an abort takes nothing counted
     back (dedup_hits went back, a reset to Prometheus)."""
