@@ -30,8 +30,8 @@ the same even, non-zero number: a keeper that starts again makes ``gen`` odd bef
 zeroes the counts. While the keeper is down its file stays as it left it, and so does the
 data file (nothing else writes it).
 
-The supervisor removes the file when the server starts (:func:`reset`: its size follows
-``--disk-capacity``); the keeper makes it anew, or fills the one its predecessor left.
+The supervisor makes the file anew, its space allocated, when the server starts
+(:func:`make`: its size follows ``--disk-capacity``); each keeper fills it again.
 """
 
 from __future__ import annotations
@@ -72,17 +72,42 @@ def slot_of(namespace: str, address: str, mask: int) -> int:
     return xxhash.xxh3_64_intdigest(f"{namespace}\0{address}".encode()) & mask
 
 
-def reset(path: str) -> None:
-    """Remove ``path``'s filter (a server starting): until its keeper has made it anew,
-    workers ask the keeper."""
+def make(path: str, capacity: int) -> None:
+    """Make ``path``'s filter anew for a data file of ``capacity`` bytes, its space taken
+    now (a server starting: a disk without room for it shows at start, as the data
+    file's does; written later through a mapping, a page with no room behind it killed
+    the keeper with SIGBUS). Its generation is 0: workers ask the keeper until it has
+    filled it.
+
+    Raises:
+        OSError: the file cannot be made (no room, no permission).
+    """
+    os.close(_make(os.path.join(path, FILE), COUNTS_OFFSET + slots_for(capacity)))
+
+
+def _make(name: str, size: int) -> int:
+    """A new file of ``size`` bytes, allocated, put in place of ``name`` (another inode:
+    a worker that mapped the old one reads past no end of it); its open descriptor."""
+    tmp = name + ".new"
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(path, FILE))
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        os.replace(tmp, name)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd
 
 
 class FilterWriter:
-    """The keeper's side: made (or taken over) at its start with ``gen`` odd and every
-    count 0; :meth:`add` and :meth:`remove` as the index gains and loses keys (under the
-    index's lock), then :meth:`ready` once the index is rebuilt.
+    """The keeper's side: taken over (the one the supervisor made, or a predecessor left;
+    made anew if it is missing or of another size) at its start with ``gen`` odd and
+    every count 0; :meth:`add` and :meth:`remove` as the index gains and loses keys
+    (under the index's lock), then :meth:`ready` once the index is rebuilt.
 
     Raises:
         OSError: the file cannot be made (the keeper cannot start).
@@ -93,14 +118,16 @@ class FilterWriter:
         self.mask = self.slots - 1
         name = os.path.join(path, FILE)
         size = COUNTS_OFFSET + self.slots
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            if os.fstat(fd).st_size != size:
-                # Another size (not this server's: the supervisor removed that one): made
-                # anew under another inode, so a worker that mapped the old one reads
-                # past no end of it.
-                os.close(fd)
-                fd = self._make(name, size)
+            fd = os.open(name, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0 and os.fstat(fd).st_size != size:
+            os.close(fd)
+            fd = -1
+        if fd < 0:
+            fd = _make(name, size)
+        try:
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -108,20 +135,6 @@ class FilterWriter:
         HEAD.pack_into(self._mm, 0, MAGIC, gen + 1 + gen % 2, self.mask)  # gen: odd
         self._counts = memoryview(self._mm)[COUNTS_OFFSET:]
         self._counts[:] = bytes(self.slots)  # after gen went odd: readers ask the keeper
-
-    @staticmethod
-    def _make(name: str, size: int) -> int:
-        tmp = name + ".new"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            os.replace(tmp, name)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
 
     def add(self, key: tuple[str, str]) -> None:
         """The index gained ``key``."""
@@ -156,31 +169,38 @@ class FilterReader:
         self._name = os.path.join(path, FILE)
         self._mm: mmap.mmap | None = None
         self._mask = 0
-        self._next_try = 0.0
+        self._inode = (0, 0)
+        self._next_look = 0.0
 
     def _map(self) -> mmap.mmap | None:
-        if self._mm is not None:
-            return self._mm
+        """The mapping, looked for again every :data:`RETRY_S`: while there is none, and
+        whether the name still points to the file mapped (one made anew meanwhile, by a
+        keeper that found it gone: the old one's counts stay as they were, and would
+        rule out what the keeper spills from then on)."""
         now = time.monotonic()
-        if now < self._next_try:
-            return None
-        self._next_try = now + RETRY_S
+        if now < self._next_look:
+            return self._mm
+        self._next_look = now + RETRY_S
         try:
             fd = os.open(self._name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
+            self.close()
             return None
         try:
-            size = os.fstat(fd).st_size
-            if size <= COUNTS_OFFSET:
+            st = os.fstat(fd)
+            if self._mm is not None and (st.st_dev, st.st_ino) == self._inode:
+                return self._mm
+            self.close()
+            if st.st_size <= COUNTS_OFFSET:
                 return None
-            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         magic, _, mask = HEAD.unpack_from(mm, 0)
-        if magic != MAGIC or mask + 1 != size - COUNTS_OFFSET or mask & (mask + 1):
+        if magic != MAGIC or mask + 1 != st.st_size - COUNTS_OFFSET or mask & (mask + 1):
             mm.close()  # not made yet (the keeper writes its head after its size)
             return None
-        self._mm, self._mask = mm, mask
+        self._mm, self._mask, self._inode = mm, mask, (st.st_dev, st.st_ino)
         return mm
 
     def absent(self, namespace: str, addresses: Sequence[str]) -> list[bool]:
@@ -192,6 +212,8 @@ class FilterReader:
         before = _GEN.unpack_from(mm, GEN_OFFSET)[0]
         if not before or before % 2:
             return [False] * len(addresses)
+        # (Three reads in order, no barrier: x86 keeps loads in order, as the slab's
+        # lock-free reads need too.)
         mask, at, hash_of = self._mask, COUNTS_OFFSET, xxhash.xxh3_64_intdigest
         prefix = f"{namespace}\0"
         out = [not mm[at + (hash_of((prefix + a).encode()) & mask)] for a in addresses]

@@ -209,7 +209,10 @@ class DiskTier:
         # The keeper ignores it after this worker gives up on it (monotonic ms, one clock
         # for the host): a stopped keeper that wakes must not apply a DELETE answered 503
         # here, or the client's retry would end a second reference.
-        if self.absent(namespace, address):
+        if not self._down and self.absent(namespace, address):
+            # (Only while the keeper answers: one killed with records' headers still to
+            # zero leaves them uncounted, and its successor's scan brings them back; the
+            # DELETE is a 503 to retry then, as before.)
             return 0
         deadline = int((time.monotonic() + CALL_TIMEOUT_S) * 1000)
         got = await self._call(wire.DELETE, namespace, address, deadline)
@@ -292,8 +295,6 @@ class DiskTier:
         mark. NEW when the keeper did not answer (down, stopped, or slow: the slab goes
         on alone, as its GETs and DELETEs do; docs/disk.md says what that costs); BUSY
         when it answered too late to decide."""
-        if self.absent(namespace, address):  # no copy: no round trip
-            return wire.NEW, 0, 0, 0
         t0 = time.monotonic()
         deadline = int((t0 + CALL_TIMEOUT_S) * 1000)
         got = await self._call(wire.ADOPT, namespace, address, checksum, length, deadline)

@@ -279,9 +279,11 @@ class FastLane:
             return None
         tier, new_ok = self._tier, None
         if tier is not None:
-            if not tier.absent(name, address):
-                return None  # the disk may hold it: the PUT asks the keeper
-            new_ok = partial(tier.absent, name, address, False)  # still, under the lock
+            if not self._slab.exists(address, ns) and not tier.absent(name, address):
+                return None  # a new block the disk may hold: the PUT asks the keeper
+            # (A dedup hit, or a block no copy of which was spilled: still so under the
+            # lock, or the put is a 503 to retry.)
+            new_ok = partial(tier.absent, name, address, False)
 
         def store() -> _Answer:
             body = payload.read_nowait(-1)

@@ -206,7 +206,9 @@ async def commit_put(request: web.Request, tenant: Tenant, handle: PutHandle) ->
     another worker in the round trip took the block's only reference: it went, with the
     copy and every holder's reference). A block the slab holds by then (a promotion
     meanwhile) takes the PUT's reference there. While the keeper does not answer the
-    slab goes on alone (docs/disk.md says what that costs).
+    slab goes on alone (docs/disk.md says what that costs). A block the keeper's filter
+    rules out (:mod:`eg_kv.disk.keyfilter`) asks nothing, and is published only if the
+    filter still rules it out under the slab's lock.
 
     Raises:
         Conflict (the disk holds another length), Busy (the address is being moved
@@ -216,7 +218,10 @@ async def commit_put(request: web.Request, tenant: Tenant, handle: PutHandle) ->
     if tier is None:
         return handle.commit()
     slab, address, name = request.app[SLAB], handle.address, tenant.namespace
-    if not handle.dedup:  # (a dedup hit from its head: the slab holds the block)
+    if not handle.dedup and tier.absent(name, address):
+        # No copy (the keeper's filter): no round trip; checked again as it is published.
+        handle.new_ok = partial(tier.absent, name, address, False)
+    elif not handle.dedup:  # (a dedup hit from its head: the slab holds the block)
         for _ in range(ADOPT_TRIES):
             verdict, number, mark, record = await tier.adopt(
                 name, address, handle.seal(), handle.length

@@ -193,11 +193,13 @@ async def put_block(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     # answers (error_response).
     if length is None:
         created = await _put_chunked(request, tenant, address, checksum, engine)
-    elif length <= SMALL_PUT and not tiers.may_hold(request, tenant, address):
+    elif length <= SMALL_PUT and (
+        not tiers.may_hold(request, tenant, address) or slab.exists(address, ns)
+    ):
         # Gather a small body, then store it in one critical section (Slab.put): the
         # second lock round trip of a streamed put cost more than holding these bytes.
-        # (With a disk tier, only a block its keeper's filter rules out: another must
-        # ask the keeper between its bytes and its publish.)
+        # (With a disk tier, only a dedup hit or a block its keeper's filter rules out:
+        # another must ask the keeper between its bytes and its publish.)
         body = await _receive_small(request, length)
         new_ok = tiers.no_copy_check(request, tenant, address)
         created = slab.put(address, body, ns, checksum, engine, new_ok)

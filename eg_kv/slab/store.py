@@ -862,6 +862,10 @@ class Slab(SlabLeases):
                 if h.record:  # a promotion: the block stored meanwhile has its references
                     return False
                 return self._add_ref(i, s, h.address, h.length)
+            if h.new_ok is not None and not h.new_ok():
+                first, npages = self._unreserve(h.resv)
+                self._free_pages(first, npages)
+                raise Busy(f"block {h.address} is moving between the disk and the slab; retry")
             if h.ns and self._nsw[h.ns * _NS_WORDS + _NS_QUOTA]:
                 # Its pages were charged to the quota when reserved: only a quota lowered
                 # meanwhile (a reload) finds the namespace over it now.
@@ -1096,8 +1100,9 @@ class PutHandle:
     """
 
     __slots__ = ("_hash", "_run", "_runs", "_slab", "address", "block_id", "checksum",
-                 "done", "engine", "expected", "first", "fp", "joined", "length", "npages", "ns",
-                 "pos", "raw", "record", "ref_entry", "refs", "resv")  # fmt: skip
+                 "done", "engine", "expected", "first", "fp", "joined", "length", "new_ok",
+                 "npages", "ns", "pos", "raw", "record", "ref_entry", "refs",
+                 "resv")  # fmt: skip
 
     def __init__(
         self, slab: Slab, address: str, raw: bytes, fp: int, length: int, resv: int,
@@ -1125,6 +1130,8 @@ class PutHandle:
         #: it marked it). Unlike a promotion, it brings the PUT's reference to a block
         #: stored meanwhile.
         self.joined = 0
+        #: Asked under the lock before the block is created (Slab.put's ``new_ok``).
+        self.new_ok: Callable[[], bool] | None = None
         #: The references the block is published with: a promotion's are its disk copy's,
         #: all at once (published with one, then given the rest, a DELETE on another
         #: worker in between took the only one: the block and its copy went, with the

@@ -718,7 +718,7 @@ def test_the_keepers_filter_rules_out_only_what_no_record_holds(disk_dir):
     store = DiskStore(str(disk_dir), 4 * MiB, 256 * KiB)
     try:
         assert reader.absent("", ["a"]) == [False]  # not made yet, or not ready
-        reader._next_try = 0.0
+        reader._next_look = 0.0
         assert reader.absent("", ["a"]) == [False]  # made, but the scan has not run
         rebuild(store)
         names = [f"k{i}" for i in range(200)]
@@ -751,6 +751,34 @@ def test_the_keepers_filter_rules_out_only_what_no_record_holds(disk_dir):
         assert reader.absent("", ["k99", "k150", "k10"]) == [False, True, False]
     finally:
         again.close()
+    # The file removed under a running server: the next keeper makes another, and the
+    # workers map it (the old one's counts, frozen, would rule out what it holds now).
+    os.unlink(disk_dir / keyfilter.FILE)
+    third = DiskStore(str(disk_dir), 4 * MiB, 256 * KiB)
+    try:
+        rebuild(third)
+        assert _put(third, "", "k150", b"new") is not None
+        reader._next_look = 0.0
+        assert reader.absent("", ["k150", "k151"]) == [False, True]
+    finally:
+        third.close()
+        reader.close()
+
+
+def test_the_filter_takes_its_room_when_the_server_starts(disk_dir):
+    """Made with its space allocated (written later through a mapping, a page with no
+    room behind it killed the keeper with SIGBUS), generation 0: workers ask the keeper
+    until it has filled it."""
+    from eg_kv.disk import keyfilter
+
+    keyfilter.make(str(disk_dir), 64 * MiB)
+    st = os.stat(disk_dir / keyfilter.FILE)
+    assert st.st_size == keyfilter.COUNTS_OFFSET + keyfilter.slots_for(64 * MiB)
+    assert st.st_blocks * 512 >= st.st_size and st.st_mode & 0o077 == 0
+    reader = keyfilter.FilterReader(str(disk_dir))
+    try:
+        assert reader.absent("", ["a"]) == [False]
+    finally:
         reader.close()
 
 

@@ -335,6 +335,16 @@ def test_a_small_put_asks_before_it_creates_a_block(slab):
     assert slab.put("small", b"x" * 100, new_ok=lambda: True) is True
     assert slab.put("small", b"x" * 100, new_ok=refuse) is False and asked == [1]
     assert slab.refs("small") == 2
+    # A streamed put asks the same of its commit; no, and its pages go back.
+    free = slab.stats()["free_bytes"]
+    h = slab.begin_put("large", 300 * KiB)
+    h.write(data(300 * KiB))
+    h.new_ok = refuse
+    with pytest.raises(Busy):
+        h.commit()
+    h.abort()
+    assert asked == [1, 1] and not slab.exists("large")
+    assert slab.stats()["free_bytes"] == free and slab.check() == []
 
 
 def test_streamed_dedup_hit_takes_its_reference_at_once_and_back_on_abort(slab):
