@@ -228,13 +228,8 @@ def open_disk(settings: Settings) -> int:
             files.socket_path(path)  # a directory there: the keeper could never bind
             sb = files.make_data(path, settings.disk_capacity)
             counters.reset(path)  # this server's counters count from its start
-            try:  # made anew for this capacity, its room taken now; each keeper fills it
-                keyfilter.make(path, settings.disk_capacity)
-            except OSError as e:
-                raise ConfigError(
-                    f"--disk {path}: cannot make {keyfilter.FILE} ({e.strerror}); free "
-                    "space or lower --disk-capacity"
-                ) from None
+            # Made anew for this capacity, its room taken now; each keeper fills it.
+            keyfilter.make(path, settings.disk_capacity)
         except BaseException:
             os.close(fd)
             raise

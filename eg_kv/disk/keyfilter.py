@@ -37,6 +37,7 @@ The supervisor makes the file anew, its space allocated, when the server starts
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import struct
@@ -44,6 +45,9 @@ import time
 from collections.abc import Sequence
 
 import xxhash
+
+from ..errors import ConfigError
+from ..units import human_size
 
 FILE = "filter"
 MAGIC = b"EGKVFLT1"
@@ -80,9 +84,20 @@ def make(path: str, capacity: int) -> None:
     filled it.
 
     Raises:
-        OSError: the file cannot be made (no room, no permission).
+        ConfigError: the file cannot be made (no room; something else in its place), in
+            one line that says what to do.
     """
-    os.close(_make(os.path.join(path, FILE), COUNTS_OFFSET + slots_for(capacity)))
+    size = COUNTS_OFFSET + slots_for(capacity)
+    try:
+        os.close(_make(os.path.join(path, FILE), size))
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ConfigError(
+                f"--disk {path}: cannot reserve {human_size(size)} for {FILE} "
+                f"({e.strerror}); free space or lower --disk-capacity"
+            ) from None
+        raise ConfigError(f"--disk {path}: cannot use {FILE} ({e.strerror}); remove or "
+                          "rename it") from None  # fmt: skip
 
 
 def _make(name: str, size: int) -> int:

@@ -429,7 +429,7 @@ def test_a_second_server_on_the_directory_is_refused(server_factory, disk_dir, t
     assert srv.healthz()["workers_up"] == 2
 
 
-@pytest.mark.parametrize("name", [D.DATA_FILE, D.LOCK_FILE, D.SOCKET_FILE])
+@pytest.mark.parametrize("name", [D.DATA_FILE, D.LOCK_FILE, D.SOCKET_FILE, "filter"])
 def test_a_directory_in_place_of_a_file_of_the_tier_is_refused_in_one_line(disk_dir, name):
     """It was a 23-26 line traceback (the data file, the lock), or a keeper that died and
     was started again every second, forever (its socket)."""
