@@ -14,6 +14,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from eg_kv.server.runstate import remove_stale_run_dirs
 from eg_kv.slab.store import Slab
 from helpers.common import ROOT, free_port, unique_slab_name, wait_for
 
@@ -110,7 +111,11 @@ def start_server(
 
 
 def stop_server(srv: Server) -> None:
-    """Stop ``srv`` by pid (SIGTERM, then SIGKILL past the deadline); unlink its slab."""
+    """Stop ``srv`` by pid (SIGTERM, then SIGKILL past the deadline); unlink its slab, and
+    remove the run directory a supervisor its test SIGKILLed left (one stopped removes
+    its own; the next server on the port would remove it, but the tests' ports vary)."""
     srv.stop(signal.SIGTERM)
     with contextlib.suppress(Exception):
         Slab.unlink_named(srv.slab_name)
+    with contextlib.suppress(Exception):
+        remove_stale_run_dirs(srv.port)
