@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 from ..engine import EngineName
@@ -109,6 +110,12 @@ class DiskTier:
             self.filtered += count
             return True
         return False
+
+    def recheck(self, namespace: str, address: str) -> Callable[[], bool]:
+        """:meth:`absent` again, uncounted, for a put's critical section to ask before it
+        creates the block (``Slab.put``'s and ``PutHandle``'s ``new_ok``): a copy spilled
+        and its slab block evicted since the filter was read makes the put a 503."""
+        return partial(self.absent, namespace, address, False)
 
     async def close(self) -> None:
         self._filter.close()

@@ -283,7 +283,7 @@ class FastLane:
                 return None  # a new block the disk may hold: the PUT asks the keeper
             # (A dedup hit, or a block no copy of which was spilled: still so under the
             # lock, or the put is a 503 to retry.)
-            new_ok = partial(tier.absent, name, address, False)
+            new_ok = tier.recheck(name, address)
 
         def store() -> _Answer:
             body = payload.read_nowait(-1)

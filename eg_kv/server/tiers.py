@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from functools import partial
 
 from aiohttp import web
 
@@ -183,7 +182,7 @@ def no_copy_check(request: web.Request, tenant: Tenant, address: str) -> Callabl
     creates the block (a copy spilled, and the slab's block evicted, since the filter
     was read: the PUT is a 503 to retry). None without a disk tier."""
     tier = request.app.get(DISK)
-    return None if tier is None else partial(tier.absent, tenant.namespace, address, False)
+    return None if tier is None else tier.recheck(tenant.namespace, address)
 
 
 def count_dedup(request: web.Request, tenant: Tenant, address: str) -> None:
@@ -220,7 +219,7 @@ async def commit_put(request: web.Request, tenant: Tenant, handle: PutHandle) ->
     slab, address, name = request.app[SLAB], handle.address, tenant.namespace
     if not handle.dedup and tier.absent(name, address):
         # No copy (the keeper's filter): no round trip; checked again as it is published.
-        handle.new_ok = partial(tier.absent, name, address, False)
+        handle.new_ok = tier.recheck(name, address)
     elif not handle.dedup:  # (a dedup hit from its head: the slab holds the block)
         for _ in range(ADOPT_TRIES):
             verdict, number, mark, record = await tier.adopt(
