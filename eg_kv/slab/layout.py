@@ -283,12 +283,14 @@ NS_ENTRY_SIZE = 8 * NS_WORDS  # 256
 NS_OFFSET = HEADER_SIZE
 NS_TABLE_SIZE = NS_COUNT * NS_ENTRY_SIZE  # 1 MiB
 SLOT_BLOCK_ID_OFFSET = 32  # byte offset of the block id inside a slot (a uint64)
+SLOT_FP_OFFSET = 40  # byte offset of the fingerprint inside a slot (a uint64)
 SLOT_NS_OFFSET = 48  # byte offset of the namespace id inside a slot (a uint32)
 SLOT_LEASES_OFFSET = 52  # byte offset of the lease count inside a slot (a uint32)
 SLOT_LEASE_END_OFFSET = 56  # byte offset of the newest lease's expiry (an int64)
 assert SLOT_SIZE % 8 == 0 and SLOT.size - 8 == SLOT_LEASE_END_OFFSET
 assert SLOT_META.size == 64 and SLOT_META_OFFSET % 8 == 0
 assert struct.calcsize("<BBHIQqQ") == SLOT_BLOCK_ID_OFFSET
+assert struct.calcsize("<BBHIQqQQ") == SLOT_FP_OFFSET
 NS_MIX = 0x9E3779B97F4A7C15
 
 

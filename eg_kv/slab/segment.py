@@ -230,6 +230,9 @@ class SlabSegment(SlabLocking):
         self._slot_lease_end = self._slots_i64[L.SLOT_LEASE_END_OFFSET // 8 :: L.SLOT_SIZE // 8]
         # Every slot's block id: what a local reader's lease names (eg_kv.slab.leases).
         self._slot_block_ids = self._slots_i64[L.SLOT_BLOCK_ID_OFFSET // 8 :: L.SLOT_SIZE // 8]
+        # Every slot's fingerprint (signed: its low bits, a home, read the same): what a
+        # backward shift asks of each slot it passes.
+        self._slot_fps = self._slots_i64[L.SLOT_FP_OFFSET // 8 :: L.SLOT_SIZE // 8]
         # The reservation table as int64 words, and its pid column (0 = entry free).
         self._resv = self._mv[g.resv_off : g.resv_off + g.nresv * L.RESV_SIZE].cast("q")
         self._resv_pids = self._resv[:: L.RESV_SIZE // 8]
@@ -606,7 +609,8 @@ class SlabSegment(SlabLocking):
             self._release_proc_entry()
         self.closed = True
         views = (self._procs, self._nsw, self._slot_ns, self._slot_leases, self._slots_u32,
-                 self._slot_lease_end, self._slot_block_ids, self._slots_i64, self._resv_pids,
+                 self._slot_lease_end, self._slot_block_ids, self._slot_fps, self._slots_i64,
+                 self._resv_pids,
                  self._resv, self._resv_raw)  # fmt: skip
         for view in views:
             view.release()

@@ -58,7 +58,6 @@ from .events import R_DELETE, R_DISK, R_EVICT, R_PUT, R_QUOTA, REMOVED, STORED
 from .layout import (
     F_BLOCK_ID,
     F_FIRST,
-    F_FP,
     F_LENGTH,
     F_NPAGES,
     F_NS,
@@ -93,6 +92,7 @@ _NS_DEDUP_HITS = L.NS_DEDUP_HITS
 _NS_QUOTA = L.NS_QUOTA
 _NS_GET_HITS = L.NS_GET_HITS
 _NS_GET_MISSES = L.NS_GET_MISSES
+_unpack_slot = L.SLOT.unpack_from
 _NS_WORDS = L.NS_WORDS
 #: Sweeps of the hand that evict nothing before it judges every block leased: the first
 #: REF_TOUCHED may only count a used block's reference count down to 0.
@@ -105,6 +105,11 @@ SWEEP_LEASED_MAX = 8192
 #: Blocks not on disk yet that one eviction passes over looking for a spilled one: a
 #: keeper behind by 90% of the slab leaves one victim in ten, found in ~10 visits.
 SPILL_PASS_MAX = 64
+#: Pages an eviction frees beyond what its put needs, at most (a slab's 1,024th, so none
+#: in a slab under 1,024 pages): the next puts find them free and skip the sweep's set-up
+#: and a second probe. Best effort: the sweep stops at what the put needs wherever going
+#: on would pass over many blocks (leased or used) or drop one the keeper has not spilled.
+EVICT_AHEAD = 16
 _T = TypeVar("_T")
 #: Where a slot's META flags lie (from the slot's start), and the disk tier's flag.
 _META_FLAGS = L.SLOT_META_OFFSET + L.META_FLAGS_OFFSET
@@ -154,21 +159,22 @@ class Slab(SlabLeases):
 
     def _remove_slot(self, i: int) -> None:
         """Empty slot ``i`` with backward-shift deletion (no tombstones)."""
-        mask, ss = self._mask, L.SLOT_SIZE
+        # Offsets inline and only each slot's state and fingerprint read (not its fields
+        # unpacked): every eviction runs this.
+        mask, mm, base, ss, fps = self._mask, self._mm, self._slots_off, L.SLOT_SIZE, self._slot_fps
         while True:
             j = i
             while True:
                 j = (j + 1) & mask
-                s = self._read_slot(j)
-                if s[F_STATE] == L.SLOT_EMPTY:
-                    self._mm[self._slot_off(i)] = L.SLOT_EMPTY
+                if mm[base + j * ss] == L.SLOT_EMPTY:
+                    mm[base + i * ss] = L.SLOT_EMPTY
                     self._slot_leases[i] = 0  # an empty slot counts no lease (a sum in C)
                     return
-                home = s[F_FP] & mask
+                home = fps[j] & mask
                 # Entry j may move into the hole at i unless its home lies in (i, j].
                 if (i < home <= j) if i <= j else (home > i or home <= j):
                     continue
-                move_slot(self._mm, self._slot_off(i), self._slot_off(j), ss)
+                move_slot(mm, base + i * ss, base + j * ss, ss)
                 i = j
                 break
 
@@ -409,6 +415,7 @@ class Slab(SlabLeases):
             self._clock_visit(hint, now, local, reason=R_EVICT, second_chance=False)
             if st[L.ST_FREE_COUNT] >= n:
                 return
+        want = n + min(EVICT_AHEAD, self.geometry.npages >> 10)
         mask, hand, mm, base = self._mask, st[L.ST_CLOCK_HAND], self._mm, self.geometry.slots_off
         # With a disk tier, a block its keeper has not written yet is passed over while a
         # spilled one may be found: evicting a spilled block moves it to disk, evicting
@@ -421,7 +428,7 @@ class Slab(SlabLeases):
         # Slots visited since the last eviction: REF_TOUCHED + 1 sweeps without one (the
         # first ones may only count reference counts down) mean only leased blocks are left.
         idle, first_end, passed, unspilled = 0, 1 << 62, 0, 0
-        while st[L.ST_FREE_COUNT] < n:
+        while st[L.ST_FREE_COUNT] < want:
             i = (hand * _CLOCK_STRIDE) & mask
             off = base + i * L.SLOT_SIZE
             if mm[off] == L.SLOT_READY:
@@ -438,17 +445,21 @@ class Slab(SlabLeases):
                 elif spilled_only and not mm[off + _META_FLAGS] & _SPILLED:
                     unspilled += 1  # not on disk yet: passed over while a spilled one may be
                     if unspilled > SPILL_PASS_MAX:
+                        if st[L.ST_FREE_COUNT] >= n:
+                            break  # evicting ahead: not at the cost of a spill drop
                         spilled_only = False
                         st[L.ST_SPILL_WALL] = st[L.ST_SPILLS]
                         continue  # this one is the victim after all
                 else:
                     if leases[i]:
                         self._forget_leases(i, leases[i], now)
-                    self._drop_block(i, self._read_slot(i), evicted=True)
+                    self._drop_block(i, _unpack_slot(mm, off), evicted=True)
                     idle = unspilled = 0
                     continue  # backward shift may have moved another block into slot i
             hand = (hand + 1) & mask
             idle += 1
+            if idle > SPILL_PASS_MAX and st[L.ST_FREE_COUNT] >= n:
+                break  # evicting ahead: not through a run of leased or used blocks
             if passed > SWEEP_LEASED_MAX:  # mostly leased: this put has looked long enough
                 st[L.ST_CLOCK_HAND] = hand  # the next one goes on from here, after a change
                 self._raise_lease_wall(first_end)
@@ -720,9 +731,14 @@ class Slab(SlabLeases):
                 self._room(n, ns, length)
                 i = self._find(raw, fp, ns)[0]  # evictions may have moved the empty slot
             first = self._alloc_pages(n)
-            src, mv = memoryview(data).cast("B"), self._mv
-            for pos, off, size in _runs(self, first, n, length):
-                mv[off : off + size] = src[pos : pos + size]
+            mv = self._mv
+            if n == 1:  # the usual small block: one page, no runs to work out
+                off = self._data_off + first * self.page_size
+                mv[off : off + length] = data if type(data) is bytes else memoryview(data).cast("B")
+            else:
+                src = memoryview(data).cast("B")
+                for pos, off, size in _runs(self, first, n, length):
+                    mv[off : off + size] = src[pos : pos + size]
             # A crash before the slot is written leaves pages no slot owns: repair frees them.
             self._publish(i, raw, fp, length, first, n, ns, got, engine)
             return True

@@ -22,7 +22,7 @@ from eg_kv.errors import (
 from eg_kv.procs import pid_alive
 from eg_kv.slab import layout as L
 from eg_kv.slab import segment as slab_module
-from eg_kv.slab.store import BlockGone, Slab
+from eg_kv.slab.store import EVICT_AHEAD, BlockGone, Slab
 
 KiB, MiB = 1024, 1024 * 1024
 PAGE = 64 * KiB
@@ -540,6 +540,46 @@ def test_with_a_disk_tier_eviction_takes_spilled_blocks_first(slab):
     assert not slab.exists(f"b{survivors[-1]}")
     assert all(slab.exists(f"b{i}") for i in survivors[:-1])
     assert slab.check() == []
+
+
+@pytest.fixture
+def thousand_pages(slab_name):
+    """4 MiB of 4 KiB pages: 1,024 pages, the smallest slab that evicts ahead (one)."""
+    s = Slab.create(slab_name, 4 * MiB, page_size=4 * KiB, max_block_size=64 * KiB)
+    yield s
+    s.close()
+
+
+def test_a_put_that_evicts_frees_a_page_ahead_for_the_next(thousand_pages):
+    """A slab of 1,024 pages or more frees a 1,024th of its pages beyond what the put
+    needs (at most EVICT_AHEAD): the put after it finds a free page and evicts nothing."""
+    s = thousand_pages
+    assert s.geometry.npages == 1024 and EVICT_AHEAD >= 1
+    for i in range(1024):
+        s.put(f"f{i}", b"f" * 4 * KiB)
+    assert s.stats()["evictions"] == 0
+    s.put("g0", b"g" * 4 * KiB)
+    assert s.stats()["evictions"] == 2  # its page, and one ahead
+    assert s._state[L.ST_FREE_COUNT] == 1
+    s.put("g1", b"g" * 4 * KiB)
+    assert s.stats()["evictions"] == 2  # the page freed ahead
+    s.put("g2", b"g" * 4 * KiB)
+    assert s.stats()["evictions"] == 4
+    assert s.check() == []
+
+
+def test_evicting_ahead_never_takes_a_leased_block_or_refuses_a_put(thousand_pages):
+    """Every block leased but one: the put that needs that one page evicts it and is
+    stored; the page ahead, which only a leased block could give, is not taken."""
+    s = thousand_pages
+    keys = [f"f{i}" for i in range(1024)]
+    for k in keys:
+        s.put(k, b"f" * 4 * KiB)
+    assert all(s.exists_many(keys[1:], lease_ms=10_000))
+    assert s.put("new", b"n" * 4 * KiB) is True
+    assert s.stats()["evictions"] == 1 and not s.exists(keys[0])
+    assert all(s.exists(k) for k in keys[1:])
+    assert s.check() == []
 
 
 def test_big_block_fits_in_scattered_free_pages(slab):
