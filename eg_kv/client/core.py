@@ -266,7 +266,8 @@ class ClientCore:
         if slab is None:
             return OVER_HTTP
         got = self._locally(address, slab.open_to_fetch, address, self.config.max_block_size)
-        return OVER_HTTP if got is None and slab.info.disk else got  # its disk tier may hold it
+        # A miss its disk tier may hold is the server's to answer.
+        return OVER_HTTP if got is None and slab.disk_may_hold((address,)) else got
 
     def local_copy(
         self, slab: LocalSlab, reader: BlockReader, address: str, sink: Callable[..., Any]
@@ -298,7 +299,7 @@ class ClientCore:
         except LocalUnavailable as exc:
             self.local.step_aside(exc)
             return None
-        return None if slab.info.disk and not all(found) else found  # misses: ask the disk
+        return None if slab.disk_may_hold(_misses(addresses, found)) else found  # ask the disk
 
     def local_lookup(
         self, slab: LocalSlab | None, addresses: list[str], lease_ms: int | None
@@ -317,7 +318,7 @@ class ClientCore:
             return None
         lease = bool(lease_ms and lease_ms > 0)
         try:
-            if lease and lease_ms:
+            if lease and lease_ms and _none_on_disk(slab, addresses):
                 found = slab.lease_addresses(addresses, lease_ms)
                 if found is not None:
                     return found
@@ -325,8 +326,10 @@ class ClientCore:
         except LocalUnavailable as exc:
             self.local.step_aside(exc)
             return None
-        # Hits to lease are the server's to lease; misses, its disk tier's to answer.
-        return None if (lease and any(found)) or (slab.info.disk and not all(found)) else found
+        # Hits to lease are the server's to lease; misses its disk tier may hold, its to answer.
+        if (lease and any(found)) or slab.disk_may_hold(_misses(addresses, found)):
+            return None
+        return found
 
     def note_unleased(self, addresses: list[str], found: list[bool]) -> None:
         """Remember the hits of a leasing lookup the server answered unleased (a lease cap,
@@ -462,3 +465,18 @@ class OneServer:
     def forged_blocks(self) -> int:
         """Blocks this client read whose block-key tag failed (each a miss)."""
         return self._core.forged_blocks.count
+
+
+def _misses(addresses: list[str], found: list[bool]) -> list[str]:
+    """The addresses a local lookup did not find."""
+    return [a for a, hit in zip(addresses, found, strict=True) if not hit]
+
+
+def _none_on_disk(slab: LocalSlab, addresses: list[str]) -> bool:
+    """Whether no address the local slab misses may be on its server's disk tier (a
+    leasing lookup is answered locally only then: a block the disk holds is the server's
+    to promote and lease). A block evicted to disk between this look and the lease is
+    a miss, as a block evicted a moment before the lookup would be."""
+    return not slab.info.disk or not slab.disk_may_hold(
+        _misses(addresses, slab.exists_addresses(addresses))
+    )

@@ -24,9 +24,9 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from ..engine import EngineName
+from ..keyfilter import FilterReader
 from . import files, wire
 from . import layout as D
-from .keyfilter import FilterReader
 from .layout import Record
 from .reader import read_block, read_into
 

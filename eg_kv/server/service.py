@@ -7,6 +7,7 @@ worker, and where the slab is for a client on this host that reads it itself.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -33,7 +34,8 @@ async def local_slab(request: web.Request, tenant: Tenant) -> web.Response:
     slab = request.app[SLAB]
     settings = request.app[SETTINGS]
     info = LocalInfo.of(slab.name, slab.slab_id, slab.geometry.total_size, tenant.ns,
-                        settings.lease_ms, bool(settings.disk))  # fmt: skip
+                        settings.lease_ms, settings.disk and os.path.abspath(settings.disk),
+                        tenant.namespace)  # fmt: skip
     return json_answer(info)
 
 

@@ -33,11 +33,12 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ..checksum import HASH_PIECE, ChecksumMismatch, Verifier
 from ..errors import SlabError
+from ..keyfilter import FilterReader
 from ..procs import after_fork_in_child
 from ..shm import SHM_DIR
 from . import layout as L
@@ -120,7 +121,10 @@ class LocalInfo:
         lease_ms: the longest lease the server grants (its ``--lease-ms``; 0: none), which
             local leases (:mod:`eg_kv.slab.local_leases`) keep to as well.
         disk: the server has a disk tier (``--disk``): a block the slab misses may be on
-            disk, so a local miss asks the server.
+            disk, so a local miss asks the server...
+        disk_dir: ...unless the disk tier's key filter in this directory rules it out
+            (:mod:`eg_kv.keyfilter`; "": none named, every local miss asks).
+        namespace: the token's namespace by name (the filter's keys name it).
     """
 
     slab: str
@@ -132,6 +136,8 @@ class LocalInfo:
     uid: int | None = None
     lease_ms: int = 0
     disk: bool = False
+    disk_dir: str = ""
+    namespace: str = ""
 
     @classmethod
     def from_json(cls, doc: Any) -> LocalInfo:
@@ -151,6 +157,8 @@ class LocalInfo:
                 uid=None if doc.get("uid") is None else int(doc["uid"]),
                 lease_ms=max(0, int(doc.get("lease_ms", 0))),
                 disk=doc.get("disk") is True,
+                disk_dir=str(doc.get("disk_dir") or ""),
+                namespace=str(doc.get("namespace") or ""),
             )
         except (TypeError, KeyError, ValueError, OverflowError) as e:
             raise LocalUnavailable(f"the server's slab description is malformed ({e})") from None
@@ -162,7 +170,7 @@ class LocalInfo:
     @classmethod
     def of(
         cls, slab_name: str, slab_id: bytes, total_size: int, ns: int, lease_ms: int = 0,
-        disk: bool = False,
+        disk_dir: str = "", namespace: str = "",
     ) -> dict[str, Any]:  # fmt: skip
         """The JSON a server answers for its slab (the inverse of :meth:`from_json`)."""
         return {
@@ -174,7 +182,9 @@ class LocalInfo:
             "namespace_id": ns,
             "uid": os.geteuid(),  # the server's: a client trusts no other user's segment
             "lease_ms": lease_ms,
-            "disk": disk,
+            "disk": bool(disk_dir),
+            "disk_dir": disk_dir,
+            "namespace": namespace,
         }
 
 
@@ -243,6 +253,14 @@ class LocalSlab(SlabView):
             self._release_views()
             self._unmap_base()
             raise  # open() closes the slab's mapping and both descriptors
+        #: The server's disk tier's key filter, when it names one (:mod:`eg_kv.keyfilter`):
+        #: a local miss it rules out is not asked of the server. Its own lock: the reader
+        #: maps the file anew when the keeper makes it anew.
+        self._disk_filter: FilterReader | None = None
+        if info.disk_dir:
+            owner = os.geteuid() if info.uid is None else info.uid
+            self._disk_filter = FilterReader(info.disk_dir, uid=owner)
+        self._filter_lock = threading.Lock()
         #: This entry's lease table, when it has one (the first LEASE_READERS entries)
         #: and the server grants leases; else a leasing lookup goes over HTTP.
         self.leases: LocalLeases | None = None
@@ -496,13 +514,13 @@ class LocalSlab(SlabView):
 
         Returns:
             One bool per address; None when this reader cannot lease locally (no table,
-            or no room in it; or the server has a disk tier, which may hold the misses):
-            ask over HTTP instead.
+            or no room in it): ask over HTTP instead. (The misses may be the server's
+            disk tier's: :meth:`disk_may_hold`.)
 
         Raises:
             LocalUnavailable: ask over HTTP instead. InvalidAddress: as the server's 400.
         """
-        if self.leases is None or self.info.disk:
+        if self.leases is None:
             return None
         self._use()
         try:
@@ -579,7 +597,27 @@ class LocalSlab(SlabView):
             _LIBC_MMAP[1](self._base, self._size)
             self._base = 0
 
+    def disk_may_hold(self, misses: Sequence[str]) -> bool:
+        """Whether the server's disk tier may hold any of ``misses`` (addresses this
+        mapping did not find): True, ask the server; False when it has no disk tier, or
+        its key filter rules every one out (a block the slab evicted to disk is counted
+        there before the slab lets it go, so a miss read here, then a count of 0 read
+        after it, is on no tier). A filter that cannot be read asks. Never raises."""
+        if not misses or not self.info.disk:
+            return False
+        flt = self._disk_filter
+        if flt is None:
+            return True
+        with self._filter_lock:
+            try:
+                return not all(flt.absent(self.info.namespace, misses))
+            except (OSError, ValueError):  # unmapped under us, or gone: ask
+                return True
+
     def _release_maps(self) -> None:
+        if self._disk_filter is not None:
+            with self._filter_lock:
+                self._disk_filter.close()
         if self.leases is not None:
             self.leases.close()
         for view in (self._entries, self._hints, self._tables):

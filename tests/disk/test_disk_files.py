@@ -713,8 +713,9 @@ def test_the_keepers_filter_rules_out_only_what_no_record_holds(disk_dir):
     "absent"; one removed is again. A keeper started again makes it untrusted until its
     scan is done, for the workers that mapped it before too."""
     from eg_kv.disk import keyfilter
+    from eg_kv.keyfilter import FilterReader
 
-    reader = keyfilter.FilterReader(str(disk_dir))
+    reader = FilterReader(str(disk_dir))
     store = DiskStore(str(disk_dir), 4 * MiB, 256 * KiB)
     try:
         assert reader.absent("", ["a"]) == [False]  # not made yet, or not ready
@@ -770,25 +771,61 @@ def test_the_filter_takes_its_room_when_the_server_starts(disk_dir):
     room behind it killed the keeper with SIGBUS), generation 0: workers ask the keeper
     until it has filled it."""
     from eg_kv.disk import keyfilter
+    from eg_kv.keyfilter import FilterReader
 
     keyfilter.make(str(disk_dir), 64 * MiB)
     st = os.stat(disk_dir / keyfilter.FILE)
     assert st.st_size == keyfilter.COUNTS_OFFSET + keyfilter.slots_for(64 * MiB)
     assert st.st_blocks * 512 >= st.st_size and st.st_mode & 0o077 == 0
-    reader = keyfilter.FilterReader(str(disk_dir))
+    reader = FilterReader(str(disk_dir))
     try:
         assert reader.absent("", ["a"]) == [False]
     finally:
         reader.close()
 
 
+def test_a_client_trusts_only_a_filter_of_the_servers_user_that_no_one_else_may_write(disk_dir):
+    """A client on the host maps the filter the server names only if the server's user
+    owns it and neither group nor others may write it: any other file could say "absent"
+    of blocks the disk holds (a miss then, never wrong bytes, but misses all the same)."""
+    from eg_kv.disk import keyfilter
+    from eg_kv.keyfilter import FilterReader
+
+    w = keyfilter.FilterWriter(str(disk_dir), 4 * MiB)
+    w.ready()
+    name = disk_dir / keyfilter.FILE
+    readers = []
+    try:
+        me = os.geteuid()
+        trusted = FilterReader(str(disk_dir), uid=me)
+        readers.append(trusted)
+        assert trusted.absent("", ["a"]) == [True]
+        other_user = FilterReader(str(disk_dir), uid=me + 1)
+        readers.append(other_user)
+        assert other_user.absent("", ["a"]) == [False]  # asks the server
+        for mode in (0o620, 0o602):
+            os.chmod(name, mode)
+            reader = FilterReader(str(disk_dir), uid=me)
+            readers.append(reader)
+            assert reader.absent("", ["a"]) == [False], oct(mode)
+        os.chmod(name, 0o640)  # others may read it: nothing they can change
+        reader = FilterReader(str(disk_dir), uid=me)
+        readers.append(reader)
+        assert reader.absent("", ["a"]) == [True]
+    finally:
+        for reader in readers:
+            reader.close()
+        w.close()
+
+
 def test_a_filter_count_saturates_and_stays(disk_dir):
     """A count at 255 stays (it may count more than 255 keys): never "absent" again
     until the keeper starts anew."""
     from eg_kv.disk import keyfilter
+    from eg_kv.keyfilter import FilterReader
 
     w = keyfilter.FilterWriter(str(disk_dir), 4 * MiB)
-    reader = keyfilter.FilterReader(str(disk_dir))
+    reader = FilterReader(str(disk_dir))
     try:
         w.ready()
         key = ("", "hot")

@@ -461,6 +461,35 @@ def test_a_client_reading_the_slab_itself_gets_disk_hits_over_http(server_factor
     assert _disk(srv)["promotions"] >= 8
 
 
+def test_a_local_client_asks_the_server_only_about_misses_the_disk_may_hold(
+    server_factory, disk_dir
+):
+    """A client reading the slab itself maps the disk tier's key filter the server names
+    (``GET /kv/local/slab``): a miss the filter rules out is answered there, leasing
+    lookups included; a batch with a miss the disk may hold asks the server, which
+    finds it on disk. One worker, so its ``filtered`` count is every miss it was asked."""
+    srv = _serve(server_factory, disk_dir, workers=1)
+    blocks = {f"key-{i}": os.urandom(BLOCK) for i in range(12)}
+    never = [f"never-{i}" for i in range(64)]
+    with RemoteKVConnector(base_url=srv.url, local_reads=True) as kv:
+        for key, data in blocks.items():
+            spilled = _spills(srv)
+            assert kv.put(key, data)
+            wait_for(lambda s=spilled: _spills(srv) > s, what=f"the spill of {key}")
+        on_disk = _on_disk(srv, list(blocks))
+        assert on_disk and kv.reads_locally
+        before = _disk(srv)["filtered"]
+        assert kv.exists_many(never) == [False] * 64
+        assert kv.exists_many(never, lease_ms=2000) == [False] * 64
+        assert kv.get(never[0]) is None
+        assert _disk(srv)["filtered"] == before  # not one of them reached the server
+        # A miss the disk holds: the batch goes to the server, which filters the rest.
+        assert kv.exists_many([on_disk[0], *never[:8]]) == [True] + [False] * 8
+        assert _disk(srv)["filtered"] == before + 8
+        assert kv.get(on_disk[0]) == blocks[on_disk[0]]
+        assert kv.reads_locally
+
+
 def _events(srv) -> list[dict]:
     return request(srv, "GET", "/kv/events?since=0&limit=10000").json()["events"]
 
