@@ -107,9 +107,11 @@ SWEEP_LEASED_MAX = 8192
 SPILL_PASS_MAX = 64
 #: Pages an eviction frees beyond what its put needs, at most (a slab's 1,024th, so none
 #: in a slab under 1,024 pages): the next puts find them free and skip the sweep's set-up
-#: and a second probe. Best effort: the sweep stops at what the put needs wherever going
-#: on would pass over many blocks (leased or used) or drop one the keeper has not spilled.
+#: and a second probe. Best effort: the sweep stops at what the put needs once it has
+#: visited AHEAD_IDLE_MAX slots without a victim (leased or used blocks), or would drop
+#: a block the keeper has not spilled.
 EVICT_AHEAD = 16
+AHEAD_IDLE_MAX = 64
 _T = TypeVar("_T")
 #: Where a slot's META flags lie (from the slot's start), and the disk tier's flag.
 _META_FLAGS = L.SLOT_META_OFFSET + L.META_FLAGS_OFFSET
@@ -376,7 +378,8 @@ class Slab(SlabLeases):
         return True
 
     def _make_room(self, n: int) -> None:
-        """Free pages until ``n`` are free, evicting by CLOCK (second chance).
+        """Free pages until ``n`` are free, evicting by CLOCK (second chance), and a few
+        more where it is cheap (:data:`EVICT_AHEAD`).
 
         A block under a lease that has not ended is passed over (:mod:`eg_kv.slab.leases`).
 
@@ -458,7 +461,7 @@ class Slab(SlabLeases):
                     continue  # backward shift may have moved another block into slot i
             hand = (hand + 1) & mask
             idle += 1
-            if idle > SPILL_PASS_MAX and st[L.ST_FREE_COUNT] >= n:
+            if idle > AHEAD_IDLE_MAX and st[L.ST_FREE_COUNT] >= n:
                 break  # evicting ahead: not through a run of leased or used blocks
             if passed > SWEEP_LEASED_MAX:  # mostly leased: this put has looked long enough
                 st[L.ST_CLOCK_HAND] = hand  # the next one goes on from here, after a change
