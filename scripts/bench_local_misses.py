@@ -6,9 +6,11 @@ A client on the server's host reads the slab itself (``local_reads``, the LMCach
 adapter's default there); with ``--disk`` on the server, a local miss may be the disk's.
 Each run starts a one-worker server from the tree (a 64 MiB slab, a 256 MiB disk tier in
 a new directory under /var/tmp), waits for the tier's scan, and times ``--repeat`` x
-``--batches`` lookups of 64 addresses no tier holds through that tree's own
-``RemoteKVConnector(local_reads=True)``: ``exists_many`` without a lease, then with one
-(2 s). Prints the median µs a lookup per tree and side, and the ratio. E.g.::
+``--batches`` lookups of 64 addresses through that tree's own
+``RemoteKVConnector(local_reads=True)``: of addresses no tier holds, ``exists_many``
+without a lease, then with one (2 s); and of 64 blocks the slab holds, a leasing
+``exists_many`` and the ``release`` of its leases (LMCache's lookup when a prefix is
+stored). Prints the median µs a lookup per tree and side, and the ratio. E.g.::
 
     git archive d603d90 | tar -x -C .cache/bench-trees/d603d90
     flock /tmp/eg-kv-bench.lock .venv/bin/python scripts/bench_local_misses.py \\
@@ -72,17 +74,25 @@ def child(tree: Path, batches: int, repeat: int) -> dict[str, float]:
             time.sleep(0.05)
         out = {}
         with RemoteKVConnector(base_url=url, local_reads=True) as kv:
-            kv.put("present", b"x" * 4096)
-            keys = [f"absent-{i}" for i in range(KEYS)]
-            for side, lease in (("lookup", 0), ("leasing lookup", LEASE_MS)):
-                kv.exists_many(keys, lease_ms=lease)  # the first: maps the slab
+            absent = [f"absent-{i}" for i in range(KEYS)]
+            held = [f"held-{i}" for i in range(KEYS)]
+            for key in held:
+                kv.put(key, b"x" * 4096)
+            sides = (("lookup, none held", absent, 0),
+                     ("leasing lookup, none held", absent, LEASE_MS),
+                     ("leasing lookup and release, all held", held, LEASE_MS))  # fmt: skip
+            for side, keys, lease in sides:
+                want = [keys is held] * KEYS
                 runs = []
-                for _ in range(repeat):
+                for r in range(repeat + 1):  # the first: maps the slab, untimed
                     t0 = time.perf_counter()
                     for _ in range(batches):
-                        if kv.exists_many(keys, lease_ms=lease) != [False] * KEYS:
-                            raise RuntimeError("an absent key was found")
-                    runs.append((time.perf_counter() - t0) / batches * 1e6)
+                        if kv.exists_many(keys, lease_ms=lease) != want:
+                            raise RuntimeError(f"{side}: a wrong answer")
+                        if keys is held:
+                            kv.release(keys)
+                    if r:
+                        runs.append((time.perf_counter() - t0) / batches * 1e6)
                 out[side] = statistics.median(runs)
         return out
     finally:
@@ -117,8 +127,8 @@ def main() -> int:
             ).stdout  # fmt: skip
             got[label].append(json.loads(out.strip().splitlines()[-1]))
             print(f"  run {r + 1} {label:>8}: {got[label][-1]}", file=sys.stderr, flush=True)
-    print(f"64 absent addresses a lookup, local reads, a server with a disk tier (µs, medians "
-          f"of {args.rounds} runs); baseline {args.baseline}")  # fmt: skip
+    print(f"64 addresses a lookup, local reads, a server with a disk tier (µs, medians of "
+          f"{args.rounds} runs); baseline {args.baseline}")  # fmt: skip
     print("| lookup | eg-kv | baseline | eg-kv / baseline |\n|---|---:|---:|---:|")
     for side in got["eg-kv"][0]:
         a = statistics.median(run[side] for run in got["eg-kv"])
