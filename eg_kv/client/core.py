@@ -299,7 +299,8 @@ class ClientCore:
         except LocalUnavailable as exc:
             self.local.step_aside(exc)
             return None
-        return None if slab.disk_may_hold(_misses(addresses, found)) else found  # ask the disk
+        # Misses its disk tier may hold are the server's to answer.
+        return None if slab.info.disk and slab.disk_may_hold(_misses(addresses, found)) else found
 
     def local_lookup(
         self, slab: LocalSlab | None, addresses: list[str], lease_ms: int | None
@@ -327,7 +328,9 @@ class ClientCore:
             self.local.step_aside(exc)
             return None
         # Hits to lease are the server's to lease; misses its disk tier may hold, its to answer.
-        if (lease and any(found)) or slab.disk_may_hold(_misses(addresses, found)):
+        if (lease and any(found)) or (
+            slab.info.disk and slab.disk_may_hold(_misses(addresses, found))
+        ):
             return None
         return found
 
