@@ -20,10 +20,11 @@ background load favours none; the per-run ratios are printed too (the box is noi
 
 ``--guard`` is CI's short form: this checkout against the commit the README's figures come
 from (recorded in :data:`REV_FILE`), no redis and no HTTP side, and exit 1 when any cell
-falls below ``--guard-ratio`` (0.7) of it: a guard against drops like issue 37's, not a
-timing test. ``--readme`` writes the table into README.md and docs/benchmarks.md between
-their markers, with the date and the commit, and records that commit in :data:`REV_FILE`
-(a clean tree only).
+falls below ``--guard-ratio`` (0.7) of it (the median of its interleaved runs' ratios; a
+shape below it is measured again and judged on every run: :func:`guard`): a guard against
+drops like issue 37's, not a timing test. ``--readme`` writes the table into README.md
+and docs/benchmarks.md between their markers, with the date and the commit, and records
+that commit in :data:`REV_FILE` (a clean tree only).
 
 Run it alone (the box is shared)::
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -49,6 +51,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
@@ -304,16 +307,25 @@ class Side:
             return {"Lookup-long": out["Lookup"]}
 
 
-def measure(sides: list[Side], args: argparse.Namespace) -> dict[tuple[str, str, str], list]:
-    """samples[(side, shape, op)]: one figure per repetition, sides rotating."""
+def measure(
+    sides: list[Side], args: argparse.Namespace, shapes: list[str] | None = None, first: int = 0
+) -> dict[tuple[str, str, str], list]:
+    """samples[(side, shape, op)]: one figure per repetition, sides rotating; ``shapes``:
+    only those (default: every shape of :data:`SHAPES`); ``first``: the first
+    repetition's number (a second pass goes on rotating where the first stopped)."""
     samples: dict[tuple[str, str, str], list[float]] = {}
+    chosen = {name: SHAPES[name] for name in shapes or SHAPES}
     os.environ["EPISTEMIC_GRAPH_KVCACHE_TOKEN"] = TOKEN  # servers and adapters alike
     with tempfile.TemporaryDirectory(prefix="eg-kv-bench-") as tmp:
         logdir = Path(tmp)
-        for rep in range(args.repeat):
-            runs = [(shape, keys, kib, False) for shape, (keys, kib) in SHAPES.items()]
+        for rep in range(first, first + args.repeat):
+            runs = (
+                []
+                if args.long_only
+                else [(shape, keys, kib, False) for shape, (keys, kib) in chosen.items()]
+            )
             if args.lookup_rounds:
-                runs += [(shape, keys, kib, True) for shape, (keys, kib) in SHAPES.items()]
+                runs += [(shape, keys, kib, True) for shape, (keys, kib) in chosen.items()]
             for n, (shape, keys, kib, long) in enumerate(runs):
                 sargs = shape_args(args, keys, kib, long)
                 ops = ["Lookup-long"] if long else list(OPS)
@@ -337,8 +349,9 @@ def measure(sides: list[Side], args: argparse.Namespace) -> dict[tuple[str, str,
     return samples
 
 
-def table(samples: dict, names: list[str], header: str) -> tuple[str, list[tuple[str, float]]]:
-    """The markdown table, and (cell, eg-kv / baseline median ratio) per cell."""
+def table(samples: dict, names: list[str], header: str) -> tuple[str, list[tuple[str, str, float]]]:
+    """The markdown table, and per cell: (cell, shape, the median of its per-run eg-kv /
+    baseline ratios: each run's pair shares the box's moment)."""
     med = {k: statistics.median(v) for k, v in samples.items()}
     has = set(names)
     cols = ["eg-kv"]
@@ -351,7 +364,8 @@ def table(samples: dict, names: list[str], header: str) -> tuple[str, list[tuple
     lines = [header, "", "| cell | " + " | ".join(cols) + " |",
              "|---|" + "---:|" * len(cols)]  # fmt: skip
     ratios = []
-    cells = [(shape, op, label) for shape in SHAPES for op, label in OPS.items()]
+    cells = [(shape, op, label) for shape in SHAPES for op, label in OPS.items()
+             if ("eg-kv", shape, op) in med]  # fmt: skip
     if ("eg-kv", next(iter(SHAPES)), "Lookup-long") in med:
         cells += [(shape, "Lookup-long", LONG_LABEL) for shape in SHAPES]
     for shape, op, label in cells:
@@ -361,9 +375,9 @@ def table(samples: dict, names: list[str], header: str) -> tuple[str, list[tuple
             base = med[("baseline", shape, op)]
             pairs = zip(samples[("eg-kv", shape, op)], samples[("baseline", shape, op)],
                         strict=True)  # fmt: skip
-            per = " ".join(f"{a / b:.2f}" for a, b in pairs)
-            row += [f"{base:,.0f}", f"**{ours / base:.2f}**", per]
-            ratios.append((f"{label}, {shape}", ours / base))
+            per_run = [a / b for a, b in pairs]
+            row += [f"{base:,.0f}", f"**{ours / base:.2f}**", " ".join(f"{r:.2f}" for r in per_run)]
+            ratios.append((f"{label}, {shape}", shape, statistics.median(per_run)))
         if "redis" in has:
             red = med[("redis", shape, op)]
             row += [f"{red:,.0f}", f"{ours / red:.2f}"]
@@ -399,6 +413,8 @@ def main() -> int:
                    help="also time lookups in runs of their own: N batches of 16 keys, or "
                         "N/64 of 1,024 (8 at least), stored first; the guard's lookups "
                         "(--guard: 640)")  # fmt: skip
+    p.add_argument("--long-only", action="store_true",
+                   help="only the long lookup runs (--lookup-rounds, 640 by default)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (median)")
     p.add_argument("--workers", type=int, default=2, help="eg-kv server workers")
     p.add_argument("--shape", action="append", choices=list(SHAPES),
@@ -407,6 +423,8 @@ def main() -> int:
     if args.shape:  # one table, fewer rows: the module's shapes are the run's
         for name in [n for n in SHAPES if n not in args.shape]:
             del SHAPES[name]
+    if args.long_only:
+        args.lookup_rounds = args.lookup_rounds or 640
     if args.guard:
         args.baseline = args.baseline or REV_FILE.read_text().split()[0]
         args.no_redis = args.no_http = True
@@ -447,16 +465,48 @@ def main() -> int:
         write_between_marks(ROOT / "README.md", table(samples, [s.name for s in sides], short)[0])
         write_between_marks(ROOT / "docs" / "benchmarks.md", text)
         REV_FILE.write_text(head + "\n")
-    if args.guard:  # lookups from the long runs: 3 rounds of a sub-ms batch are noise
-        short = [c for c, _ in ratios if c.startswith(OPS["Lookup"] + ", ")]
-        ratios = [(c, r) for c, r in ratios if c not in short or c.startswith(LONG_LABEL)]
-    low = [(cell, r) for cell, r in ratios if r < args.guard_ratio]
     if args.guard:
-        for cell, r in ratios:
-            verdict = "BELOW" if r < args.guard_ratio else "at least"
-            print(f"guard: {cell}: {r:.2f}x the baseline ({verdict} {args.guard_ratio})")
-        return 1 if low else 0
+        again = functools.partial(measure, sides, args, first=args.repeat)
+        return guard(samples, [s.name for s in sides], args.guard_ratio, again, ratios)
     return 0
+
+
+def guard(
+    samples: dict,
+    names: list[str],
+    ratio: float,
+    again: Callable[[list[str]], dict],
+    ratios: list | None = None,
+) -> int:
+    """CI's verdict: 1 when a cell's median per-run ratio (eg-kv / baseline) is below
+    ``ratio``, else 0.
+
+    A shape with such a cell is measured again (``again(shapes)``: more samples of the
+    same keys) and judged on all its runs: a real drop (issue 37's were 1.5-9x) fails
+    twice, while one slow minute of a shared box (a long-run lookup cell read 0.68 in one
+    CI run, 0.92 and 0.79 for the same code in two others) does not fail a submission.
+    Lookups are judged from the long runs only (3 rounds of a sub-ms batch are noise).
+    ``ratios``: :func:`table`'s, when already made.
+    """
+
+    def judged(rows: list) -> list:
+        return [(c, shape, r) for c, shape, r in rows
+                if not c.startswith(OPS["Lookup"] + ", ") or c.startswith(LONG_LABEL)]  # fmt: skip
+
+    rows = judged(ratios if ratios is not None else table(samples, names, "")[1])
+    low = sorted({shape for _, shape, r in rows if r < ratio})
+    if low:
+        print(f"guard: below {ratio} in {', '.join(low)}: measuring them again", flush=True)
+        for key, figures in again(low).items():
+            samples[key] += figures
+        text, ratios = table(samples, names, "Every run (the shapes measured again: more):")
+        print(text)
+        rows = judged(ratios)
+    for cell, _, r in rows:
+        verdict = "BELOW" if r < ratio else "at least"
+        print(f"guard: {cell}: {r:.2f}x the baseline, median of its runs' ratios "
+              f"({verdict} {ratio})")  # fmt: skip
+    return 1 if any(r < ratio for _, _, r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -60,6 +60,9 @@ def test_a_second_vllm_process_loads_the_prompt_from_eg_kv():
     assert float(summary.group(6)) >= 3.0
     assert "all checks hold" in out
     assert "FAIL" not in out
+    # What the run wrote (servers' logs, the disk tier, vLLM's sockets) is gone with it.
+    scratch = re.search(r"scratch directory (\S+)", out)
+    assert scratch and not Path(scratch.group(1)).exists(), out[:2000]
     # The fault process (on by default): one stored block replaced by half a block.
     fault = re.search(
         r"FAULT block=(\d+) load_failed_blocks=(\d+) loaded_blocks=(\d+) full_blocks=(\d+) "
