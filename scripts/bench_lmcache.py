@@ -423,12 +423,11 @@ def main() -> int:
     if args.shape:  # one table, fewer rows: the module's shapes are the run's
         for name in [n for n in SHAPES if n not in args.shape]:
             del SHAPES[name]
-    if args.long_only:
+    if args.long_only or args.guard:
         args.lookup_rounds = args.lookup_rounds or 640
     if args.guard:
         args.baseline = args.baseline or REV_FILE.read_text().split()[0]
         args.no_redis = args.no_http = True
-        args.lookup_rounds = args.lookup_rounds or 640
     if args.readme and git("status", "--porcelain", "--untracked-files=no"):
         raise SystemExit("--readme measures a commit: commit or stash the changes first")
     head = git("rev-parse", "HEAD")
@@ -453,7 +452,7 @@ def main() -> int:
         f"verified; {args.workers}-worker servers with a token and a 1 GiB slab, adapters at "
         f"their defaults; medians of {args.repeat} interleaved runs"
     )
-    text, ratios = table(samples, [s.name for s in sides], header)
+    text = table(samples, [s.name for s in sides], header)[0]
     print(text)
     if args.readme:
         # The README names no revisions (tests/test_docs_site.py): its table says when,
@@ -467,7 +466,7 @@ def main() -> int:
         REV_FILE.write_text(head + "\n")
     if args.guard:
         again = functools.partial(measure, sides, args, first=args.repeat)
-        return guard(samples, [s.name for s in sides], args.guard_ratio, again, ratios)
+        return guard(samples, [s.name for s in sides], args.guard_ratio, again)
     return 0
 
 
@@ -476,7 +475,6 @@ def guard(
     names: list[str],
     ratio: float,
     again: Callable[[list[str]], dict],
-    ratios: list | None = None,
 ) -> int:
     """CI's verdict: 1 when a cell's median per-run ratio (eg-kv / baseline) is below
     ``ratio``, else 0.
@@ -486,14 +484,13 @@ def guard(
     twice, while one slow minute of a shared box (a long-run lookup cell read 0.68 in one
     CI run, 0.92 and 0.79 for the same code in two others) does not fail a submission.
     Lookups are judged from the long runs only (3 rounds of a sub-ms batch are noise).
-    ``ratios``: :func:`table`'s, when already made.
     """
 
     def judged(rows: list) -> list:
         return [(c, shape, r) for c, shape, r in rows
                 if not c.startswith(OPS["Lookup"] + ", ") or c.startswith(LONG_LABEL)]  # fmt: skip
 
-    rows = judged(ratios if ratios is not None else table(samples, names, "")[1])
+    rows = judged(table(samples, names, "")[1])
     low = sorted({shape for _, shape, r in rows if r < ratio})
     if low:
         print(f"guard: below {ratio} in {', '.join(low)}: measuring them again", flush=True)

@@ -299,8 +299,7 @@ class ClientCore:
         except LocalUnavailable as exc:
             self.local.step_aside(exc)
             return None
-        # Misses its disk tier may hold are the server's to answer.
-        return None if slab.info.disk and slab.disk_may_hold(_misses(addresses, found)) else found
+        return None if _disk_may_hold_misses(slab, addresses, found) else found
 
     def local_lookup(
         self, slab: LocalSlab | None, addresses: list[str], lease_ms: int | None
@@ -328,9 +327,7 @@ class ClientCore:
             self.local.step_aside(exc)
             return None
         # Hits to lease are the server's to lease; misses its disk tier may hold, its to answer.
-        if (lease and any(found)) or (
-            slab.info.disk and slab.disk_may_hold(_misses(addresses, found))
-        ):
+        if (lease and any(found)) or _disk_may_hold_misses(slab, addresses, found):
             return None
         return found
 
@@ -473,6 +470,12 @@ class OneServer:
 def _misses(addresses: list[str], found: list[bool]) -> list[str]:
     """The addresses a local lookup did not find."""
     return [a for a, hit in zip(addresses, found, strict=True) if not hit]
+
+
+def _disk_may_hold_misses(slab: LocalSlab, addresses: list[str], found: list[bool]) -> bool:
+    """Whether the server's disk tier may hold a miss of a local lookup (then the server
+    answers the lookup); the misses are listed only where it has a disk tier."""
+    return slab.info.disk and slab.disk_may_hold(_misses(addresses, found))
 
 
 def _none_on_disk(slab: LocalSlab, addresses: list[str]) -> bool:
